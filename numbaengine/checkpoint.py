@@ -1,0 +1,142 @@
+"""Read a target checkpoint into per-layer weight records, validating every tensor against weights.layout.
+
+Storage stays as in the file (bf16 as uint16 bits, INT4 packed words); FP8 weights are dequantized to bf16 here
+(the reference path). Gate and up projections are stacked into one [2I, H] matrix per MLP / expert.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.moe import Experts
+from weights.dtypes import f32_to_bf16
+from weights.fp8 import dequant_fp8_block
+from weights.layout import target_tensors
+from weights.shards import Checkpoint
+
+
+@dataclass
+class Attn:
+    q_a: np.ndarray          # u16[q_lora, H]
+    q_a_norm: np.ndarray     # u16[q_lora]
+    q_b: np.ndarray          # u16[h*(nope+rope), q_lora]
+    kv_a: np.ndarray         # u16[kv_lora+rope, H]
+    kv_a_norm: np.ndarray    # u16[kv_lora]
+    kv_b: np.ndarray         # u16[h*(nope+v), kv_lora]
+    w_uk: np.ndarray         # u16[h, nope, kv_lora]  view of kv_b
+    w_uv: np.ndarray         # u16[h, v, kv_lora]     view of kv_b
+    o: np.ndarray            # u16[H, h*v]
+
+
+@dataclass
+class Mlp:
+    gate_up: np.ndarray      # u16[2I, H]
+    down: np.ndarray         # u16[H, I]
+
+
+@dataclass
+class Moe:
+    gate: np.ndarray         # u16[E, H] router
+    bias: np.ndarray         # f32[E] e_score_correction_bias
+    experts: Experts
+    shared: Mlp | None
+
+
+@dataclass
+class Layer:
+    ln1: np.ndarray          # u16[H] input_layernorm
+    ln2: np.ndarray          # u16[H] post_attention_layernorm
+    attn: Attn
+    mlp: Mlp | None          # dense layers
+    moe: Moe | None          # MoE layers
+
+
+@dataclass
+class TargetWeights:
+    embed: np.ndarray        # u16[V, H]
+    norm: np.ndarray         # u16[H]
+    lm_head: np.ndarray      # u16[V, H]
+    layers: list[Layer]
+
+
+class Reader:
+    """Fetch tensors by their unprefixed name, checked against the layout table; FP8 comes back as bf16."""
+
+    def __init__(self, cfg, ckpt: Checkpoint):
+        self.cfg, self.ckpt, self.specs = cfg, ckpt, target_tensors(cfg)
+
+    def __call__(self, name):
+        shape, dtype = self.specs[name]
+        w = self.ckpt.get_checked(self.cfg.prefix + name, shape, dtype)
+        if dtype == "F8_E4M3":
+            scale_name = name[: -len("weight")] + "weight_scale_inv"
+            scale = self.ckpt.get_checked(self.cfg.prefix + scale_name, *self.specs[scale_name])
+            return f32_to_bf16(dequant_fp8_block(w, scale))
+        return w
+
+    def linear(self, name):
+        """A bf16 linear weight u16[out, in] (name without the `.weight` suffix)."""
+        return self(name + ".weight")
+
+    def stacked(self, prefix):
+        """gate and up stacked as u16[2I, H], and down u16[H, I], of a dense MLP at prefix."""
+        gate_up = np.concatenate([self.linear(prefix + ".gate_proj"), self.linear(prefix + ".up_proj")])
+        return Mlp(gate_up, self.linear(prefix + ".down_proj"))
+
+
+def load_target_weights(cfg, ckpt: Checkpoint) -> TargetWeights:
+    read = Reader(cfg, ckpt)
+    layers = [_layer(cfg, read, i) for i in range(cfg.num_hidden_layers)]
+    lm_head = read("model.embed_tokens.weight") if cfg.tie_word_embeddings else read("lm_head.weight")
+    return TargetWeights(read("model.embed_tokens.weight"), read("model.norm.weight"), lm_head, layers)
+
+
+def _layer(cfg, read: Reader, i: int) -> Layer:
+    p = f"model.layers.{i}."
+    attn = _attn(cfg, read, p + "self_attn.")
+    ln1, ln2 = read(p + "input_layernorm.weight"), read(p + "post_attention_layernorm.weight")
+    if not cfg.is_moe(i):
+        return Layer(ln1, ln2, attn, read.stacked(p + "mlp"), None)
+    shared = read.stacked(p + "mlp.shared_experts") if cfg.n_shared_experts else None
+    moe = Moe(read(p + "mlp.gate.weight"), np.asarray(read(p + "mlp.gate.e_score_correction_bias"), np.float32),
+              _experts(cfg, read, p + "mlp.experts."), shared)
+    return Layer(ln1, ln2, attn, None, moe)
+
+
+def _attn(cfg, read: Reader, p: str) -> Attn:
+    h, nope, v, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    kv_b = read.linear(p + "kv_b_proj")
+    per_head = kv_b.reshape(h, nope + v, r)
+    return Attn(read.linear(p + "q_a_proj"), read(p + "q_a_layernorm.weight"), read.linear(p + "q_b_proj"),
+                read.linear(p + "kv_a_proj_with_mqa"), read(p + "kv_a_layernorm.weight"), kv_b,
+                per_head[:, :nope], per_head[:, nope:], read.linear(p + "o_proj"))
+
+
+def _experts(cfg, read: Reader, p: str) -> Experts:
+    """Stack every routed expert of a layer: INT4 as packed words + scales, otherwise bf16."""
+    E = cfg.n_routed_experts
+    if cfg.quant.method != "int4":
+        mats = [read.stacked(f"{p}{e}") for e in range(E)]
+        return Experts(np.stack([m.gate_up for m in mats]), np.stack([m.down for m in mats]))
+
+    def part(e, proj, field):
+        return read(f"{p}{e}.{proj}.{field}")
+
+    gate_up = np.stack([np.concatenate([part(e, "gate_proj", "weight_packed"), part(e, "up_proj", "weight_packed")])
+                        for e in range(E)])
+    gate_up_scale = np.stack([np.concatenate([part(e, "gate_proj", "weight_scale"),
+                                              part(e, "up_proj", "weight_scale")]) for e in range(E)])
+    down = np.stack([part(e, "down_proj", "weight_packed") for e in range(E)])
+    down_scale = np.stack([part(e, "down_proj", "weight_scale") for e in range(E)])
+    for e in range(E):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            _check_weight_shape(part(e, proj, "weight_shape"), read.specs[f"{p}{e}.{proj}.weight_packed"][0], p, e, proj)
+    return Experts(gate_up, down, gate_up_scale, down_scale, cfg.quant.group_size)
+
+
+def _check_weight_shape(stored, packed_shape, p, e, proj):
+    want = (packed_shape[0], packed_shape[1] * 8)
+    if tuple(int(x) for x in np.asarray(stored)) != want:
+        raise ValueError(f"{p}{e}.{proj}.weight_shape: {list(np.asarray(stored))} does not match the packed "
+                         f"weight (expected {list(want)})")

@@ -1,0 +1,40 @@
+"""Engine: load a target (and optionally a DFlash drafter) on a backend, then run prefill and generation."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from numbaengine.backends import get_ops
+from numbaengine.checkpoint import load_target_weights
+from numbaengine.config import load_config
+from numbaengine.model import Target
+from weights.shards import Checkpoint
+
+
+class Engine:
+    def __init__(self, cfg, target: Target, drafter=None, tokenizer=None, backend="numpy", max_context=4096):
+        self.cfg, self.target, self.drafter, self.tokenizer = cfg, target, drafter, tokenizer
+        self.backend, self.max_context = backend, max_context
+
+    @classmethod
+    def load(cls, model_dir, draft_dir=None, backend="auto", max_context=4096, cache_dtype="bf16") -> "Engine":
+        """Load the checkpoint at model_dir (and the drafter at draft_dir) for `backend` (numpy, sim, cuda, auto)."""
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model directory not found: {model_dir}")
+        ops = get_ops(backend)
+        cfg = load_config(model_dir)
+        target = Target(cfg, load_target_weights(cfg, Checkpoint(model_dir)), ops, cache_dtype)
+        return cls(cfg, target, None, None, ops.name, max_context)
+
+    def forward_logits(self, token_ids) -> np.ndarray:
+        """Logits f32[T, vocab] of every position of `token_ids` from one prefill (naive MLA) on a fresh cache."""
+        tokens = np.asarray(token_ids, np.int32)
+        if tokens.ndim != 1 or len(tokens) == 0:
+            raise ValueError("token_ids: expected a non-empty 1-D list of token ids")
+        if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token_ids: ids must be in [0, {self.cfg.vocab_size})")
+        cache = self.target.new_cache(len(tokens))
+        logits, _ = self.target.forward(tokens, np.arange(len(tokens), dtype=np.int32), cache, form="naive")
+        return logits

@@ -1,0 +1,23 @@
+"""GPU tests carry the `gpu` marker and are deselected (and reported) when no GPU is present."""
+import os
+
+import pytest
+
+
+def _gpu_present() -> bool:
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return False
+    try:
+        from numba import cuda
+        return bool(cuda.is_available())
+    except Exception:  # numba-cuda missing or no driver
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _gpu_present():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+        config.hook.pytest_deselected(items=gpu)
