@@ -22,6 +22,7 @@ class Experts:
     gate_up_scale: np.ndarray = None  # u16[E, 2I, H/group]
     down_scale: np.ndarray = None     # u16[E, H, I/group]
     group: int = 32
+    offset: int = 0                   # global id of local expert 0 (expert parallelism: a device holds a range)
 
     @property
     def int4(self) -> bool:
@@ -62,10 +63,13 @@ def router_ref(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, 
 
 
 def moe_ref(x, idx, wts, experts, out):
-    """x f32[n, H], idx i32[n, k], wts f32[n, k] -> out f32[n, H] = routed sum (overwritten)."""
+    """x f32[n, H], idx i32[n, k] (global expert ids), wts f32[n, k] -> out f32[n, H] = the routed sum over the
+    experts held here (overwritten)."""
     out[:] = 0
-    for e in np.unique(idx):
+    held = range(experts.offset, experts.offset + len(experts.down))
+    for e in (e for e in np.unique(idx) if e in held):
         tok, slot = np.nonzero(idx == e)
+        e = e - experts.offset
         gate_up = x[tok] @ experts.weight(e, "gate_up").T                # [m, 2I]
         h = silu_mul_ref(gate_up, np.empty((len(tok), gate_up.shape[1] // 2), np.float32))
         out[tok] += (h @ experts.weight(e, "down").T) * wts[tok, slot][:, None]

@@ -13,6 +13,7 @@ from kernels.moe import Experts
 from weights.dtypes import f32_to_bf16
 from weights.fp8 import dequant_fp8_block
 from weights.layout import target_tensors
+from numbaengine.parallel import check_divisible, expert_range, local_slice
 from weights.shards import Checkpoint
 
 
@@ -61,10 +62,11 @@ class TargetWeights:
 
 
 class Reader:
-    """Fetch tensors by their unprefixed name, checked against the layout table; FP8 comes back as bf16."""
+    """Fetch device `rank`'s part (of n) of a tensor by its unprefixed name, checked against the layout table.
+    Slices of memory-mapped files stay lazy; FP8 comes back dequantized to bf16."""
 
-    def __init__(self, cfg, ckpt: Checkpoint):
-        self.cfg, self.ckpt, self.specs = cfg, ckpt, target_tensors(cfg)
+    def __init__(self, cfg, ckpt: Checkpoint, rank=0, n=1):
+        self.cfg, self.ckpt, self.specs, self.rank, self.n = cfg, ckpt, target_tensors(cfg), rank, n
 
     def __call__(self, name):
         shape, dtype = self.specs[name]
@@ -72,8 +74,8 @@ class Reader:
         if dtype == "F8_E4M3":
             scale_name = name[: -len("weight")] + "weight_scale_inv"
             scale = self.ckpt.get_checked(self.cfg.prefix + scale_name, *self.specs[scale_name])
-            return f32_to_bf16(dequant_fp8_block(w, scale))
-        return w
+            w = f32_to_bf16(dequant_fp8_block(w, scale))
+        return w[local_slice(name, shape, self.cfg, self.rank, self.n)]
 
     def linear(self, name):
         """A bf16 linear weight u16[out, in] (name without the `.weight` suffix)."""
@@ -85,8 +87,10 @@ class Reader:
         return Mlp(gate_up, self.linear(prefix + ".down_proj"))
 
 
-def load_target_weights(cfg, ckpt: Checkpoint) -> TargetWeights:
-    read = Reader(cfg, ckpt)
+def load_target_weights(cfg, ckpt: Checkpoint, rank=0, n=1) -> TargetWeights:
+    """Device `rank`'s shard of the target (the whole model when n = 1); see numbaengine/parallel.py."""
+    check_divisible(cfg, n)
+    read = Reader(cfg, ckpt, rank, n)
     layers = [_layer(cfg, read, i) for i in range(cfg.num_hidden_layers)]
     lm_head = read("model.embed_tokens.weight") if cfg.tie_word_embeddings else read("lm_head.weight")
     return TargetWeights(read("model.embed_tokens.weight"), read("model.norm.weight"), lm_head, layers)
@@ -105,7 +109,7 @@ def _layer(cfg, read: Reader, i: int) -> Layer:
 
 
 def _attn(cfg, read: Reader, p: str) -> Attn:
-    h, nope, v, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    h, nope, v, r = cfg.num_attention_heads // read.n, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     kv_b = read.linear(p + "kv_b_proj")
     per_head = kv_b.reshape(h, nope + v, r)
     return Attn(read.linear(p + "q_a_proj"), read(p + "q_a_layernorm.weight"), read.linear(p + "q_b_proj"),
@@ -114,25 +118,25 @@ def _attn(cfg, read: Reader, p: str) -> Attn:
 
 
 def _experts(cfg, read: Reader, p: str) -> Experts:
-    """Stack every routed expert of a layer: INT4 as packed words + scales, otherwise bf16."""
-    E = cfg.n_routed_experts
+    """Stack the routed experts this device holds: INT4 as packed words + scales, otherwise bf16."""
+    E = expert_range(cfg, read.rank, read.n)
     if cfg.quant.method != "int4":
-        mats = [read.stacked(f"{p}{e}") for e in range(E)]
-        return Experts(np.stack([m.gate_up for m in mats]), np.stack([m.down for m in mats]))
+        mats = [read.stacked(f"{p}{e}") for e in E]
+        return Experts(np.stack([m.gate_up for m in mats]), np.stack([m.down for m in mats]), offset=E.start)
 
     def part(e, proj, field):
         return read(f"{p}{e}.{proj}.{field}")
 
     gate_up = np.stack([np.concatenate([part(e, "gate_proj", "weight_packed"), part(e, "up_proj", "weight_packed")])
-                        for e in range(E)])
+                        for e in E])
     gate_up_scale = np.stack([np.concatenate([part(e, "gate_proj", "weight_scale"),
-                                              part(e, "up_proj", "weight_scale")]) for e in range(E)])
-    down = np.stack([part(e, "down_proj", "weight_packed") for e in range(E)])
-    down_scale = np.stack([part(e, "down_proj", "weight_scale") for e in range(E)])
-    for e in range(E):
+                                              part(e, "up_proj", "weight_scale")]) for e in E])
+    down = np.stack([part(e, "down_proj", "weight_packed") for e in E])
+    down_scale = np.stack([part(e, "down_proj", "weight_scale") for e in E])
+    for e in E:
         for proj in ("gate_proj", "up_proj", "down_proj"):
             _check_weight_shape(part(e, proj, "weight_shape"), read.specs[f"{p}{e}.{proj}.weight_packed"][0], p, e, proj)
-    return Experts(gate_up, down, gate_up_scale, down_scale, cfg.quant.group_size)
+    return Experts(gate_up, down, gate_up_scale, down_scale, cfg.quant.group_size, offset=E.start)
 
 
 def _check_weight_shape(stored, packed_shape, p, e, proj):

@@ -18,14 +18,17 @@ class Engine:
         self.backend, self.max_context = backend, max_context
 
     @classmethod
-    def load(cls, model_dir, draft_dir=None, backend="auto", max_context=4096, cache_dtype="bf16") -> "Engine":
-        """Load the checkpoint at model_dir (and the drafter at draft_dir) for `backend` (numpy, sim, cuda, auto)."""
+    def load(cls, model_dir, draft_dir=None, backend="auto", max_context=4096, cache_dtype="bf16",
+             devices=(0,)) -> "Engine":
+        """Load the checkpoint at model_dir (and the drafter at draft_dir) for `backend` (numpy, sim, cuda, auto).
+        `devices`: the GPUs to shard over; on the numpy backend, a simulated layout of that many devices."""
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory not found: {model_dir}")
         ops = get_ops(backend)
         cfg = load_config(model_dir)
-        target = Target(cfg, load_target_weights(cfg, Checkpoint(model_dir)), ops, cache_dtype)
+        ckpt, n = Checkpoint(model_dir), len(devices)
+        target = Target(cfg, [load_target_weights(cfg, ckpt, rank, n) for rank in range(n)], ops, cache_dtype)
         return cls(cfg, target, None, None, ops.name, max_context)
 
     def forward_logits(self, token_ids) -> np.ndarray:

@@ -48,11 +48,20 @@ class LatentCache:
 
 
 class Target:
-    def __init__(self, cfg, weights: TargetWeights, ops, cache_dtype="bf16"):
+    """The target over one or more device shards (numbaengine/parallel.py). The partial results of the shards are
+    summed by `all_reduce` (a plain sum here; NCCL on several GPUs) and lm_head parts are concatenated."""
+
+    def __init__(self, cfg, shards: list[TargetWeights], ops, cache_dtype="bf16"):
         if cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype: {cache_dtype!r} is not one of {', '.join(CACHE_DTYPES)}")
-        self.cfg, self.w, self.ops, self.cache_dtype = cfg, weights, ops, cache_dtype
+        self.cfg, self.shards, self.ops, self.cache_dtype = cfg, shards, ops, cache_dtype
+        self.w = shards[0]                       # replicated tensors (embedding, norms, router) are read from here
         self.inv_freq, self.rope_factor = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.yarn)
+
+    @staticmethod
+    def all_reduce(parts):
+        """Sum of the shards' partial outputs (reference all-reduce)."""
+        return parts[0] if len(parts) == 1 else np.sum(parts, axis=0, dtype=np.float32)
 
     def new_cache(self, max_len: int) -> LatentCache:
         dtype = np.uint16 if self.cache_dtype == "bf16" else np.float32
@@ -65,8 +74,13 @@ class Target:
         return out
 
     def lm_head(self, h, out):
-        """h f32[n, H] (already normalized) -> out f32[n, V]."""
-        return self.ops.gemm(h, self.w.lm_head, out)
+        """h f32[n, H] (already normalized) -> out f32[n, V]; each shard computes its slice of the vocabulary."""
+        v0 = 0
+        for shard in self.shards:
+            v1 = v0 + len(shard.lm_head)
+            self.ops.gemm(h, shard.lm_head, out[:, v0:v1])
+            v0 = v1
+        return out
 
     # -- forward ----------------------------------------------------------------------------------------------
     def forward(self, tokens, positions, cache: LatentCache, tree_mask=None, hidden_layers=(), form="absorbed"):
@@ -82,9 +96,10 @@ class Target:
         h = np.empty_like(residual)
         ops.rmsnorm(residual, self.w.layers[0].ln1, cfg.rms_norm_eps, h)
         for i, layer in enumerate(self.w.layers):
-            a = self._attention(i, layer.attn, h, positions, cache, start, visible, form)
+            a = self.all_reduce([self._attention(i, s.layers[i].attn, h, positions, cache, start, visible, form)
+                                 for s in self.shards])
             ops.add_rmsnorm(a, residual, layer.ln2, cfg.rms_norm_eps, h)
-            m = self._mlp(layer, h)
+            m = self.all_reduce([self._mlp(s.layers[i], h) for s in self.shards])
             nxt = self.w.layers[i + 1].ln1 if i + 1 < len(self.w.layers) else self.w.norm
             ops.add_rmsnorm(m, residual, nxt, cfg.rms_norm_eps, h)         # residual is now layer i's output
             if i in hidden_layers:
@@ -94,7 +109,7 @@ class Target:
 
     def _attention(self, layer, w: Attn, x, pos, cache, start, visible, form):
         cfg, ops, T = self.cfg, self.ops, len(x)
-        nh, nope, rope, v, r = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+        nh, nope, rope, v, r = (len(w.w_uk), cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,   # nh: heads held here
                                 cfg.v_head_dim, cfg.kv_lora_rank)
         cq = ops.gemm(x, w.q_a, np.empty((T, cfg.q_lora_rank), np.float32))
         ops.rmsnorm(cq, w.q_a_norm, LATENT_NORM_EPS, cq)
@@ -103,7 +118,7 @@ class Target:
         ops.rmsnorm(kv[:, :r], w.kv_a_norm, LATENT_NORM_EPS, kv[:, :r])
         ops.rope(q[:, :, nope:], pos, self.inv_freq, q[:, :, nope:], True, self.rope_factor)
         ops.rope(kv[:, None, r:], pos, self.inv_freq, kv[:, None, r:], True, self.rope_factor)
-        cache.write(layer, start, kv)
+        cache.write(layer, start, kv)                                          # same values from every shard
         latent = cache.read(layer, start + T)                                  # [S, r + rope]
         o = np.empty((T, nh, v), np.float32)
         if form == "naive":
