@@ -70,6 +70,8 @@ class Reader:
 
     def __call__(self, name):
         shape, dtype = self.specs[name]
+        if name.endswith("weight_shape"):
+            dtype = ("I32", "I64")                       # compressed-tensors itself writes int64
         w = self.ckpt.get_checked(self.cfg.prefix + name, shape, dtype)
         if dtype == "F8_E4M3":
             scale_name = name[: -len("weight")] + "weight_scale_inv"
