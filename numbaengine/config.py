@@ -111,18 +111,24 @@ class ModelConfig:
 
 def load_config(path) -> ModelConfig:
     """Parse `path` (a checkpoint folder, a config.json path, or an already-loaded dict)."""
+    return parse_config(read_config_json(path))
+
+
+def read_config_json(path, what="config.json") -> dict:
+    """The JSON object of a config: `path` is a folder holding config.json, the file itself, or a dict."""
     if isinstance(path, dict):
-        raw = path
-    else:
-        p = Path(path)
-        p = p / "config.json" if p.is_dir() else p
-        if not p.exists():
-            raise ConfigError(f"{p}: no config.json found")
-        try:
-            raw = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
-    return parse_config(raw)
+        return path
+    p = Path(path)
+    p = p / "config.json" if p.is_dir() else p
+    if not p.exists():
+        raise ConfigError(f"{p}: no {what} found")
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a JSON object")
+    return raw
 
 
 def parse_config(raw: dict) -> ModelConfig:

@@ -5,10 +5,13 @@ from pathlib import Path
 
 import numpy as np
 
+from numbaengine import generate as gen
 from numbaengine.backends import get_ops
 from numbaengine.checkpoint import load_target_weights
 from numbaengine.config import load_config
+from numbaengine.drafter import load_drafter
 from numbaengine.model import Target
+from numbaengine.tokenizer import load_tokenizer
 from weights.shards import Checkpoint
 
 
@@ -29,7 +32,8 @@ class Engine:
         cfg = load_config(model_dir)
         ckpt, n = Checkpoint(model_dir), len(devices)
         target = Target(cfg, [load_target_weights(cfg, ckpt, rank, n) for rank in range(n)], ops, cache_dtype)
-        return cls(cfg, target, None, None, ops.name, max_context)
+        drafter = load_drafter(draft_dir, target, ops) if draft_dir is not None else None
+        return cls(cfg, target, drafter, load_tokenizer(model_dir), ops.name, max_context)
 
     def forward_logits(self, token_ids) -> np.ndarray:
         """Logits f32[T, vocab] of every position of `token_ids` from one prefill (naive MLA) on a fresh cache."""
@@ -41,3 +45,15 @@ class Engine:
         cache = self.target.new_cache(len(tokens))
         logits, _ = self.target.forward(tokens, np.arange(len(tokens), dtype=np.int32), cache, form="naive")
         return logits
+
+    def generate(self, prompt, max_new_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0, stop=None,
+                 on_round=None) -> gen.Result:
+        """Decode one prompt (text or token ids): `ar`, `dflash` (chain) or `ddtree` (tree of `budget` nodes)."""
+        return gen.generate(self.target, self.drafter, self.tokenizer, prompt, max_new_tokens, mode, budget,
+                            temperature, seed, stop, max_context=self.max_context, on_round=on_round)
+
+    def generate_batch(self, prompts, max_new_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0, stop=None,
+                       on_round=None) -> list[gen.Result]:
+        """Decode several prompts together, each with its own cache and tree."""
+        return gen.generate_batch(self.target, self.drafter, self.tokenizer, prompts, max_new_tokens, mode, budget,
+                                  temperature, seed, stop, max_context=self.max_context, on_round=on_round)

@@ -1,7 +1,6 @@
 """GPU tests carry the `gpu` marker and are deselected (and reported) when no GPU is present."""
 import os
 
-import pytest
 
 
 def _gpu_present() -> bool:

@@ -1,0 +1,112 @@
+"""Text <-> token ids for a checkpoint folder: HF tokenizer.json (`tokenizers`), Kimi's tiktoken.model (`tiktoken`,
+imported only when needed), or plain token ids ("1 2 3") when the folder has no tokenizer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+KIMI_PATTERN = "|".join([        # Kimi K2's pre-tokenizer split (tokenization_kimi.py)
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
+KIMI_RESERVED = 256              # special-token slots after the BPE ranks
+
+
+class IdTokenizer:
+    """No vocabulary: a prompt is token ids written as text ("1 2 3" or "1,2,3"); decode writes them back."""
+    name = "token ids"
+
+    def encode(self, text):
+        try:
+            return [int(t) for t in text.replace(",", " ").split()]
+        except ValueError:
+            raise ValueError(f"prompt: {text[:40]!r} is not a list of token ids (this model has no tokenizer)") \
+                from None
+
+    def decode(self, ids):
+        return " ".join(str(int(i)) for i in ids)
+
+    def token_str(self, i):
+        return str(int(i))
+
+
+class HFTokenizer:
+    """A HF `tokenizer.json` through the `tokenizers` library."""
+
+    def __init__(self, path):
+        from tokenizers import Tokenizer
+        self.tok, self.name = Tokenizer.from_file(str(path)), str(path)
+
+    def encode(self, text):
+        return self.tok.encode(text).ids
+
+    def decode(self, ids):
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_str(self, i):
+        s = self.tok.id_to_token(int(i))
+        return s if s is not None else f"<|{int(i)}|>"
+
+
+class TiktokenTokenizer:
+    """Kimi's `tiktoken.model` (base64 BPE ranks) plus special tokens from tokenizer_config.json."""
+
+    def __init__(self, path):
+        try:
+            import tiktoken
+            from tiktoken.load import load_tiktoken_bpe
+        except ImportError:
+            raise ImportError(f"{path}: reading tiktoken.model needs the `tiktoken` package "
+                              "(pip install tiktoken)") from None
+        ranks = load_tiktoken_bpe(str(path))
+        names = _added_tokens(Path(path).parent / "tokenizer_config.json")
+        n = len(ranks)
+        special = {names.get(i, f"<|reserved_token_{i}|>"): i for i in range(n, n + KIMI_RESERVED)}
+        self.enc = tiktoken.Encoding(name="kimi", pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
+                                     special_tokens=special)
+        self.name = str(path)
+
+    def encode(self, text):
+        return self.enc.encode(text, allowed_special="all")
+
+    def decode(self, ids):
+        """Known ids decode as one byte string (multi-byte characters survive); unknown ones as <|id|>."""
+        parts, run = [], []
+        for i in (int(x) for x in ids):
+            if 0 <= i < self.enc.n_vocab:
+                run.append(i)
+                continue
+            parts.append(self.enc.decode(run, errors="replace"))
+            parts.append(f"<|{i}|>")
+            run = []
+        parts.append(self.enc.decode(run, errors="replace"))
+        return "".join(parts)
+
+    def token_str(self, i):
+        return self.decode([i])
+
+
+def _added_tokens(config_path):
+    """id -> content of the special tokens named in tokenizer_config.json (empty when the file is absent)."""
+    if not config_path.exists():
+        return {}
+    added = json.loads(config_path.read_text()).get("added_tokens_decoder") or {}
+    return {int(k): v["content"] if isinstance(v, dict) else str(v) for k, v in added.items()}
+
+
+def load_tokenizer(model_dir):
+    """The tokenizer of a checkpoint folder: tokenizer.json, else tiktoken.model, else token ids."""
+    d = Path(model_dir)
+    if (d / "tokenizer.json").exists():
+        return HFTokenizer(d / "tokenizer.json")
+    if (d / "tiktoken.model").exists():
+        return TiktokenTokenizer(d / "tiktoken.model")
+    return IdTokenizer()
