@@ -1,6 +1,30 @@
-"""Dense GEMM on bf16 weights: out = x @ W^T, W stored [n, k] as bf16 bits (the checkpoint layout)."""
-import numpy as np
+"""Dense GEMM on bf16 weights: out = x @ W^T, W stored [n, k] as bf16 bits (the checkpoint layout).
 
+GPU path, for small m (1..~65 rows): tensor-core mma.sync m16n8k16 (bf16 in, f32 accumulate) through inline PTX,
+also used by the INT4 experts of kernels/moe.py.
+Operand roles: weights are A (a tile = 16 output features), activations are B (a tile = 8 tokens), so
+out^T = W @ x^T and a 1-token GEMV wastes only B's columns.
+A fragments from 16-byte loads: the k order inside a dot product is free as long as A and B use the same one. Lane
+(g = lane/4, t = lane%4) loads one 16-byte chunk from weight row g and one from row g+8 per step:
+  bf16 weights (checkpoint layout): cols 32s + 8t .. +8 of step s -> two mma k16 steps, pairs in natural order.
+  INT4 weights (word-transposed layout, kernels/moe.py `int4_tiles`): one word per 32-column group, group j of the
+      step -> the lane's 8 nibbles at cols 32j + 8t + i; nibbles (i, i+4) form one bf16 pair, so the activations
+      come in the order (0,4,1,5,2,6,3,7) inside every 8 columns. Each mma then stays inside one scale group, and
+      the group scale multiplies the f32 result (weights exact: u - 8 is a small integer in bf16).
+B operand: activations as bf16 bits, XS = 1 (bf16 rounding of the activations, W16A16 / W4A16 style) or XS = 2
+(hi + lo bf16 parts: x to ~16 bits, two mma per step; close to the f32 reference). Either read from x (f32) and
+converted in registers (dense, BF=1) or prepared once by `prep_b` as xb u32 [rows, XS, k/2].
+Every token column is computed on its own and the k order depends only on (n, k) through the split: results are
+batch invariant (a token's output does not change with the number of tokens in the call).
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from kernels.device import (F0, as_f32, bf16_hi, bf16_lo, device, int4_pair, kernel, launch, ld16, ld16_pf,
+                            ld4, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
 from weights.dtypes import bf16_to_f32
 
 
@@ -8,3 +32,338 @@ def gemm_ref(x, w, out):
     """x f32[m, k], w u16[n, k] -> out f32[m, n]."""
     np.matmul(x, bf16_to_f32(w).T, out=out)
     return out
+
+
+BF16, INT4 = 0, 1
+XS_DEFAULT = 2
+_CACHE = {}
+
+
+def _cached(builder, *key):
+    """One compiled kernel per (builder, compile-time parameters)."""
+    k = (builder.__name__,) + key
+    if k not in _CACHE:
+        _CACHE[k] = builder(*key)
+    return _CACHE[k]
+
+
+# ---------------------------------------------------------------------------------------------------------- B prep
+def _build_prep(xs, perm):
+    @kernel()
+    def prep(x, xb, m, kdim):
+        """x f32[m, k] (any strides) -> xb u32 flat [m, xs, k/2] (bf16 pairs; perm=1: INT4 column order).
+        Launch: grid (ceil(k/8/256), m), block 256; moves m*k*4 bytes in, m*k*2*xs out."""
+        row = cuda.blockIdx.y
+        blk = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if blk >= kdim // 8:
+            return
+        half = kdim // 2
+        base = row * xs * half + blk * 4
+        k0 = blk * 8
+        for q in range(4):
+            if perm:
+                e0, e1 = k0 + q, k0 + q + 4
+            else:
+                e0, e1 = k0 + 2 * q, k0 + 2 * q + 1
+            v0, v1 = x[row, e0], x[row, e1]
+            if xs == 2:
+                hi, lo = split_bf16x2(v0, v1)
+                xb[base + q] = hi
+                xb[base + half + q] = lo
+            else:
+                xb[base + q] = pack_bf16x2(v0, v1)
+    return prep
+
+
+def prep_b(x, xb, xs=XS_DEFAULT, perm=0):
+    """x f32[m, k] -> xb (uint32 flat, >= m*xs*k/2 words): the B operand of the mma GEMMs."""
+    m, k = x.shape
+    launch(_cached(_build_prep, xs, perm), (math.ceil(k / 8 / 256), m), 256, x, xb, int32(m), int32(k))
+
+
+# ------------------------------------------------------------------------------------------------ the warp step
+def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
+    """Device function: one k-step of one warp over R weight tiles x T token tiles, accumulating into acc.
+
+    bf16: a step is 32 columns; w = uint32 words of bf16 pairs, row r at aoff[r] (words).
+    int4: a step is 32*G columns (G groups); w = uint32 words of the word-transposed layout, sc = u16 scales.
+    B: xb words [row, XS, k/2] at boff[tt] (BF=0), or x itself as f32 [row, k] at boff[tt] (BF=1, bf16 weights
+    only: converted to bf16 hi[/lo] in registers, no prep launch). PF=1: weight loads ask L2 for 256 bytes.
+    acc[(r*T + tt)*4 + i]: the mma D fragment of tile (r, tt)."""
+    NQ, NQ4, NDA, ND = 8 * R, 2 * R * G, 8 * R, 4 * R
+    lda = ld16_pf if PF else ld16
+    if fmt == BF16:
+        @device
+        def step(w, sc, xb, s, t, half, aoff, soff, boff, acc):
+            qa = cuda.local.array(NQ, uint32)
+            xw = cuda.local.array(8, uint32)
+            for r in range(R):
+                a0, a1, a2, a3 = lda(w, aoff[2 * r] + s * 16 + t * 4)
+                b0, b1, b2, b3 = lda(w, aoff[2 * r + 1] + s * 16 + t * 4)
+                qa[8 * r], qa[8 * r + 1], qa[8 * r + 2], qa[8 * r + 3] = a0, a1, a2, a3
+                qa[8 * r + 4], qa[8 * r + 5], qa[8 * r + 6], qa[8 * r + 7] = b0, b1, b2, b3
+            for tt in range(T):
+                if BF:
+                    f0, f1, f2, f3 = ld16(xb, boff[tt] + s * 32 + t * 8)
+                    f4, f5, f6, f7 = ld16(xb, boff[tt] + s * 32 + t * 8 + 4)
+                    if XS == 2:
+                        xw[0], xw[4] = split_bf16x2(as_f32(f0), as_f32(f1))
+                        xw[1], xw[5] = split_bf16x2(as_f32(f2), as_f32(f3))
+                        xw[2], xw[6] = split_bf16x2(as_f32(f4), as_f32(f5))
+                        xw[3], xw[7] = split_bf16x2(as_f32(f6), as_f32(f7))
+                    else:
+                        xw[0], xw[1] = pack_bf16x2(as_f32(f0), as_f32(f1)), pack_bf16x2(as_f32(f2), as_f32(f3))
+                        xw[2], xw[3] = pack_bf16x2(as_f32(f4), as_f32(f5)), pack_bf16x2(as_f32(f6), as_f32(f7))
+                for p in range(XS):
+                    if BF:
+                        x0, x1, x2, x3 = xw[4 * p], xw[4 * p + 1], xw[4 * p + 2], xw[4 * p + 3]
+                    else:
+                        x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + s * 16 + t * 4)
+                    for r in range(R):
+                        i = (r * T + tt) * 4
+                        c0, c1, c2, c3 = mma_bf16(qa[8 * r], qa[8 * r + 4], qa[8 * r + 1], qa[8 * r + 5], x0, x1,
+                                                  acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
+                        c0, c1, c2, c3 = mma_bf16(qa[8 * r + 2], qa[8 * r + 6], qa[8 * r + 3], qa[8 * r + 7], x2, x3,
+                                                  c0, c1, c2, c3)
+                        acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = c0, c1, c2, c3
+        return step
+
+    @device
+    def step(w, sc, xb, s, t, half, aoff, soff, boff, acc):
+        qa = cuda.local.array(NQ4, uint32)
+        sa = cuda.local.array(NQ4, float32)
+        for h in range(2 * R):
+            if G == 4:
+                q0, q1, q2, q3 = lda(w, aoff[h] + s * 16 + t * 4)
+                qa[h * G], qa[h * G + 1], qa[h * G + 2], qa[h * G + 3] = q0, q1, q2, q3
+                s0, s1 = ld8(sc, soff[h] + s * 4)
+                sa[h * G], sa[h * G + 1], sa[h * G + 2], sa[h * G + 3] = (bf16_lo(s0), bf16_hi(s0),
+                                                                          bf16_lo(s1), bf16_hi(s1))
+            elif G == 2:
+                q0, q1 = ld8(w, aoff[h] + s * 8 + t * 2)
+                qa[h * G], qa[h * G + 1] = q0, q1
+                s0 = ld4(sc, soff[h] + s * 2)
+                sa[h * G], sa[h * G + 1] = bf16_lo(s0), bf16_hi(s0)
+            else:
+                qa[h] = ld4(w, aoff[h] + s * 4 + t)
+                sa[h] = bf16_lo(uint32(sc[soff[h] + s]))
+        for j in range(G):
+            da = cuda.local.array(NDA, uint32)
+            for r in range(R):
+                for hh in range(2):
+                    q = qa[(2 * r + hh) * G + j]
+                    for sh in range(4):
+                        da[8 * r + 4 * hh + sh] = int4_pair(q, 4 * sh)
+            for tt in range(T):
+                d = cuda.local.array(ND, float32)
+                for i in range(4 * R):
+                    d[i] = F0
+                for p in range(XS):
+                    x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + (s * G + j) * 16 + t * 4)
+                    for r in range(R):
+                        c0, c1, c2, c3 = mma_bf16(da[8 * r], da[8 * r + 4], da[8 * r + 1], da[8 * r + 5], x0, x1,
+                                                  d[4 * r], d[4 * r + 1], d[4 * r + 2], d[4 * r + 3])
+                        d[4 * r], d[4 * r + 1], d[4 * r + 2], d[4 * r + 3] = mma_bf16(
+                            da[8 * r + 2], da[8 * r + 6], da[8 * r + 3], da[8 * r + 7], x2, x3, c0, c1, c2, c3)
+                for r in range(R):
+                    i = (r * T + tt) * 4
+                    sg, sg8 = sa[2 * r * G + j], sa[(2 * r + 1) * G + j]
+                    acc[i] += sg * d[4 * r]
+                    acc[i + 1] += sg * d[4 * r + 1]
+                    acc[i + 2] += sg8 * d[4 * r + 2]
+                    acc[i + 3] += sg8 * d[4 * r + 3]
+    return step
+
+
+def _build_mainloop(fmt, T, R, XS, G, U, PF=0, BF=0):
+    """Device function: steps [s0, s1) of one warp, U steps per iteration (their loads can be in flight together)."""
+    step = _cached(_build_step, fmt, T, R, XS, G, PF, BF)
+
+    @device
+    def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, acc):
+        s = s0
+        while s + U <= s1:
+            for u in range(U):
+                step(w, sc, xb, s + u, t, half, aoff, soff, boff, acc)
+            s += U
+        while s < s1:
+            step(w, sc, xb, s, t, half, aoff, soff, boff, acc)
+            s += 1
+    return mainloop
+
+
+# --------------------------------------------------------------------------------------------------- kernels
+@device
+def _split_range(piece, pieces, steps):
+    """Steps [lo, hi) of `piece` when `steps` are cut into `pieces` near-equal parts."""
+    return (piece * steps) // pieces, ((piece + 1) * steps) // pieces
+
+
+MAX_WARPS = 8          # warps per block of the mma kernels (the in-block k-split reduction is sized for it)
+
+
+def _build_block_reduce(R, T):
+    """Device function: the wk warps of a block that share row tiles add their acc in order wk = 0..nwk-1; the
+    total ends in the wk == 0 warp. All threads of the block must call it."""
+    NACC = R * T * 4
+    NRED = (MAX_WARPS - 1) * NACC * 32
+
+    @device
+    def block_reduce(acc, wr, wk, nwr, nwk, lane):
+        if nwk > 1:
+            red = cuda.shared.array(NRED, float32)
+            if wk > 0:
+                base = ((wk - 1) * nwr + wr) * NACC * 32 + lane
+                for i in range(NACC):
+                    red[base + i * 32] = acc[i]
+            cuda.syncthreads()
+            if wk == 0:
+                for j in range(1, nwk):
+                    base = ((j - 1) * nwr + wr) * NACC * 32 + lane
+                    for i in range(NACC):
+                        acc[i] += red[base + i * 32]
+            cuda.syncthreads()
+    return block_reduce
+
+
+def _build_gemm(T, R, XS, U, PF=0, BF=0):
+    mainloop = _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, BF)
+    block_reduce = _cached(_build_block_reduce, R, T)
+    NACC, NA = R * T * 4, 2 * R
+
+    @kernel()
+    def gemm_k(xb, w, out, part, m, n, kdim, nwr, nwk):
+        """out f32[m, n] (or part f32[splits, m, n] when gridDim.y > 1) = x @ W^T over this block's k range.
+        xb: u32 flat [m, XS, k/2]; w: u32 flat [n, k/2]. Launch: grid (ceil(n/16/(nwr*R)), splits),
+        block 32*nwr*nwk (<= 256). Moves n*k*2 bytes of weights (plus xb through L1/L2)."""
+        lane = lane_id()
+        g, t = lane // 4, lane % 4
+        warp = cuda.threadIdx.x // 32
+        wr, wk = warp % nwr, warp // nwr
+        tile0 = (cuda.blockIdx.x * nwr + wr) * R
+        sb, nsb = cuda.blockIdx.y, cuda.gridDim.y
+        half = kdim // 2
+        s0, s1 = _split_range(sb * nwk + wk, nsb * nwk, kdim // 32)
+        aoff = cuda.local.array(NA, int32)
+        boff = cuda.local.array(T, int32)
+        acc = cuda.local.array(NACC, float32)
+        for r in range(R):
+            row = (tile0 + r) * 16 + g
+            aoff[2 * r] = min(row, n - 1) * half
+            aoff[2 * r + 1] = min(row + 8, n - 1) * half
+        for tt in range(T):
+            boff[tt] = min(tt * 8 + g, m - 1) * (kdim if BF else XS * half)
+        for i in range(NACC):
+            acc[i] = F0
+        mainloop(w, w, xb, s0, s1, t, half, aoff, aoff, boff, acc)
+        block_reduce(acc, wr, wk, nwr, nwk, lane)
+        if wk == 0:
+            for r in range(R):
+                for tt in range(T):
+                    i = (r * T + tt) * 4
+                    for e in range(4):
+                        row = (tile0 + r) * 16 + g + 8 * (e // 2)
+                        tok = tt * 8 + 2 * t + e % 2
+                        if row < n and tok < m:
+                            if nsb == 1:
+                                out[tok, row] = acc[i + e]
+                            else:
+                                part[sb, tok, row] = acc[i + e]
+    return gemm_k
+
+
+def _build_reduce():
+    @kernel()
+    def reduce_k(part, out, splits, m, n):
+        """out[i, j] = sum over s of part[s, i, j], in order. Launch: grid (ceil(m*n/256)), block 256."""
+        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if idx >= m * n:
+            return
+        i, j = idx // n, idx % n
+        v = part[0, i, j]
+        for s in range(1, splits):
+            v += part[s, i, j]
+        out[i, j] = v
+    return reduce_k
+
+
+# ---------------------------------------------------------------------------------------------------- launcher
+@dataclass(frozen=True)
+class GemmConfig:
+    """How one GEMM is cut. split = WK * SB k-pieces (chosen from n, k only: batch invariance);
+    R row tiles per warp and WR warps per block along n (chosen from the token tiles T)."""
+    R: int
+    WR: int
+    WK: int
+    SB: int
+    U: int = 2
+    PF: int = 1        # 1: weight loads with an L2 256-byte prefetch hint (measured: lm_head m=1 66% -> 89% of copy)
+    BF: int = 1        # 1: read f32 x in the GEMM (no B prep launch) when x is contiguous
+
+
+@dataclass
+class GemmWorkspace:
+    """Scratch of the dense GEMM, allocated once: xb u32 flat (B operand), part f32 flat (k-split partials)."""
+    xb: object
+    part: object
+
+
+def gemm_config(m, n, k, target_warps=4096):
+    """Default cut: enough k-pieces that about `target_warps` warps stream weights (n, k decide the k split)."""
+    tiles, steps = math.ceil(n / 16), k // 32
+    pieces = max(1, min(target_warps // tiles, steps // 4, 64))
+    wk = next(w for w in (8, 4, 2, 1) if pieces >= 2 * w or w == 1)
+    sb = max(1, pieces // wk)
+    T = math.ceil(m / 8)
+    R = 2 if T <= 4 else 1
+    wr = max(1, 8 // wk)
+    # reading f32 x in the kernel saves a launch (wins at one token tile) but costs conversions per tile (loses above)
+    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, BF=int(T == 1))
+
+
+def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):
+    """(xb words, part floats) a call needs."""
+    cfg = cfg or gemm_config(m, n, k)
+    return m * xs * k // 2, (cfg.SB * m * n if cfg.SB > 1 else 0)
+
+
+def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
+    """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T on the GPU (prep of B, mma GEMM, k-split reduce)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape != (n, k) or out.shape != (m, n):
+        raise ValueError(f"gemm: x {x.shape}, w {w.shape}, out {out.shape} do not fit x @ w^T")
+    if k % 32:
+        raise ValueError(f"gemm: k={k} is not a multiple of 32")
+    cfg = cfg or gemm_config(m, n, k)
+    nxb, npart = gemm_workspace_words(m, n, k, xs, cfg)
+    if ws.xb.size < nxb or ws.part.size < npart:
+        raise ValueError(f"gemm: workspace too small ({ws.xb.size}/{ws.part.size} < {nxb}/{npart})")
+    T = math.ceil(m / 8)
+    fused = cfg.BF and _contiguous(x)
+    if fused:
+        xb = x.reshape(m * k)
+    else:
+        xb = ws.xb[:nxb]
+        prep_b(x, xb, xs, 0)
+    if cfg.WR * cfg.WK > MAX_WARPS:
+        raise ValueError(f"gemm: {cfg} has more than {MAX_WARPS} warps per block")
+    kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, int(fused))
+    grid = (math.ceil(n / 16 / (cfg.WR * cfg.R)), cfg.SB)
+    part = ws.part[:npart].reshape(cfg.SB, m, n) if npart else ws.part[:1].reshape(1, 1, 1)
+    launch(kern, grid, 32 * cfg.WR * cfg.WK, xb, _words(w), out, part, int32(m), int32(n), int32(k),
+           int32(cfg.WR), int32(cfg.WK))
+    if cfg.SB > 1:
+        launch(_cached(_build_reduce), math.ceil(m * n / 256), 256, part, out, int32(cfg.SB), int32(m), int32(n))
+    return out
+
+
+def _contiguous(a):
+    """C-contiguous (numpy or numba device array)."""
+    flags = getattr(a, "flags", None)
+    return bool(flags["C_CONTIGUOUS"]) if flags is not None else a.is_c_contiguous()
+
+
+def _words(a):
+    """Contiguous array -> flat uint32 view (numpy or numba device array)."""
+    return a.reshape(a.size).view(np.uint32)

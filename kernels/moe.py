@@ -74,3 +74,463 @@ def moe_ref(x, idx, wts, experts, out):
         h = silu_mul_ref(gate_up, np.empty((len(tok), gate_up.shape[1] // 2), np.float32))
         out[tok] += (h @ experts.weight(e, "down").T) * wts[tok, slot][:, None]
     return out
+
+
+# =============================================================================================================
+# numba.cuda: router, routing plan, experts (INT4 or bf16) on the mma GEMM core of kernels/gemm.py
+# =============================================================================================================
+import math  # noqa: E402
+
+from numba import cuda, float32, int32  # noqa: E402
+
+from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device, kernel, launch, ld16, lane_id,  # noqa: E402
+                            pack_bf16x2)
+from kernels.device import warp_sum  # noqa: E402
+from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_mainloop,  # noqa: E402
+                          _cached, _split_range, _words, prep_b)
+
+MOE_XS = 1            # B operand: activations as bf16 (W4A16); 2 = hi + lo parts (~1e-5 from the f32 reference, slower)
+MAX_E = 1024          # experts per layer the router/plan kernels handle (one thread each)
+MAX_SLOTS = 4096      # tokens * top_k the plan kernel handles
+NEG_INF = float32(-np.inf)
+
+
+def int4_group_block(k):
+    """Scale groups per 16-byte lane load (G): 4 when k % 128 == 0, else 2 (k % 64), else 1."""
+    return 4 if k % 128 == 0 else 2 if k % 64 == 0 else 1
+
+
+def int4_tiles(packed, xp=np):
+    """compressed-tensors words i32[..., N, K/8] -> the kernels' word-transposed layout, made once at load time.
+
+    Natural order: word 4j + t of a 32*G-column block holds group j's columns 8t..8t+7. Transposed: word t*G + j.
+    So lane t's G consecutive words (one 16-byte load when G = 4) hold its 8 columns of each of the G groups. A
+    pure permutation of whole words (nibbles untouched): int4_tiles is undone by the same reshape transposed back."""
+    *lead, n, words = packed.shape
+    g = int4_group_block(words * 8)
+    t = packed.reshape(*lead, n, words // (4 * g), g, 4)
+    return xp.ascontiguousarray(xp.swapaxes(t, -1, -2)).reshape(*lead, n, words)
+
+
+@dataclass
+class DeviceExperts:
+    """One layer's routed experts on the device. int4: gate_up u32[E, 2I, H/8] and down u32[E, H, I/8] in the
+    `int4_tiles` layout, scales u16 [E, out, in/32] as in the checkpoint; bf16: u16 weights, scales None."""
+    gate_up: object
+    down: object
+    gate_up_scale: object = None
+    down_scale: object = None
+    group: int = 32
+
+    @property
+    def int4(self) -> bool:
+        return self.gate_up_scale is not None
+
+
+def device_experts(experts: Experts, to_device) -> DeviceExperts:
+    """Host Experts -> DeviceExperts (INT4 words re-laid by int4_tiles; `to_device` copies a NumPy array)."""
+    if not experts.int4:
+        return DeviceExperts(to_device(experts.gate_up), to_device(experts.down))
+    if experts.group != 32:
+        raise ValueError(f"device_experts: group size {experts.group} is not 32")
+    return DeviceExperts(to_device(int4_tiles(experts.gate_up).view(np.uint32)),
+                         to_device(int4_tiles(experts.down).view(np.uint32)),
+                         to_device(experts.gate_up_scale), to_device(experts.down_scale))
+
+
+@dataclass
+class MoeWorkspace:
+    """Scratch of the router and experts for up to `n_max` tokens, allocated once (fixed sizes: graph capture)."""
+    logits: object        # f32[n_max, E]
+    xb: object            # u32 flat [n_max * XS * H / 2]   B operand of gate_up
+    act: object           # u32 flat [n_max * k * XS * I / 2] B operand of down (silu(gate) * up)
+    y: object             # f32[n_max * k, H]             per-slot expert outputs, routing weight applied
+    sorted_slot: object   # i32[n_max * k]                slots (t * k + j) grouped by expert
+    item_e: object        # i32[n_max * k]                work items: expert, first sorted slot, count
+    item_start: object
+    item_len: object
+    n_items: object       # i32[1]
+    n_max: int
+    top_k: int
+    xs: int               # B operand parts (1: bf16 activations, 2: hi + lo)
+
+
+def moe_workspace(n_max, top_k, hidden, inter, n_experts, alloc, xs=MOE_XS):
+    """alloc(shape, dtype) -> array (numba.cuda.device_array, or np.empty under the simulator)."""
+    s = n_max * top_k
+    return MoeWorkspace(alloc((n_max, n_experts), np.float32), alloc((n_max * xs * hidden // 2,), np.uint32),
+                        alloc((s * xs * inter // 2,), np.uint32), alloc((s, hidden), np.float32),
+                        alloc((s,), np.int32), alloc((s,), np.int32), alloc((s,), np.int32), alloc((s,), np.int32),
+                        alloc((1,), np.int32), n_max, top_k, xs)
+
+
+# ------------------------------------------------------------------------------------------------------ router
+def _build_router_logits(TT):
+    @kernel()
+    def router_logits(x, wg, logits, n, hdim, n_exp):
+        """logits f32[n, E] = x f32[n, H] @ bf16(wg)^T in float32 (CUDA cores: near-ties must not flip).
+        One warp per expert, lanes over 8-column chunks, TT tokens per pass. Launch: grid ceil(E/8), block 256.
+        Moves E*H*2 bytes of gate weights (x through L1/L2)."""
+        e = cuda.blockIdx.x * (cuda.blockDim.x // 32) + cuda.threadIdx.x // 32
+        lane = lane_id()
+        if e >= n_exp:
+            return
+        wrow = e * (hdim // 2)
+        for t0 in range(0, n, TT):
+            acc = cuda.local.array(TT, float32)
+            for j in range(TT):
+                acc[j] = F0
+            for c in range(lane, hdim // 8, 32):
+                w0, w1, w2, w3 = ld16(wg, wrow + c * 4)
+                for j in range(TT):
+                    tok = min(t0 + j, n - 1)
+                    x0, x1, x2, x3 = ld16(x, tok * hdim + c * 8)
+                    x4, x5, x6, x7 = ld16(x, tok * hdim + c * 8 + 4)
+                    a = acc[j]
+                    a += bf16_lo(w0) * _f(x0) + bf16_hi(w0) * _f(x1)
+                    a += bf16_lo(w1) * _f(x2) + bf16_hi(w1) * _f(x3)
+                    a += bf16_lo(w2) * _f(x4) + bf16_hi(w2) * _f(x5)
+                    a += bf16_lo(w3) * _f(x6) + bf16_hi(w3) * _f(x7)
+                    acc[j] = a
+            for j in range(TT):
+                v = warp_sum(acc[j])
+                if lane == 0 and t0 + j < n:
+                    logits[t0 + j, e] = v
+    return router_logits
+
+
+def _build_router_select():
+    @kernel()
+    def router_select(logits, bias, idx_out, w_out, n_exp, top_k, n_group, topk_group, norm, scaling):
+        """Per token (one block, one thread per expert): sigmoid, + bias for the choice, grouped top-k (group
+        score = sum of its top-2 choices), lower index wins ties; weights = normalized sigmoid * scaling.
+        Launch: grid n, block >= E (multiple of 32, <= 1024)."""
+        sh_s = cuda.shared.array(MAX_E, float32)
+        sh_c = cuda.shared.array(MAX_E, float32)
+        sh_g = cuda.shared.array(MAX_E, float32)
+        sh_sel = cuda.shared.array(MAX_E, float32)
+        tok, e = cuda.blockIdx.x, cuda.threadIdx.x
+        per = n_exp // n_group
+        c = NEG_INF
+        if e < n_exp:
+            s = F1 / (F1 + math.exp(-logits[tok, e]))
+            c = s + bias[e]
+            sh_s[e] = s
+            sh_c[e] = c
+        cuda.syncthreads()
+        if n_group > 1:
+            if e < n_group:
+                m1, m2 = NEG_INF, NEG_INF
+                for i in range(e * per, (e + 1) * per):
+                    v = sh_c[i]
+                    if v > m1:
+                        m1, m2 = v, m1
+                    elif v > m2:
+                        m2 = v
+                sh_g[e] = m2 + m1
+            cuda.syncthreads()
+            if e < n_exp:
+                grp = e // per
+                rank = 0
+                for h in range(n_group):
+                    if sh_g[h] > sh_g[grp] or (sh_g[h] == sh_g[grp] and h < grp):
+                        rank += 1
+                if rank >= topk_group:
+                    c = NEG_INF
+            cuda.syncthreads()
+            if e < n_exp:
+                sh_c[e] = c
+            cuda.syncthreads()
+        if e < n_exp:
+            rank = 0
+            for i in range(n_exp):
+                v = sh_c[i]
+                if v > c or (v == c and i < e):
+                    rank += 1
+            if rank < top_k:
+                idx_out[tok, rank] = e
+                sh_sel[rank] = sh_s[e]
+        cuda.syncthreads()
+        if e < top_k:
+            w = sh_sel[e]
+            if norm:
+                tot = F0
+                for j in range(top_k):
+                    tot += sh_sel[j]
+                w = w / (tot + float32(1e-20))
+            w_out[tok, e] = w * scaling
+    return router_select
+
+
+def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws, tokens_per_pass=4):
+    """GPU router_ref: x f32[n, H] (contiguous), w_gate u16[E, H], bias f32[E] -> idx_out i32[n, k], w_out f32[n, k]."""
+    n, h = x.shape
+    e = w_gate.shape[0]
+    if e > MAX_E or e % n_group or h % 8 or idx_out.shape != (n, top_k) or w_out.shape != (n, top_k):
+        raise ValueError(f"router: E={e}, n_group={n_group}, H={h}, outputs {idx_out.shape}/{w_out.shape} "
+                         f"not supported (E <= {MAX_E}, E % n_group == 0, H % 8 == 0, outputs [n, {top_k}])")
+    if n > ws.n_max:
+        raise ValueError(f"router: {n} tokens > workspace n_max {ws.n_max}")
+    logits = ws.logits[:n]
+    launch(_cached(_build_router_logits, tokens_per_pass), math.ceil(e / 8), 256,
+           x.reshape(n * h), _words(w_gate), logits, int32(n), int32(h), int32(e))
+    launch(_cached(_build_router_select), n, 32 * math.ceil(e / 32), logits, bias, idx_out, w_out, int32(e),
+           int32(top_k), int32(n_group), int32(topk_group), int32(bool(norm_topk)), float32(scaling))
+    return idx_out, w_out
+
+
+# -------------------------------------------------------------------------------------------------------- plan
+@device
+def _block_scan(a, nelem):
+    """In-place inclusive prefix sum of shared a[0:nelem] (Hillis-Steele; nelem <= blockDim)."""
+    i = cuda.threadIdx.x
+    d = 1
+    while d < nelem:
+        v = 0
+        if i < nelem:
+            v = a[i]
+            if i >= d:
+                v += a[i - d]
+        cuda.syncthreads()
+        if i < nelem:
+            a[i] = v
+        cuda.syncthreads()
+        d *= 2
+
+
+def _build_plan():
+    @kernel()
+    def plan(idx, n, top_k, n_exp, cap, sorted_slot, item_e, item_start, item_len, n_items):
+        """Routing plan on the GPU, one block of 1024 threads: slots (t * k + j) grouped by expert (stable:
+        slot order inside an expert), and work items of <= cap slots per expert, in expert order.
+        Outputs sized n_max*k (fixed); n_items[0] says how many items are live."""
+        sh_idx = cuda.shared.array(MAX_SLOTS, int32)
+        cnt = cuda.shared.array(MAX_E, int32)
+        inc = cuda.shared.array(MAX_E, int32)
+        iinc = cuda.shared.array(MAX_E, int32)
+        tid, bs = cuda.threadIdx.x, cuda.blockDim.x
+        ns = n * top_k
+        for i in range(tid, ns, bs):
+            sh_idx[i] = idx[i // top_k, i % top_k]
+        for e in range(tid, n_exp, bs):
+            cnt[e] = 0
+        cuda.syncthreads()
+        for i in range(tid, ns, bs):
+            cuda.atomic.add(cnt, sh_idx[i], 1)
+        cuda.syncthreads()
+        for e in range(tid, n_exp, bs):
+            inc[e] = cnt[e]
+            iinc[e] = (cnt[e] + cap - 1) // cap
+        cuda.syncthreads()
+        _block_scan(inc, n_exp)
+        _block_scan(iinc, n_exp)
+        for i in range(tid, ns, bs):
+            e = sh_idx[i]
+            rank = 0
+            for j in range(i):
+                if sh_idx[j] == e:
+                    rank += 1
+            sorted_slot[inc[e] - cnt[e] + rank] = i
+        for e in range(tid, n_exp, bs):
+            c, first = cnt[e], inc[e] - cnt[e]
+            it = iinc[e] - (c + cap - 1) // cap
+            for q in range(0, c, cap):
+                item_e[it] = e
+                item_start[it] = first + q
+                item_len[it] = min(cap, c - q)
+                it += 1
+        if tid == 0:
+            n_items[0] = iinc[n_exp - 1]
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------- experts
+@device
+def _perm8(i):
+    """Position of column i in the INT4 activation order (0,4,1,5,2,6,3,7 inside each 8 columns)."""
+    return (i & ~7) | ((i & 3) << 1) | ((i >> 2) & 1)
+
+
+def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None):
+    """One expert GEMM stage over the work items (persistent grid). down=0: gate_up with rows interleaved per tile
+    (8 gate rows, then the matching 8 up rows) and silu(gate) * up written as the next B operand (act);
+    down=1: rows in order, output * routing weight written per slot (y)."""
+    mainloop = _cached(_build_mainloop, fmt, T, R, XS, G, U, PF)
+    block_reduce = _cached(_build_block_reduce, R, T)
+    NACC, NA = R * T * 4, 2 * R
+    KSTEP = 32 * G if fmt == INT4 else 32
+    WDIV = 8 if fmt == INT4 else 2
+
+    @kernel(**({"launch_bounds": bounds} if bounds else {}))
+    def expert_gemm(xb, w, sc, act16, y, wts, sorted_slot, item_e, item_start, item_len, n_items, top_k, nrows, kdim,
+                    nwr, nwk):
+        """Launch: grid = fixed (persistent), block 32*nwr*nwk (<= 256); each block loops over (item, row block) units.
+        xb u32 flat [rows, XS, k/2]; w u32 [E, nrows*k/WDIV]; sc u16 [E, nrows*k/32] (int4);
+        act16 u16 flat [slots, XS, nrows/2] (down=0); y f32[slots, nrows] (down=1).
+        Moves the weights (and scales) of every live expert once per item."""
+        lane = lane_id()
+        g, t = lane // 4, lane % 4
+        warp = cuda.threadIdx.x // 32
+        wr, wk = warp % nwr, warp // nwr
+        half = kdim // 2
+        ntiles = nrows // 16
+        rblocks = (ntiles + nwr * R - 1) // (nwr * R)
+        s0, s1 = _split_range(wk, nwk, kdim // KSTEP)
+        aoff = cuda.local.array(NA, int32)
+        soff = cuda.local.array(NA, int32)
+        boff = cuda.local.array(T, int32)
+        acc = cuda.local.array(NACC, float32)
+        total = n_items[0] * rblocks
+        for unit in range(cuda.blockIdx.x, total, cuda.gridDim.x):
+            it, rb = unit // rblocks, unit % rblocks
+            e, start, ln = item_e[it], item_start[it], item_len[it]
+            tile0 = (rb * nwr + wr) * R
+            for r in range(R):
+                p = min(tile0 + r, ntiles - 1)
+                if down:
+                    rg, rg8 = p * 16 + g, p * 16 + 8 + g
+                else:
+                    rg, rg8 = p * 8 + g, nrows // 2 + p * 8 + g
+                aoff[2 * r], aoff[2 * r + 1] = rg * (kdim // WDIV), rg8 * (kdim // WDIV)
+                soff[2 * r], soff[2 * r + 1] = rg * (kdim // 32), rg8 * (kdim // 32)
+            for tt in range(T):
+                c = min(tt * 8 + g, ln - 1)
+                src = start + c if down else sorted_slot[start + c] // top_k
+                boff[tt] = src * XS * half
+            for i in range(NACC):
+                acc[i] = F0
+            mainloop(w[e], sc[e], xb, s0, s1, t, half, aoff, soff, boff, acc)
+            block_reduce(acc, wr, wk, nwr, nwk, lane)
+            if wk == 0:
+                for r in range(R):
+                    if tile0 + r < ntiles:
+                        for tt in range(T):
+                            i = (r * T + tt) * 4
+                            for e2 in range(2):
+                                col = tt * 8 + 2 * t + e2
+                                if col < ln:
+                                    if down:
+                                        slot = sorted_slot[start + col]
+                                        wt = wts[slot // top_k, slot % top_k]
+                                        y[slot, (tile0 + r) * 16 + g] = acc[i + e2] * wt
+                                        y[slot, (tile0 + r) * 16 + 8 + g] = acc[i + 2 + e2] * wt
+                                    else:
+                                        gate, up = acc[i + e2], acc[i + 2 + e2]
+                                        h = gate / (F1 + math.exp(-gate)) * up
+                                        inter = nrows // 2
+                                        j = (tile0 + r) * 8 + g
+                                        if perm_out:
+                                            j = _perm8(j)
+                                        base = (start + col) * XS * inter + j
+                                        hb = pack_bf16x2(h, F0)
+                                        act16[base] = hb & 0xFFFF
+                                        if XS == 2:
+                                            act16[base + inter] = pack_bf16x2(h - bf16_lo(hb), F0) & 0xFFFF
+    return expert_gemm
+
+
+def _build_combine():
+    @kernel()
+    def combine(y, shared, out, n, top_k, hdim, has_shared):
+        """out[t, h] = sum over j (in order) of y[t*k + j, h] (+ shared[t, h]). Launch: grid ceil(n*H/256), 256."""
+        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if idx >= n * hdim:
+            return
+        tok, h = idx // hdim, idx % hdim
+        v = y[tok * top_k, h]
+        for j in range(1, top_k):
+            v += y[tok * top_k + j, h]
+        if has_shared:
+            v += shared[tok, h]
+        out[tok, h] = v
+    return combine
+
+
+@dataclass(frozen=True)
+class ExpertConfig:
+    """Cut of one expert stage: R row tiles per warp, WR x WK warps per block (WK splits k), U steps in flight,
+    T token tiles per item (items carry <= 8*T slots), blocks of the persistent grid per SM."""
+    R: int = 2
+    WR: int = 4
+    WK: int = 2
+    U: int = 2
+    T: int = 1
+    blocks_per_sm: int = 4
+    PF: int = 1           # weight loads with an L2 256-byte prefetch hint (measured: +5-6 points)
+    min_blocks: int = 0   # > 0: launch bounds asking ptxas to fit that many blocks per SM (caps registers)
+
+
+# measured on the H200 (tools/bench_kernels.py, variant "blocks4w_bound4"): 4-warp blocks capped at 128 registers so
+# 4 fit per SM (16 warps). Uncapped (144 registers, 8-warp blocks) ran at 8 warps per SM, latency-bound: 47% -> 71%.
+GATE_UP_CFG = ExpertConfig(WR=2, WK=2, blocks_per_sm=8, min_blocks=4)
+DOWN_CFG = ExpertConfig(WR=4, WK=1, blocks_per_sm=8, min_blocks=4)
+
+
+def _sm_count():
+    return 1 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
+def moe(x, idx, wts, experts: DeviceExperts, out, ws: MoeWorkspace, shared=None, cfg_gate_up=GATE_UP_CFG,
+        cfg_down=DOWN_CFG):
+    """GPU moe_ref: out f32[n, H] = sum_j wts[t, j] * E_idx[t, j](x[t]) (+ shared[t] when given).
+    Launches: plan, B prep of x, gate_up (+SiLU-mul), down (* routing weight), combine. Only live experts' weights
+    are read; grids are fixed by the workspace size so the sequence can be graph-captured. The workspace's xs
+    decides the activations' precision in the mma (MOE_XS)."""
+    moe_plan(x, idx, experts, ws, cfg_gate_up, cfg_down)
+    moe_stage(0, experts, wts, ws, cfg_gate_up)
+    moe_stage(1, experts, wts, ws, cfg_down)
+    moe_combine(out, shared, ws, idx.shape[0])
+    return out
+
+
+def _dims(experts):
+    """(fmt, E, H, I) of a DeviceExperts."""
+    n_exp, two_i, h_words = experts.gate_up.shape
+    fmt = INT4 if experts.int4 else BF16
+    return fmt, n_exp, h_words * (8 if fmt == INT4 else 1), two_i // 2
+
+
+def moe_plan(x, idx, experts, ws, cfg_gate_up=GATE_UP_CFG, cfg_down=DOWN_CFG):
+    """Checks, then the routing plan and the B operand of gate_up (2 launches)."""
+    n, h = x.shape
+    k = idx.shape[1]
+    fmt, n_exp, hidden, inter = _dims(experts)
+    if n > ws.n_max or k != ws.top_k or n * k > MAX_SLOTS or n_exp > MAX_E:
+        raise ValueError(f"moe: n={n}, top_k={k}, E={n_exp} outside the workspace (n_max {ws.n_max}, "
+                         f"top_k {ws.top_k}) or the plan limits ({MAX_SLOTS} slots, {MAX_E} experts)")
+    if h != hidden or h % 64 or inter % 64 or idx.shape != (n, k):
+        raise ValueError(f"moe: x {x.shape} vs experts H={hidden}, I={inter} (multiples of 64), idx {idx.shape}")
+    if cfg_down.T != cfg_gate_up.T or max(c.WR * c.WK for c in (cfg_gate_up, cfg_down)) > MAX_WARPS:
+        raise ValueError(f"moe: configs {cfg_gate_up}, {cfg_down}: same T, <= {MAX_WARPS} warps per block")
+    launch(_cached(_build_plan), 1, 1024, idx, int32(n), int32(k), int32(n_exp), int32(8 * cfg_gate_up.T), ws.sorted_slot,
+           ws.item_e, ws.item_start, ws.item_len, ws.n_items)
+    prep_b(x, ws.xb, ws.xs, int(fmt == INT4))
+
+
+def moe_stage(down, experts, wts, ws, cfg=GATE_UP_CFG):
+    """One expert GEMM over the live work items: gate_up (down=0: x -> act) or down (down=1: act -> y)."""
+    fmt, n_exp, hidden, inter = _dims(experts)
+    w, sc = (experts.down, experts.down_scale) if down else (experts.gate_up, experts.gate_up_scale)
+    nrows, kdim = (hidden, inter) if down else (2 * inter, hidden)
+    if wts.shape[1] != ws.top_k or wts.shape[0] > ws.n_max:
+        raise ValueError(f"moe: wts {wts.shape} is not [n <= {ws.n_max}, {ws.top_k}]")
+    g = int4_group_block(kdim) if fmt == INT4 else 1
+    bounds = (32 * cfg.WR * cfg.WK, cfg.min_blocks) if cfg.min_blocks else None
+    kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds)
+    rblocks = math.ceil(nrows / 16 / (cfg.WR * cfg.R))
+    grid = min(ws.n_max * ws.top_k * rblocks, _sm_count() * cfg.blocks_per_sm)
+    words = _words(w)
+    e_words = words.reshape(n_exp, words.size // n_exp)
+    e_sc = sc.reshape(n_exp, sc.size // n_exp) if sc is not None else e_words
+    launch(kern, grid, 32 * cfg.WR * cfg.WK, ws.act if down else ws.xb, e_words, e_sc, ws.act.view(np.uint16), ws.y,
+           wts, ws.sorted_slot, ws.item_e, ws.item_start, ws.item_len, ws.n_items, int32(ws.top_k), int32(nrows),
+           int32(kdim), int32(cfg.WR), int32(cfg.WK))
+
+
+def moe_combine(out, shared, ws, n):
+    """out[t] = sum over the token's slots of y (+ shared[t])."""
+    h = ws.y.shape[1]
+    if out.shape != (n, h) or (shared is not None and shared.shape != (n, h)):
+        raise ValueError(f"moe: out {out.shape} / shared {None if shared is None else shared.shape} not [{n}, {h}]")
+    launch(_cached(_build_combine), math.ceil(n * h / 256), 256, ws.y, shared if shared is not None else out, out,
+           int32(n), int32(ws.top_k), int32(h), int32(shared is not None))

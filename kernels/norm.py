@@ -18,3 +18,57 @@ def add_rmsnorm_ref(x, residual, w, eps, out):
     """residual += x (in place), then out = rmsnorm(residual): the pre-norm block boundary."""
     residual += x
     return rmsnorm_ref(residual, w, eps, out)
+
+
+# ---------------------------------------------------------------------------------------------------- numba.cuda
+import math  # noqa: E402
+
+from numba import cuda, float32, int32  # noqa: E402
+
+from kernels.device import block_sum, bf16_f32, kernel, launch  # noqa: E402
+
+_KERNELS = {}
+
+
+def _build(add):
+    @kernel()
+    def norm_k(x, res, w, eps, out, d):
+        """One block per row (256 threads): [residual += x;] out = v / sqrt(mean(v^2) + eps) * w.
+        Moves n*d*4 bytes in and out (twice that with the residual)."""
+        row = cuda.blockIdx.x
+        ss = float32(0)
+        for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+            v = x[row, i]
+            if add:
+                v += res[row, i]
+                res[row, i] = v
+            ss += v * v
+        den = math.sqrt(block_sum(ss) / float32(d) + eps)
+        for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
+            v = res[row, i] if add else x[row, i]
+            out[row, i] = v / den * bf16_f32(w[i])
+    return norm_k
+
+
+def _kernel(add):
+    if add not in _KERNELS:
+        _KERNELS[add] = _build(add)
+    return _KERNELS[add]
+
+
+def rmsnorm(x, w, eps, out):
+    """GPU rmsnorm_ref: x f32[n, d] (any row stride; may alias out), w u16[d] -> out f32[n, d]."""
+    n, d = x.shape
+    if w.shape != (d,) or out.shape != (n, d):
+        raise ValueError(f"rmsnorm: x {x.shape}, w {w.shape}, out {out.shape} do not match")
+    launch(_kernel(False), n, 256, x, x, w, float32(eps), out, int32(d))
+    return out
+
+
+def add_rmsnorm(x, residual, w, eps, out):
+    """GPU add_rmsnorm_ref: residual += x (in place), then out = rmsnorm(residual)."""
+    n, d = x.shape
+    if residual.shape != (n, d) or w.shape != (d,) or out.shape != (n, d):
+        raise ValueError(f"add_rmsnorm: x {x.shape}, residual {residual.shape}, w {w.shape}, out {out.shape}")
+    launch(_kernel(True), n, 256, x, residual, w, float32(eps), out, int32(d))
+    return out

@@ -47,3 +47,42 @@ def rope_ref(x, pos, inv_freq, out, interleaved, attn_factor=1.0):
     else:
         out[..., :half], out[..., half:] = ra, rb
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- numba.cuda
+from numba import cuda, float32, int32  # noqa: E402
+
+from kernels.device import kernel, launch  # noqa: E402
+
+_KERNELS = {}
+
+
+def _build(interleaved):
+    @kernel()
+    def rope_k(x, pos, inv_freq, out, attn_factor, n, nh, half):
+        """Thread per rotated pair (token, head, i). Launch: grid ceil(n*h*d/2/256), block 256; out may alias x."""
+        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if idx >= n * nh * half:
+            return
+        tok, rem = idx // (nh * half), idx % (nh * half)
+        h, i = rem // half, rem % half
+        ang = float32(pos[tok]) * inv_freq[i]
+        c, s = math.cos(ang) * attn_factor, math.sin(ang) * attn_factor
+        ia, ib = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+        a, b = x[tok, h, ia], x[tok, h, ib]
+        out[tok, h, ia] = a * c - b * s
+        out[tok, h, ib] = b * c + a * s
+    return rope_k
+
+
+def rope(x, pos, inv_freq, out, interleaved, attn_factor=1.0):
+    """GPU rope_ref: x f32[n, h, d] (any strides, e.g. the rope part of q), pos i32[n] -> out (may alias x)."""
+    n, nh, d = x.shape
+    if d % 2 or inv_freq.shape != (d // 2,) or out.shape != x.shape or pos.shape != (n,):
+        raise ValueError(f"rope: x {x.shape}, pos {pos.shape}, inv_freq {inv_freq.shape}, out {out.shape}")
+    key = bool(interleaved)
+    if key not in _KERNELS:
+        _KERNELS[key] = _build(key)
+    launch(_KERNELS[key], max(1, math.ceil(n * nh * d / 2 / 256)), 256, x, pos, inv_freq, out, float32(attn_factor),
+           int32(n), int32(nh), int32(d // 2))
+    return out

@@ -1,0 +1,393 @@
+"""Device helpers shared by the kernel families, each with a plain-Python twin for the CUDA simulator.
+
+The simulator (NUMBA_ENABLE_CUDASIM=1, read before numba is imported) runs kernels as Python threads and has no
+warp shuffles and no inline PTX. Every helper that needs them comes in two versions: the compiled one (numba
+intrinsics with inline PTX, `shfl_*_sync`) and a Python one that exchanges values between the 32 threads of a
+warp through a per-warp barrier. Kernels call the helpers only, so one kernel source runs in both modes.
+
+bf16 values travel as raw bits: `uint16` arrays, or `uint32` words holding a pair (element 0 in the low half).
+"""
+import os
+import threading
+import weakref
+
+import numpy as np
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+
+from numba import cuda, float32, int32, uint32  # noqa: E402  (SIM must be decided before numba is imported)
+
+FULL = 0xFFFFFFFF
+F0, F1 = float32(0.0), float32(1.0)
+BF16_ONE2 = uint32(0x3F803F80)         # bf16 pair (1.0, 1.0)
+INT4_MAGIC = uint32(0x43004300)        # bf16 pair (128.0, 128.0): OR a nibble u into the mantissa -> 128 + u
+INT4_OFFSET2 = uint32(0xC308C308)      # bf16 pair (-136.0, -136.0): 128 + u - 136 = u - 8, exact
+
+
+def kernel(**opts):
+    """`cuda.jit` for kernels; drops the options the simulator does not know."""
+    if SIM:
+        return cuda.jit
+    return cuda.jit(**opts)
+
+
+def device(fn):
+    """A device function, inlined at the NVVM level on the GPU (plain callable under the simulator)."""
+    if SIM:
+        return cuda.jit(device=True)(fn)
+    return cuda.jit(device=True, forceinline=True)(fn)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Simulator twins: warp exchange through a barrier per (block, warp)
+# ---------------------------------------------------------------------------------------------------------------
+_WARPS = weakref.WeakKeyDictionary()   # BlockManager -> {warp id: (barrier, slots)}
+_WARPS_LOCK = threading.Lock()
+
+
+def _warp_state():
+    t = threading.current_thread()                      # the simulator's BlockThread
+    nthreads = int(np.prod(t._manager._block_dim))
+    warp, lane = divmod(t.thread_id, 32)
+    with _WARPS_LOCK:
+        per_block = _WARPS.setdefault(t._manager, {})
+        if warp not in per_block:
+            per_block[warp] = (threading.Barrier(min(32, nthreads - 32 * warp), timeout=300), [None] * 32, [None])
+    return per_block[warp], lane
+
+
+def _collective(value, fn):
+    """Warp-collective step (simulator only): lane 0 applies fn to all lanes' values; every lane gets
+    (result, lane). Two barriers: values in -> result out."""
+    (barrier, slots, result), lane = _warp_state()
+    slots[lane] = value
+    barrier.wait()
+    if lane == 0:
+        result[0] = fn(list(slots))
+    barrier.wait()
+    return result[0], lane
+
+
+def _unwrap(arr):
+    """The NumPy array behind a simulator kernel argument."""
+    item = getattr(arr, "_item", arr)
+    return getattr(item, "_ary", item)
+
+
+def _bits_f32(u):
+    return np.array(u, dtype=np.uint32).view(np.float32)[()]
+
+
+def _f32_bits(f):
+    return np.array(f, dtype=np.float32).view(np.uint32)[()]
+
+
+def _bf16_rne(f):
+    u = int(_f32_bits(f))
+    if np.isnan(f):
+        return (u >> 16) | 0x40
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _pair_f32(u):
+    u = int(u)
+    return np.float32(_bits_f32(u << 16 & 0xFFFFFFFF)), np.float32(_bits_f32(u & 0xFFFF0000))
+
+
+if SIM:
+    def ld16(arr, i):
+        """Four uint32 words from element i of a contiguous array (16 bytes, 16-byte aligned)."""
+        a = _unwrap(arr).reshape(-1)
+        w = a[i:i + 16 // a.itemsize].view(np.uint32)
+        return w[0], w[1], w[2], w[3]
+
+    def ld8(arr, i):
+        a = _unwrap(arr).reshape(-1)
+        w = a[i:i + 8 // a.itemsize].view(np.uint32)
+        return w[0], w[1]
+
+    def ld4(arr, i):
+        a = _unwrap(arr).reshape(-1)
+        return a[i:i + 4 // a.itemsize].view(np.uint32)[0]
+
+    ld16_pf = ld16
+
+    def as_f32(u):
+        return np.float32(_bits_f32(u))
+
+    def as_u32(f):
+        return np.uint32(_f32_bits(f))
+
+    def pack_bf16x2(lo, hi):
+        return np.uint32(_bf16_rne(np.float32(lo)) | (_bf16_rne(np.float32(hi)) << 16))
+
+    def fma_bf16x2(a, b, c):
+        """Lane-wise bf16 a*b+c, rounded once (the operands used here make it exact)."""
+        (a0, a1), (b0, b1), (c0, c1) = _pair_f32(a), _pair_f32(b), _pair_f32(c)
+        r0 = np.float32(np.float64(a0) * b0 + c0)
+        r1 = np.float32(np.float64(a1) * b1 + c1)
+        return pack_bf16x2(r0, r1)
+
+    def _pairs(words):
+        """uint32 words -> float32 (low, high) halves, elementwise."""
+        w = np.asarray(words, dtype=np.uint32)
+        return (w << np.uint32(16)).view(np.float32), (w & np.uint32(0xFFFF0000)).view(np.float32)
+
+    def _mma_tile(regs):
+        """Full 16x8 product of one m16n8k16 tile from the 32 lanes' (a0..a3, b0, b1) registers."""
+        lo, hi = _pairs([r for r in regs])                 # [32, 6] each
+        g, t = np.arange(32) // 4, np.arange(32) % 4
+        a = np.zeros((16, 16), np.float64)
+        b = np.zeros((16, 8), np.float64)
+        for j, (dr, dc) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+            a[g + dr, 2 * t + dc], a[g + dr, 2 * t + dc + 1] = lo[:, j], hi[:, j]
+        b[2 * t, g], b[2 * t + 1, g] = lo[:, 4], hi[:, 4]
+        b[2 * t + 8, g], b[2 * t + 9, g] = lo[:, 5], hi[:, 5]
+        return a @ b
+
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A @ B + C for one m16n8k16 tile held by the warp (fragment layout of the PTX ISA)."""
+        d, lane = _collective((a0, a1, a2, a3, b0, b1), _mma_tile)
+        g, t = divmod(lane, 4)
+        return (np.float32(d[g, 2 * t] + c0), np.float32(d[g, 2 * t + 1] + c1),
+                np.float32(d[g + 8, 2 * t] + c2), np.float32(d[g + 8, 2 * t + 1] + c3))
+
+    def shfl_xor(value, mask):
+        values, lane = _collective(value, list)
+        return values[lane ^ mask]
+
+    def shfl_idx(value, src):
+        values, lane = _collective(value, list)
+        return values[src]
+
+    def lane_id():
+        return threading.current_thread().thread_id % 32
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    def _address(ctx, b, aty, arr, idx, idxty):
+        """Byte address of flat element `idx` of a contiguous array."""
+        a = ctx.make_array(aty)(ctx, b, arr)
+        i64 = ir.IntType(64)
+        if idx.type.width < 64:
+            idx = b.sext(idx, i64) if idxty.signed else b.zext(idx, i64)
+        size = ctx.get_abi_sizeof(ctx.get_data_type(aty.dtype))
+        return b.add(b.ptrtoint(a.data, i64), b.mul(idx, ir.Constant(i64, size)))
+
+    def _make_load(words, hint=""):
+        regs = ",".join(f"${k}" for k in range(words))
+        vec = f".v{words}" if words > 1 else ""
+        asm = (f"ld.global.nc{hint}{vec}.u32 {{{regs}}}, [${words}];" if words > 1
+               else f"ld.global.nc{hint}.u32 $0, [$1];")
+        cons = ",".join(["=r"] * words) + ",l"
+
+        @intrinsic
+        def load(typingctx, arr, idx):
+            if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
+                return None
+            ret = types.UniTuple(types.uint32, words) if words > 1 else types.uint32
+            sig = ret(arr, idx)
+
+            def codegen(ctx, b, sig, args):
+                addr = _address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+                i32 = ir.IntType(32)
+                if words == 1:
+                    fn = ir.FunctionType(i32, [ir.IntType(64)])
+                    return b.call(ir.InlineAsm(fn, asm, cons), [addr])
+                fn = ir.FunctionType(ir.LiteralStructType([i32] * words), [ir.IntType(64)])
+                r = b.call(ir.InlineAsm(fn, asm, cons), [addr])
+                return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, k) for k in range(words)])
+            return sig, codegen
+        return load
+
+    ld16 = _make_load(4)
+    ld16.__doc__ = "Four uint32 words from flat element i of a contiguous array: one ld.global.nc.v4 (16 B aligned)."
+    ld8 = _make_load(2)
+    ld4 = _make_load(1)
+    ld16_pf = _make_load(4, ".L2::256B")    # same, asking L2 to fetch the surrounding 256 bytes
+
+    def _asm_op(name, asm, cons, argtys, retty):
+        """An intrinsic around one inline-PTX instruction; arguments are cast to `argtys` first."""
+        def typer(typingctx, *args):
+            if len(args) != len(argtys):
+                return None
+            sig = retty(*args)
+
+            def codegen(ctx, b, sig, llargs):
+                vals = [ctx.cast(b, v, ty, want) for v, ty, want in zip(llargs, sig.args, argtys)]
+                if isinstance(retty, types.UniTuple):
+                    lty = ir.LiteralStructType([ctx.get_value_type(retty.dtype)] * retty.count)
+                else:
+                    lty = ctx.get_value_type(retty)
+                fn = ir.FunctionType(lty, [ctx.get_value_type(t) for t in argtys])
+                r = b.call(ir.InlineAsm(fn, asm, cons), vals)
+                if isinstance(retty, types.UniTuple):
+                    return ctx.make_tuple(b, retty, [b.extract_value(r, k) for k in range(retty.count)])
+                return r
+            return sig, codegen
+        typer.__name__ = name
+        # numba's intrinsic needs a fixed arity: build the signature-specific wrapper
+        params = ", ".join(f"a{k}" for k in range(len(argtys)))
+        ns = {"typer": typer}
+        exec(f"def {name}(typingctx, {params}):\n    return typer(typingctx, {params})", ns)
+        return intrinsic(ns[name])
+
+    _u32, _f32 = types.uint32, types.float32
+    as_f32 = _asm_op("as_f32", "mov.b32 $0, $1;", "=f,r", [_u32], _f32)
+    as_u32 = _asm_op("as_u32", "mov.b32 $0, $1;", "=r,f", [_f32], _u32)
+    # cvt packs its first source into the upper half: pass (hi, lo) to get lo in the low half
+    _cvt_pair = _asm_op("cvt_pair", "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [_f32, _f32], _u32)
+    fma_bf16x2 = _asm_op("fma_bf16x2", "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [_u32] * 3, _u32)
+    mma_bf16 = _asm_op(
+        "mma_bf16",
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", [_u32] * 6 + [_f32] * 4, types.UniTuple(_f32, 4))
+
+    @cuda.jit(device=True, forceinline=True)
+    def pack_bf16x2(lo, hi):
+        """Two float32 -> one word of two bf16 (round to nearest even), lo in the low half."""
+        return _cvt_pair(hi, lo)
+
+    @cuda.jit(device=True, forceinline=True)
+    def shfl_xor(value, mask):
+        return cuda.shfl_xor_sync(FULL, value, mask)
+
+    @cuda.jit(device=True, forceinline=True)
+    def shfl_idx(value, src):
+        return cuda.shfl_sync(FULL, value, src)
+
+    @cuda.jit(device=True, forceinline=True)
+    def lane_id():
+        return int32(cuda.laneid)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers written once for both modes
+# ---------------------------------------------------------------------------------------------------------------
+@device
+def bf16_lo(w):
+    """Low bf16 of a word -> float32."""
+    return as_f32(uint32(w) << uint32(16))
+
+
+@device
+def bf16_hi(w):
+    """High bf16 of a word -> float32."""
+    return as_f32(uint32(w) & uint32(0xFFFF0000))
+
+
+@device
+def bf16_f32(u16):
+    """One bf16 (uint16 bits) -> float32."""
+    return as_f32(uint32(u16) << uint32(16))
+
+
+@device
+def split_bf16x2(x0, x1):
+    """(x0, x1) float32 -> (hi, lo) bf16 pairs with hi + lo = x to about 16 bits."""
+    hi = pack_bf16x2(x0, x1)
+    lo = pack_bf16x2(x0 - bf16_lo(hi), x1 - bf16_hi(hi))
+    return hi, lo
+
+
+@device
+def int4_pair(q, shift):
+    """Nibbles `shift/4` and `shift/4 + 4` of word q (u = q + 8 storage) -> bf16 pair of (u - 8), exact."""
+    v = ((uint32(q) >> uint32(shift)) & uint32(0x000F000F)) | INT4_MAGIC
+    return fma_bf16x2(v, BF16_ONE2, INT4_OFFSET2)
+
+
+@device
+def warp_sum(v):
+    """Sum over the 32 lanes (butterfly: every lane gets the total, same order on every lane)."""
+    for m in (16, 8, 4, 2, 1):
+        v += shfl_xor(v, int32(m))
+    return v
+
+
+@device
+def warp_max(v):
+    for m in (16, 8, 4, 2, 1):
+        v = max(v, shfl_xor(v, int32(m)))
+    return v
+
+
+@device
+def warp_argmax(v, i):
+    """(value, index) of the largest v over the warp; lowest index among equals. Every lane gets the answer."""
+    for m in (16, 8, 4, 2, 1):
+        ov = shfl_xor(v, int32(m))
+        oi = shfl_xor(i, int32(m))
+        if ov > v or (ov == v and oi < i):
+            v, i = ov, oi
+    return v, i
+
+
+@device
+def block_sum(v):
+    """Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the total. Contains barriers:
+    every thread of the block must call it."""
+    sh = cuda.shared.array(32, float32)
+    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+    v = warp_sum(v)
+    if lane == 0:
+        sh[warp] = v
+    cuda.syncthreads()
+    tot = F0
+    for j in range(cuda.blockDim.x // 32):
+        tot += sh[j]
+    cuda.syncthreads()
+    return tot
+
+
+@device
+def block_argmax(v, i):
+    """(value, index) of the block's largest v, lowest index among equals; every thread gets it. Barriers inside."""
+    shv = cuda.shared.array(32, float32)
+    shi = cuda.shared.array(32, int32)
+    lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+    v, i = warp_argmax(v, i)
+    if lane == 0:
+        shv[warp], shi[warp] = v, i
+    cuda.syncthreads()
+    bv, bi = shv[0], shi[0]
+    for j in range(1, cuda.blockDim.x // 32):
+        if shv[j] > bv or (shv[j] == bv and shi[j] < bi):
+            bv, bi = shv[j], shi[j]
+    cuda.syncthreads()
+    return bv, bi
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launching
+# ---------------------------------------------------------------------------------------------------------------
+_STREAMS = {}
+
+
+def current_stream():
+    """numba's view of CuPy's current stream (so launches order with CuPy work and can be graph-captured);
+    stream 0 under the simulator or without CuPy."""
+    if SIM:
+        return 0
+    try:
+        import cupy
+    except ImportError:
+        return 0
+    ptr = cupy.cuda.get_current_stream().ptr
+    if ptr not in _STREAMS:
+        _STREAMS[ptr] = cuda.external_stream(ptr) if ptr else cuda.default_stream()
+    return _STREAMS[ptr]
+
+
+def launch(kern, grid, block, *args, shmem=0):
+    """Launch `kern` on the current stream. Arguments: numba device arrays (NumPy arrays under the simulator, used
+    in place: no copies, so views with any strides and aliased outputs behave as on the GPU)."""
+    if SIM:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        args = [FakeCUDAArray(a) if isinstance(a, np.ndarray) and a.ndim > 0 else a for a in args]
+    kern[grid, block, current_stream(), shmem](*args)
+

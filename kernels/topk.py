@@ -1,0 +1,94 @@
+"""Argmax and top-k over the vocabulary, per row: greedy tokens and the drafter's candidate ids.
+
+Order: larger value first; among equal values the lower index first (matches np.argmax and a stable sort).
+"""
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from kernels.device import block_argmax, kernel, launch
+
+BIG = 2 ** 31 - 1
+NEG_INF = float32(-np.inf)
+
+
+def argmax_ref(logits, out):
+    """logits f32[n, V] -> out i32[n]."""
+    out[:] = np.argmax(logits, axis=-1)
+    return out
+
+
+def topk_ref(logits, k, idx_out, val_out):
+    """logits f32[n, V] -> idx_out i32[n, k], val_out f32[n, k], sorted by value (lower index first on ties)."""
+    order = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+    idx_out[:] = order
+    val_out[:] = np.take_along_axis(logits, order, axis=-1)
+    return idx_out, val_out
+
+
+# ---------------------------------------------------------------------------------------------------- numba.cuda
+@kernel()
+def _argmax_k(logits, out, vocab):
+    """One block per row (1024 threads): strided scan, then a block reduction. Moves n*V*4 bytes."""
+    row = cuda.blockIdx.x
+    bv, bi = NEG_INF, int32(BIG)
+    for i in range(cuda.threadIdx.x, vocab, cuda.blockDim.x):
+        v = logits[row, i]
+        if v > bv:
+            bv, bi = v, i
+    bv, bi = block_argmax(bv, bi)
+    if cuda.threadIdx.x == 0:
+        out[row] = bi
+
+
+def argmax(logits, out):
+    """GPU argmax_ref."""
+    n, vocab = logits.shape
+    if out.shape != (n,):
+        raise ValueError(f"argmax: out {out.shape} is not [{n}]")
+    launch(_argmax_k, n, 1024, logits, out, int32(vocab))
+    return out
+
+
+_TOPK = {}
+
+
+def _build_topk(K):
+    @kernel()
+    def topk_k(logits, idx_out, val_out, vocab):
+        """One block per row (256 threads): each thread keeps its K best in registers (sorted), then K rounds of a
+        block argmax over the threads' heads; the winner shifts its list. Moves n*V*4 bytes."""
+        row = cuda.blockIdx.x
+        vals = cuda.local.array(K, float32)
+        ids = cuda.local.array(K, int32)
+        for j in range(K):
+            vals[j], ids[j] = NEG_INF, BIG
+        for i in range(cuda.threadIdx.x, vocab, cuda.blockDim.x):
+            cv, ci = logits[row, i], int32(i)
+            if cv > vals[K - 1]:
+                for j in range(K):
+                    if cv > vals[j]:
+                        vals[j], cv = cv, vals[j]
+                        ids[j], ci = ci, ids[j]
+        for r in range(K):
+            bv, bi = block_argmax(vals[0], ids[0])
+            if cuda.threadIdx.x == 0:
+                idx_out[row, r], val_out[row, r] = bi, bv
+            if ids[0] == bi:
+                for j in range(K - 1):
+                    vals[j], ids[j] = vals[j + 1], ids[j + 1]
+                vals[K - 1], ids[K - 1] = NEG_INF, BIG
+    return topk_k
+
+
+def topk(logits, k, idx_out, val_out):
+    """GPU topk_ref (k <= 64)."""
+    n, vocab = logits.shape
+    if not 0 < k <= min(64, vocab) or idx_out.shape != (n, k) or val_out.shape != (n, k):
+        raise ValueError(f"topk: k={k} (1..64, <= V={vocab}), idx_out {idx_out.shape}, val_out {val_out.shape}")
+    if k not in _TOPK:
+        _TOPK[k] = _build_topk(k)
+    launch(_TOPK[k], n, 256, logits, idx_out, val_out, int32(vocab))
+    return idx_out, val_out
+
+

@@ -1,0 +1,190 @@
+"""Kernel-vs-reference checks of the dense and MoE kernels, shared by the simulator cases and the GPU tests of
+tests/test_cuda_dense.py and tests/test_cuda_moe.py. `env` is tests/cudasim.py's Env (NumPy arrays under the
+simulator, numba device arrays on a GPU). Outputs are poisoned (NaN / -1) before every launch; failures report the
+worst element."""
+import numpy as np
+
+from weights.dtypes import bf16_to_f32, f32_to_bf16
+
+
+def poisoned(env, shape, dtype):
+    """A device array full of NaN (floats) or -1 / max (integers)."""
+    return env.dev(np.full(shape, _poison(dtype), dtype))
+
+
+def _poison(dtype):
+    dtype = np.dtype(dtype)
+    return np.nan if dtype.kind == "f" else (-1 if dtype.kind == "i" else np.iinfo(dtype).max)
+
+
+def assert_close(name, got, ref, tol, scale=None):
+    """max |got - ref| / scale <= tol, scale defaulting to max |ref|; reports the worst element."""
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape, f"{name}: shape {got.shape} != {ref.shape}"
+    assert np.isfinite(got).all(), f"{name}: {np.count_nonzero(~np.isfinite(got))} non-finite (poison left?)"
+    scale = np.abs(ref).max() if scale is None else scale
+    err = np.abs(got - ref) / max(scale, 1e-30)
+    worst = np.unravel_index(np.argmax(err), err.shape)
+    assert err[worst] <= tol, f"{name}: worst rel err {err[worst]:.3g} at {worst}: got {got[worst]}, ref {ref[worst]}"
+
+
+def rand_bf16(rng, *shape, scale=1.0):
+    return f32_to_bf16((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+# ------------------------------------------------------------------------------------------------------ dense
+def check_gemm(env, m, n, k, xs, cfg=None, seed=0):
+    from kernels.gemm import GemmWorkspace, gemm, gemm_ref, gemm_workspace_words
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rand_bf16(rng, n, k)
+    nxb, npart = gemm_workspace_words(m, n, k, xs, cfg)
+    ws = GemmWorkspace(poisoned(env, (max(nxb, 1),), np.uint32), poisoned(env, (max(npart, 1),), np.float32))
+    out = poisoned(env, (m, n), np.float32)
+    gemm(env.dev(x), env.dev(w), out, ws, xs=xs, cfg=cfg)
+    ref = gemm_ref(x, w, np.empty((m, n), np.float32))
+    scale = (np.abs(x) @ np.abs(bf16_to_f32(w)).T).max()
+    assert_close(f"gemm m={m} n={n} k={k} xs={xs}", env.host(out), ref, 2e-5 if xs == 2 else 4e-3, scale)
+
+
+def check_norm(env, n, d, add, seed=0):
+    from kernels.norm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    res = rng.standard_normal((n, d)).astype(np.float32)
+    w = rand_bf16(rng, d)
+    out = poisoned(env, (n, d), np.float32)
+    ref = np.empty((n, d), np.float32)
+    if add:
+        dres = env.dev(res)
+        add_rmsnorm(env.dev(x), dres, env.dev(w), 1e-6, out)
+        add_rmsnorm_ref(x, res, w, 1e-6, ref)
+        assert_close("add_rmsnorm residual", env.host(dres), res, 1e-6)
+    else:
+        rmsnorm(env.dev(x), env.dev(w), 1e-6, out)
+        rmsnorm_ref(x, w, 1e-6, ref)
+    assert_close(f"rmsnorm add={add} n={n} d={d}", env.host(out), ref, 1e-5)
+
+
+def check_norm_strided(env, seed=0):
+    """In place on a column slice (the model's kv[:, :r]): strided rows, out aliasing x."""
+    from kernels.norm import rmsnorm, rmsnorm_ref
+    rng = np.random.default_rng(seed)
+    kv = rng.standard_normal((5, 80)).astype(np.float32)
+    w = rand_bf16(rng, 64)
+    dkv = env.dev(kv)
+    rmsnorm(dkv[:, :64], env.dev(w), 1e-6, dkv[:, :64])
+    ref = kv.copy()
+    rmsnorm_ref(ref[:, :64], w, 1e-6, ref[:, :64])
+    assert_close("rmsnorm strided in place", env.host(dkv), ref, 1e-5)
+
+
+def check_silu_mul(env, n, inter, seed=0):
+    from kernels.act import silu_mul, silu_mul_ref
+    rng = np.random.default_rng(seed)
+    gu = (rng.standard_normal((n, 2 * inter)) * 3).astype(np.float32)
+    out = poisoned(env, (n, inter), np.float32)
+    silu_mul(env.dev(gu), out)
+    assert_close(f"silu_mul n={n} I={inter}", env.host(out), silu_mul_ref(gu, np.empty((n, inter), np.float32)), 1e-6)
+
+
+def check_rope(env, n, heads, nope, rope_dim, interleaved, seed=0):
+    """Rope on the rope part of q (a strided view), in place, positions up to 200k."""
+    from kernels.rope import rope, rope_inv_freq, rope_ref
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n, heads, nope + rope_dim)).astype(np.float32)
+    pos = rng.integers(0, 200_000, n).astype(np.int32)
+    inv, _ = rope_inv_freq(rope_dim, 50000.0)
+    dq = env.dev(q)
+    rope(dq[:, :, nope:], env.dev(pos), env.dev(inv), dq[:, :, nope:], interleaved, 1.25)
+    ref = q.copy()
+    rope_ref(ref[:, :, nope:], pos, inv, ref[:, :, nope:], interleaved, 1.25)
+    assert_close(f"rope n={n} interleaved={interleaved}", env.host(dq), ref, 2e-5)
+
+
+def check_argmax_topk(env, n, vocab, k, seed=0):
+    from kernels.topk import argmax, argmax_ref, topk, topk_ref
+    rng = np.random.default_rng(seed)
+    lg = rng.standard_normal((n, vocab)).astype(np.float32)
+    lg[0, [3, vocab - 1]] = 50.0                         # exact tie: the lower index wins
+    lg[-1, :] = 1.0                                      # a constant row
+    out = poisoned(env, (n,), np.int32)
+    argmax(env.dev(lg), out)
+    np.testing.assert_array_equal(env.host(out), argmax_ref(lg, np.empty(n, np.int32)))
+    ii, vv = poisoned(env, (n, k), np.int32), poisoned(env, (n, k), np.float32)
+    topk(env.dev(lg), k, ii, vv)
+    ri, rv = topk_ref(lg, k, np.empty((n, k), np.int32), np.empty((n, k), np.float32))
+    np.testing.assert_array_equal(env.host(ii), ri)
+    np.testing.assert_array_equal(env.host(vv), rv)
+
+
+# -------------------------------------------------------------------------------------------------------- MoE
+def make_experts(rng, n_exp, hidden, inter, int4=True):
+    """Random experts: INT4 words with every nibble value (any int32 is a valid packing) and bf16 scales."""
+    from kernels.moe import Experts
+    if not int4:
+        return Experts(rand_bf16(rng, n_exp, 2 * inter, hidden, scale=0.05),
+                       rand_bf16(rng, n_exp, hidden, inter, scale=0.05))
+
+    def words(*shape):
+        return rng.integers(-2 ** 31, 2 ** 31, shape, dtype=np.int64).astype(np.int32)
+
+    def scales(*shape):
+        return f32_to_bf16((rng.random(shape) * 0.02 + 0.001).astype(np.float32))
+    return Experts(words(n_exp, 2 * inter, hidden // 8), words(n_exp, hidden, inter // 8),
+                   scales(n_exp, 2 * inter, hidden // 32), scales(n_exp, hidden, inter // 32), 32)
+
+
+def routing(rng, n, n_exp, k, mode):
+    """idx i32[n, k] (distinct per token), wts f32[n, k]. mode: random | one_hot (all tokens on expert 0 as their
+    first choice) | skip (expert 1 never used)."""
+    choices = np.arange(n_exp)
+    if mode == "skip":
+        choices = choices[choices != 1]
+    idx = np.stack([rng.choice(choices, k, replace=False) for _ in range(n)]).astype(np.int32)
+    if mode == "one_hot":
+        for t in range(n):
+            row = [0] + [e for e in idx[t] if e != 0]
+            idx[t] = row[:k]
+    return idx, rng.random((n, k)).astype(np.float32)
+
+
+def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, seed=0, shared=False):
+    from kernels.moe import device_experts, moe, moe_ref, moe_workspace
+    rng = np.random.default_rng(seed)
+    ex = make_experts(rng, n_exp, hidden, inter, int4)
+    x = rng.standard_normal((n, hidden)).astype(np.float32)
+    idx, wts = routing(rng, n, n_exp, k, mode)
+    sh = rng.standard_normal((n, hidden)).astype(np.float32) if shared else None
+    ws = moe_workspace(n + 3, k, hidden, inter, n_exp, lambda shape, dtype: poisoned(env, shape, dtype), xs=xs)
+    out = poisoned(env, (n, hidden), np.float32)
+    kw = dict(cfg_gate_up=cfgs[0], cfg_down=cfgs[1]) if cfgs else {}
+    moe(env.dev(x), env.dev(idx), env.dev(wts), device_experts(ex, env.dev), out, ws,
+        shared=None if sh is None else env.dev(sh), **kw)
+    ref = moe_ref(x, idx, wts, ex, np.empty((n, hidden), np.float32))
+    if sh is not None:
+        ref += sh
+    assert_close(f"moe n={n} {mode} xs={xs} int4={int4}", env.host(out), ref, 1e-4 if xs == 2 else 2e-2)
+
+
+def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0):
+    """Router vs router_ref; a tie in the choice may pick a different expert only when the two choices are
+    within float rounding of each other."""
+    from kernels.moe import moe_workspace, router, router_ref
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, hidden)).astype(np.float32)
+    wg = rand_bf16(rng, n_exp, hidden, scale=0.05)
+    bias = (rng.standard_normal(n_exp) * 0.02).astype(np.float32)
+    ws = moe_workspace(n, k, 64, 64, n_exp, lambda shape, dtype: poisoned(env, shape, dtype))
+    ii, ww = poisoned(env, (n, k), np.int32), poisoned(env, (n, k), np.float32)
+    router(env.dev(x), env.dev(wg), env.dev(bias), k, n_group, topk_group, True, 2.827, ii, ww, ws)
+    ri, rw = router_ref(x, wg, bias, k, n_group, topk_group, True, 2.827, np.empty((n, k), np.int32),
+                        np.empty((n, k), np.float32))
+    gi, gw = env.host(ii), env.host(ww)
+    choice = 1 / (1 + np.exp(-(x @ bf16_to_f32(wg).T))) + bias                     # [n, E]
+    for t in range(n):
+        if (gi[t] != ri[t]).any():   # allowed only for a near-tie: the picked choice values agree
+            np.testing.assert_allclose(np.sort(choice[t, gi[t]]), np.sort(choice[t, ri[t]]), rtol=0, atol=1e-5,
+                                       err_msg=f"router token {t}: {gi[t]} vs reference {ri[t]}")
+    same = (gi == ri).all(axis=1)
+    assert_close("router weights", gw[same], rw[same], 1e-5)

@@ -1,0 +1,175 @@
+"""numba.cuda attention kernels (MLA absorbed decode/verify/prefill, generic GQA attention, sampling) against their
+reference ops: on the simulator (a child process, tiny shapes) and on a GPU (K2 shapes, marked gpu); plus a PTX
+compile check for sm_90 with no float64 instructions in the hot kernels."""
+import numpy as np
+import pytest
+
+from cudasim import Env, f64_lines, ptx_or_skip, simulate, worst
+from weights.dtypes import bf16_to_f32, f32_to_bf16
+
+BF16_NAN = np.uint16(0x7FC0)
+
+
+def random_tree_vis(rng, n):
+    """Ancestor-or-self matrix of a random topologically numbered tree of n nodes."""
+    vis = np.eye(n, dtype=bool)
+    for i in range(1, n):
+        vis[i] |= vis[rng.integers(0, i)]
+    return vis
+
+
+def pack_vis(vis, T):
+    """bool[n, n] -> u32[T, ceil(T/32)] packed rows (bit j of word w = column 32w + j)."""
+    W = -(-T // 32)
+    bits = np.zeros((T, 32 * W), np.uint8)
+    bits[:len(vis), :len(vis)] = vis
+    return np.packbits(bits, axis=1, bitorder="little").view("<u4").astype(np.uint32)
+
+
+def check_mla(env, B=2, T=3, h=4, D=96, r=64, lengths=(37, 20), ntok=(3, 2), split=16, causal=False, seed=0):
+    from kernels.mla import mla_attention, mla_attention_ref, mla_work
+    rng = np.random.default_rng(seed)
+    lengths, ntok = np.array(lengths, np.int32), np.array(ntok, np.int32)
+    cap = int((lengths + ntok).max()) + 5
+    q = bf16_to_f32(f32_to_bf16(rng.normal(size=(B, T, h, D)).astype(np.float32)))   # the kernel's bf16 q
+    cache = f32_to_bf16(rng.normal(size=(B, cap, D)).astype(np.float32))
+    for b in range(B):
+        cache[b, lengths[b] + ntok[b]:] = BF16_NAN                                    # never read
+    mask = None if causal else np.stack([pack_vis(random_tree_vis(rng, n), T) for n in ntok])
+    scale = float(D) ** -0.5
+    want = mla_attention_ref(q, cache, lengths, ntok, mask, scale, np.empty((B, T, h, r), np.float32))
+    out = env.dev(np.full((B, T, h, r), np.nan, np.float32))
+    work = mla_work(env.zeros, B, T, h, r, cap, split) if split else None
+    mla_attention(env.dev(q), env.dev(cache), env.dev(lengths), env.dev(ntok),
+                  None if causal else env.dev(mask), scale, out, work)
+    got = env.host(out)
+    assert np.isfinite(got).all(), "non-finite output"
+    assert np.abs(got - want).max() <= 8e-3 * max(1.0, np.abs(want).max()), worst(got, want)
+
+
+def check_attention(env, n=5, h=4, hk=2, d=24, dv=16, S=37, masked=True, split=True, seed=1):
+    from kernels.attention import attention, attention_ref, attention_work
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(n, h, d)).astype(np.float32)
+    k = rng.normal(size=(S, hk, d)).astype(np.float32)
+    v = rng.normal(size=(S, hk, dv)).astype(np.float32)
+    vis = None
+    if masked:
+        vis = rng.random((n, S)) < 0.6
+        vis[:, 0] = True
+    want = attention_ref(q, k, v, vis, 0.3, np.empty((n, h, dv), np.float32))
+    out = env.dev(np.full((n, h, dv), np.nan, np.float32))
+    work = attention_work(env.zeros, n, h, dv, S, target_blocks=6) if split else None
+    attention(env.dev(q), env.dev(k), env.dev(v), None if vis is None else env.dev(vis), 0.3, out, work)
+    got = env.host(out)
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max()), worst(got, want)
+
+
+def check_sample(env, n=3, V=700, temperatures=(0, 0.7, 1.0), seed=2):
+    from kernels.sample import sample, sample_ref
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(n, V)).astype(np.float32)
+    logits[min(1, n - 1), [5, 9]] = 50.0                                 # exact tie: lowest index wins
+    seq = np.arange(n, dtype=np.int32)
+    pos = rng.integers(0, 100000, size=n).astype(np.int32)
+    for t in temperatures:
+        want = sample_ref(logits, t, 1234, seq, pos, np.empty(n, np.int32))
+        out = env.dev(np.full(n, -1, np.int32))
+        sample(env.dev(logits), t, 1234, env.dev(seq), env.dev(pos), out)
+        assert env.host(out).tolist() == want.tolist(), f"temperature {t}"
+
+
+SIM_CASES = {
+    "mla_tree_splits": lambda env: check_mla(env),
+    "mla_tree_one_split": lambda env: check_mla(env, split=None, seed=3),
+    "mla_decode_budget0": lambda env: check_mla(env, T=1, ntok=(1, 1), lengths=(40, 17), seed=4),
+    "mla_prefill_causal": lambda env: check_mla(env, B=1, T=5, h=2, lengths=(10,), ntok=(5,), causal=True, seed=5),
+    "mla_two_row_tiles": lambda env: check_mla(env, B=1, T=5, h=4, lengths=(20,), ntok=(4,), split=32, seed=6),
+    "mla_decode_8_column_warps": lambda env: check_mla(env, B=1, T=1, h=4, D=160, r=128, lengths=(33,), ntok=(1,),
+                                                       split=32, seed=9),
+    "attention_masked_splits": lambda env: check_attention(env),
+    "attention_gqa_nomask": lambda env: check_attention(env, masked=False, split=False, seed=7),
+    "sample": lambda env: check_sample(env),
+}
+
+
+@pytest.fixture(scope="module")
+def sim_results():
+    return simulate("test_cuda_attention")
+
+
+@pytest.mark.parametrize("case", sorted(SIM_CASES))
+def test_simulator(sim_results, case):
+    assert sim_results[case] == "", sim_results[case]
+
+
+# --- GPU (K2 shapes) ----------------------------------------------------------------------------------------------
+
+K2 = dict(D=576, r=512)
+GPU_MLA = {
+    "decode_h64": dict(B=2, T=1, h=64, lengths=(1000, 4000), ntok=(1, 1), split=512),
+    "decode_h8_one_split": dict(B=2, T=1, h=8, lengths=(900, 300), ntok=(1, 1), split=None),
+    "tree16_h64": dict(B=2, T=17, h=64, lengths=(700, 1500), ntok=(17, 9), split=256),
+    "tree1_h8": dict(B=2, T=2, h=8, lengths=(513, 40), ntok=(2, 1), split=256),
+    "tree255_h8": dict(B=2, T=256, h=8, lengths=(300, 900), ntok=(256, 100), split=256),
+    "prefill_causal_h8": dict(B=1, T=64, h=8, lengths=(100,), ntok=(64,), split=None, causal=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_MLA))
+def test_gpu_mla(case):
+    check_mla(Env(gpu=True), **K2, **GPU_MLA[case])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
+def test_gpu_attention_drafter(split):
+    check_attention(Env(gpu=True), n=16, h=32, hk=8, d=128, dv=128, S=1016, masked=False, split=split)
+
+
+@pytest.mark.gpu
+def test_gpu_attention_naive_prefill():
+    check_attention(Env(gpu=True), n=64, h=8, hk=8, d=192, dv=128, S=64, masked=True, split=False)
+
+
+@pytest.mark.gpu
+def test_gpu_sample():
+    check_sample(Env(gpu=True), n=17, V=163840, temperatures=(0, 0.8))
+
+
+# --- PTX for sm_90 ------------------------------------------------------------------------------------------------
+
+def _mla_sig():
+    return ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32[:,:,::1], float32, int32, "
+            "int32, float32[:,:,:,::1], float32[:,:,:,::1])")
+
+
+@pytest.mark.parametrize("M", [8, 64, 1088])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ptx_mla(M, causal):
+    import re
+    from kernels.mla import mla_geometry, mla_kernel
+    wm, wn, pf, _, _ = mla_geometry(M, 576, 512)
+    ptx = ptx_or_skip(mla_kernel(wm, wn, pf, causal, 576, 512).py_func, _mla_sig())
+    assert not f64_lines(ptx), f64_lines(ptx)[:5]
+    assert ptx.count("mma.sync") and ptx.count("ldmatrix")
+    assert not re.search(r"(ld|st)\.local", ptx), "accumulators spilled to local memory"
+
+
+@pytest.mark.parametrize("name,sig", [
+    ("attention_split_kernel", "void(float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], boolean[:,::1], boolean, "
+                               "float32, int32, int32, float32[:,:,::1], float32[:,:,::1])"),
+    ("merge_splits_kernel", "void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1])"),
+])
+def test_ptx_attention(name, sig):
+    import kernels.attention as A
+    ptx = ptx_or_skip(getattr(A, name).py_func, sig)
+    assert not f64_lines(ptx), f64_lines(ptx)[:5]
+
+
+def test_ptx_sample():
+    import kernels.sample as S
+    ptx = ptx_or_skip(S.sample_kernel.py_func,
+                      "void(float32[:,::1], float32, boolean, uint64, int32[::1], int32[::1], int32[::1])")
+    assert not f64_lines(ptx), f64_lines(ptx)[:5]

@@ -1,0 +1,57 @@
+"""numba.cuda router and MoE kernels (INT4 W4A16 and bf16 experts) against router_ref / moe_ref: on the simulator
+(a child process, tiny shapes) and on a GPU (K2 shapes, marked gpu). Routing cases: random, an expert with no tokens,
+all tokens on one expert (several work items for it), a shared-expert add."""
+import pytest
+
+import cuda_cases as C
+from cudasim import Env, simulate
+from kernels.moe import ExpertConfig
+
+SMALL = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2), ExpertConfig(R=2, WR=1, WK=1, T=1, blocks_per_sm=2))
+SIM_CASES = {
+    "moe_int4_random": lambda env: C.check_moe(env, 5, 128, 64, 4, 2, "random", 1, cfgs=SMALL),
+    "moe_int4_one_expert_two_items_shared": lambda env: C.check_moe(env, 9, 128, 64, 4, 2, "one_hot", 1, cfgs=SMALL,
+                                                                     shared=True),
+    "moe_int4_unused_expert_hi_lo": lambda env: C.check_moe(env, 3, 128, 64, 4, 2, "skip", 2, cfgs=SMALL),
+    "moe_bf16_experts": lambda env: C.check_moe(env, 4, 128, 64, 4, 2, "random", 1, int4=False, cfgs=SMALL),
+    "router_one_group": lambda env: C.check_router(env, 3, 64, 16, 4, 1, 1),
+    "router_grouped": lambda env: C.check_router(env, 3, 64, 16, 4, 4, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def sim_results():
+    return simulate("test_cuda_moe")
+
+
+@pytest.mark.parametrize("case", sorted(SIM_CASES))
+def test_simulator(sim_results, case):
+    assert sim_results[case] == "", sim_results[case]
+
+
+# --- GPU (K2 widths: H 7168, I 2048, top-8; 8-16 experts keep the NumPy reference quick) -----------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,n_exp,mode", [(1, 16, "random"), (17, 16, "skip"), (65, 8, "random")])
+def test_gpu_moe_int4(n, n_exp, mode):
+    C.check_moe(Env(gpu=True), n, 7168, 2048, n_exp, 8, mode, 2)
+
+
+@pytest.mark.gpu
+def test_gpu_moe_int4_one_expert_shared():
+    C.check_moe(Env(gpu=True), 33, 1024, 512, 16, 8, "one_hot", 2, shared=True)
+
+
+@pytest.mark.gpu
+def test_gpu_moe_int4_bf16_activations():
+    C.check_moe(Env(gpu=True), 9, 1024, 512, 16, 8, "random", 1)
+
+
+@pytest.mark.gpu
+def test_gpu_moe_bf16_experts():
+    C.check_moe(Env(gpu=True), 5, 1024, 256, 8, 4, "random", 2, int4=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,n_group,topk_group", [(1, 1, 1), (65, 1, 1), (17, 8, 4)])
+def test_gpu_router(n, n_group, topk_group):
+    C.check_router(Env(gpu=True), n, 7168, 384, 8, n_group, topk_group)

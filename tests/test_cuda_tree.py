@@ -1,0 +1,199 @@
+"""GPU tree build, walk and commit (kernels/tree.py) against numbaengine.ddtree: identical trees from the same
+candidate lists (ties included), top-K lists equal to top_logprobs, the walk's path and bonus, the cache row moves
+and the drafter-feature gather. Simulator cases run in a child process; K2-sized cases on a GPU (marked gpu)."""
+import numpy as np
+import pytest
+
+from cudasim import Env, f64_lines, ptx_or_skip, simulate
+from kernels.mla import mask_bits
+from numbaengine.ddtree import build_tree, draft_tree, top_logprobs, walk
+
+
+def random_lists(rng, L, K, quantized):
+    """Per-depth candidates as in tests/test_tree.py: distinct ids, log-probs sorted descending (quantized tie)."""
+    ids = np.stack([rng.choice(max(50, 4 * K), K, replace=False) for _ in range(L)]).astype(np.int32)
+    if quantized:
+        lp = -rng.integers(0, 4, size=(L, K)) * 0.5 - 0.25
+    else:
+        lp = np.log(rng.dirichlet(np.ones(K + 3), size=L)[:, :K])
+    return ids, (-np.sort(-lp, axis=1)).astype(np.float32)
+
+
+def host_buffers(env, tb):
+    from kernels.tree import TreeBuffers
+    return TreeBuffers(*(env.host(getattr(tb, f)) for f in TreeBuffers.__dataclass_fields__))
+
+
+def assert_tree(got, b, ref, start, seq_id):
+    n, N = len(ref), got.tokens.shape[1]
+    assert got.ntok[b] == n, f"seq {b}: {got.ntok[b]} nodes, reference {n}"
+    assert got.tokens[b, :n].tolist() == ref.tokens.tolist(), f"seq {b} tokens"
+    assert got.parents[b, :n].tolist() == ref.parents.tolist(), f"seq {b} parents"
+    assert got.depths[b, :n].tolist() == ref.depths.tolist(), f"seq {b} depths"
+    assert (got.positions[b, :n] == start + ref.depths).all(), f"seq {b} positions"
+    assert (mask_bits(got.vis[b], n) == ref.vis).all(), f"seq {b} visibility"
+    assert (got.sample_pos[b * N:b * N + n] == start + ref.depths + 1).all() and \
+        (got.sample_seq[b * N:b * N + n] == seq_id).all(), f"seq {b} sampling keys"
+
+
+def check_build(env, L=3, K=3, budgets=(9, 5, 0, 1), quantized=True, seed=0):
+    """Trees from given candidate lists, several sequences with different budgets, vs build_tree."""
+    from kernels.tree import tree_buffers, tree_build
+    rng = np.random.default_rng(seed)
+    B, N = len(budgets), max(budgets) + 1
+    lists = [random_lists(rng, L, K, quantized and b % 2 == 0) for b in range(B)]
+    tb = tree_buffers(env.zeros, B, L, K, N, 4 * K)
+    tb.ids, tb.lp = env.dev(np.stack([i for i, _ in lists])), env.dev(np.stack([p for _, p in lists]))
+    budgets, lengths = np.array(budgets, np.int32), rng.integers(0, 100, B).astype(np.int32)
+    bonus, seq_ids = rng.integers(0, 50, B).astype(np.int32), np.arange(10, 10 + B, dtype=np.int32)
+    for f in ("tokens", "parents", "depths", "positions", "ntok", "sample_pos"):
+        setattr(tb, f, env.dev(np.full(getattr(tb, f).shape, -7, np.int32)))          # poison
+    tree_build(tb, env.dev(budgets), env.dev(lengths), env.dev(bonus), env.dev(seq_ids))
+    got = host_buffers(env, tb)
+    for b in range(B):
+        assert_tree(got, b, build_tree(bonus[b], *lists[b], budgets[b]), lengths[b], seq_ids[b])
+
+
+def check_topk(env, B=2, L=3, V=40, K=6, seed=1):
+    from kernels.tree import tree_buffers, tree_topk
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(B, L, V)).astype(np.float32)
+    logits[0, 1, [5, 9, 11]] = 3.0                                                 # exact ties: lower id first
+    logits[-1, -1, :] = np.round(logits[-1, -1, :])                                # many ties
+    tb = tree_buffers(env.zeros, B, L, K, 1, V)
+    tb.ids, tb.lp = env.dev(np.full((B, L, K), -1, np.int32)), env.dev(np.full((B, L, K), np.nan, np.float32))
+    tree_topk(env.dev(logits), tb)
+    ids, lp = env.host(tb.ids), env.host(tb.lp)
+    for b in range(B):
+        want_ids, want_lp = top_logprobs(logits[b], K)
+        assert (ids[b] == want_ids).all(), f"seq {b} ids"
+        np.testing.assert_allclose(lp[b], want_lp, atol=2e-5, rtol=0)
+
+
+def check_draft_pipeline(env, B=2, L=3, V=30, budgets=(7, 4), seed=2):
+    """topk + build from drafter logits == draft_tree('ddtree') (continuous logits: no near-ties)."""
+    from kernels.tree import tree_buffers, tree_build, tree_topk
+    rng = np.random.default_rng(seed)
+    logits = (3 * rng.normal(size=(B, L, V))).astype(np.float32)
+    K, N = min(max(budgets), V), max(budgets) + 1
+    tb = tree_buffers(env.zeros, B, L, K, N, V)
+    tree_topk(env.dev(logits), tb)
+    lengths, bonus = np.array([5, 9][:B], np.int32), np.array([1, 2][:B], np.int32)
+    tree_build(tb, env.dev(np.array(budgets, np.int32)), env.dev(lengths), env.dev(bonus),
+               env.dev(np.arange(B, dtype=np.int32)))
+    got = host_buffers(env, tb)
+    for b in range(B):
+        assert_tree(got, b, draft_tree("ddtree", bonus[b], logits[b], budgets[b]), lengths[b], b)
+
+
+def check_walk_commit(env, L=3, K=3, budgets=(9, 5, 0), D=16, layers=2, F=2, H=4, seed=3):
+    """Build, then walk against target samples that follow random paths, then commit and gather."""
+    from kernels.tree import tree_buffers, tree_build, tree_commit, tree_walk
+    rng = np.random.default_rng(seed)
+    B, N = len(budgets), max(budgets) + 1
+    lists = [random_lists(rng, L, K, False) for _ in range(B)]
+    tb = tree_buffers(env.zeros, B, L, K, N, 4 * K)
+    tb.ids, tb.lp = env.dev(np.stack([i for i, _ in lists])), env.dev(np.stack([p for _, p in lists]))
+    lengths, bonus = np.array([7, 3, 11][:B], np.int32), np.array([40, 41, 42][:B], np.int32)
+    d_len, d_bonus = env.dev(lengths), env.dev(bonus)
+    tree_build(tb, env.dev(np.array(budgets, np.int32)), d_len, d_bonus, env.dev(np.arange(B, dtype=np.int32)))
+    trees = [build_tree(bonus[b], *lists[b], budgets[b]) for b in range(B)]
+    post = rng.integers(10**6, 10**6 + 9, B * N).astype(np.int32)                 # no child matches ...
+    for b, t in enumerate(trees):                                                 # ... except along a path
+        node = 0
+        for _ in range(rng.integers(0, L + 1)):
+            kids = [c for c in range(1, len(t)) if t.parents[c] == node]
+            if not kids:
+                break
+            nxt = kids[rng.integers(0, len(kids))]
+            post[b * N + node] = t.tokens[nxt]
+            node = nxt
+    tb.post = env.dev(post)
+    tree_walk(tb, d_len, d_bonus)
+    cap = int(lengths.max()) + N + 2
+    cache = rng.integers(0, 65535, size=(layers, B, cap, D)).astype(np.uint16)
+    hidden = rng.normal(size=(F, B, N, H)).astype(np.float32)
+    d_cache, feats = env.dev(cache), env.dev(np.full((B, L + 1, F * H), np.nan, np.float32))
+    feat_pos = env.dev(np.full((B, L + 1), -1, np.int32))
+    tree_commit(tb, d_cache, env.dev(hidden), feats, feat_pos)
+    got, new_cache = host_buffers(env, tb), env.host(d_cache)
+    new_len, new_bonus, feats, feat_pos = env.host(d_len), env.host(d_bonus), env.host(feats), env.host(feat_pos)
+    for b, t in enumerate(trees):
+        path, nb = walk(t, post[b * N:b * N + len(t)])
+        m, s0 = len(path), lengths[b]
+        assert got.path[b, :m].tolist() == path.tolist() and got.nacc[b] == m, f"seq {b} path"
+        assert got.out_tokens[b, :m + 1].tolist() == [m] + t.tokens[path[1:]].tolist() + [nb], f"seq {b} tokens"
+        assert new_len[b] == s0 + m and new_bonus[b] == nb, f"seq {b} length / bonus"
+        want = cache[:, b].copy()
+        want[:, s0:s0 + m] = cache[:, b, s0 + path]                                 # LatentCache.commit
+        assert (new_cache[:, b] == want).all(), f"seq {b} cache rows"
+        assert np.array_equal(feats[b, :m], hidden[:, b, path].transpose(1, 0, 2).reshape(m, F * H))
+        assert feat_pos[b, :m].tolist() == list(range(s0, s0 + m))
+
+
+SIM_CASES = {
+    "build_ties_batch": lambda env: check_build(env),
+    "build_deeper_wider": lambda env: check_build(env, L=4, K=3, budgets=(16, 20), quantized=True, seed=4),
+    "build_chain_dflash": lambda env: check_build(env, L=4, K=1, budgets=(4, 2), seed=5),
+    "topk_ties": lambda env: check_topk(env),
+    "topk_chunks": lambda env: check_topk(env, B=1, L=2, V=5000, K=3, seed=8),
+    "draft_pipeline": lambda env: check_draft_pipeline(env),
+    "walk_commit_gather": lambda env: check_walk_commit(env),
+}
+
+
+@pytest.fixture(scope="module")
+def sim_results():
+    return simulate("test_cuda_tree")
+
+
+@pytest.mark.parametrize("case", sorted(SIM_CASES))
+def test_simulator(sim_results, case):
+    assert sim_results[case] == "", sim_results[case]
+
+
+# --- GPU (K2 / DFlash shapes: L = 15 depths, budgets 0 / 1 / 16 / 255) ------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantized", [False, True])
+def test_gpu_build(quantized):
+    check_build(Env(gpu=True), L=15, K=255, budgets=(255, 16, 1, 0), quantized=quantized, seed=11)
+
+
+@pytest.mark.gpu
+def test_gpu_topk_k2_vocab():
+    check_topk(Env(gpu=True), B=2, L=15, V=163840, K=255)
+
+
+@pytest.mark.gpu
+def test_gpu_draft_pipeline():
+    check_draft_pipeline(Env(gpu=True), B=2, L=15, V=4096, budgets=(255, 16))
+
+
+@pytest.mark.gpu
+def test_gpu_walk_commit():
+    check_walk_commit(Env(gpu=True), L=15, K=64, budgets=(255, 16, 1), D=576, layers=3, F=3, H=256)
+
+
+# --- PTX for sm_90 (the build kernel sums scores in float64 on purpose, as the reference does) ---------------------
+
+SIGS = {
+    "topk_part_kernel": "void(float32[:,:,::1], uint64[:,:,:,::1], float32[:,:,:,::1])",
+    "topk_merge_kernel": "void(float32[:,:,::1], uint64[:,:,:,::1], float32[:,:,:,::1], int32[:,:,::1], "
+                         "float32[:,:,::1])",
+    "build_kernel": "void(int32[:,:,::1], float32[:,:,::1], int32[::1], int32[::1], int32[::1], int32[::1], "
+                    "int32[:,::1], int32[:,::1], int32[:,::1], int32[:,::1], uint32[:,:,::1], int32[::1], "
+                    "int32[::1], int32[::1])",
+    "walk_kernel": "void(int32[:,::1], int32[:,::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[:,::1], "
+                   "int32[::1], int32[::1], int32[:,::1])",
+    "commit_kernel": "void(uint32[:,:,:,::1], int32[:,::1], int32[::1], int32[::1])",
+    "gather_kernel": "void(float32[:,:,:,::1], int32[:,::1], int32[::1], int32[::1], float32[:,:,::1], int32[:,::1])",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIGS))
+def test_ptx_tree(name):
+    import kernels.tree as T
+    ptx = ptx_or_skip(getattr(T, name).py_func, SIGS[name])
+    if name != "build_kernel":
+        assert not f64_lines(ptx), f64_lines(ptx)[:5]

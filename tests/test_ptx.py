@@ -1,0 +1,92 @@
+"""Every kernel of the dense, MoE and top-k families compiles for sm_90 on the CPU (numba.cuda.compile_ptx: the
+real type inference and NVVM, which the simulator skips), with no float64 instruction and no local memory in the
+mma kernels (RoPE: only libdevice's float64 reduction of huge angles). Needs the CUDA compiler wheels (numba-cuda[cu13]); skipped without them."""
+import re
+
+import pytest
+from numba import types as ty
+
+from cudasim import f64_lines, ptx_or_skip
+
+u16, u32, i32, f32 = ty.uint16, ty.uint32, ty.int32, ty.float32
+A1, A2, A3 = (lambda t: t[::1]), (lambda t: t[:, :]), (lambda t: t[:, :, :])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def cpu_compute_capability():
+    """Device functions are compiled for the current device's compute capability; without a GPU, say sm_90."""
+    import numba.cuda.dispatcher as dispatcher
+    from numba import cuda
+    if cuda.is_available():
+        yield
+        return
+
+    class Device:
+        compute_capability = (9, 0)
+    real = dispatcher.get_current_device
+    dispatcher.get_current_device = Device
+    yield
+    dispatcher.get_current_device = real
+
+
+def _gemm():
+    from kernels.gemm import _build_gemm, _build_prep, _build_reduce
+    sig = (A1(u32), A1(u32), A2(f32), A3(f32)) + (i32,) * 5
+    cases = {f"gemm_T{T}_R{R}_XS{XS}_PF{PF}_BF{BF}": (_build_gemm(T, R, XS, 2, PF, BF), sig, True)
+             for T, R, XS, PF, BF in [(1, 2, 2, 0, 0), (1, 2, 2, 1, 1), (3, 2, 2, 0, 1), (5, 1, 1, 0, 1), (9, 1, 2, 1, 0)]}
+    cases["prep_hi_lo_int4_order"] = (_build_prep(2, 1), (A2(f32), A1(u32), i32, i32), True)
+    cases["prep_bf16"] = (_build_prep(1, 0), (A2(f32), A1(u32), i32, i32), True)
+    cases["gemm_reduce"] = (_build_reduce(), (A3(f32), A2(f32), i32, i32, i32), False)
+    return cases
+
+
+def _moe():
+    from kernels.gemm import BF16, INT4
+    from kernels.moe import _build_combine, _build_expert_gemm, _build_plan, _build_router_logits, _build_router_select
+    cases = {}
+    for fmt, down, T, R, XS, G in [(INT4, 0, 2, 2, 2, 4), (INT4, 1, 1, 2, 2, 4), (INT4, 1, 1, 1, 1, 2),
+                                   (INT4, 0, 1, 1, 1, 1), (BF16, 0, 2, 2, 2, 1)]:
+        w = ty.uint32[:, ::1]
+        sc = ty.uint16[:, ::1] if fmt == INT4 else w
+        sig = (A1(u32), w, sc, A1(u16), A2(f32), A2(f32)) + (A1(i32),) * 5 + (i32,) * 5
+        name = f"expert_{'int4' if fmt == INT4 else 'bf16'}_{'down' if down else 'gate_up'}_T{T}_R{R}_XS{XS}_G{G}"
+        cases[name] = (_build_expert_gemm(fmt, down, T, R, XS, G, 2, int(fmt == INT4), int(down)), sig, True)
+    cases["router_logits"] = (_build_router_logits(4), (A1(f32), A1(u32), A2(f32), i32, i32, i32), False)
+    cases["router_select"] = (_build_router_select(), (A2(f32), A1(f32), A2(i32), A2(f32)) + (i32,) * 5 + (f32,),
+                              False)
+    cases["plan"] = (_build_plan(), (A2(i32), i32, i32, i32, i32) + (A1(i32),) * 5, False)
+    cases["combine"] = (_build_combine(), (A2(f32), A2(f32), A2(f32), i32, i32, i32, i32), False)
+    return cases
+
+
+def _elementwise():
+    from kernels.act import _silu_mul_k
+    from kernels.norm import _build as norm_build
+    from kernels.rope import _build as rope_build
+    from kernels.topk import _argmax_k, _build_topk
+    return {
+        "rmsnorm": (norm_build(False), (A2(f32), A2(f32), A1(u16), f32, A2(f32), i32), False),
+        "add_rmsnorm": (norm_build(True), (A2(f32), A2(f32), A1(u16), f32, A2(f32), i32), False),
+        "silu_mul": (_silu_mul_k, (A2(f32), A2(f32), i32, i32), False),
+        "rope_interleaved": (rope_build(True), (A3(f32), A1(i32), A1(f32), A3(f32), f32, i32, i32, i32), None),
+        "rope_half": (rope_build(False), (A3(f32), A1(i32), A1(f32), A3(f32), f32, i32, i32, i32), None),
+        "argmax": (_argmax_k, (A2(f32), A1(i32), i32), False),
+        "topk8": (_build_topk(8), (A2(f32), A2(i32), A2(f32), i32), False),
+    }
+
+
+CASES = {**_gemm(), **_moe(), **_elementwise()}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_ptx(name):
+    kern, sig, mma = CASES[name]
+    ptx = ptx_or_skip(kern.py_func, sig)
+    if mma is None:   # rope: libdevice's accurate sinf/cosf reduce angles > ~1e5 rad through float64 (cold path)
+        f64 = [ln for ln in f64_lines(ptx) if not re.search(r"cvt\.rn\.f(64|32)\.(s64|f64)|mul\.f64|\.reg", ln)]
+        assert not f64, f"{name}: float64 instructions outside the sin/cos reduction:\n" + "\n".join(f64[:5])
+        return
+    assert not f64_lines(ptx), f"{name}: float64 instructions:\n" + "\n".join(f64_lines(ptx)[:5])
+    if mma:
+        assert "mma.sync.aligned.m16n8k16" in ptx or "prep" in name, f"{name}: no mma.sync"
+        assert not re.search(r"\b(ld|st)\.local", ptx), f"{name}: local memory (an accumulator array not in registers)"

@@ -1,0 +1,241 @@
+"""Benchmarks of the attention and DDTree kernels on a GPU (issue 6): MLA absorbed attention over the bf16 latent
+cache (GB/s on the cache bytes, % of copy bandwidth, TFLOP/s), prefill (absorbed vs naive), drafter attention, and
+the per-round tree work (top-K, build, sampling, walk, commit, feature gather) in microseconds.
+
+Every timing replays a CUDA graph of `reps` launches (numba launches captured on a CuPy stream), so Python launch
+overhead is not measured. `run(results, copy_bw_gbs)` is called by tools/bench_kernels.py; alone:
+    python -m tools.bench_attention [--out bench.json] [--quick]
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+
+K2_D, K2_R, K2_V, K2_LAYERS, K2_HIDDEN = 576, 512, 163840, 61, 7168
+K2_ROUND_US = 1300.0        # one K2 token-step at batch 1 on 8 GPUs: ~33 GB / 8 / 4.25 TB/s
+
+
+def _cp():
+    import cupy
+    return cupy
+
+
+def _nb(a):
+    """A numba view of a CuPy array (made before capture; CuPy arrays cannot be passed while capturing)."""
+    from numba import cuda
+    return cuda.as_cuda_array(a)
+
+
+class Keep(list):
+    """Keeps the CuPy arrays behind numba views alive."""
+
+    def arr(self, a):
+        self.append(a)
+        return _nb(a)
+
+    def zeros(self, shape, dtype):
+        return self.arr(_cp().zeros(shape, dtype))
+
+    def normal(self, shape, scale=1.0):
+        return self.arr((_cp().random.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32))
+
+    def bf16(self, shape):
+        x = _cp().random.standard_normal(shape, dtype=np.float32)
+        return self.arr((x.view(np.uint32) >> 16).astype(np.uint16))
+
+
+def gpu_us(fn, reps=10):
+    """Microseconds per call of fn: a CUDA graph of `reps` calls, replayed; eager events if capture fails."""
+    cp = _cp()
+    stream = cp.cuda.Stream(non_blocking=True)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    with stream:
+        fn()                                    # compile, set attributes, make placeholders
+        stream.synchronize()
+        try:
+            stream.begin_capture()
+            for _ in range(reps):
+                fn()
+            graph = stream.end_capture()
+            graph.launch(stream)
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            return cp.cuda.get_elapsed_time(start, end) * 1000 / reps, "graph"
+        except Exception as e:                  # noqa: BLE001 (report and fall back)
+            try:
+                stream.end_capture()
+            except Exception:                   # noqa: BLE001
+                pass
+            start.record(stream)
+            for _ in range(reps):
+                fn()
+            end.record(stream)
+            end.synchronize()
+            return cp.cuda.get_elapsed_time(start, end) * 1000 / reps, f"eager ({type(e).__name__})"
+
+
+def bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch=256 * 1024, q_bytes_cap=512 << 20):
+    """MLA decode/verify: B sequences of `ctx` committed rows + T tree tokens (random ancestor masks)."""
+    from kernels.mla import mla_attention, mla_work
+    rows = []
+    for ctx in contexts:
+        for h in heads:
+            for T in queries:
+                for B in sorted({1, max(1, min(tokens_per_batch // ctx, q_bytes_cap // (T * h * K2_D * 4)))}):
+                    keep = Keep()
+                    q = keep.normal((B, T, h, K2_D))
+                    cache = keep.bf16((B, ctx + T, K2_D))
+                    lengths = keep.arr(_cp().full(B, ctx, np.int32))
+                    ntok = keep.arr(_cp().full(B, T, np.int32))
+                    words = -(-T // 32)
+                    mask = keep.arr(_cp().full((B, T, words), 0xFFFFFFFF, np.uint32))    # cost does not depend on it
+                    out = keep.zeros((B, T, h, K2_R), np.float32)
+                    work = mla_work(keep.zeros, B, T, h, K2_R, ctx + T)
+                    us, how = gpu_us(lambda: mla_attention(q, cache, lengths, ntok, mask, 0.04, out, work))
+                    nbytes = B * (ctx + T) * K2_D * 2
+                    flops = 2.0 * B * (ctx + T) * T * h * (K2_D + K2_R)
+                    gbs = nbytes / us / 1e3
+                    rows.append(dict(ctx=ctx, heads=h, queries=T, batch=B, split=work.split, splits=work.o.shape[1],
+                                     us=round(us, 2), cache_gbs=round(gbs, 1), pct_copy=round(100 * gbs / copy_bw, 1),
+                                     tflops=round(flops / us / 1e6, 1), timing=how))
+                    print("mla", rows[-1], flush=True)
+                    del keep
+    return rows
+
+
+def bench_prefill(T=1024, h=64):
+    """Prompt attention at T tokens: the absorbed kernel (causal mode) vs the naive form on the generic kernel."""
+    from kernels.attention import attention
+    from kernels.mla import mla_attention
+    keep = Keep()
+    q = keep.normal((1, T, h, K2_D))
+    cache = keep.bf16((1, T, K2_D))
+    zero, ntok = keep.zeros(1, np.int32), keep.arr(_cp().full(1, T, np.int32))
+    out = keep.zeros((1, T, h, K2_R), np.float32)
+    absorbed, how = gpu_us(lambda: mla_attention(q, cache, zero, ntok, None, 0.04, out), reps=3)
+    qn, kn, vn = keep.normal((T, h, 192)), keep.normal((T, h, 192)), keep.normal((T, h, 128))
+    causal = keep.arr(_cp().tril(_cp().ones((T, T), dtype=bool)))
+    on = keep.zeros((T, h, 128), np.float32)
+    naive, how2 = gpu_us(lambda: attention(qn, kn, vn, causal, 0.04, on), reps=3)
+    row = dict(tokens=T, heads=h, absorbed_us=round(absorbed, 1), naive_us=round(naive, 1),
+               faster="absorbed" if absorbed < naive else "naive", timing=f"{how}/{how2}")
+    print("prefill", row, flush=True)
+    return [row]
+
+
+def bench_drafter(contexts, n=16, h=32, hk=8, d=128):
+    """DFlash drafter attention: a block of n queries over ctx context rows plus the block (f32 K/V, no mask)."""
+    from kernels.attention import attention, attention_work
+    rows = []
+    for ctx in contexts:
+        keep = Keep()
+        S = ctx + n
+        q, k, v = keep.normal((n, h, d)), keep.normal((S, hk, d)), keep.normal((S, hk, d))
+        out = keep.zeros((n, h, d), np.float32)
+        work = attention_work(keep.zeros, n, h, d, S)
+        us, how = gpu_us(lambda: attention(q, k, v, None, d ** -0.5, out, work))
+        gbs = 2 * S * hk * d * 4 / us / 1e3
+        rows.append(dict(ctx=ctx, queries=n, heads=h, kv_heads=hk, head_dim=d, us=round(us, 1), kv_gbs=round(gbs, 1),
+                         timing=how))
+        print("drafter", rows[-1], flush=True)
+    return rows
+
+
+def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5):
+    """One DDTree round's tree work for K2 shapes: per stage and in total, in microseconds."""
+    from kernels.sample import sample
+    from kernels.tree import tree_buffers, tree_build, tree_commit, tree_topk, tree_walk
+    cp = _cp()
+    rows = []
+    for Bud in budgets:
+        keep = Keep()
+        K, N = min(Bud, V), Bud + 1
+        tb = tree_buffers(keep.zeros, batch, L, K, N, V)
+        draft_logits = keep.normal((batch, L, V), 3.0)
+        target_logits = keep.normal((batch * N, V), 3.0)
+        budgets_d = keep.arr(cp.full(batch, Bud, np.int32))
+        lengths = keep.arr(cp.full(batch, 1000, np.int32))
+        bonus, seq_ids = keep.zeros(batch, np.int32), keep.arr(cp.arange(batch, dtype=np.int32))
+        cache = keep.bf16((K2_LAYERS, batch, 4096, K2_D))
+        hidden = keep.normal((F, batch, N, K2_HIDDEN))
+        feats, feat_pos = keep.zeros((batch, L + 1, F * K2_HIDDEN), np.float32), keep.zeros((batch, L + 1), np.int32)
+        tree_topk(draft_logits, tb)
+        tree_build(tb, budgets_d, lengths, bonus, seq_ids)
+        stages = {
+            "topk": lambda: tree_topk(draft_logits, tb),
+            "build": lambda: tree_build(tb, budgets_d, lengths, bonus, seq_ids),
+            "sample_T0": lambda: sample(target_logits, 0.0, 0, tb.sample_seq, tb.sample_pos, tb.post),
+            "sample_T1": lambda: sample(target_logits, 1.0, 7, tb.sample_seq, tb.sample_pos, tb.post),
+            "walk": lambda: tree_walk(tb, lengths, bonus),          # advances lengths: cache has room
+            "commit": lambda: tree_commit(tb, cache, hidden, feats, feat_pos),
+        }
+        row = dict(budget=Bud, batch=batch, depths=L, vocab=V, layers=K2_LAYERS)
+        for name, fn in stages.items():
+            row[name + "_us"] = round(gpu_us(fn, reps=5)[0], 1)
+        row["round_us"] = round(row["topk_us"] + row["build_us"] + row["sample_T1_us"] + row["walk_us"]
+                                + row["commit_us"], 1)
+        row["pct_of_k2_round"] = round(100 * row["round_us"] / K2_ROUND_US, 1)
+        rows.append(row)
+        print("tree", row, flush=True)
+        del keep
+    return rows
+
+
+def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None):
+    """Fill results['attention'] with every table above (called by tools/bench_kernels.py); on_table(results)
+    after each table (to save partial results)."""
+    t0 = time.time()
+    ctxs = [1024, 4096] if quick else [1024, 4096, 16384, 65536]
+    res = results.setdefault("attention", {})
+    res["copy_bw_gbs"] = copy_bw_gbs
+    res["k2_round_us"] = K2_ROUND_US
+    for name, fn in [("mla", lambda: bench_mla(ctxs, [64, 8], [1, 17, 65], copy_bw_gbs)),
+                     ("tree", lambda: bench_tree([16, 64, 255] if quick else [16, 32, 64, 128, 255])),
+                     ("prefill", lambda: bench_prefill()),
+                     ("drafter", lambda: bench_drafter([1024, 4096, 16384]))]:
+        try:
+            res[name] = fn()
+        except Exception as e:                   # noqa: BLE001 (keep the other tables)
+            import traceback
+            res[name + "_error"] = traceback.format_exc()[-3000:]
+            print(name, "FAILED", e, flush=True)
+        if on_table:
+            on_table(results)
+    res["seconds"] = round(time.time() - t0, 1)
+    return results
+
+
+def copy_bandwidth():
+    """Device-to-device copy GB/s (bytes read + written), the 100% mark."""
+    cp = _cp()
+    a = cp.empty(1 << 30, np.uint8)
+    b = cp.empty_like(a)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    b[...] = a
+    start.record()
+    for _ in range(10):
+        b[...] = a
+    end.record()
+    end.synchronize()
+    return 2 * 10 * a.nbytes / (cp.cuda.get_elapsed_time(start, end) / 1e3) / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+    def save(results):
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    run({}, bw, quick=args.quick, on_table=save)
+
+
+if __name__ == "__main__":
+    main()

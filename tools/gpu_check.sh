@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# On a GPU machine: every GPU test (pytest -m gpu), then the kernel benchmark. Logs and JSON go to $OUT (./gpu_out).
+#   bash tools/gpu_check.sh            (device tool: OUT is set there)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import numpy, numba, numba_cuda, cupy; print('numpy', numpy.__version__, 'numba', numba.__version__, \
+'numba-cuda', numba_cuda.__version__, 'cupy', cupy.__version__)" | tee -a "$OUT/gpu.txt"
+xdist=""
+python3 -c "import xdist" 2>/dev/null && xdist="-n ${GPU_TEST_WORKERS:-8}"
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rf $xdist --junitxml="$OUT/pytest_gpu.xml" ${GPU_TESTS:-tests} 2>&1 \
+  | tee "$OUT/pytest_gpu.log"
+test_rc=${PIPESTATUS[0]}
+timeout "${BENCH_TIMEOUT:-400}" python3 -m tools.bench_kernels --out "$OUT/bench_kernels.json" ${BENCH_ARGS:-} 2>&1 \
+  | tee "$OUT/bench_kernels.log"
+bench_rc=${PIPESTATUS[0]}
+echo "pytest rc=$test_rc bench rc=$bench_rc" | tee -a "$OUT/gpu.txt"
+exit $(( test_rc != 0 || bench_rc != 0 ))
