@@ -25,12 +25,13 @@ from numba import cuda, float32, int32, uint32
 
 from kernels.device import (F0, as_f32, bf16_hi, bf16_lo, device, int4_pair, kernel, launch, ld16, ld16_pf,
                             ld4, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
+from kernels.memo import memo_f32
 from weights.dtypes import bf16_to_f32
 
 
 def gemm_ref(x, w, out):
     """x f32[m, k], w u16[n, k] -> out f32[m, n]."""
-    np.matmul(x, bf16_to_f32(w).T, out=out)
+    np.matmul(x, memo_f32(w, lambda: bf16_to_f32(w)).T, out=out)
     return out
 
 

@@ -5,12 +5,13 @@ attend in the latent space: q_lat_h = q_nope_h @ W_UK_h, then o_h = o_lat_h @ W_
 """
 import numpy as np
 
+from kernels.memo import memo_f32
 from weights.dtypes import bf16_to_f32, f32_to_bf16
 
 
 def head_gemm_ref(x, w, out, transpose_w):
     """Per-head GEMM. x f32[n, h, a]; w u16[h, a, b] (transpose_w=False) or u16[h, b, a] (True) -> out f32[n, h, b]."""
-    np.einsum("nha,hba->nhb" if transpose_w else "nha,hab->nhb", x, bf16_to_f32(w), out=out)
+    np.einsum("nha,hba->nhb" if transpose_w else "nha,hab->nhb", x, memo_f32(w, lambda: bf16_to_f32(w)), out=out)
     return out
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.act import silu_mul_ref
+from kernels.memo import memo_f32
 from weights.dtypes import bf16_to_f32
 from weights.int4 import dequant_int4
 
@@ -29,7 +30,10 @@ class Experts:
         return self.gate_up_scale is not None
 
     def weight(self, e, which):
-        """Expert e's gate_up or down matrix as f32[out, in]."""
+        """Expert e's gate_up or down matrix as f32[out, in] (decoded once, see kernels/memo.py)."""
+        return memo_f32(self, lambda: self._decode(e, which), e, which)
+
+    def _decode(self, e, which):
         w = getattr(self, which)[e]
         if not self.int4:
             return bf16_to_f32(w)
@@ -43,7 +47,7 @@ def _stable_topk(v, k):
 
 def router_ref(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out):
     """x f32[n, H], w_gate u16[E, H], bias f32[E] -> idx_out i32[n, k], w_out f32[n, k]."""
-    s = 1.0 / (1.0 + np.exp(-(x.astype(np.float32) @ bf16_to_f32(w_gate).T)))   # [n, E]
+    s = 1.0 / (1.0 + np.exp(-(x.astype(np.float32) @ memo_f32(w_gate, lambda: bf16_to_f32(w_gate)).T)))  # [n, E]
     choice = s + bias
     per_group = choice.shape[1] // n_group
     for t in range(x.shape[0]):
