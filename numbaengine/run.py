@@ -1,16 +1,12 @@
 """Command line: `python -m numbaengine.run --prompt TEXT` generates a continuation and prints acceptance stats.
 
-Without --model it uses the shipped pair in weights/default/ when present, else a tiny random pair written once
-to ~/.cache/numbaengine/tiny. Bad input ends with one line on stderr and exit code 2.
+Without --model it uses the shipped pair in weights/default/. Bad input ends with one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +38,7 @@ def budget_arg(text):
 def parse_args(argv):
     ap = Parser(prog="python -m numbaengine.run", description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", required=True, help="text, or token ids ('1 2 3') for a model without tokenizer")
-    ap.add_argument("--model", help="target checkpoint folder (default: weights/default/target or a tiny pair)")
+    ap.add_argument("--model", help="target checkpoint folder (default: the shipped weights/default/target)")
     ap.add_argument("--draft", help="DFlash drafter folder (default: the one beside the default target)")
     ap.add_argument("--mode", choices=MODES, default="ddtree")
     ap.add_argument("--budget", type=budget_arg, default=16, help=f"drafted tree nodes, 0..{MAX_BUDGET}")
@@ -57,34 +53,14 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-def cache_dir():
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "numbaengine" / "tiny"
-
-
-def tiny_pair(folder):
-    """A tiny random target + drafter, written once (atomically: a half-written pair is never used)."""
-    if not (folder / "draft" / "config.json").exists():
-        from weights.synth import synth_config, write_draft, write_target
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=folder.parent))
-        write_target(tmp / "target", synth_config("tiny"), seed=0)
-        write_draft(tmp / "draft", tmp / "target", layers=1, block_size=8, seed=1)
-        try:
-            tmp.rename(folder)
-        except OSError:                  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
-    return folder / "target", folder / "draft"
-
-
 def pick_models(model, draft):
     """(target dir, draft dir or None, how they were chosen)."""
     if model:
         return Path(model), Path(draft) if draft else None, "--model"
-    if (DEFAULT_PAIR / "target" / "config.json").exists():
-        d = DEFAULT_PAIR / "draft"
-        return DEFAULT_PAIR / "target", Path(draft) if draft else (d if d.exists() else None), "shipped default"
-    target, d = tiny_pair(cache_dir())
-    return target, Path(draft) if draft else d, "tiny random pair (no shipped model yet)"
+    if not (DEFAULT_PAIR / "target" / "config.json").exists():
+        raise UsageError(f"no --model given and no shipped pair at {DEFAULT_PAIR} (reinstall, or pass --model DIR)")
+    d = DEFAULT_PAIR / "draft"
+    return DEFAULT_PAIR / "target", Path(draft) if draft else (d if d.exists() else None), "shipped default"
 
 
 def stop_ids(text):
