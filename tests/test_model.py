@@ -150,7 +150,8 @@ def random_tree(rng, n):
 
 def test_tree_verify_equals_sequential_paths(tiny):
     rng = np.random.default_rng()
-    target = tiny.target
+    target = copy.copy(tiny.target)
+    target.cache_dtype = "float32"   # bf16: a latent computed in another order can round to a neighbouring value
     prompt = rng.integers(0, tiny.cfg.vocab_size, size=7)
     cache, _ = prefill(target, prompt)
     parents, depth, vis = random_tree(rng, 12)
