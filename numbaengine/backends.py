@@ -1,9 +1,17 @@
 """Op tables: the named ops the model, drafter and DDTree round are written in, one table per backend.
 
-`numpy` is the reference (kernels/*_ref). `sim` and `cuda` run the numba.cuda kernels (on the simulator or a GPU);
-they are assembled by the cuda-backend work and fail with a clear error until then.
+An op table holds
+  arrays   asarray, to_host, empty, zeros (fresh arrays), scratch(role, shape, dtype) (an intermediate the table may
+           reuse across calls), copy(src, dst), upload(weights) (checkpoint records -> the backend's form)
+  glue     embed, cache_write, cache_read, visibility, all_reduce
+  math     rmsnorm, add_rmsnorm, gemm, head_gemm, rope, attention, latent_attention, silu_mul, router, moe, sample
+  facts    name, cache_dtypes (latent cache storage it supports), max_shards (devices one table drives)
+`numpy` is the reference (kernels/*_ref, fresh arrays everywhere). `sim` and `cuda` run the numba.cuda kernels on
+the CUDA simulator or a GPU (numbaengine/ops_cuda.py).
 """
 from types import SimpleNamespace
+
+import numpy as np
 
 from kernels.act import silu_mul_ref
 from kernels.attention import attention_ref
@@ -13,23 +21,82 @@ from kernels.moe import moe_ref, router_ref
 from kernels.norm import add_rmsnorm_ref, rmsnorm_ref
 from kernels.rope import rope_ref
 from kernels.sample import sample_ref
+from weights.dtypes import bf16_to_f32, f32_to_bf16
 
 BACKENDS = ("numpy", "sim", "cuda", "auto")
 
+
+def embed_ref(table, tokens, out):
+    """tokens i32[n] -> out f32[n, H] = bf16 rows of table u16[V, H]."""
+    out[:] = bf16_to_f32(table[np.asarray(tokens)])
+    return out
+
+
+def cache_write_ref(rows, start, latent):
+    """Latent rows f32[T, D] -> cache rows start..start+T-1 (rounded to bf16 in a bf16 cache)."""
+    rows[start:start + len(latent)] = f32_to_bf16(latent) if rows.dtype == np.uint16 else latent
+
+
+def cache_read_ref(rows, end, out):
+    """Cache rows [0, end) -> out f32[end, D]."""
+    out[:] = bf16_to_f32(rows[:end]) if rows.dtype == np.uint16 else rows[:end]
+    return out
+
+
+def visibility_ref(start, T, tree_mask, form=None):
+    """bool[T, start+T]: every committed row, then the new rows the mask allows (causal when mask is None).
+    The reference attention ops take it in both MLA forms."""
+    vis = np.ones((T, start + T), bool)
+    vis[:, start:] = np.tril(np.ones((T, T), bool)) if tree_mask is None else np.asarray(tree_mask, bool)
+    return vis
+
+
+def latent_attention_ref(q, rows, visible, scale, out):
+    """Absorbed MLA: q f32[T, h, r+rope] ([q_lat | q_pe]) against cache rows [0, S) (S = visible's width) as MQA,
+    keys = whole latent rows, values = their c_kv part -> out f32[T, h, r]."""
+    latent = cache_read_ref(rows, visible.shape[1], np.empty((visible.shape[1], rows.shape[1]), np.float32))
+    return attention_ref(q, latent[:, None, :], latent[:, None, :out.shape[-1]], visible, scale, out)
+
+
+def all_reduce_ref(parts):
+    """Sum of the shards' partial outputs (what NCCL computes across GPUs)."""
+    return parts[0] if len(parts) == 1 else np.sum(parts, axis=0, dtype=np.float32)
+
+
+def moe_shared_ref(x, idx, wts, experts, out, shared=None):
+    """Routed experts (moe_ref), plus the shared expert's output when given."""
+    moe_ref(x, idx, wts, experts, out)
+    if shared is not None:
+        out += shared
+    return out
+
+
+def copy_ref(src, dst):
+    dst[...] = src
+    return dst
+
+
 NUMPY = SimpleNamespace(
-    name="numpy", rmsnorm=rmsnorm_ref, add_rmsnorm=add_rmsnorm_ref, gemm=gemm_ref, head_gemm=head_gemm_ref,
-    rope=rope_ref, attention=attention_ref, silu_mul=silu_mul_ref, router=router_ref, moe=moe_ref,
-    sample=sample_ref,
+    name="numpy", cache_dtypes=("bf16", "float32"), max_shards=1 << 16,
+    asarray=np.asarray, to_host=np.asarray, empty=np.empty, zeros=np.zeros,
+    scratch=lambda role, shape, dtype=np.float32: np.empty(shape, dtype), copy=copy_ref, upload=lambda w: w,
+    embed=embed_ref, cache_write=cache_write_ref, cache_read=cache_read_ref, visibility=visibility_ref,
+    all_reduce=all_reduce_ref,
+    rmsnorm=rmsnorm_ref, add_rmsnorm=add_rmsnorm_ref, gemm=gemm_ref,
+    head_gemm=lambda x, w, out: head_gemm_ref(x, w, out, True),
+    rope=rope_ref, attention=attention_ref, latent_attention=latent_attention_ref, silu_mul=silu_mul_ref,
+    router=router_ref, moe=moe_shared_ref, sample=sample_ref,
 )
 
 
-def get_ops(backend: str) -> SimpleNamespace:
-    """The op table for `backend`. `auto` means numpy until the cuda op table lands (then: cuda when a GPU is usable)."""
+def get_ops(backend: str):
+    """The op table for `backend`. `auto` means numpy until the drafter and the DDTree round run on the kernel
+    table too (the target runs there already). sim and cuda build a fresh table (it owns its scratch) per call."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "auto":
         backend = "numpy"
     if backend == "numpy":
         return NUMPY
-    raise NotImplementedError(f"backend {backend!r}: the numba.cuda op table is not assembled yet "
-                              "(issue 'The cuda backend end to end'); use backend='numpy'")
+    from numbaengine.ops_cuda import cuda_ops, sim_ops
+    return sim_ops() if backend == "sim" else cuda_ops()

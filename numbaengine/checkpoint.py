@@ -25,7 +25,7 @@ class Attn:
     kv_a: np.ndarray         # u16[kv_lora+rope, H]
     kv_a_norm: np.ndarray    # u16[kv_lora]
     kv_b: np.ndarray         # u16[h*(nope+v), kv_lora]
-    w_uk: np.ndarray         # u16[h, nope, kv_lora]  view of kv_b
+    w_uk: np.ndarray         # u16[h, kv_lora, nope]  view of kv_b, transposed per head (out, in like a linear)
     w_uv: np.ndarray         # u16[h, v, kv_lora]     view of kv_b
     o: np.ndarray            # u16[H, h*v]
 
@@ -116,7 +116,7 @@ def _attn(cfg, read: Reader, p: str) -> Attn:
     per_head = kv_b.reshape(h, nope + v, r)
     return Attn(read.linear(p + "q_a_proj"), read(p + "q_a_layernorm.weight"), read.linear(p + "q_b_proj"),
                 read.linear(p + "kv_a_proj_with_mqa"), read(p + "kv_a_layernorm.weight"), kv_b,
-                per_head[:, :nope], per_head[:, nope:], read.linear(p + "o_proj"))
+                per_head[:, :nope].transpose(0, 2, 1), per_head[:, nope:], read.linear(p + "o_proj"))
 
 
 def _experts(cfg, read: Reader, p: str) -> Experts:

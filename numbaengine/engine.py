@@ -31,6 +31,9 @@ class Engine:
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory not found: {model_dir}")
         ops = get_ops(backend)
+        if draft_dir is not None and ops.name != "numpy":
+            raise NotImplementedError(f"backend {ops.name!r} runs the target only so far: the DFlash drafter needs "
+                                      "backend 'numpy' (or decode with mode 'ar' and no draft model)")
         cfg = load_config(model_dir)
         ckpt, n = Checkpoint(model_dir), len(devices)
         target = Target(cfg, [load_target_weights(cfg, ckpt, rank, n) for rank in range(n)], ops, cache_dtype)
@@ -47,7 +50,7 @@ class Engine:
         cache = self.target.new_cache(len(tokens))
         with self._blas():
             logits, _ = self.target.forward(tokens, np.arange(len(tokens), dtype=np.int32), cache, form="naive")
-        return logits
+        return self.target.ops.to_host(logits)
 
     def _blas(self):
         """Decode-sized matmuls run faster on one BLAS thread: on a 2-core machine with another busy process,

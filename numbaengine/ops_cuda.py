@@ -1,0 +1,271 @@
+"""The kernel op table: the model's named ops on the numba.cuda kernels of kernels/.
+
+One class serves two backends that differ only in where arrays live:
+  sim   NumPy arrays; the kernels run on numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1 set before numba is
+        imported). CPU CI checks the kernel backend end to end with it.
+  cuda  CuPy arrays on the current device; every launch goes to CuPy's current stream (kernels.device.launch).
+Every op keeps the reference op's signature (backends.NUMPY) and writes into the caller's output. Scratch, both the
+kernels' (GEMM B operand and k-split partials, MoE routing plan and per-slot outputs, router logits) and the model's
+intermediates (`scratch`), is a view of one flat buffer per role, grown to the largest request and then reused: a
+forward whose shapes were seen before allocates only the logits/hidden it returns and the small per-call inputs it
+uploads (tokens, positions, visibility). The simulator poisons scratch (NaN / -1) on every request.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+from numba import cuda, int32, uint16, uint32
+
+from kernels.act import silu_mul
+from kernels.attention import attention
+from kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
+from kernels.gemm import GemmWorkspace, gemm, gemm_config, gemm_workspace_words
+from kernels.mla import mla_attention
+from kernels.moe import Experts, device_experts, moe, moe_workspace, router
+from kernels.norm import add_rmsnorm, rmsnorm
+from kernels.rope import rope
+from kernels.sample import sample
+from numbaengine.backends import visibility_ref
+
+
+# ----------------------------------------------------------------------------------------------- glue kernels
+@kernel()
+def _bf16_rows_k(src, idx, gather, out, d):
+    """out f32[n, d] = rows of src u16[*, d] as float32: row idx[i] (gather: embedding lookup) or row i (cache
+    read). Launch: grid (n, ceil(d / block)), block <= 256. Moves n*d*6 bytes."""
+    i = cuda.blockIdx.x
+    j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if j < d:
+        row = idx[i] if gather else i
+        out[i, j] = bf16_f32(src[row, j])
+
+
+@kernel()
+def _to_bf16_k(x, out, d):
+    """out u16[n, d] = bf16 bits of x f32[n, d] (round to nearest even). Launch as _bf16_rows_k. n*d*6 bytes."""
+    i = cuda.blockIdx.x
+    j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if j < d:
+        out[i, j] = uint16(pack_bf16x2(x[i, j], F0) & uint32(0xFFFF))
+
+
+def _rows_launch(n, d):
+    """(grid, block) of the row kernels: a block covers up to 256 columns of one row, rounded up to a warp."""
+    block = min(256, 32 * math.ceil(d / 32))
+    return (n, math.ceil(d / block)), block
+
+
+def pack_mask(mask):
+    """Visibility among the new tokens bool[T, T] -> u32[T, ceil(T/32)] (bit j of word w: sees token 32w + j),
+    the layout kernels.mla.mla_attention reads."""
+    T = len(mask)
+    bits = np.zeros((T, 32 * -(-T // 32)), np.uint8)
+    bits[:, :T] = np.asarray(mask, bool)
+    return np.packbits(bits, axis=1, bitorder="little").view("<u4").astype(np.uint32)
+
+
+@dataclass
+class LatentVis:
+    """What the absorbed MLA kernel needs to know about one forward: committed rows, new rows, and the packed
+    tree mask (None: causal), as device arrays (the shape of kernels.mla.mla_attention's batch of one)."""
+    lengths: object          # i32[1]
+    ntok: object             # i32[1]
+    mask: object             # u32[1, T, W] or None
+
+
+# --------------------------------------------------------------------------------------------------- the table
+class KernelOps:
+    """Op table over the numba.cuda kernels. `xp` is numpy (simulator) or cupy (GPU)."""
+    cache_dtypes = ("bf16",)     # the MLA kernel reads a bf16 latent cache
+    max_shards = 1               # one device per table: NCCL all-reduce is not wired yet
+
+    def __init__(self, name, xp, poison=False, trim_warps=False):
+        self.name, self.xp, self.poison, self.trim_warps = name, xp, poison, trim_warps
+        self._flat = {}          # (role, dtype) -> flat buffer grown to the largest request
+        self._moe_ws = {}        # (top_k, H, I, E) -> MoeWorkspace grown by n_max
+
+    # -- arrays --------------------------------------------------------------------------------------------------
+    def asarray(self, a, dtype=None):
+        """A backend array of host (or backend) data; no copy when it already is one of that dtype."""
+        return self.xp.asarray(a, dtype)
+
+    def to_host(self, a):
+        return np.asarray(a) if self.xp is np else self.xp.asnumpy(a)
+
+    def empty(self, shape, dtype=np.float32):
+        return self.xp.empty(shape, dtype)
+
+    def zeros(self, shape, dtype=np.float32):
+        return self.xp.zeros(shape, dtype)
+
+    def scratch(self, role, shape, dtype=np.float32):
+        """A reused buffer for one role: a view of a flat array grown to the largest size asked for. Two buffers
+        live at once must have different roles."""
+        n = math.prod(shape)
+        key = (role, np.dtype(dtype).str)
+        buf = self._flat.get(key)
+        if buf is None or buf.size < n:
+            buf = self._flat[key] = self.xp.empty(max(n, 1), dtype)
+        view = buf[:n].reshape(shape)
+        if self.poison:
+            view.fill(_poison(dtype))
+        return view
+
+    @staticmethod
+    def copy(src, dst):
+        """dst[...] = src (broadcasting)."""
+        dst[...] = src
+        return dst
+
+    def upload(self, weights):
+        """Checkpoint records -> the same records on the device: contiguous arrays (transposed views such as
+        w_uk become copies), routed experts as kernels.moe.DeviceExperts (INT4 words in the int4_tiles layout)."""
+        if isinstance(weights, np.ndarray):
+            return self.asarray(np.ascontiguousarray(weights))
+        if isinstance(weights, Experts):
+            if weights.offset:
+                raise ValueError("upload: experts with an offset (expert parallelism) need the NCCL layout")
+            return device_experts(weights, lambda a: self.asarray(np.ascontiguousarray(a)))
+        if isinstance(weights, list):
+            return [self.upload(w) for w in weights]
+        if dataclasses.is_dataclass(weights):
+            return dataclasses.replace(weights, **{f.name: self.upload(getattr(weights, f.name))
+                                                   for f in dataclasses.fields(weights)})
+        return weights
+
+    # -- glue: embedding, latent cache, visibility, all-reduce -----------------------------------------------------
+    def embed(self, table, tokens, out):
+        """tokens i32[n] -> out f32[n, H] = bf16 rows of table u16[V, H]."""
+        grid, block = _rows_launch(*out.shape)
+        launch(_bf16_rows_k, grid, block, table, tokens, True, out, int32(out.shape[1]))
+        return out
+
+    def cache_write(self, rows, start, latent):
+        """Latent rows f32[T, D] -> bf16 cache rows start..start+T-1."""
+        T, d = latent.shape
+        grid, block = _rows_launch(T, d)
+        launch(_to_bf16_k, grid, block, latent, rows[start:start + T], int32(d))
+
+    def cache_read(self, rows, end, out):
+        """Cache rows [0, end) -> out f32[end, D]."""
+        grid, block = _rows_launch(end, out.shape[1])
+        launch(_bf16_rows_k, grid, block, rows, self._placeholder_idx(), False, out, int32(out.shape[1]))
+        return out
+
+    def visibility(self, start, T, tree_mask, form):
+        """naive: bool[T, start+T] for `attention`; absorbed: LatentVis for `latent_attention`."""
+        if form == "naive":
+            return self.asarray(visibility_ref(start, T, tree_mask))
+        mask = None if tree_mask is None else self.asarray(pack_mask(tree_mask)[None])
+        return LatentVis(self.asarray(np.array([start], np.int32)), self.asarray(np.array([T], np.int32)), mask)
+
+    @staticmethod
+    def all_reduce(parts):
+        if len(parts) != 1:
+            raise NotImplementedError("all_reduce over several devices (NCCL) is not wired into the kernel table")
+        return parts[0]
+
+    # -- math ops (reference signatures) -------------------------------------------------------------------------
+    rmsnorm = staticmethod(rmsnorm)
+    add_rmsnorm = staticmethod(add_rmsnorm)
+    rope = staticmethod(rope)
+    silu_mul = staticmethod(silu_mul)
+
+    def gemm(self, x, w, out):
+        """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T (mma GEMM; k % 32 == 0)."""
+        (m, k), n = x.shape, w.shape[0]
+        cfg = gemm_config(m, n, k)
+        if self.trim_warps:      # no warps without rows (changes no sum: the k split stays): simulator time
+            cfg = dataclasses.replace(cfg, WR=max(1, min(cfg.WR, math.ceil(n / 16 / cfg.R))))
+        nxb, npart = gemm_workspace_words(m, n, k, cfg=cfg)
+        ws = GemmWorkspace(self.scratch("gemm.xb", (max(nxb, 1),), np.uint32),
+                           self.scratch("gemm.part", (max(npart, 1),), np.float32))
+        return gemm(x, w, out, ws, cfg=cfg)
+
+    def head_gemm(self, x, w, out):
+        """Per head: out[:, h] = x[:, h] @ bf16(w[h])^T; x f32[n, h, a], w u16[h, b, a] -> out f32[n, h, b].
+        One GEMM launch per head (a batched head GEMM kernel is still to come)."""
+        for h in range(w.shape[0]):
+            self.gemm(x[:, h], w[h], out[:, h])
+        return out
+
+    @staticmethod
+    def attention(q, k, v, visible, scale, out):
+        return attention(q, k, v, visible, scale, out)
+
+    @staticmethod
+    def latent_attention(q, rows, vis: LatentVis, scale, out):
+        """Absorbed MLA over the bf16 latent cache: q f32[T, h, D] ([q_lat | q_pe]), rows u16[max_len, D] ->
+        out f32[T, h, r]. One split per sequence (no flash-decoding scratch)."""
+        mla_attention(q[None], rows[None], vis.lengths, vis.ntok, vis.mask, scale, out[None])
+        return out
+
+    def router(self, x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out):
+        n = x.shape[0]
+        ws = SimpleNamespace(logits=self.scratch("router.logits", (n, w_gate.shape[0])), n_max=n)
+        return router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws)
+
+    def moe(self, x, idx, wts, experts, out, shared=None):
+        """Routed experts (+ shared[t] when given) -> out f32[n, H]."""
+        n, top_k = idx.shape
+        n_exp, two_i, _ = experts.gate_up.shape
+        key = (top_k, x.shape[1], two_i // 2, n_exp)
+        ws = self._moe_ws.get(key)
+        if ws is None or ws.n_max < n:
+            ws = self._moe_ws[key] = moe_workspace(n, top_k, x.shape[1], two_i // 2, n_exp, self._alloc)
+        return moe(x, idx, wts, experts, out, ws, shared=shared)
+
+    def sample(self, logits, temperature, seed, seq, pos, out):
+        """sample_ref; host seq/pos are uploaded, a host `out` is filled from the device (one sync)."""
+        seq, pos = self.asarray(seq, np.int32), self.asarray(pos, np.int32)
+        if self.xp is np or not isinstance(out, np.ndarray):
+            return sample(logits, temperature, seed, seq, pos, out)
+        dev = self.scratch("sample.out", out.shape, np.int32)
+        sample(logits, temperature, seed, seq, pos, dev)
+        out[:] = self.to_host(dev)
+        return out
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    def _alloc(self, shape, dtype):
+        a = self.xp.empty(shape, dtype)
+        a.fill(_poison(dtype) if self.poison else 0)
+        return a
+
+    def _placeholder_idx(self):
+        return self.scratch("placeholder.idx", (1,), np.int32)
+
+
+def _poison(dtype):
+    dtype = np.dtype(dtype)
+    return np.nan if dtype.kind == "f" else (-1 if dtype.kind == "i" else np.iinfo(dtype).max)
+
+
+# ---------------------------------------------------------------------------------------------------- builders
+def simulator_loaded() -> bool:
+    """True when numba.cuda is the CUDA simulator and kernels/ were built for it."""
+    return SIM and cuda.jit.__module__.startswith("numba.cuda.simulator")
+
+
+def sim_ops() -> KernelOps:
+    """The kernel table on the CUDA simulator (NumPy arrays, poisoned scratch)."""
+    if not simulator_loaded():
+        raise ValueError("backend 'sim' needs NUMBA_ENABLE_CUDASIM=1 in the environment before numba is imported "
+                         "(e.g. NUMBA_ENABLE_CUDASIM=1 python -m numbaengine.run ...)")
+    return KernelOps("sim", np, poison=True, trim_warps=True)
+
+
+def cuda_ops() -> KernelOps:
+    """The kernel table on the current CuPy device."""
+    if SIM:
+        raise ValueError("backend 'cuda' cannot run with NUMBA_ENABLE_CUDASIM=1 (use backend 'sim')")
+    try:
+        import cupy
+    except ImportError as e:
+        raise ImportError(f"backend 'cuda' needs CuPy (pip install 'numbaengine[cuda]'): {e}") from None
+    if not cuda.is_available():
+        raise ValueError("backend 'cuda': numba finds no usable GPU")
+    return KernelOps("cuda", cupy)
