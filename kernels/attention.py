@@ -23,6 +23,16 @@ def attention_ref(q, k, v, visible, scale, out):
     return out
 
 
+
+def kv_attention_ref(q, k, v, kv_len, scale, out):
+    """Batched attention without a mask (the DFlash drafter's block over its context plus itself): q f32[B, n, h, d],
+    k f32[B, S, hk, d], v f32[B, S, hk, dv], kv_len i32[B]: the queries of sequence b see keys [0, kv_len[b])
+    -> out f32[B, n, h, dv]."""
+    for b in range(q.shape[0]):
+        S = int(kv_len[b])
+        attention_ref(q[b], k[b, :S], v[b, :S], None, scale, out[b])
+    return out
+
 # --- numba.cuda kernels ---------------------------------------------------------------------------------------------
 # Flash-decoding: a block per (kv head, tile of query rows, split of the keys) writes an unnormalized partial
 # (o, max, sum); merge_splits combines the splits. With one split the block writes the normalized rows directly.
