@@ -65,6 +65,37 @@ def check_attention(env, n=5, h=4, hk=2, d=24, dv=16, S=37, masked=True, split=T
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max()), worst(got, want)
 
 
+def check_kv_attention(env, n=5, h=4, hk=2, d=24, dv=16, lens=(5, 37, 20), cap=48, target_blocks=None, seed=10):
+    """The drafter's batched attention: q/out are views with a leading batch stride, k/v context caches of
+    capacity `cap` whose rows past kv_len[b] are NaN (never read), out poisoned (every row written, the padding
+    row after each sequence's rows untouched). target_blocks: splits + merge (None: one split)."""
+    from kernels.attention import kv_attention, kv_attention_ref, kv_attention_work
+    rng = np.random.default_rng(seed)
+    B, lens = len(lens), np.array(lens, np.int32)
+    q = rng.normal(size=(B, n + 1, h, d)).astype(np.float32)
+    k = rng.normal(size=(B, cap, hk, d)).astype(np.float32)
+    v = rng.normal(size=(B, cap, hk, dv)).astype(np.float32)
+    for b, L in enumerate(lens):
+        k[b, L:], v[b, L:] = np.nan, np.nan
+    scale = float(d) ** -0.5
+    want = kv_attention_ref(q[:, :n], k, v, lens, scale, np.empty((B, n, h, dv), np.float32))
+    out = env.dev(np.full((B, n + 1, h, dv), np.nan, np.float32))
+    work = None if target_blocks is None else kv_attention_work(env.zeros, B, n, h, dv, cap, target_blocks)
+    kv_attention(env.dev(q)[:, :n], env.dev(k), env.dev(v), env.dev(lens), scale, out[:, :n], work)
+    got = env.host(out)
+    assert np.isnan(got[:, n]).all(), "wrote past the out view"
+    got = got[:, :n]
+    assert np.isfinite(got).all(), "non-finite output (a NaN key was read or a row was not written)"
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max()), worst(got, want)
+    return work
+
+
+def check_kv_attention_splits(env, **kw):
+    """Splits that cross kv_len (16 keys each here): a sequence in one split, one in two, one in three."""
+    work = check_kv_attention(env, target_blocks=30, **kw)
+    assert work.split == 16 and work.o.shape[1] == 3, (work.split, work.o.shape)
+
+
 def check_sample(env, n=3, V=700, temperatures=(0, 0.7, 1.0), seed=2):
     from kernels.sample import sample, sample_ref
     rng = np.random.default_rng(seed)
@@ -90,6 +121,8 @@ SIM_CASES = {
     "attention_masked_splits": lambda env: check_attention(env),
     "attention_gqa_nomask": lambda env: check_attention(env, masked=False, split=False, seed=7),
     "sample": lambda env: check_sample(env),
+    "kv_attention_one_split": lambda env: check_kv_attention(env),
+    "kv_attention_splits": lambda env: check_kv_attention_splits(env),
 }
 
 
@@ -128,6 +161,21 @@ def test_gpu_attention_drafter(split):
     check_attention(Env(gpu=True), n=16, h=32, hk=8, d=128, dv=128, S=1016, masked=False, split=split)
 
 
+GPU_KV = {        # DFlash drafters: the shipped pair (h 6, hk 2, d 64) and a K2-size one (h 32, hk 8, d 128)
+    "pair_b5": dict(n=16, h=6, hk=2, d=64, dv=64, lens=(16, 4000, 1000, 2500, 4096), cap=4096 + 16),
+    "pair_b128": dict(n=16, h=6, hk=2, d=64, dv=64, lens=tuple(range(16, 4096, 32)), cap=4096),
+    "k2_b3": dict(n=16, h=32, hk=8, d=128, dv=128, lens=(16, 16000, 1030), cap=16384),
+    "k2_hk4_b2": dict(n=16, h=32, hk=4, d=128, dv=128, lens=(3000, 700), cap=4096),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("case", sorted(GPU_KV))
+def test_gpu_kv_attention(case, split):
+    check_kv_attention(Env(gpu=True), target_blocks=264 if split else None, seed=11, **GPU_KV[case])
+
+
 @pytest.mark.gpu
 def test_gpu_attention_naive_prefill():
     check_attention(Env(gpu=True), n=64, h=8, hk=8, d=192, dv=128, S=64, masked=True, split=False)
@@ -158,8 +206,9 @@ def test_ptx_mla(M, causal):
 
 
 @pytest.mark.parametrize("name,sig", [
-    ("attention_split_kernel", "void(float32[:,:,::1], float32[:,:,::1], float32[:,:,::1], boolean[:,::1], boolean, "
-                               "float32, int32, int32, float32[:,:,::1], float32[:,:,::1])"),
+    ("attention_split_kernel", "void(float32[:,:,:,:], float32[:,:,:,::1], float32[:,:,:,::1], int32[::1], boolean, "
+                               "boolean[:,::1], boolean, float32, int32, int32, float32[:,:,:,:], "
+                               "float32[:,:,:,::1])"),
     ("merge_splits_kernel", "void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1])"),
 ])
 def test_ptx_attention(name, sig):

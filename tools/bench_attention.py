@@ -126,22 +126,38 @@ def bench_prefill(T=1024, h=64):
     return [row]
 
 
-def bench_drafter(contexts, n=16, h=32, hk=8, d=128):
-    """DFlash drafter attention: a block of n queries over ctx context rows plus the block (f32 K/V, no mask)."""
-    from kernels.attention import attention, attention_work
+DRAFTERS = {"pair": dict(h=6, hk=2, d=64), "k2": dict(h=32, hk=8, d=128)}
+
+
+def bench_drafter(cases, copy_bw, n=16):
+    """DFlash drafter attention (kv_attention): B sequences, each a block of n queries over ctx context rows plus
+    the block (f32 K/V caches of capacity ctx + n, no mask); GB/s on the K/V bytes read."""
+    from kernels.attention import kv_attention, kv_attention_work
     rows = []
-    for ctx in contexts:
+    for name, ctx, B in cases:
+        h, hk, d = DRAFTERS[name]["h"], DRAFTERS[name]["hk"], DRAFTERS[name]["d"]
         keep = Keep()
         S = ctx + n
-        q, k, v = keep.normal((n, h, d)), keep.normal((S, hk, d)), keep.normal((S, hk, d))
-        out = keep.zeros((n, h, d), np.float32)
-        work = attention_work(keep.zeros, n, h, d, S)
-        us, how = gpu_us(lambda: attention(q, k, v, None, d ** -0.5, out, work))
-        gbs = 2 * S * hk * d * 4 / us / 1e3
-        rows.append(dict(ctx=ctx, queries=n, heads=h, kv_heads=hk, head_dim=d, us=round(us, 1), kv_gbs=round(gbs, 1),
-                         timing=how))
+        q, k, v = keep.normal((B, n, h, d)), keep.normal((B, S, hk, d)), keep.normal((B, S, hk, d))
+        kv_len = keep.arr(_cp().full(B, S, np.int32))
+        out = keep.zeros((B, n, h, d), np.float32)
+        work = kv_attention_work(keep.zeros, B, n, h, d, S)
+        us, how = gpu_us(lambda: kv_attention(q, k, v, kv_len, d ** -0.5, out, work))
+        gbs = B * S * hk * 2 * d * 4 / us / 1e3
+        rows.append(dict(drafter=name, ctx=ctx, batch=B, queries=n, heads=h, kv_heads=hk, head_dim=d,
+                         splits=work.o.shape[1], us=round(us, 1), kv_gbs=round(gbs, 1),
+                         pct_copy=round(100 * gbs / copy_bw, 1), timing=how))
         print("drafter", rows[-1], flush=True)
+        del keep
     return rows
+
+
+def drafter_cases(quick=False):
+    """(drafter, context, batch) triples: the shipped pair up to 4K, the K2-size drafter up to 16K."""
+    if quick:
+        return [("pair", 1024, 1), ("pair", 4096, 32), ("k2", 4096, 1), ("k2", 4096, 16)]
+    return ([("pair", c, B) for c in (1024, 4096) for B in (1, 16, 128)]
+            + [("k2", c, B) for c in (1024, 4096, 16384) for B in (1, 8, 64)])
 
 
 def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5):
@@ -195,7 +211,7 @@ def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None):
     for name, fn in [("mla", lambda: bench_mla(ctxs, [64, 8], [1, 17, 65], copy_bw_gbs)),
                      ("tree", lambda: bench_tree([16, 64, 255] if quick else [16, 32, 64, 128, 255])),
                      ("prefill", lambda: bench_prefill()),
-                     ("drafter", lambda: bench_drafter([1024, 4096, 16384]))]:
+                     ("drafter", lambda: bench_drafter(drafter_cases(quick), copy_bw_gbs))]:
         try:
             res[name] = fn()
         except Exception as e:                   # noqa: BLE001 (keep the other tables)
