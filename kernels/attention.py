@@ -39,9 +39,9 @@ def kv_attention_ref(q, k, v, kv_len, scale, out):
 
 import math  # noqa: E402
 
-from numba import cuda, float32, int32  # noqa: E402
+from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
-from kernels.device import SIM, current_stream, launch  # noqa: E402,F401
+from kernels.device import SIM, as_u32, current_stream, launch  # noqa: E402,F401
 
 if SIM:
     from kernels.device import shfl_xor  # noqa: E402,F401
@@ -204,16 +204,18 @@ class AttnWork:
 
 def attention_work(zeros, n, h, dv, S, target_blocks=264):
     """Scratch sized so that about `target_blocks` blocks run; zeros = np.zeros or cupy.zeros."""
-    return kv_attention_work(zeros, 1, n, h, dv, S, target_blocks)
+    return kv_attention_work(zeros, 1, n, h, dv, S, target_blocks, tensor_cores=False)
 
 
-def kv_attention_work(zeros, B, n, h, dv, max_keys, target_blocks=264):
+def kv_attention_work(zeros, B, n, h, dv, max_keys, target_blocks=264, tensor_cores=True):
     """Scratch for `kv_attention` at up to `max_keys` keys per sequence: splits sized so that about
-    `target_blocks` blocks (2 per SM of an H200) run when every sequence has max_keys keys; sequences with
-    fewer keys leave their last splits empty (neutral partials)."""
-    blocks = B * -(-n * h // ATT_ROWS)
-    nsplit = max(1, min(-(-target_blocks // blocks), -(-max_keys // ATT_KEYS)))
-    split = -(-(-(-max_keys // nsplit)) // ATT_KEYS) * ATT_KEYS
+    `target_blocks` blocks (2 per SM of an H200) run when every sequence has max_keys keys (row tiles of 64 rows
+    for the tensor-core kernel, ATT_ROWS for the f32 one); shorter sequences leave their last splits empty
+    (neutral partials)."""
+    rows, step = (64, KV_NK) if tensor_cores else (ATT_ROWS, ATT_KEYS)
+    blocks = B * -(-n * h // rows)
+    nsplit = max(1, min(-(-target_blocks // blocks), -(-max_keys // step)))
+    split = -(-(-(-max_keys // nsplit)) // step) * step
     return AttnWork(zeros, n, h, dv, max_keys, split, B)
 
 
@@ -304,20 +306,60 @@ def attention(q, k, v, visible, scale, out, work=None):
     return out
 
 
-def kv_attention(q, k, v, kv_len, scale, out, work=None):
+def kv_attention(q, k, v, kv_len, scale, out, work=None, tensor_cores=True):
     """kv_attention_ref on the GPU (or the simulator), one launch for the batch (+ one merge with work):
     q f32[B, n, h, d], k f32[B, S, hk, d], v f32[B, S, hk, dv] (e.g. context caches of capacity S; only keys
     [0, kv_len[b]) are read), kv_len i32[B] read on the device (graph-capturable: no host sync), out f32[B, n, h, dv]
     (every row written; contiguous within a sequence). Views with a leading batch stride are fine.
     work=None: one split per (sequence, kv head, row tile); else a kv_attention_work(zeros, B, n, h, dv, max_keys)
-    with max_keys >= every kv_len[b] (splits + merge_splits)."""
+    with max_keys >= every kv_len[b] (splits + merge_splits). tensor_cores: kv_attention_kernel (q, K, V and the
+    probabilities rounded to bf16, f32 accumulation) where the shapes allow it (d % 32 == 0, dv % 16 == 0, unit-
+    stride rows on 16-byte boundaries); else / False: attention_split_kernel in f32."""
     check_shapes("kv_attention", q, k, v, out)
     if tuple(kv_len.shape) != (q.shape[0],):
         raise ValueError(f"kv_attention: kv_len {kv_len.shape} is not [B] = {(q.shape[0],)}")
     if work is not None and (work.o.shape[0] != q.shape[0] or work.o.shape[2:] != (q.shape[1] * q.shape[2],
                                                                                       v.shape[3])):
         raise ValueError(f"kv_attention: work {work.o.shape} does not fit q {q.shape}, v {v.shape}")
+    if tensor_cores and tc_fits(k, v):
+        return launch_kv_tc(q, k, v, kv_len, scale, out, work)
     return launch_attention(q, k, v, kv_len, None, scale, out, work)
+
+
+def _address(a):
+    if isinstance(a, np.ndarray):
+        return a.ctypes.data
+    return a.__cuda_array_interface__["data"][0]
+
+
+def tc_fits(k, v):
+    """The tensor-core kernel's requirements: head dims, 16-byte loads of unit-stride rows."""
+    d, dv = k.shape[3], v.shape[3]
+    rows_ok = all(a.strides[3] == 4 and all(x % 16 == 0 for x in a.strides[:3]) and _address(a) % 16 == 0
+                  for a in (k, v))
+    return d % 32 == 0 and dv % 16 == 0 and d <= ATT_DMAX and dv <= ATT_DMAX and rows_ok
+
+
+def launch_kv_tc(q, k, v, kv_len, scale, out, work):
+    B, n, h, d = q.shape
+    hk, dv = v.shape[2], v.shape[3]
+    wm, wn, pf, threads, smem = kv_geometry(n * (h // hk), d, dv)
+    kern = kv_kernel(wm, wn, pf, d, dv)
+    tiles = -(-n * (h // hk) // (16 * wm))
+    if work is None:
+        args = (q, k, v, kv_len, float32(scale), int32(max(k.shape[1], 1)), 1, rows_view(out, 1),
+                placeholder(q, (1, 1, 1, 2), np.float32))
+        nsplit = 1
+    else:
+        args = (q, k, v, kv_len, float32(scale), int32(work.split), 0, work.o, work.ml)
+        nsplit = work.o.shape[1]
+    if SIM:
+        launch(kern, (nsplit, tiles, B * hk), threads, *args, shmem=smem)
+    else:
+        launch_smem(kern, (nsplit, tiles, B * hk), threads, smem, args)
+    if work is not None:
+        launch(merge_splits_kernel, (n * h, B), MERGE_THREADS, work.o, work.ml, rows_view(out))
+    return out
 
 
 _SMEM_SET = set()
@@ -336,3 +378,216 @@ def launch_smem(kern, grid, threads, smem, args):
             driver.cuKernelSetAttribute(attr, smem, cf.handle, cf.device.id)
             _SMEM_SET.add(key)
     kern[grid, threads, current_stream(), smem](*args)
+
+
+# --- tensor-core kernel for kv_attention (f32 K/V rounded to bf16 in shared memory) ----------------------------------
+
+KV_NK = 32          # keys staged per step
+_KV_KERNELS = {}
+
+
+def kv_geometry(M, d, dv):
+    """(wm, wn, pf, threads, smem bytes) for M = n*g query rows per kv head: wm warps down the rows (16 each, a
+    row tile of 16*wm <= 64 rows), wn warps across the dv output columns, pf 16-byte loads per thread and step."""
+    wm = min(4, -(-M // 16))
+    wn = max(1, min(dv // 16, 8 // wm))
+    while dv % (16 * wn):
+        wn -= 1
+    threads = 32 * wm * wn
+    pf = -(-KV_NK * (d + dv) // 4 // threads)
+    mt = 16 * wm
+    smem = 4 * (mt * KV_NK + 3 * mt) + 2 * (mt * (d + 8) + KV_NK * (d + 8) + KV_NK * (dv + 8) + mt * (KV_NK + 8))
+    return wm, wn, pf, threads, smem
+
+
+def kv_kernel(wm, wn, pf, d, dv):
+    """The tensor-core kv_attention kernel for one tile geometry and head dims (compiled once)."""
+    key = (wm, wn, pf, d, dv)
+    if key not in _KV_KERNELS:
+        _KV_KERNELS[key] = _make_kv_kernel(wm, wn, pf, d, dv)
+    return _KV_KERNELS[key]
+
+
+@cuda.jit(device=True, inline="always")
+def bf16_pair(lo, hi):
+    """Two finite float32 -> one word of two bf16 (round to nearest even), lo in the low half (integer ops,
+    numba-IR inlined: compile_ptx works without a GPU)."""
+    a, c = as_u32(lo), as_u32(hi)
+    a = (a + uint32(0x7FFF) + ((a >> uint32(16)) & uint32(1))) >> uint32(16)
+    c = (c + uint32(0x7FFF) + ((c >> uint32(16)) & uint32(1))) & uint32(0xFFFF0000)
+    return a | c
+
+
+def _make_kv_kernel(wm, wn, pf, D, DV):
+    from kernels.device import as_f32, kernel, ld16, mma_bf16
+    from kernels.mla import _frag_a, _frag_bn, _frag_bt, _to_bf16
+    if SIM:                  # as device functions, so that the simulator gives them its cuda module (threadIdx)
+        _frag_a, _frag_bn, _frag_bt = (cuda.jit(device=True)(f) for f in (_frag_a, _frag_bn, _frag_bt))
+    nk = KV_NK
+    MT, THREADS, cw = 16 * wm, 32 * wm * wn, DV // wn
+    NTP = cw // 8
+    ACC, NKP, ST = 4 * NTP, nk + 8, MT * nk          # accumulators per lane; P row stride; stats offset (f32)
+    PF4 = 4 * pf
+    DP, VP = D + 8, DV + 8                            # smem row strides (uint16): conflict-free ldmatrix
+    U0 = 2 * (MT * nk + 3 * MT)                      # first uint16 of the Q/K/V/P area
+    KO = U0 + MT * DP
+    VO = KO + nk * DP
+    PO = VO + nk * VP
+    C4, CH = D // 4, nk * (D + DV) // 4               # 16-byte chunks per key row of K; per step of K and V
+    CPT = nk // 4                                    # softmax: 4 threads per row, CPT columns each
+
+    @kernel(max_registers=min(255, 65536 // (2 * THREADS)))   # two blocks per SM
+    def kv_attention_kernel(q, k, v, kv_len, scale, split, normalize, o_part, ml_part):
+        """Block (split s, row tile, sequence b * kv head j) of 32*wm*wn threads; warp (wi, wj) owns rows
+        16wi..16wi+15 of the tile (row m = i*g + gh: query i, head j*g + gh) and output columns wj*cw..+cw.
+        Per step of nk keys: 16-byte loads of K and V rows (f32) into registers one step ahead, rounded to bf16
+        into shared memory; S = Q K^T and O += P V on tensor cores (mma.sync bf16, f32 accumulate; q and p
+        rounded to bf16). Arrays as attention_split_kernel's; k/v rows need 16-byte aligned, unit-stride rows.
+        Bytes: K/V rows [s*split, min((s+1)*split, kv_len[b])) of kv head j once per row tile, q once."""
+        n, h = q.shape[1], q.shape[2]
+        hk = k.shape[2]
+        g = h // hk
+        M = n * g
+        s, mt = cuda.blockIdx.x, cuda.blockIdx.y
+        b, j = cuda.blockIdx.z // hk, cuda.blockIdx.z % hk
+        tid = cuda.threadIdx.x
+        lane, w = tid & 31, tid >> 5
+        wi, wj = w // wn, w % wn
+        gq, tq = lane >> 2, lane & 3
+        fsm = cuda.shared.array(0, float32)
+        usm = cuda.shared.array(0, uint16)
+        wsm = cuda.shared.array(0, uint32)
+        ksb, kss, ksj = k.strides[0] // 4, k.strides[1] // 4, k.strides[2] // 4
+        vsb, vss, vsj = v.strides[0] // 4, v.strides[1] // 4, v.strides[2] // 4
+        lo = s * split
+        hi = min(lo + split, min(k.shape[1], kv_len[b]))
+        if lo >= hi and not normalize:               # an empty split: only its (max, sum) matter
+            if tid < MT and mt * MT + tid < M:
+                m = mt * MT + tid
+                row = (m // g) * h + j * g + m % g
+                ml_part[b, s, row, 0] = NEG_INF
+                ml_part[b, s, row, 1] = float32(0)
+            return
+        for idx in range(tid, MT * D // 2, THREADS):  # q tile -> bf16 in shared memory
+            i, c = idx // (D // 2), 2 * (idx % (D // 2))
+            m = mt * MT + i
+            x0, x1 = float32(0), float32(0)
+            if m < M:
+                x0 = q[b, m // g, j * g + m % g, c]
+                x1 = q[b, m // g, j * g + m % g, c + 1]
+            usm[U0 + i * DP + c] = _to_bf16(x0)
+            usm[U0 + i * DP + c + 1] = _to_bf16(x1)
+        if tid < MT:
+            fsm[ST + tid] = NEG_INF
+            fsm[ST + MT + tid] = float32(0)
+        acc = cuda.local.array(ACC, float32)
+        for u in range(ACC):
+            acc[u] = float32(0)
+        regs = cuda.local.array(PF4, uint32)
+        for p in range(pf):                          # first step's K/V rows into registers
+            idx = tid + p * THREADS
+            x, y, z, e = uint32(0), uint32(0), uint32(0), uint32(0)
+            if idx < CH:
+                kr = idx // C4 if idx < nk * C4 else (idx - nk * C4) // (DV // 4)
+                if lo + kr < hi:
+                    if idx < nk * C4:
+                        x, y, z, e = ld16(k, b * ksb + (lo + kr) * kss + j * ksj + 4 * (idx % C4))
+                    else:
+                        x, y, z, e = ld16(v, b * vsb + (lo + kr) * vss + j * vsj + 4 * ((idx - nk * C4) % (DV // 4)))
+            regs[4 * p], regs[4 * p + 1], regs[4 * p + 2], regs[4 * p + 3] = x, y, z, e
+        for c0 in range(lo, hi, nk):
+            cuda.syncthreads()
+            for p in range(pf):                      # registers -> bf16 in shared memory
+                idx = tid + p * THREADS
+                if idx < CH:
+                    if idx < nk * C4:
+                        at = KO + (idx // C4) * DP + 4 * (idx % C4)
+                    else:
+                        at = VO + ((idx - nk * C4) // (DV // 4)) * VP + 4 * ((idx - nk * C4) % (DV // 4))
+                    wsm[at // 2] = bf16_pair(as_f32(regs[4 * p]), as_f32(regs[4 * p + 1]))
+                    wsm[at // 2 + 1] = bf16_pair(as_f32(regs[4 * p + 2]), as_f32(regs[4 * p + 3]))
+            cuda.syncthreads()
+            for p in range(pf):                      # next step's rows in flight during this step's math
+                idx = tid + p * THREADS
+                x, y, z, e = uint32(0), uint32(0), uint32(0), uint32(0)
+                if idx < CH:
+                    kr = idx // C4 if idx < nk * C4 else (idx - nk * C4) // (DV // 4)
+                    if c0 + nk + kr < hi:
+                        if idx < nk * C4:
+                            x, y, z, e = ld16(k, b * ksb + (c0 + nk + kr) * kss + j * ksj + 4 * (idx % C4))
+                        else:
+                            x, y, z, e = ld16(v, b * vsb + (c0 + nk + kr) * vss + j * vsj
+                                              + 4 * ((idx - nk * C4) % (DV // 4)))
+                regs[4 * p], regs[4 * p + 1], regs[4 * p + 2], regs[4 * p + 3] = x, y, z, e
+            for nt in range(wj, nk // 8, wn):        # S = Q K^T for n-tile nt of this warp's rows
+                s0, s1, s2, s3 = float32(0), float32(0), float32(0), float32(0)
+                t0, t1, t2, t3 = float32(0), float32(0), float32(0), float32(0)   # second chain: half the latency
+                for kk in range(0, D, 32):
+                    b0, b1, b2, b3 = _frag_bn(usm, KO, DP, nt * 8, kk)
+                    a0, a1, a2, a3 = _frag_a(usm, U0, DP, wi * 16, kk)
+                    s0, s1, s2, s3 = mma_bf16(a0, a1, a2, a3, b0, b1, s0, s1, s2, s3)
+                    a0, a1, a2, a3 = _frag_a(usm, U0, DP, wi * 16, kk + 16)
+                    t0, t1, t2, t3 = mma_bf16(a0, a1, a2, a3, b2, b3, t0, t1, t2, t3)
+                s0, s1, s2, s3 = s0 + t0, s1 + t1, s2 + t2, s3 + t3
+                for e in range(4):
+                    row = wi * 16 + gq + 8 * (e >> 1)
+                    col = nt * 8 + 2 * tq + (e & 1)
+                    x = s0 if e == 0 else s1 if e == 1 else s2 if e == 2 else s3
+                    fsm[row * nk + col] = x * scale if c0 + col < hi else NEG_INF
+            cuda.syncthreads()
+            for task in range(tid, 4 * MT, THREADS):  # online softmax, 4 threads per row; P as bf16
+                row, c1 = task >> 2, (task & 3) * CPT
+                m_old = fsm[ST + row]
+                mx = m_old
+                for c in range(c1, c1 + CPT):
+                    mx = max(mx, fsm[row * nk + c])
+                mx = max(mx, shfl_xor(mx, 1))
+                mx = max(mx, shfl_xor(mx, 2))
+                tot = float32(0)
+                for c in range(c1, c1 + CPT):
+                    pb = uint16(0)
+                    if mx != NEG_INF:
+                        pb = _to_bf16(math.exp(fsm[row * nk + c] - mx))
+                        tot += as_f32(uint32(pb) << uint32(16))
+                    usm[PO + row * NKP + c] = pb
+                tot += shfl_xor(tot, 1)
+                tot += shfl_xor(tot, 2)
+                alpha = math.exp(m_old - mx) if mx != NEG_INF else float32(1)
+                if c1 == 0:
+                    fsm[ST + row] = mx
+                    fsm[ST + MT + row] = fsm[ST + MT + row] * alpha + tot
+                    fsm[ST + 2 * MT + row] = alpha
+            cuda.syncthreads()
+            al0, al1 = fsm[ST + 2 * MT + wi * 16 + gq], fsm[ST + 2 * MT + wi * 16 + gq + 8]
+            for u in range(NTP):
+                acc[4 * u] *= al0
+                acc[4 * u + 1] *= al0
+                acc[4 * u + 2] *= al1
+                acc[4 * u + 3] *= al1
+            for kk in range(0, nk, 16):              # O += P V for this warp's columns
+                a0, a1, a2, a3 = _frag_a(usm, PO, NKP, wi * 16, kk)
+                for u in range(0, NTP, 2):
+                    b0, b1, b2, b3 = _frag_bt(usm, VO, VP, kk, wj * cw + 8 * u)
+                    acc[4 * u], acc[4 * u + 1], acc[4 * u + 2], acc[4 * u + 3] = mma_bf16(
+                        a0, a1, a2, a3, b0, b1, acc[4 * u], acc[4 * u + 1], acc[4 * u + 2], acc[4 * u + 3])
+                    acc[4 * u + 4], acc[4 * u + 5], acc[4 * u + 6], acc[4 * u + 7] = mma_bf16(
+                        a0, a1, a2, a3, b2, b3, acc[4 * u + 4], acc[4 * u + 5], acc[4 * u + 6], acc[4 * u + 7])
+        cuda.syncthreads()
+        for half in range(2):                        # rows gq and gq+8 of this warp's 16
+            r = wi * 16 + gq + 8 * half
+            m = mt * MT + r
+            if m < M:
+                row = (m // g) * h + j * g + m % g
+                den = fsm[ST + MT + r]
+                inv = float32(1) / den if den > float32(0) else float32(0)
+                for u in range(NTP):
+                    col = wj * cw + 8 * u + 2 * tq
+                    y0, y1 = acc[4 * u + 2 * half], acc[4 * u + 2 * half + 1]
+                    if normalize:
+                        y0, y1 = y0 * inv, y1 * inv
+                    o_part[b, s, row, col] = y0
+                    o_part[b, s, row, col + 1] = y1
+                if not normalize and wj == 0 and tq == 0:
+                    ml_part[b, s, row, 0] = fsm[ST + r]
+                    ml_part[b, s, row, 1] = den
+    return kv_attention_kernel

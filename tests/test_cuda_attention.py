@@ -65,10 +65,12 @@ def check_attention(env, n=5, h=4, hk=2, d=24, dv=16, S=37, masked=True, split=T
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max()), worst(got, want)
 
 
-def check_kv_attention(env, n=5, h=4, hk=2, d=24, dv=16, lens=(5, 37, 20), cap=48, target_blocks=None, seed=10):
+def check_kv_attention(env, n=5, h=4, hk=2, d=24, dv=16, lens=(5, 37, 20), cap=48, target_blocks=None, tc=False,
+                       seed=10):
     """The drafter's batched attention: q/out are views with a leading batch stride, k/v context caches of
     capacity `cap` whose rows past kv_len[b] are NaN (never read), out poisoned (every row written, the padding
-    row after each sequence's rows untouched). target_blocks: splits + merge (None: one split)."""
+    row after each sequence's rows untouched). target_blocks: splits + merge (None: one split). tc: the
+    tensor-core kernel (bf16 operands: a looser tolerance); else the f32 kernel."""
     from kernels.attention import kv_attention, kv_attention_ref, kv_attention_work
     rng = np.random.default_rng(seed)
     B, lens = len(lens), np.array(lens, np.int32)
@@ -80,20 +82,21 @@ def check_kv_attention(env, n=5, h=4, hk=2, d=24, dv=16, lens=(5, 37, 20), cap=4
     scale = float(d) ** -0.5
     want = kv_attention_ref(q[:, :n], k, v, lens, scale, np.empty((B, n, h, dv), np.float32))
     out = env.dev(np.full((B, n + 1, h, dv), np.nan, np.float32))
-    work = None if target_blocks is None else kv_attention_work(env.zeros, B, n, h, dv, cap, target_blocks)
-    kv_attention(env.dev(q)[:, :n], env.dev(k), env.dev(v), env.dev(lens), scale, out[:, :n], work)
+    work = None if target_blocks is None else kv_attention_work(env.zeros, B, n, h, dv, cap, target_blocks, tc)
+    kv_attention(env.dev(q)[:, :n], env.dev(k), env.dev(v), env.dev(lens), scale, out[:, :n], work, tc)
     got = env.host(out)
     assert np.isnan(got[:, n]).all(), "wrote past the out view"
     got = got[:, :n]
     assert np.isfinite(got).all(), "non-finite output (a NaN key was read or a row was not written)"
-    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max()), worst(got, want)
+    tol = 1.5e-2 if tc else 1e-4
+    assert np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max()), worst(got, want)
     return work
 
 
-def check_kv_attention_splits(env, **kw):
-    """Splits that cross kv_len (16 keys each here): a sequence in one split, one in two, one in three."""
+def check_kv_attention_splits(env, split=16, nsplit=3, **kw):
+    """Splits that cross kv_len: with 16 keys each, a sequence in one split, one in two, one in three."""
     work = check_kv_attention(env, target_blocks=30, **kw)
-    assert work.split == 16 and work.o.shape[1] == 3, (work.split, work.o.shape)
+    assert work.split == split and work.o.shape[1] == nsplit, (work.split, work.o.shape)
 
 
 def check_sample(env, n=3, V=700, temperatures=(0, 0.7, 1.0), seed=2):
@@ -123,6 +126,10 @@ SIM_CASES = {
     "sample": lambda env: check_sample(env),
     "kv_attention_one_split": lambda env: check_kv_attention(env),
     "kv_attention_splits": lambda env: check_kv_attention_splits(env),
+    "kv_attention_tc_one_split": lambda env: check_kv_attention(env, d=32, tc=True, seed=12),
+    "kv_attention_tc_splits": lambda env: check_kv_attention_splits(env, d=32, tc=True, split=32, nsplit=2, seed=13),
+    "kv_attention_tc_2x2_warps": lambda env: check_kv_attention(env, n=9, d=32, dv=32, lens=(40, 9), tc=True,
+                                                                target_blocks=4, seed=14),
 }
 
 
@@ -170,10 +177,11 @@ GPU_KV = {        # DFlash drafters: the shipped pair (h 6, hk 2, d 64) and a K2
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tc", [False, True])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("case", sorted(GPU_KV))
-def test_gpu_kv_attention(case, split):
-    check_kv_attention(Env(gpu=True), target_blocks=264 if split else None, seed=11, **GPU_KV[case])
+def test_gpu_kv_attention(case, split, tc):
+    check_kv_attention(Env(gpu=True), target_blocks=264 if split else None, tc=tc, seed=11, **GPU_KV[case])
 
 
 @pytest.mark.gpu
@@ -215,6 +223,20 @@ def test_ptx_attention(name, sig):
     import kernels.attention as A
     ptx = ptx_or_skip(getattr(A, name).py_func, sig)
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
+
+
+@pytest.mark.parametrize("M,d,dv", [(48, 64, 64), (64, 128, 128), (16, 128, 128)])
+def test_ptx_kv_attention(M, d, dv):
+    """The tensor-core drafter kernel at the pair (48 rows per kv head) and K2 drafter shapes."""
+    import re
+    import kernels.attention as A
+    wm, wn, pf, _, _ = A.kv_geometry(M, d, dv)
+    sig = ("void(float32[:,:,:,:], float32[:,:,:,::1], float32[:,:,:,::1], int32[::1], float32, int32, int32, "
+           "float32[:,:,:,:], float32[:,:,:,::1])")
+    ptx = ptx_or_skip(A.kv_kernel(wm, wn, pf, d, dv).py_func, sig)
+    assert not f64_lines(ptx), f64_lines(ptx)[:5]
+    assert ptx.count("mma.sync") and ptx.count("ldmatrix")
+    assert not re.search(r"(ld|st)\.local", ptx), "accumulators spilled to local memory"
 
 
 def test_ptx_sample():

@@ -134,17 +134,17 @@ def bench_drafter(cases, copy_bw, n=16):
     the block (f32 K/V caches of capacity ctx + n, no mask); GB/s on the K/V bytes read."""
     from kernels.attention import kv_attention, kv_attention_work
     rows = []
-    for name, ctx, B in cases:
+    for name, ctx, B, tc in cases:
         h, hk, d = DRAFTERS[name]["h"], DRAFTERS[name]["hk"], DRAFTERS[name]["d"]
         keep = Keep()
         S = ctx + n
         q, k, v = keep.normal((B, n, h, d)), keep.normal((B, S, hk, d)), keep.normal((B, S, hk, d))
         kv_len = keep.arr(_cp().full(B, S, np.int32))
         out = keep.zeros((B, n, h, d), np.float32)
-        work = kv_attention_work(keep.zeros, B, n, h, d, S)
-        us, how = gpu_us(lambda: kv_attention(q, k, v, kv_len, d ** -0.5, out, work))
+        work = kv_attention_work(keep.zeros, B, n, h, d, S, tensor_cores=tc)
+        us, how = gpu_us(lambda: kv_attention(q, k, v, kv_len, d ** -0.5, out, work, tc))
         gbs = B * S * hk * 2 * d * 4 / us / 1e3
-        rows.append(dict(drafter=name, ctx=ctx, batch=B, queries=n, heads=h, kv_heads=hk, head_dim=d,
+        rows.append(dict(drafter=name, kernel="tensor cores" if tc else "f32", ctx=ctx, batch=B, queries=n, heads=h, kv_heads=hk, head_dim=d,
                          splits=work.o.shape[1], us=round(us, 1), kv_gbs=round(gbs, 1),
                          pct_copy=round(100 * gbs / copy_bw, 1), timing=how))
         print("drafter", rows[-1], flush=True)
@@ -153,11 +153,13 @@ def bench_drafter(cases, copy_bw, n=16):
 
 
 def drafter_cases(quick=False):
-    """(drafter, context, batch) triples: the shipped pair up to 4K, the K2-size drafter up to 16K."""
+    """(drafter, context, batch, tensor cores) cases: the shipped pair up to 4K, the K2-size drafter up to 16K
+    (tensor-core kernel), a few on the f32 kernel for comparison."""
+    f32 = [("pair", 4096, 16, False), ("k2", 4096, 8, False)]
     if quick:
-        return [("pair", 1024, 1), ("pair", 4096, 32), ("k2", 4096, 1), ("k2", 4096, 16)]
-    return ([("pair", c, B) for c in (1024, 4096) for B in (1, 16, 128)]
-            + [("k2", c, B) for c in (1024, 4096, 16384) for B in (1, 8, 64)])
+        return [("pair", 1024, 1, True), ("pair", 4096, 32, True), ("k2", 4096, 1, True), ("k2", 4096, 16, True)] + f32
+    return ([("pair", c, B, True) for c in (1024, 4096) for B in (1, 16, 128)]
+            + [("k2", c, B, True) for c in (1024, 4096, 16384) for B in (1, 8, 64)] + f32)
 
 
 def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5):
