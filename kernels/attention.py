@@ -347,11 +347,11 @@ def launch_kv_tc(q, k, v, kv_len, scale, out, work):
     kern = kv_kernel(wm, wn, pf, d, dv)
     tiles = -(-n * (h // hk) // (16 * wm))
     if work is None:
-        args = (q, k, v, kv_len, float32(scale), int32(max(k.shape[1], 1)), 1, rows_view(out, 1),
+        args = (q, k, v, kv_len, float32(scale * LOG2E), int32(max(k.shape[1], 1)), 1, rows_view(out, 1),
                 placeholder(q, (1, 1, 1, 2), np.float32))
         nsplit = 1
     else:
-        args = (q, k, v, kv_len, float32(scale), int32(work.split), 0, work.o, work.ml)
+        args = (q, k, v, kv_len, float32(scale * LOG2E), int32(work.split), 0, work.o, work.ml)
         nsplit = work.o.shape[1]
     if SIM:
         launch(kern, (nsplit, tiles, B * hk), threads, *args, shmem=smem)
@@ -383,18 +383,19 @@ def launch_smem(kern, grid, threads, smem, args):
 # --- tensor-core kernel for kv_attention (f32 K/V rounded to bf16 in shared memory) ----------------------------------
 
 KV_NK = 32          # keys staged per step
+LOG2E, LN2 = float32(1 / math.log(2)), float32(math.log(2))
 _KV_KERNELS = {}
 
 
 def kv_geometry(M, d, dv):
     """(wm, wn, pf, threads, smem bytes) for M = n*g query rows per kv head: wm warps down the rows (16 each, a
-    row tile of 16*wm <= 64 rows), wn warps across the dv output columns, pf 16-byte loads per thread and step."""
+    row tile of 16*wm <= 64 rows), wn warps across the dv output columns, pf 16-byte loads per thread and step (K then V)."""
     wm = min(4, -(-M // 16))
     wn = max(1, min(dv // 16, 8 // wm))
     while dv % (16 * wn):
         wn -= 1
     threads = 32 * wm * wn
-    pf = -(-KV_NK * (d + dv) // 4 // threads)
+    pf = -(-KV_NK * d // 4 // threads) + -(-KV_NK * dv // 4 // threads)
     mt = 16 * wm
     smem = 4 * (mt * KV_NK + 3 * mt) + 2 * (mt * (d + 8) + KV_NK * (d + 8) + KV_NK * (dv + 8) + mt * (KV_NK + 8))
     return wm, wn, pf, threads, smem
@@ -408,14 +409,16 @@ def kv_kernel(wm, wn, pf, d, dv):
     return _KV_KERNELS[key]
 
 
-@cuda.jit(device=True, inline="always")
-def bf16_pair(lo, hi):
-    """Two finite float32 -> one word of two bf16 (round to nearest even), lo in the low half (integer ops,
-    numba-IR inlined: compile_ptx works without a GPU)."""
-    a, c = as_u32(lo), as_u32(hi)
-    a = (a + uint32(0x7FFF) + ((a >> uint32(16)) & uint32(1))) >> uint32(16)
-    c = (c + uint32(0x7FFF) + ((c >> uint32(16)) & uint32(1))) & uint32(0xFFFF0000)
-    return a | c
+if SIM:
+    from kernels.device import pack_bf16x2 as bf16_pair  # noqa: E402
+else:
+    from kernels.device import _cvt_pair  # noqa: E402
+
+    @cuda.jit(device=True, inline="always")
+    def bf16_pair(lo, hi):
+        """Two float32 -> one word of two bf16 (one cvt.rn.bf16x2), lo in the low half (numba-IR inlined, so
+        compile_ptx works without a GPU; device.pack_bf16x2 is NVVM-inlined)."""
+        return _cvt_pair(hi, lo)
 
 
 def _make_kv_kernel(wm, wn, pf, D, DV):
@@ -433,16 +436,35 @@ def _make_kv_kernel(wm, wn, pf, D, DV):
     KO = U0 + MT * DP
     VO = KO + nk * DP
     PO = VO + nk * VP
-    C4, CH = D // 4, nk * (D + DV) // 4               # 16-byte chunks per key row of K; per step of K and V
+    C4, CV = D // 4, DV // 4                          # 16-byte chunks per key row of K, of V
+    PK, PV = -(-nk * C4 // THREADS), -(-nk * CV // THREADS)   # 16-byte loads per thread and step: K, V
     CPT = nk // 4                                    # softmax: 4 threads per row, CPT columns each
 
+    @cuda.jit(device=True, inline="always")
+    def fetch(k, v, kbase, vbase, kss, vss, c0, hi, tid, regs):
+        """16-byte loads of K rows then V rows c0..c0+nk-1 (zeros past hi) into regs (PK, then PV per thread)."""
+        for p in range(PK):
+            idx = tid + p * THREADS
+            x, y, z, e = uint32(0), uint32(0), uint32(0), uint32(0)
+            if idx < nk * C4 and c0 + idx // C4 < hi:
+                x, y, z, e = ld16(k, kbase + (c0 + idx // C4) * kss + 4 * (idx % C4))
+            regs[4 * p], regs[4 * p + 1], regs[4 * p + 2], regs[4 * p + 3] = x, y, z, e
+        for p in range(PV):
+            idx = tid + p * THREADS
+            x, y, z, e = uint32(0), uint32(0), uint32(0), uint32(0)
+            if idx < nk * CV and c0 + idx // CV < hi:
+                x, y, z, e = ld16(v, vbase + (c0 + idx // CV) * vss + 4 * (idx % CV))
+            q = 4 * (PK + p)
+            regs[q], regs[q + 1], regs[q + 2], regs[q + 3] = x, y, z, e
+
     @kernel(max_registers=min(255, 65536 // (2 * THREADS)))   # two blocks per SM
-    def kv_attention_kernel(q, k, v, kv_len, scale, split, normalize, o_part, ml_part):
+    def kv_attention_kernel(q, k, v, kv_len, scale2, split, normalize, o_part, ml_part):
         """Block (split s, row tile, sequence b * kv head j) of 32*wm*wn threads; warp (wi, wj) owns rows
         16wi..16wi+15 of the tile (row m = i*g + gh: query i, head j*g + gh) and output columns wj*cw..+cw.
         Per step of nk keys: 16-byte loads of K and V rows (f32) into registers one step ahead, rounded to bf16
         into shared memory; S = Q K^T and O += P V on tensor cores (mma.sync bf16, f32 accumulate; q and p
-        rounded to bf16). Arrays as attention_split_kernel's; k/v rows need 16-byte aligned, unit-stride rows.
+        rounded to bf16). Arrays as attention_split_kernel's, but scale2 = scale * log2(e) (softmax in base 2);
+        k/v rows need 16-byte aligned, unit-stride rows.
         Bytes: K/V rows [s*split, min((s+1)*split, kv_len[b])) of kv head j once per row tile, q once."""
         n, h = q.shape[1], q.shape[2]
         hk = k.shape[2]
@@ -457,10 +479,10 @@ def _make_kv_kernel(wm, wn, pf, D, DV):
         fsm = cuda.shared.array(0, float32)
         usm = cuda.shared.array(0, uint16)
         wsm = cuda.shared.array(0, uint32)
-        ksb, kss, ksj = k.strides[0] // 4, k.strides[1] // 4, k.strides[2] // 4
-        vsb, vss, vsj = v.strides[0] // 4, v.strides[1] // 4, v.strides[2] // 4
-        lo = s * split
-        hi = min(lo + split, min(k.shape[1], kv_len[b]))
+        ksb, kss, ksj = k.strides[0] // 4, int32(k.strides[1] // 4), k.strides[2] // 4
+        vsb, vss, vsj = v.strides[0] // 4, int32(v.strides[1] // 4), v.strides[2] // 4
+        lo = int32(s * split)
+        hi = int32(min(lo + split, min(int32(k.shape[1]), kv_len[b])))
         if lo >= hi and not normalize:               # an empty split: only its (max, sum) matter
             if tid < MT and mt * MT + tid < M:
                 m = mt * MT + tid
@@ -484,41 +506,22 @@ def _make_kv_kernel(wm, wn, pf, D, DV):
         for u in range(ACC):
             acc[u] = float32(0)
         regs = cuda.local.array(PF4, uint32)
-        for p in range(pf):                          # first step's K/V rows into registers
-            idx = tid + p * THREADS
-            x, y, z, e = uint32(0), uint32(0), uint32(0), uint32(0)
-            if idx < CH:
-                kr = idx // C4 if idx < nk * C4 else (idx - nk * C4) // (DV // 4)
-                if lo + kr < hi:
-                    if idx < nk * C4:
-                        x, y, z, e = ld16(k, b * ksb + (lo + kr) * kss + j * ksj + 4 * (idx % C4))
-                    else:
-                        x, y, z, e = ld16(v, b * vsb + (lo + kr) * vss + j * vsj + 4 * ((idx - nk * C4) % (DV // 4)))
-            regs[4 * p], regs[4 * p + 1], regs[4 * p + 2], regs[4 * p + 3] = x, y, z, e
+        kbase, vbase = b * ksb + j * ksj, b * vsb + j * vsj
+        fetch(k, v, kbase, vbase, kss, vss, lo, hi, tid, regs)   # first step's K/V rows into registers
         for c0 in range(lo, hi, nk):
             cuda.syncthreads()
-            for p in range(pf):                      # registers -> bf16 in shared memory
-                idx = tid + p * THREADS
-                if idx < CH:
-                    if idx < nk * C4:
-                        at = KO + (idx // C4) * DP + 4 * (idx % C4)
-                    else:
-                        at = VO + ((idx - nk * C4) // (DV // 4)) * VP + 4 * ((idx - nk * C4) % (DV // 4))
-                    wsm[at // 2] = bf16_pair(as_f32(regs[4 * p]), as_f32(regs[4 * p + 1]))
-                    wsm[at // 2 + 1] = bf16_pair(as_f32(regs[4 * p + 2]), as_f32(regs[4 * p + 3]))
+            for p in range(PK + PV):                 # registers -> bf16 in shared memory
+                idx = tid + (p if p < PK else p - PK) * THREADS
+                if p < PK and idx < nk * C4:
+                    at = KO + (idx // C4) * DP + 4 * (idx % C4)
+                elif p >= PK and idx < nk * CV:
+                    at = VO + (idx // CV) * VP + 4 * (idx % CV)
+                else:
+                    continue
+                wsm[at // 2] = bf16_pair(as_f32(regs[4 * p]), as_f32(regs[4 * p + 1]))
+                wsm[at // 2 + 1] = bf16_pair(as_f32(regs[4 * p + 2]), as_f32(regs[4 * p + 3]))
             cuda.syncthreads()
-            for p in range(pf):                      # next step's rows in flight during this step's math
-                idx = tid + p * THREADS
-                x, y, z, e = uint32(0), uint32(0), uint32(0), uint32(0)
-                if idx < CH:
-                    kr = idx // C4 if idx < nk * C4 else (idx - nk * C4) // (DV // 4)
-                    if c0 + nk + kr < hi:
-                        if idx < nk * C4:
-                            x, y, z, e = ld16(k, b * ksb + (c0 + nk + kr) * kss + j * ksj + 4 * (idx % C4))
-                        else:
-                            x, y, z, e = ld16(v, b * vsb + (c0 + nk + kr) * vss + j * vsj
-                                              + 4 * ((idx - nk * C4) % (DV // 4)))
-                regs[4 * p], regs[4 * p + 1], regs[4 * p + 2], regs[4 * p + 3] = x, y, z, e
+            fetch(k, v, kbase, vbase, kss, vss, c0 + nk, hi, tid, regs)   # next step's rows in flight
             for nt in range(wj, nk // 8, wn):        # S = Q K^T for n-tile nt of this warp's rows
                 s0, s1, s2, s3 = float32(0), float32(0), float32(0), float32(0)
                 t0, t1, t2, t3 = float32(0), float32(0), float32(0), float32(0)   # second chain: half the latency
@@ -533,7 +536,7 @@ def _make_kv_kernel(wm, wn, pf, D, DV):
                     row = wi * 16 + gq + 8 * (e >> 1)
                     col = nt * 8 + 2 * tq + (e & 1)
                     x = s0 if e == 0 else s1 if e == 1 else s2 if e == 2 else s3
-                    fsm[row * nk + col] = x * scale if c0 + col < hi else NEG_INF
+                    fsm[row * nk + col] = x * scale2 if c0 + col < hi else NEG_INF
             cuda.syncthreads()
             for task in range(tid, 4 * MT, THREADS):  # online softmax, 4 threads per row; P as bf16
                 row, c1 = task >> 2, (task & 3) * CPT
@@ -544,15 +547,15 @@ def _make_kv_kernel(wm, wn, pf, D, DV):
                 mx = max(mx, shfl_xor(mx, 1))
                 mx = max(mx, shfl_xor(mx, 2))
                 tot = float32(0)
-                for c in range(c1, c1 + CPT):
-                    pb = uint16(0)
+                for c in range(c1, c1 + CPT, 2):     # scores in log2 units: p = 2^(x - max)
+                    pw = uint32(0)
                     if mx != NEG_INF:
-                        pb = _to_bf16(math.exp(fsm[row * nk + c] - mx))
-                        tot += as_f32(uint32(pb) << uint32(16))
-                    usm[PO + row * NKP + c] = pb
+                        pw = bf16_pair(math.exp2(fsm[row * nk + c] - mx), math.exp2(fsm[row * nk + c + 1] - mx))
+                        tot += as_f32(pw << uint32(16)) + as_f32(pw & uint32(0xFFFF0000))
+                    wsm[(PO + row * NKP + c) // 2] = pw
                 tot += shfl_xor(tot, 1)
                 tot += shfl_xor(tot, 2)
-                alpha = math.exp(m_old - mx) if mx != NEG_INF else float32(1)
+                alpha = math.exp2(m_old - mx) if mx != NEG_INF else float32(1)
                 if c1 == 0:
                     fsm[ST + row] = mx
                     fsm[ST + MT + row] = fsm[ST + MT + row] * alpha + tot
@@ -588,6 +591,6 @@ def _make_kv_kernel(wm, wn, pf, D, DV):
                     o_part[b, s, row, col] = y0
                     o_part[b, s, row, col + 1] = y1
                 if not normalize and wj == 0 and tq == 0:
-                    ml_part[b, s, row, 0] = fsm[ST + r]
+                    ml_part[b, s, row, 0] = fsm[ST + r] * LN2        # back to natural-log units
                     ml_part[b, s, row, 1] = den
     return kv_attention_kernel
