@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from kernels.device import (F0, as_f32, bf16_hi, bf16_lo, device, int4_pair, kernel, launch, ld16, ld16_pf,
+from kernels.device import (F0, SIM, as_f32, bf16_hi, bf16_lo, device, int4_pair, kernel, launch, ld16, ld16_pf,
                             ld4, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
 from kernels.memo import memo_f32
 from weights.dtypes import bf16_to_f32
@@ -368,3 +368,111 @@ def _contiguous(a):
 def _words(a):
     """Contiguous array -> flat uint32 view (numpy or numba device array)."""
     return a.reshape(a.size).view(np.uint32)
+
+
+# ------------------------------------------------------------------------------------------------ per-head GEMM
+@dataclass(frozen=True)
+class HeadGemmConfig:
+    """Cut of the per-head GEMM: T token tiles (8 tokens each) per block, R row tiles per warp, WR warps along b and
+    WK along a per block (WK is chosen from a only: batch invariance)."""
+    T: int
+    R: int
+    WR: int
+    WK: int
+    U: int = 2
+    PF: int = 1
+
+
+def head_gemm_config(n, h, b, a):
+    """Default cut: up to 32 tokens per block; k split in the block when a is long (w_uv: a = kv_lora)."""
+    steps, T = a // 32, min(math.ceil(n / 8), 4)
+    wk = 4 if steps >= 16 else (2 if steps >= 8 else 1)
+    R = 2 if T <= 2 else 1
+    return HeadGemmConfig(T=T, R=R, WR=max(1, min(math.ceil(b / 16 / R), 4 // wk)), WK=wk)
+
+
+def head_gemm_workspace_words(n, h, b, a, cfg=None):
+    """(xb words, part floats) a head_gemm call needs: none with the current cuts (x is read in place, no k split
+    across blocks); callers still hand a GemmWorkspace so later cuts can use scratch."""
+    return 0, 0
+
+
+def _build_head_gemm(T, R, XS, U, PF):
+    mainloop = _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, 1)
+    block_reduce = _cached(_build_block_reduce, R, T)
+    NACC, NA = R * T * 4, 2 * R
+
+    @kernel()
+    def head_gemm_k(x, w, out, n, b, a, sx0, sx1, nwr, nwk):
+        """out[tok, hd, row] = sum_c x[tok, hd, c] * W[hd, row, c] for head hd = blockIdx.z, tokens from 8T*blockIdx.y.
+        x: f32 addressed flat from x[0, 0, 0] with element strides (sx0, sx1, 1); w: u32 flat [h, b, a/2];
+        out f32[n, h, b] (any strides). Launch: grid (ceil(b/16/(nwr*R)), ceil(n/(8T)), h), block 32*nwr*nwk.
+        Moves h*b*a*2 bytes of weights, n*h*(a + b)*4 of activations and outputs."""
+        lane = lane_id()
+        g, t = lane // 4, lane % 4
+        warp = cuda.threadIdx.x // 32
+        wr, wk = warp % nwr, warp // nwr
+        hd = cuda.blockIdx.z
+        tile0 = (cuda.blockIdx.x * nwr + wr) * R
+        tok0 = cuda.blockIdx.y * 8 * T
+        half = a // 2
+        s0, s1 = _split_range(wk, nwk, a // 32)
+        aoff = cuda.local.array(NA, int32)
+        boff = cuda.local.array(T, int32)
+        acc = cuda.local.array(NACC, float32)
+        for r in range(R):
+            row = (tile0 + r) * 16 + g
+            aoff[2 * r] = (hd * b + min(row, b - 1)) * half
+            aoff[2 * r + 1] = (hd * b + min(row + 8, b - 1)) * half
+        for tt in range(T):
+            boff[tt] = min(tok0 + tt * 8 + g, n - 1) * sx0 + hd * sx1
+        for i in range(NACC):
+            acc[i] = F0
+        mainloop(w, w, x, s0, s1, t, half, aoff, aoff, boff, acc)
+        block_reduce(acc, wr, wk, nwr, nwk, lane)
+        if wk == 0:
+            for r in range(R):
+                for tt in range(T):
+                    i = (r * T + tt) * 4
+                    for e in range(4):
+                        row = (tile0 + r) * 16 + g + 8 * (e // 2)
+                        tok = tok0 + tt * 8 + 2 * t + e % 2
+                        if row < b and tok < n:
+                            out[tok, hd, row] = acc[i + e]
+    return head_gemm_k
+
+
+def head_gemm(x, w, out, ws, cfg=None):
+    """Per head hd: out[:, hd] = x[:, hd] @ bf16(w[hd])^T in one launch. x f32[n, h, a] and out f32[n, h, b] may be
+    strided views (x rows: unit stride, 16-byte aligned, e.g. q[:, :, :nope]); w u16[h, b, a] contiguous."""
+    n, h, a = x.shape
+    b = w.shape[1]
+    if w.shape != (h, b, a) or out.shape != (n, h, b):
+        raise ValueError(f"head_gemm: x {x.shape}, w {w.shape}, out {out.shape} do not fit per-head x @ w^T")
+    sx = [s // 4 for s in x.strides]
+    if a % 32 or sx[2] != 1 or sx[0] % 4 or sx[1] % 4 or _address(x) % 16:
+        raise ValueError(f"head_gemm: x rows must be 16-byte aligned with unit stride and a % 32 == 0 "
+                         f"(a={a}, strides {x.strides})")
+    cfg = cfg or head_gemm_config(n, h, b, a)
+    nxb, npart = head_gemm_workspace_words(n, h, b, a, cfg)
+    if ws.xb.size < nxb or ws.part.size < npart:
+        raise ValueError(f"head_gemm: workspace too small ({ws.xb.size}/{ws.part.size} < {nxb}/{npart})")
+    if cfg.WR * cfg.WK > MAX_WARPS:
+        raise ValueError(f"head_gemm: {cfg} has more than {MAX_WARPS} warps per block")
+    kern = _cached(_build_head_gemm, cfg.T, cfg.R, XS_DEFAULT, cfg.U, cfg.PF)
+    grid = (math.ceil(b / 16 / (cfg.WR * cfg.R)), math.ceil(n / (8 * cfg.T)), h)
+    launch(kern, grid, 32 * cfg.WR * cfg.WK, _flat_span(x) if SIM else x, _words(w), out, int32(n), int32(b),
+           int32(a), int32(sx[0]), int32(sx[1]), int32(cfg.WR), int32(cfg.WK))
+    return out
+
+
+def _address(a):
+    """Data pointer of a NumPy, CuPy or numba array."""
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return iface["data"][0]
+
+
+def _flat_span(a):
+    """Simulator: the memory from a[0, ...] to its last element as a flat array (kernels address it by strides)."""
+    span = sum((d - 1) * s for d, s in zip(a.shape, a.strides)) // a.itemsize + 1
+    return np.lib.stride_tricks.as_strided(a, (span,), (a.itemsize,))
