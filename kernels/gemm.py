@@ -227,16 +227,18 @@ def _build_block_reduce(R, T):
     return block_reduce
 
 
-def _build_gemm(T, R, XS, U, PF=0, BF=0):
+def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None):
     mainloop = _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, BF)
     block_reduce = _cached(_build_block_reduce, R, T)
     NACC, NA = R * T * 4, 2 * R
 
-    @kernel()
-    def gemm_k(xb, w, out, part, m, n, kdim, nwr, nwk):
+    @device
+    def body(xb, w, out, part, sync, m, n, kdim, nwr, nwk):
         """out f32[m, n] (or part f32[splits, m, n] when gridDim.y > 1) = x @ W^T over this block's k range.
-        xb: u32 flat [m, XS, k/2]; w: u32 flat [n, k/2]. Launch: grid (ceil(n/16/(nwr*R)), splits),
-        block 32*nwr*nwk (<= 256). Moves n*k*2 bytes of weights (plus xb through L1/L2)."""
+        xb: u32 flat [m, XS, k/2] (BF=0) or f32 flat [m, k] (BF=1); w: u32 flat [n, k/2].
+        FR=1 with splits: the last block of a row range to finish (counter sync[blockIdx.x], left at 0) adds the
+        splits' partials in order into out (no reduce launch). Launch: grid (ceil(n/16/(nwr*R)), splits),
+        block 32*nwr*nwk (<= 256). Moves n*k*2 bytes of weights (plus x through L1/L2, 2*splits*m*n*4 of partials)."""
         lane = lane_id()
         g, t = lane // 4, lane % 4
         warp = cuda.threadIdx.x // 32
@@ -270,7 +272,45 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0):
                                 out[tok, row] = acc[i + e]
                             else:
                                 part[sb, tok, row] = acc[i + e]
+        if FR and nsb > 1:
+            last_split_reduce(part, out, sync, m, n, nwr * R * 16)
+
+    opts = {"launch_bounds": bounds} if bounds else {}
+    if FR:
+        @kernel(**opts)
+        def gemm_k(xb, w, out, part, sync, m, n, kdim, nwr, nwk):
+            body(xb, w, out, part, sync, m, n, kdim, nwr, nwk)
+        return gemm_k
+
+    @kernel(**opts)
+    def gemm_k(xb, w, out, part, m, n, kdim, nwr, nwk):
+        body(xb, w, out, part, w, m, n, kdim, nwr, nwk)
     return gemm_k
+
+
+@device
+def last_split_reduce(part, out, sync, m, n, rows):
+    """The last of the gridDim.y blocks of row range blockIdx.x to get here adds part[:, :, range] in split order
+    into out and resets the counter. Partials are read with atomics (at L2: the other blocks' writes, no stale L1).
+    All threads of the block must call it."""
+    last = cuda.shared.array(1, int32)
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        last[0] = int32(cuda.atomic.add(sync, cuda.blockIdx.x, uint32(1)) == uint32(cuda.gridDim.y - 1))
+    cuda.syncthreads()
+    if last[0]:
+        cuda.threadfence()
+        row0 = cuda.blockIdx.x * rows
+        for idx in range(cuda.threadIdx.x, m * rows, cuda.blockDim.x):
+            tok, row = idx // rows, row0 + idx % rows
+            if row < n:
+                v = cuda.atomic.add(part, (0, tok, row), F0)
+                for s in range(1, cuda.gridDim.y):
+                    v += cuda.atomic.add(part, (s, tok, row), F0)
+                out[tok, row] = v
+        if cuda.threadIdx.x == 0:
+            sync[cuda.blockIdx.x] = uint32(0)
 
 
 def _build_reduce():
@@ -300,13 +340,17 @@ class GemmConfig:
     U: int = 2
     PF: int = 1        # 1: weight loads with an L2 256-byte prefetch hint (measured: lm_head m=1 66% -> 89% of copy)
     BF: int = 1        # 1: read f32 x in the GEMM (no B prep launch) when x is contiguous
+    MB: int = 0        # > 0: launch bounds asking ptxas to fit MB blocks per SM (caps registers)
+    FR: int = 1        # 1: the k-split partials are added by the last block of each row range (needs ws.sync)
 
 
 @dataclass
 class GemmWorkspace:
-    """Scratch of the dense GEMM, allocated once: xb u32 flat (B operand), part f32 flat (k-split partials)."""
+    """Scratch of the dense GEMM, allocated once: xb u32 flat (B operand), part f32 flat (k-split partials),
+    sync u32 flat (k-split counters: zero when allocated, left at zero by every call; None: a reduce launch)."""
     xb: object
     part: object
+    sync: object = None
 
 
 def gemm_config(m, n, k, target_warps=4096):
@@ -316,10 +360,10 @@ def gemm_config(m, n, k, target_warps=4096):
     wk = next(w for w in (8, 4, 2, 1) if pieces >= 2 * w or w == 1)
     sb = max(1, pieces // wk)
     T = math.ceil(m / 8)
-    R = 2 if T <= 4 else 1
+    R = 2 if T <= 5 else 1
     wr = max(1, 8 // wk)
     # reading f32 x in the kernel saves a launch (wins at one token tile) but costs conversions per tile (loses above)
-    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, BF=int(T == 1))
+    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, BF=int(T == 1), MB=2 if T > 1 else 0)
 
 
 def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):
@@ -328,8 +372,15 @@ def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):
     return m * xs * k // 2, (cfg.SB * m * n if cfg.SB > 1 else 0)
 
 
+def gemm_sync_words(m, n, k, cfg=None):
+    """Counters (u32, zeroed once by the caller) a call with a fused k-split reduce needs: one per row range."""
+    cfg = cfg or gemm_config(m, n, k)
+    return math.ceil(n / 16 / (cfg.WR * cfg.R)) if cfg.SB > 1 and cfg.FR else 0
+
+
 def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
-    """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T on the GPU (prep of B, mma GEMM, k-split reduce)."""
+    """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T on the GPU: [prep of B,] mma GEMM [, k-split reduce]
+    (the reduce runs inside the GEMM when ws.sync is given)."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape != (n, k) or out.shape != (m, n):
@@ -340,6 +391,9 @@ def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
     nxb, npart = gemm_workspace_words(m, n, k, xs, cfg)
     if ws.xb.size < nxb or ws.part.size < npart:
         raise ValueError(f"gemm: workspace too small ({ws.xb.size}/{ws.part.size} < {nxb}/{npart})")
+    nsync = gemm_sync_words(m, n, k, cfg) if ws.sync is not None else 0
+    if nsync and ws.sync.size < nsync:
+        raise ValueError(f"gemm: sync counters too few ({ws.sync.size} < {nsync})")
     T = math.ceil(m / 8)
     fused = cfg.BF and _contiguous(x)
     if fused:
@@ -349,12 +403,15 @@ def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
         prep_b(x, xb, xs, 0)
     if cfg.WR * cfg.WK > MAX_WARPS:
         raise ValueError(f"gemm: {cfg} has more than {MAX_WARPS} warps per block")
-    kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, int(fused))
+    threads = 32 * cfg.WR * cfg.WK
+    kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, int(fused), int(nsync > 0),
+                   (threads, cfg.MB) if cfg.MB else None)
     grid = (math.ceil(n / 16 / (cfg.WR * cfg.R)), cfg.SB)
     part = ws.part[:npart].reshape(cfg.SB, m, n) if npart else ws.part[:1].reshape(1, 1, 1)
-    launch(kern, grid, 32 * cfg.WR * cfg.WK, xb, _words(w), out, part, int32(m), int32(n), int32(k),
+    sync = (ws.sync[:nsync],) if nsync else ()
+    launch(kern, grid, threads, xb, _words(w), out, part, *sync, int32(m), int32(n), int32(k),
            int32(cfg.WR), int32(cfg.WK))
-    if cfg.SB > 1:
+    if cfg.SB > 1 and not nsync:
         launch(_cached(_build_reduce), math.ceil(m * n / 256), 256, part, out, int32(cfg.SB), int32(m), int32(n))
     return out
 
