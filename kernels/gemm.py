@@ -354,7 +354,12 @@ class GemmWorkspace:
 
 
 def gemm_config(m, n, k, target_warps=4096):
-    """Default cut: enough k-pieces that about `target_warps` warps stream weights (n, k decide the k split)."""
+    """Default cut: enough k-pieces that about `target_warps` warps stream weights (n, k decide the k split).
+    Per token tiles T, from tools/bench_kernels.py on the H200 (K2 shapes, m = 1, 17, 33): R=2 up to T=5 (R=1
+    lost up to 55% on all but kv_a); above one tile, 256-thread blocks capped at 128 registers (MB=2: uncapped lost
+    12-30% except on kv_a and lm_head at T=3) and the k-split reduce as its own launch (the in-GEMM last-block
+    reduce lost 1-7 us there, within 0.7 us at T=1); U=4 at T=1 with a k split (+0.2-5.6 points of copy), U=1 at
+    T=3 (2-19% faster; lost up to 19% at T=5)."""
     tiles, steps = math.ceil(n / 16), k // 32
     pieces = max(1, min(target_warps // tiles, steps // 4, 64))
     wk = next(w for w in (8, 4, 2, 1) if pieces >= 2 * w or w == 1)
@@ -362,8 +367,9 @@ def gemm_config(m, n, k, target_warps=4096):
     T = math.ceil(m / 8)
     R = 2 if T <= 5 else 1
     wr = max(1, 8 // wk)
+    U = (4 if sb > 1 else 2) if T == 1 else (1 if T == 3 else 2)
     # reading f32 x in the kernel saves a launch (wins at one token tile) but costs conversions per tile (loses above)
-    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, BF=int(T == 1), MB=2 if T > 1 else 0)
+    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2 if T > 1 else 0, FR=int(T == 1))
 
 
 def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):

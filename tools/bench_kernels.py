@@ -29,10 +29,9 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     "bound2_8w": dict(gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2), dn=dict(WR=8, WK=1, blocks_per_sm=4,
                                                                                min_blocks=2)),
 }
-# tag -> (token counts it is tried at, overrides); measured earlier and slower: PF=0, xs=1 (less exact)
-GEMM_VARIANTS = {"u4": ((1,), dict(U=4)), "reduce_launch": ((1, 17, 33), dict(FR=0)),
-                 "bf": ((17, 33), dict(BF=1)), "u1": ((17, 33), dict(U=1)), "no_bounds": ((17, 33), dict(MB=0)),
-                 "r1": ((17, 33), dict(R=1, MB=0))}
+# tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
+GEMM_VARIANTS = {"u2": ((1, 17), dict(U=2)), "fused_reduce": ((17, 33), dict(FR=1)), "bf": ((17, 33), dict(BF=1)),
+                 "no_bounds": ((17, 33), dict(MB=0)), "xs1": ((1, 17, 33), dict(xs=1))}
 HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
 
 
