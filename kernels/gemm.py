@@ -16,6 +16,10 @@ B operand: activations as bf16 bits, XS = 1 (bf16 rounding of the activations, W
 converted in registers (dense, BF=1) or prepared once by `prep_b` as xb u32 [rows, XS, k/2].
 Every token column is computed on its own and the k order depends only on (n, k) through the split: results are
 batch invariant (a token's output does not change with the number of tokens in the call).
+k-split partials are added in split order, by a reduce launch or (GemmConfig.FR with ws.sync counters) by the last
+block of each row range inside the GEMM: the same sums either way.
+head_gemm: MLA's per-head products (x f32[n, h, a] strided views @ bf16 w[h, b, a]^T) on the same warp step, heads
+on grid z and 8T-token chunks on grid y: one launch instead of one GEMM per head.
 """
 import math
 from dataclasses import dataclass

@@ -33,6 +33,7 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
 GEMM_VARIANTS = {"u2": ((1, 17), dict(U=2)), "fused_reduce": ((17, 33), dict(FR=1)), "bf": ((17, 33), dict(BF=1)),
                  "no_bounds": ((17, 33), dict(MB=0)), "xs1": ((1, 17, 33), dict(xs=1))}
 HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
+HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured yet)
 
 
 # ------------------------------------------------------------------------------------------------------ timing
@@ -230,11 +231,11 @@ def bench_gemm(cp, cuda, results, copy_bw, quick):
             tag, over, _ = best[min(best, key=lambda mm: abs(mm - m))]
             run(name, w, m, n, k, "best", over)
         del w
-    bench_head_gemm(cp, cuda, results, copy_bw)
+    bench_head_gemm(cp, cuda, results, copy_bw, quick)
 
 
-def bench_head_gemm(cp, cuda, results, copy_bw):
-    """MLA's per-head products (one launch): bytes = weights + x + out."""
+def bench_head_gemm(cp, cuda, results, copy_bw, quick):
+    """MLA's per-head products (one launch), default cut and variants: bytes = weights + x + out."""
     from kernels.gemm import GemmWorkspace, head_gemm, head_gemm_config
     dv = cuda.as_cuda_array
     ws = GemmWorkspace(dv(cp.zeros(1, cp.uint32)), dv(cp.zeros(1, cp.float32)))
@@ -244,13 +245,15 @@ def bench_head_gemm(cp, cuda, results, copy_bw):
             x = dv(cp.random.standard_normal((n, h, a + 64), dtype=cp.float32))[:, :, :a]
             out = dv(cp.zeros((n, h, b), cp.float32))
             nbytes = h * b * a * 2 + n * h * (a + b) * 4
-            g_ms, e_ms = timed(cp, lambda: head_gemm(x, w, out, ws), reps_for(nbytes))
-            row = dict(op="head_gemm", name=name, n=n, h=h, b=b, a=a, bytes=nbytes, graph_ms=g_ms, eager_ms=e_ms,
-                       gbps=nbytes / g_ms / 1e6, pct_copy=100 * nbytes / g_ms / 1e6 / copy_bw,
-                       cfg=head_gemm_config(n, h, b, a).__dict__)
-            results.setdefault("head_gemm", []).append(row)
-            print(f"head_gemm {name} n={n:5d} {nbytes / 1e6:7.1f} MB graph {g_ms * 1e3:7.1f} us eager "
-                  f"{e_ms * 1e3:7.1f} us {row['gbps']:6.0f} GB/s {row['pct_copy']:5.1f}%", flush=True)
+            for tag, over in {"default": {}, **({} if quick else HEAD_VARIANTS)}.items():
+                cfg = replace(head_gemm_config(n, h, b, a), **over)
+                g_ms, e_ms = timed(cp, lambda: head_gemm(x, w, out, ws, cfg), reps_for(nbytes))
+                row = dict(op="head_gemm", name=name, tag=tag, n=n, h=h, b=b, a=a, bytes=nbytes, graph_ms=g_ms,
+                           eager_ms=e_ms, gbps=nbytes / g_ms / 1e6, pct_copy=100 * nbytes / g_ms / 1e6 / copy_bw,
+                           cfg=cfg.__dict__)
+                results.setdefault("head_gemm", []).append(row)
+                print(f"head_gemm {name} {tag:>7} n={n:5d} {nbytes / 1e6:7.1f} MB graph {g_ms * 1e3:7.1f} us eager "
+                      f"{e_ms * 1e3:7.1f} us {row['gbps']:6.0f} GB/s {row['pct_copy']:5.1f}%", flush=True)
 
 
 def summary(results):
