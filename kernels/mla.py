@@ -57,11 +57,14 @@ if not SIM:
     from kernels.device import _address
 
     def _smem_addr(context, builder, aryty, ary, idxty, idx):
-        """i64 address of element idx of a 1-D shared array."""
+        """32-bit shared-window address of element idx of a 1-D shared array (32-bit math: fewer registers)."""
         arr = context.make_array(aryty)(context, builder, value=ary)
-        i = context.cast(builder, idx, idxty, types.intp)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, arr, [i])
-        return builder.ptrtoint(ptr, ir.IntType(64))
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        cvta = ir.InlineAsm(ir.FunctionType(i64, [i64]), "cvta.to.shared.u64 $0, $1;", "=l,l")
+        base = builder.trunc(builder.call(cvta, [builder.ptrtoint(arr.data, i64)]), i32)
+        i = context.cast(builder, idx, idxty, types.int32)
+        size = context.get_abi_sizeof(context.get_data_type(aryty.dtype))
+        return builder.add(base, builder.mul(i, ir.Constant(i32, size)))
 
     def _make_ldsm(trans):
         """ldmatrix .x4 (optionally .trans): this lane passes the address of its row (uint16 element idx)."""
@@ -74,9 +77,9 @@ if not SIM:
             def codegen(context, builder, sig, args):
                 a = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
                 i32 = ir.IntType(32)
-                fn = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ir.IntType(64)])
-                asm = "{ .reg .u64 sa; cvta.to.shared.u64 sa, $4; " + op + " {$0,$1,$2,$3}, [sa]; }"
-                r = builder.call(ir.InlineAsm(fn, asm, "=r,=r,=r,=r,l", side_effect=True), [a])
+                fn = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
+                asm = op + " {$0,$1,$2,$3}, [$4];"
+                r = builder.call(ir.InlineAsm(fn, asm, "=r,=r,=r,=r,r", side_effect=True), [a])
                 return context.make_tuple(builder, sig.return_type, [builder.extract_value(r, k) for k in range(4)])
             return sig, codegen
         return ldsm
@@ -92,10 +95,9 @@ if not SIM:
             ga = _address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
             nb = context.cast(builder, args[4], sig.args[4], types.uint32)
             i64, i32 = ir.IntType(64), ir.IntType(32)
-            fn = ir.FunctionType(ir.VoidType(), [i64, i64, i32])
-            asm = ("{ .reg .u64 sa, ga; cvta.to.shared.u64 sa, $0; cvta.to.global.u64 ga, $1; "
-                   "cp.async.cg.shared.global [sa], [ga], 16, $2; }")
-            builder.call(ir.InlineAsm(fn, asm, "l,l,r,~{memory}", side_effect=True), [sa, ga, nb])
+            fn = ir.FunctionType(ir.VoidType(), [i32, i64, i32])
+            asm = "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [$0], [ga], 16, $2; }"
+            builder.call(ir.InlineAsm(fn, asm, "r,l,r,~{memory}", side_effect=True), [sa, ga, nb])
         return sig, codegen
 
     def _make_cp_op(asm):
@@ -238,7 +240,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
     KB = PO + MT * NKP
     KSTAGE = NK * DP
     OB, RS = U0 // 2, r + 8                           # f32 output tile [MT][RS] over the Q tile and the ring
-    ACC, SACC, BFR = 4 * PM * NTP, NK // 2, 2 * NTP          # local (register) array sizes
+    ACC, SACC, AFR = 4 * PM * NTP, NK // 2, 4 * PM          # local (register) array sizes
     cp_wait_ring, cp_wait_all = _cp_wait(stages - 2), _cp_wait(0)
 
     @cuda.jit(device=True, inline="always")
@@ -297,7 +299,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
         for u in range(ACC):
             acc[u] = float32(0)
         sacc = cuda.local.array(SACC, float32)
-        bfr = cuda.local.array(BFR, uint32)
+        afr = cuda.local.array(AFR, uint32)
         wi, gj = w % rg, w // rg                      # S roles
         pr, pc = w % PR, w // PR                      # P V roles
         srow, sc1 = tid // TPR, (tid % TPR) * CPT     # softmax role
@@ -312,8 +314,10 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
             if gj < KGS:                              # S partial over k32 steps [gj*KPW, ...)
                 for u in range(SACC):
                     sacc[u] = float32(0)
-                for kc in range(gj * KPW, min(gj * KPW + KPW, D32)):
-                    kk = 32 * kc
+                for k in range(KPW):
+                    kk = 32 * (gj * KPW + k)
+                    if kk >= D:
+                        break
                     a0, a1, a2, a3 = _frag_a(usm, U0, DP, wi * 16, kk)
                     e0, e1, e2, e3 = _frag_a(usm, U0, DP, wi * 16, kk + 16)
                     for nt in range(NK // 8):
@@ -370,15 +374,19 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
                     acc[4 * (mi * NTP + u) + 2] *= al1
                     acc[4 * (mi * NTP + u) + 3] *= al1
             for kk in range(0, NK, 16):
-                for u in range(0, NTP, 2):            # V fragments of all this warp's columns, then the rows
-                    bfr[2 * u], bfr[2 * u + 1], bfr[2 * u + 2], bfr[2 * u + 3] = _frag_bt(
-                        usm, KO, DP, kk, pc * CW + 8 * u)
-                for mi in range(PM):
-                    a0, a1, a2, a3 = _frag_a(usm, PO, NKP, (pr * PM + mi) * 16, kk)
-                    for u in range(NTP):
+                for mi in range(PM):                  # P fragments of this warp's rows, then V pairs of n-tiles
+                    afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3] = _frag_a(
+                        usm, PO, NKP, (pr * PM + mi) * 16, kk)
+                for u in range(0, NTP, 2):
+                    b0, b1, b2, b3 = _frag_bt(usm, KO, DP, kk, pc * CW + 8 * u)
+                    for mi in range(PM):
                         x = 4 * (mi * NTP + u)
                         acc[x], acc[x + 1], acc[x + 2], acc[x + 3] = mma_bf16(
-                            a0, a1, a2, a3, bfr[2 * u], bfr[2 * u + 1], acc[x], acc[x + 1], acc[x + 2], acc[x + 3])
+                            afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3], b0, b1,
+                            acc[x], acc[x + 1], acc[x + 2], acc[x + 3])
+                        acc[x + 4], acc[x + 5], acc[x + 6], acc[x + 7] = mma_bf16(
+                            afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3], b2, b3,
+                            acc[x + 4], acc[x + 5], acc[x + 6], acc[x + 7])
         cp_wait_all()
         cuda.syncthreads()                            # the Q tile and the ring become the output tile
         for x in range(0, ACC, 2):                    # acc pairs: (m16 tile, n-tile, row g or g+8)
@@ -408,7 +416,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
 MERGE_GROUPS = 8            # split groups per merge block (summed in shared memory)
 
 
-@kernel()
+@kernel(max_registers=64)                        # up to 1024 threads per block
 def mla_merge_kernel(o_part, ml_part, out):
     """out[b, m] = sum_s e^(max_s - max) o_part[b, s, m] / sum_s e^(max_s - max) sum_s. Block (row m, sequence b)
     of (r/4, G) threads: thread (x, y) adds splits y, y+G, ... for columns 4x..4x+3 (16-byte loads), the G sums
