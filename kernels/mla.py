@@ -46,7 +46,7 @@ import math  # noqa: E402
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
 from kernels.attention import NEG_INF, attention_ref, launch_smem, placeholder, shfl_xor  # noqa: E402
-from kernels.device import SIM, as_f32, current_stream, kernel, ld16, mma_bf16  # noqa: E402
+from kernels.device import SIM, as_f32, current_stream, kernel, ld4, ld16, mma_bf16  # noqa: E402
 
 if not SIM:
     from llvmlite import ir
@@ -110,6 +110,15 @@ if not SIM:
         return op
 
     _cp_commit = _make_cp_op("cp.async.commit_group;")
+
+    @intrinsic
+    def _opaque0(typingctx):
+        """int32 0 the compiler cannot see through: offsets derived from it are recomputed where they are used
+        instead of being hoisted out of the step loop into registers (one per address: spills)."""
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            return builder.call(ir.InlineAsm(ir.FunctionType(i32, []), "mov.u32 $0, 0;", "=r", side_effect=True), [])
+        return types.int32(), codegen
 
     def _cp_wait(n):
         """cp.async.wait_group n: all but this thread's n most recent groups have landed."""
@@ -182,6 +191,15 @@ else:
     def _cp_wait(n):
         return _cp_commit
 
+    def _opaque0():
+        return 0
+
+
+@cuda.jit(device=True, inline="always")
+def _bf16_pair(lo, hi):
+    """Two float32 -> one word of two bf16 (round to nearest even), lo in the low half."""
+    return uint32(_to_bf16(lo)) | (uint32(_to_bf16(hi)) << uint32(16))
+
 
 MLA_NK = 32                 # cache rows (keys) per pipeline step
 MLA_SMEM = 227 * 1024       # shared memory per block on sm_90
@@ -240,7 +258,10 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
     KB = PO + MT * NKP
     KSTAGE = NK * DP
     OB, RS = U0 // 2, r + 8                           # f32 output tile [MT][RS] over the Q tile and the ring
-    ACC, SACC, AFR = 4 * PM * NTP, NK // 2, 4 * PM          # local (register) array sizes
+    D4 = D // 4                                       # 16-byte pieces of a q row (f32)
+    QPT = -(-(MT * D4) // THREADS)                    # q pieces per thread
+    QG = min(QPT, 8)                                  # q loads in flight per thread
+    ACC, SACC, AFR, QV = 4 * PM * NTP, NK // 2, 4 * PM, 4 * QG          # local (register) array sizes
     cp_wait_ring, cp_wait_all = _cp_wait(stages - 2), _cp_wait(0)
 
     @cuda.jit(device=True, inline="always")
@@ -257,7 +278,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
                           uint32(16) if ok else uint32(0))
         _cp_commit()
 
-    @kernel(max_registers=min(255, 65536 // THREADS))   # the whole block fits the register file
+    @kernel(max_registers=min(255, 65536 // THREADS // 8 * 8))   # the block fits the register file
     def mla_attention_kernel(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part):
         """Block (row tile, split s, sequence b) of 32*rg*kg threads over cache rows [s*split, +split) of b:
         query rows m = t*h + head of tile mt. Per step of NK rows (a cp.async ring of `stages` tiles, one barrier
@@ -273,6 +294,8 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
         M = T * h
         fsm = cuda.shared.array(0, float32)
         usm = cuda.shared.array(0, uint16)
+        wsm = cuda.shared.array(0, uint32)
+        qv = cuda.local.array(QV, uint32)
         L, n = lengths[b], ntok[b]
         lo = s * split
         hi = min(lo + split, L + n)
@@ -283,15 +306,19 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
             return
         for p in range(stages - 1):                   # the ring's first tiles in flight
             load_tile(usm, cache, b, lo + p * NK, hi, p, tid)
-        for idx in range(tid, MT * (D // 2), THREADS):  # q tile -> bf16 in shared memory
-            i, c = idx // (D // 2), 2 * (idx % (D // 2))
-            m = mt * MT + i
-            x0, x1 = float32(0), float32(0)
-            if m < M:
-                x0 = q[b, m // h, m % h, c]
-                x1 = q[b, m // h, m % h, c + 1]
-            usm[U0 + i * DP + c] = _to_bf16(x0)
-            usm[U0 + i * DP + c + 1] = _to_bf16(x1)
+        for p0 in range(0, QPT, QG):                  # q tile: QG 16-byte loads in flight, then bf16 pairs
+            for p in range(QG):
+                idx = tid + (p0 + p) * THREADS
+                m = mt * MT + idx // D4
+                qv[4 * p], qv[4 * p + 1], qv[4 * p + 2], qv[4 * p + 3] = uint32(0), uint32(0), uint32(0), uint32(0)
+                if idx < MT * D4 and m < M:
+                    qv[4 * p], qv[4 * p + 1], qv[4 * p + 2], qv[4 * p + 3] = ld16(q, (b * M + m) * D + 4 * (idx % D4))
+            for p in range(QG):
+                idx = tid + (p0 + p) * THREADS
+                if idx < MT * D4:
+                    o = (U0 + (idx // D4) * DP + 4 * (idx % D4)) // 2
+                    wsm[o] = _bf16_pair(as_f32(qv[4 * p]), as_f32(qv[4 * p + 1]))
+                    wsm[o + 1] = _bf16_pair(as_f32(qv[4 * p + 2]), as_f32(qv[4 * p + 3]))
         if tid < MT:
             fsm[tid] = NEG_INF
             fsm[MT + tid] = float32(0)
@@ -302,15 +329,15 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
         afr = cuda.local.array(AFR, uint32)
         wi, gj = w % rg, w // rg                      # S roles
         pr, pc = w % PR, w // PR                      # P V roles
-        srow, sc1 = tid // TPR, (tid % TPR) * CPT     # softmax role
-        sm_ = mt * MT + srow
         nsteps = (hi - lo + NK - 1) // NK
         for i in range(nsteps):
             c0 = lo + i * NK
+            z = _opaque0()                            # addresses below: base + z + constant, made in the loop
             cp_wait_ring()
             cuda.syncthreads()                        # tile i landed; step i-1 done with its slot
-            load_tile(usm, cache, b, c0 + (stages - 1) * NK, hi, (i + stages - 1) % stages, tid)
-            KO = KB + (i % stages) * KSTAGE
+            load_tile(usm, cache, b, c0 + (stages - 1) * NK, hi, (i + stages - 1) % stages, tid + z)
+            KO = KB + (i % stages) * KSTAGE + z
+            QO, PZ, RZ = U0 + z, PO + z, RED + z
             if gj < KGS:                              # S partial over k32 steps [gj*KPW, ...)
                 for u in range(SACC):
                     sacc[u] = float32(0)
@@ -318,8 +345,8 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
                     kk = 32 * (gj * KPW + k)
                     if kk >= D:
                         break
-                    a0, a1, a2, a3 = _frag_a(usm, U0, DP, wi * 16, kk)
-                    e0, e1, e2, e3 = _frag_a(usm, U0, DP, wi * 16, kk + 16)
+                    a0, a1, a2, a3 = _frag_a(usm, QO, DP, wi * 16, kk)
+                    e0, e1, e2, e3 = _frag_a(usm, QO, DP, wi * 16, kk + 16)
                     for nt in range(NK // 8):
                         b0, b1, b2, b3 = _frag_bn(usm, KO, DP, nt * 8, kk)
                         s0, s1, s2, s3 = mma_bf16(a0, a1, a2, a3, b0, b1, sacc[4 * nt], sacc[4 * nt + 1],
@@ -329,14 +356,16 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
                 for nt in range(NK // 8):
                     for e in range(4):
                         row = wi * 16 + g + 8 * (e >> 1)
-                        fsm[RED + (gj * MT + row) * NKP + nt * 8 + 2 * tq + (e & 1)] = sacc[4 * nt + e]
+                        fsm[uint32(RZ + (gj * MT + row) * NKP + nt * 8 + 2 * tq + (e & 1))] = sacc[4 * nt + e]
             cuda.syncthreads()
-            m_old = fsm[srow]                         # online softmax: TPR threads per row, P as bf16
+            srow, sc1 = (tid + z) // TPR, (tid % TPR) * CPT   # online softmax: TPR threads per row, P as bf16
+            sm_ = mt * MT + srow
+            m_old = fsm[srow]
             mx = m_old
             for c in range(CPT):
                 x = float32(0)
                 for gg in range(KGS):
-                    x += fsm[RED + (gg * MT + srow) * NKP + sc1 + c]
+                    x += fsm[uint32(RZ + (gg * MT + srow) * NKP + sc1 + c)]
                 j = c0 + sc1 + c
                 ok = j < hi and sm_ < M
                 if ok and j >= L:
@@ -356,7 +385,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
                 if mx != NEG_INF:
                     pb = _to_bf16(math.exp(sacc[c] - mx))
                     tot += _from_bf16(pb)
-                usm[PO + srow * NKP + sc1 + c] = pb
+                usm[uint32(PZ + srow * NKP + sc1 + c)] = pb
             for k in range(LOG_TPR):
                 tot += shfl_xor(tot, 1 << k)
             if sc1 == 0:
@@ -367,7 +396,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
             cuda.syncthreads()
             for mi in range(PM):                      # O += P V for this warp's rows and columns
                 r0 = (pr * PM + mi) * 16
-                al0, al1 = fsm[2 * MT + r0 + g], fsm[2 * MT + r0 + g + 8]
+                al0, al1 = fsm[2 * MT + z + r0 + g], fsm[2 * MT + z + r0 + g + 8]
                 for u in range(NTP):
                     acc[4 * (mi * NTP + u)] *= al0
                     acc[4 * (mi * NTP + u) + 1] *= al0
@@ -376,7 +405,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
             for kk in range(0, NK, 16):
                 for mi in range(PM):                  # P fragments of this warp's rows, then V pairs of n-tiles
                     afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3] = _frag_a(
-                        usm, PO, NKP, (pr * PM + mi) * 16, kk)
+                        usm, PZ, NKP, (pr * PM + mi) * 16, kk)
                 for u in range(0, NTP, 2):
                     b0, b1, b2, b3 = _frag_bt(usm, KO, DP, kk, pc * CW + 8 * u)
                     for mi in range(PM):
@@ -424,30 +453,33 @@ def mla_merge_kernel(o_part, ml_part, out):
     splits saw no key get 0. Bytes: the partials once, the output once."""
     m, b = cuda.blockIdx.x, cuda.blockIdx.y
     x, y = cuda.threadIdx.x, cuda.threadIdx.y
-    G = cuda.blockDim.y
+    G, X = cuda.blockDim.y, cuda.blockDim.x
     nsplit, M, r = o_part.shape[1], o_part.shape[2], o_part.shape[3]
     red = cuda.shared.array(0, float32)
+    ml0, mls = int32(2 * (b * nsplit * M + m)), int32(2 * M)      # flat ml_part[b, s, m, 0] = ml0 + s*mls
+    o0, os_ = (b * nsplit * M + m) * r + 4 * x, M * r               # flat o_part[b, s, m, 4x] = o0 + s*os_
     mx = NEG_INF
     for s in range(nsplit):
-        mx = max(mx, ml_part[b, s, m, 0])
+        mx = max(mx, as_f32(ld4(ml_part, ml0 + s * mls)))
     den = float32(0)
     y0, y1, y2, y3 = float32(0), float32(0), float32(0), float32(0)
     for s in range(y, nsplit, G):
-        ms = ml_part[b, s, m, 0]
+        ms = as_f32(ld4(ml_part, ml0 + s * mls))
         if ms != NEG_INF:
             wgt = math.exp(ms - mx)
-            den += ml_part[b, s, m, 1] * wgt
-            u0, u1, u2, u3 = ld16(o_part, ((b * nsplit + s) * M + m) * r + 4 * x)
+            den += as_f32(ld4(ml_part, ml0 + s * mls + 1)) * wgt
+            u0, u1, u2, u3 = ld16(o_part, o0 + s * os_)
             y0 += as_f32(u0) * wgt
             y1 += as_f32(u1) * wgt
             y2 += as_f32(u2) * wgt
             y3 += as_f32(u3) * wgt
-    base = 5 * (y * cuda.blockDim.x + x)
-    red[base], red[base + 1], red[base + 2], red[base + 3], red[base + 4] = y0, y1, y2, y3, den
+    if y > 0:
+        base = uint32(5 * (y * X + x))
+        red[base], red[base + 1], red[base + 2], red[base + 3], red[base + 4] = y0, y1, y2, y3, den
     cuda.syncthreads()
     if y == 0:
         for k in range(1, G):
-            o = 5 * (k * cuda.blockDim.x + x)
+            o = uint32(5 * (k * X + x))
             y0, y1, y2, y3, den = y0 + red[o], y1 + red[o + 1], y2 + red[o + 2], y3 + red[o + 3], den + red[o + 4]
         inv = float32(1) / den if den > float32(0) else float32(0)
         out[b, m, 4 * x], out[b, m, 4 * x + 1] = y0 * inv, y1 * inv
@@ -489,6 +521,8 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
                          f"(D % 32 == 0, r % 64 == 0)")
     if mask is not None and (mask.shape[:2] != (B, T) or mask.shape[2] * 32 < T):
         raise ValueError(f"mla_attention: mask {mask.shape} is not [B, T, >= T/32] for T = {T}")
+    if not (q.flags["C_CONTIGUOUS"] and cache.flags["C_CONTIGUOUS"]):
+        raise ValueError("mla_attention: q and cache must be C-contiguous (16-byte loads at flat offsets)")
     M = T * h
     rg, kg, stages, threads, smem = mla_geometry(M, D, r)
     kern = mla_kernel(rg, kg, stages, mask is None, D, r)
