@@ -203,6 +203,7 @@ def _bf16_pair(lo, hi):
 
 MLA_NK = 32                 # cache rows (keys) per pipeline step
 MLA_SMEM = 227 * 1024       # shared memory per block on sm_90
+LAZY = float32(8)           # online softmax: the running max moves only when a row's max grows by more than this
 MLA_MIN_SPLIT = 64          # fewest keys per flash-decoding split
 _MLA_KERNELS = {}
 
@@ -379,6 +380,8 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
                 mx = max(mx, x)
             for k in range(LOG_TPR):
                 mx = max(mx, shfl_xor(mx, 1 << k))
+            if m_old != NEG_INF and mx <= m_old + LAZY:   # lazy rescale: keep the old max (P <= e^LAZY)
+                mx = m_old
             tot = float32(0)
             for c in range(CPT):
                 pb = uint16(0)
@@ -397,11 +400,12 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
             for mi in range(PM):                      # O += P V for this warp's rows and columns
                 r0 = (pr * PM + mi) * 16
                 al0, al1 = fsm[2 * MT + z + r0 + g], fsm[2 * MT + z + r0 + g + 8]
-                for u in range(NTP):
-                    acc[4 * (mi * NTP + u)] *= al0
-                    acc[4 * (mi * NTP + u) + 1] *= al0
-                    acc[4 * (mi * NTP + u) + 2] *= al1
-                    acc[4 * (mi * NTP + u) + 3] *= al1
+                if al0 != float32(1) or al1 != float32(1):   # rare with the lazy rescale
+                    for u in range(NTP):
+                        acc[4 * (mi * NTP + u)] *= al0
+                        acc[4 * (mi * NTP + u) + 1] *= al0
+                        acc[4 * (mi * NTP + u) + 2] *= al1
+                        acc[4 * (mi * NTP + u) + 3] *= al1
             for kk in range(0, NK, 16):
                 for mi in range(PM):                  # P fragments of this warp's rows, then V pairs of n-tiles
                     afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3] = _frag_a(
@@ -448,9 +452,10 @@ MERGE_GROUPS = 8            # split groups per merge block (summed in shared mem
 @kernel(max_registers=64)                        # up to 1024 threads per block
 def mla_merge_kernel(o_part, ml_part, out):
     """out[b, m] = sum_s e^(max_s - max) o_part[b, s, m] / sum_s e^(max_s - max) sum_s. Block (row m, sequence b)
-    of (r/4, G) threads: thread (x, y) adds splits y, y+G, ... for columns 4x..4x+3 (16-byte loads), the G sums
-    meet in shared memory. o_part f32[B, nsplit, M, r], ml_part f32[B, nsplit, M, 2], out f32[B, M, r]; rows whose
-    splits saw no key get 0. Bytes: the partials once, the output once."""
+    of (r/4, G) threads: thread (x, y) folds splits y, y+G, ... for columns 4x..4x+3 (16-byte loads, an online
+    max: one pass), the G partial folds meet in shared memory. o_part f32[B, nsplit, M, r], ml_part
+    f32[B, nsplit, M, 2], out f32[B, M, r]; rows whose splits saw no key get 0. Bytes: the partials once, the
+    output once."""
     m, b = cuda.blockIdx.x, cuda.blockIdx.y
     x, y = cuda.threadIdx.x, cuda.threadIdx.y
     G, X = cuda.blockDim.y, cuda.blockDim.x
@@ -458,29 +463,33 @@ def mla_merge_kernel(o_part, ml_part, out):
     red = cuda.shared.array(0, float32)
     ml0, mls = int32(2 * (b * nsplit * M + m)), int32(2 * M)      # flat ml_part[b, s, m, 0] = ml0 + s*mls
     o0, os_ = (b * nsplit * M + m) * r + 4 * x, M * r               # flat o_part[b, s, m, 4x] = o0 + s*os_
-    mx = NEG_INF
-    for s in range(nsplit):
-        mx = max(mx, as_f32(ld4(ml_part, ml0 + s * mls)))
-    den = float32(0)
+    mx, den = NEG_INF, float32(0)
     y0, y1, y2, y3 = float32(0), float32(0), float32(0), float32(0)
-    for s in range(y, nsplit, G):
-        ms = as_f32(ld4(ml_part, ml0 + s * mls))
+    for s in range(y, nsplit, G):                 # online over this thread's splits: one round trip each
+        ms, ls = as_f32(ld4(ml_part, ml0 + s * mls)), as_f32(ld4(ml_part, ml0 + s * mls + 1))
+        u0, u1, u2, u3 = ld16(o_part, o0 + s * os_)
         if ms != NEG_INF:
-            wgt = math.exp(ms - mx)
-            den += as_f32(ld4(ml_part, ml0 + s * mls + 1)) * wgt
-            u0, u1, u2, u3 = ld16(o_part, o0 + s * os_)
-            y0 += as_f32(u0) * wgt
-            y1 += as_f32(u1) * wgt
-            y2 += as_f32(u2) * wgt
-            y3 += as_f32(u3) * wgt
+            mn = max(mx, ms)
+            a, wgt = math.exp(mx - mn), math.exp(ms - mn)
+            den = den * a + ls * wgt
+            y0, y1 = y0 * a + as_f32(u0) * wgt, y1 * a + as_f32(u1) * wgt
+            y2, y3 = y2 * a + as_f32(u2) * wgt, y3 * a + as_f32(u3) * wgt
+            mx = mn
     if y > 0:
-        base = uint32(5 * (y * X + x))
-        red[base], red[base + 1], red[base + 2], red[base + 3], red[base + 4] = y0, y1, y2, y3, den
+        o = uint32(6 * (y * X + x))
+        red[o], red[o + 1], red[o + 2], red[o + 3], red[o + 4], red[o + 5] = y0, y1, y2, y3, den, mx
     cuda.syncthreads()
     if y == 0:
         for k in range(1, G):
-            o = uint32(5 * (k * X + x))
-            y0, y1, y2, y3, den = y0 + red[o], y1 + red[o + 1], y2 + red[o + 2], y3 + red[o + 3], den + red[o + 4]
+            o = uint32(6 * (k * X + x))
+            ms = red[o + 5]
+            if ms != NEG_INF:
+                mn = max(mx, ms)
+                a, wgt = math.exp(mx - mn), math.exp(ms - mn)
+                den = den * a + red[o + 4] * wgt
+                y0, y1 = y0 * a + red[o] * wgt, y1 * a + red[o + 1] * wgt
+                y2, y3 = y2 * a + red[o + 2] * wgt, y3 * a + red[o + 3] * wgt
+                mx = mn
         inv = float32(1) / den if den > float32(0) else float32(0)
         out[b, m, 4 * x], out[b, m, 4 * x + 1] = y0 * inv, y1 * inv
         out[b, m, 4 * x + 2], out[b, m, 4 * x + 3] = y2 * inv, y3 * inv
@@ -538,6 +547,6 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     args = (q, cache, lengths, ntok, maskarg, float32(scale), int32(work.split), 0, work.o, work.ml)
     launch_smem(kern, (tiles, nsplit, B), threads, smem, args)
     groups = min(MERGE_GROUPS, nsplit)
-    mla_merge_kernel[(M, B), (r // 4, groups), current_stream(), 20 * r // 4 * groups](
+    mla_merge_kernel[(M, B), (r // 4, groups), current_stream(), 24 * r // 4 * groups](
         work.o, work.ml, out.reshape(B, M, r))
     return out

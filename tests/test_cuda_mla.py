@@ -1,4 +1,5 @@
 """The absorbed MLA kernel (kernels/mla.py) beyond tests/test_cuda_attention.py: the cp.async ring over many steps,
+sharp scores (the lazy softmax rescale taken and skipped),
 every row-tile geometry (1..4 m16 tiles, two m16 tiles per P V warp), many splits through the merge kernel, dead
 query rows and empty sequences, the default model's shapes, split sizing; on the simulator, on a GPU (K2 shapes,
 marked gpu) and as sm_90 PTX (no float64, no local memory)."""
@@ -11,7 +12,7 @@ from weights.dtypes import bf16_to_f32, f32_to_bf16
 
 
 def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="none", causal=False, sms=132,
-          seed=0):
+          scale=None, seed=0):
     """mla_attention against mla_attention_ref. work: "none" (one normalized split), an int (keys per split)
     or "auto" (mla_work's sizing for `sms` SMs)."""
     from kernels.mla import mla_attention, mla_attention_ref, mla_work
@@ -23,7 +24,7 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
     for b in range(B):
         cache[b, lengths[b] + ntok[b]:] = BF16_NAN                                    # never read
     mask = None if causal else np.stack([pack_vis(random_tree_vis(rng, max(n, 1)), T) for n in ntok])
-    scale = float(D) ** -0.5
+    scale = float(D) ** -0.5 if scale is None else scale
     want = mla_attention_ref(q, cache, lengths, ntok, mask, scale, np.empty((B, T, h, r), np.float32))
     out = env.dev(np.full((B, T, h, r), np.nan, np.float32))
     wk = None if work == "none" else mla_work(env.zeros, B, T, h, r, cap, None if work == "auto" else work,
@@ -57,6 +58,7 @@ SIM_CASES = {
                                              seed=7),
     "default_model_decode": lambda env: check(env, B=2, T=1, h=6, D=160, r=128, lengths=(100, 7), work="auto",
                                               sms=4, seed=8),
+    "sharp_scores_rescale": lambda env: check(env, B=1, lengths=(200,), ntok=(1,), scale=1.5, work=96, seed=9),
     "split_sizing": check_split_sizing,
 }
 
