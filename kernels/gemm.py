@@ -16,6 +16,10 @@ B operand: activations as bf16 bits, XS = 1 (bf16 rounding of the activations, W
 converted in registers (dense, BF=1) or prepared once by `prep_b` as xb u32 [rows, XS, k/2].
 Every token column is computed on its own and the k order depends only on (n, k) through the split: results are
 batch invariant (a token's output does not change with the number of tokens in the call).
+k-split partials are added in split order, by a reduce launch or (GemmConfig.FR with ws.sync counters) by the last
+block of each row range inside the GEMM: the same sums either way.
+head_gemm: MLA's per-head products (x f32[n, h, a] strided views @ bf16 w[h, b, a]^T) on the same warp step, heads
+on grid z and 8T-token chunks on grid y: one launch instead of one GEMM per head.
 """
 import math
 from dataclasses import dataclass
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from kernels.device import (F0, as_f32, bf16_hi, bf16_lo, device, int4_pair, kernel, launch, ld16, ld16_pf,
+from kernels.device import (F0, SIM, as_f32, bf16_hi, bf16_lo, device, int4_pair, kernel, launch, ld16, ld16_pf,
                             ld4, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
 from kernels.memo import memo_f32
 from weights.dtypes import bf16_to_f32
@@ -227,16 +231,18 @@ def _build_block_reduce(R, T):
     return block_reduce
 
 
-def _build_gemm(T, R, XS, U, PF=0, BF=0):
+def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None):
     mainloop = _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, BF)
     block_reduce = _cached(_build_block_reduce, R, T)
     NACC, NA = R * T * 4, 2 * R
 
-    @kernel()
-    def gemm_k(xb, w, out, part, m, n, kdim, nwr, nwk):
+    @device
+    def body(xb, w, out, part, sync, m, n, kdim, nwr, nwk):
         """out f32[m, n] (or part f32[splits, m, n] when gridDim.y > 1) = x @ W^T over this block's k range.
-        xb: u32 flat [m, XS, k/2]; w: u32 flat [n, k/2]. Launch: grid (ceil(n/16/(nwr*R)), splits),
-        block 32*nwr*nwk (<= 256). Moves n*k*2 bytes of weights (plus xb through L1/L2)."""
+        xb: u32 flat [m, XS, k/2] (BF=0) or f32 flat [m, k] (BF=1); w: u32 flat [n, k/2].
+        FR=1 with splits: the last block of a row range to finish (counter sync[blockIdx.x], left at 0) adds the
+        splits' partials in order into out (no reduce launch). Launch: grid (ceil(n/16/(nwr*R)), splits),
+        block 32*nwr*nwk (<= 256). Moves n*k*2 bytes of weights (plus x through L1/L2, 2*splits*m*n*4 of partials)."""
         lane = lane_id()
         g, t = lane // 4, lane % 4
         warp = cuda.threadIdx.x // 32
@@ -270,7 +276,45 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0):
                                 out[tok, row] = acc[i + e]
                             else:
                                 part[sb, tok, row] = acc[i + e]
+        if FR and nsb > 1:
+            last_split_reduce(part, out, sync, m, n, nwr * R * 16)
+
+    opts = {"launch_bounds": bounds} if bounds else {}
+    if FR:
+        @kernel(**opts)
+        def gemm_k(xb, w, out, part, sync, m, n, kdim, nwr, nwk):
+            body(xb, w, out, part, sync, m, n, kdim, nwr, nwk)
+        return gemm_k
+
+    @kernel(**opts)
+    def gemm_k(xb, w, out, part, m, n, kdim, nwr, nwk):
+        body(xb, w, out, part, w, m, n, kdim, nwr, nwk)
     return gemm_k
+
+
+@device
+def last_split_reduce(part, out, sync, m, n, rows):
+    """The last of the gridDim.y blocks of row range blockIdx.x to get here adds part[:, :, range] in split order
+    into out and resets the counter. Partials are read with atomics (at L2: the other blocks' writes, no stale L1).
+    All threads of the block must call it."""
+    last = cuda.shared.array(1, int32)
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        last[0] = int32(cuda.atomic.add(sync, cuda.blockIdx.x, uint32(1)) == uint32(cuda.gridDim.y - 1))
+    cuda.syncthreads()
+    if last[0]:
+        cuda.threadfence()
+        row0 = cuda.blockIdx.x * rows
+        for idx in range(cuda.threadIdx.x, m * rows, cuda.blockDim.x):
+            tok, row = idx // rows, row0 + idx % rows
+            if row < n:
+                v = cuda.atomic.add(part, (0, tok, row), F0)
+                for s in range(1, cuda.gridDim.y):
+                    v += cuda.atomic.add(part, (s, tok, row), F0)
+                out[tok, row] = v
+        if cuda.threadIdx.x == 0:
+            sync[cuda.blockIdx.x] = uint32(0)
 
 
 def _build_reduce():
@@ -300,26 +344,36 @@ class GemmConfig:
     U: int = 2
     PF: int = 1        # 1: weight loads with an L2 256-byte prefetch hint (measured: lm_head m=1 66% -> 89% of copy)
     BF: int = 1        # 1: read f32 x in the GEMM (no B prep launch) when x is contiguous
+    MB: int = 0        # > 0: launch bounds asking ptxas to fit MB blocks per SM (caps registers)
+    FR: int = 1        # 1: the k-split partials are added by the last block of each row range (needs ws.sync)
 
 
 @dataclass
 class GemmWorkspace:
-    """Scratch of the dense GEMM, allocated once: xb u32 flat (B operand), part f32 flat (k-split partials)."""
+    """Scratch of the dense GEMM, allocated once: xb u32 flat (B operand), part f32 flat (k-split partials),
+    sync u32 flat (k-split counters: zero when allocated, left at zero by every call; None: a reduce launch)."""
     xb: object
     part: object
+    sync: object = None
 
 
 def gemm_config(m, n, k, target_warps=4096):
-    """Default cut: enough k-pieces that about `target_warps` warps stream weights (n, k decide the k split)."""
+    """Default cut: enough k-pieces that about `target_warps` warps stream weights (n, k decide the k split).
+    Per token tiles T, from tools/bench_kernels.py on the H200 (K2 shapes, m = 1, 17, 33): R=2 up to T=5 (R=1
+    lost up to 55% on all but kv_a); above one tile, 256-thread blocks capped at 128 registers (MB=2: uncapped lost
+    12-30% except on kv_a and lm_head at T=3) and the k-split reduce as its own launch (the in-GEMM last-block
+    reduce lost 1-7 us there, within 0.7 us at T=1); U=4 at T=1 with a k split (+0.2-5.6 points of copy), U=1 at
+    T=3 (2-19% faster; lost up to 19% at T=5)."""
     tiles, steps = math.ceil(n / 16), k // 32
     pieces = max(1, min(target_warps // tiles, steps // 4, 64))
     wk = next(w for w in (8, 4, 2, 1) if pieces >= 2 * w or w == 1)
     sb = max(1, pieces // wk)
     T = math.ceil(m / 8)
-    R = 2 if T <= 4 else 1
+    R = 2 if T <= 5 else 1
     wr = max(1, 8 // wk)
+    U = (4 if sb > 1 else 2) if T == 1 else (1 if T == 3 else 2)
     # reading f32 x in the kernel saves a launch (wins at one token tile) but costs conversions per tile (loses above)
-    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, BF=int(T == 1))
+    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2 if T > 1 else 0, FR=int(T == 1))
 
 
 def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):
@@ -328,8 +382,15 @@ def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):
     return m * xs * k // 2, (cfg.SB * m * n if cfg.SB > 1 else 0)
 
 
+def gemm_sync_words(m, n, k, cfg=None):
+    """Counters (u32, zeroed once by the caller) a call with a fused k-split reduce needs: one per row range."""
+    cfg = cfg or gemm_config(m, n, k)
+    return math.ceil(n / 16 / (cfg.WR * cfg.R)) if cfg.SB > 1 and cfg.FR else 0
+
+
 def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
-    """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T on the GPU (prep of B, mma GEMM, k-split reduce)."""
+    """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T on the GPU: [prep of B,] mma GEMM [, k-split reduce]
+    (the reduce runs inside the GEMM when ws.sync is given)."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape != (n, k) or out.shape != (m, n):
@@ -340,6 +401,9 @@ def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
     nxb, npart = gemm_workspace_words(m, n, k, xs, cfg)
     if ws.xb.size < nxb or ws.part.size < npart:
         raise ValueError(f"gemm: workspace too small ({ws.xb.size}/{ws.part.size} < {nxb}/{npart})")
+    nsync = gemm_sync_words(m, n, k, cfg) if ws.sync is not None else 0
+    if nsync and ws.sync.size < nsync:
+        raise ValueError(f"gemm: sync counters too few ({ws.sync.size} < {nsync})")
     T = math.ceil(m / 8)
     fused = cfg.BF and _contiguous(x)
     if fused:
@@ -349,12 +413,15 @@ def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
         prep_b(x, xb, xs, 0)
     if cfg.WR * cfg.WK > MAX_WARPS:
         raise ValueError(f"gemm: {cfg} has more than {MAX_WARPS} warps per block")
-    kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, int(fused))
+    threads = 32 * cfg.WR * cfg.WK
+    kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, int(fused), int(nsync > 0),
+                   (threads, cfg.MB) if cfg.MB else None)
     grid = (math.ceil(n / 16 / (cfg.WR * cfg.R)), cfg.SB)
     part = ws.part[:npart].reshape(cfg.SB, m, n) if npart else ws.part[:1].reshape(1, 1, 1)
-    launch(kern, grid, 32 * cfg.WR * cfg.WK, xb, _words(w), out, part, int32(m), int32(n), int32(k),
+    sync = (ws.sync[:nsync],) if nsync else ()
+    launch(kern, grid, threads, xb, _words(w), out, part, *sync, int32(m), int32(n), int32(k),
            int32(cfg.WR), int32(cfg.WK))
-    if cfg.SB > 1:
+    if cfg.SB > 1 and not nsync:
         launch(_cached(_build_reduce), math.ceil(m * n / 256), 256, part, out, int32(cfg.SB), int32(m), int32(n))
     return out
 
@@ -368,3 +435,111 @@ def _contiguous(a):
 def _words(a):
     """Contiguous array -> flat uint32 view (numpy or numba device array)."""
     return a.reshape(a.size).view(np.uint32)
+
+
+# ------------------------------------------------------------------------------------------------ per-head GEMM
+@dataclass(frozen=True)
+class HeadGemmConfig:
+    """Cut of the per-head GEMM: T token tiles (8 tokens each) per block, R row tiles per warp, WR warps along b and
+    WK along a per block (WK is chosen from a only: batch invariance)."""
+    T: int
+    R: int
+    WR: int
+    WK: int
+    U: int = 2
+    PF: int = 1
+
+
+def head_gemm_config(n, h, b, a):
+    """Default cut: up to 32 tokens per block; k split in the block when a is long (w_uv: a = kv_lora)."""
+    steps, T = a // 32, min(math.ceil(n / 8), 4)
+    wk = 4 if steps >= 16 else (2 if steps >= 8 else 1)
+    R = 2 if T <= 2 else 1
+    return HeadGemmConfig(T=T, R=R, WR=max(1, min(math.ceil(b / 16 / R), 4 // wk)), WK=wk)
+
+
+def head_gemm_workspace_words(n, h, b, a, cfg=None):
+    """(xb words, part floats) a head_gemm call needs: none with the current cuts (x is read in place, no k split
+    across blocks); callers still hand a GemmWorkspace so later cuts can use scratch."""
+    return 0, 0
+
+
+def _build_head_gemm(T, R, XS, U, PF):
+    mainloop = _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, 1)
+    block_reduce = _cached(_build_block_reduce, R, T)
+    NACC, NA = R * T * 4, 2 * R
+
+    @kernel()
+    def head_gemm_k(x, w, out, n, b, a, sx0, sx1, nwr, nwk):
+        """out[tok, hd, row] = sum_c x[tok, hd, c] * W[hd, row, c] for head hd = blockIdx.z, tokens from 8T*blockIdx.y.
+        x: f32 addressed flat from x[0, 0, 0] with element strides (sx0, sx1, 1); w: u32 flat [h, b, a/2];
+        out f32[n, h, b] (any strides). Launch: grid (ceil(b/16/(nwr*R)), ceil(n/(8T)), h), block 32*nwr*nwk.
+        Moves h*b*a*2 bytes of weights, n*h*(a + b)*4 of activations and outputs."""
+        lane = lane_id()
+        g, t = lane // 4, lane % 4
+        warp = cuda.threadIdx.x // 32
+        wr, wk = warp % nwr, warp // nwr
+        hd = cuda.blockIdx.z
+        tile0 = (cuda.blockIdx.x * nwr + wr) * R
+        tok0 = cuda.blockIdx.y * 8 * T
+        half = a // 2
+        s0, s1 = _split_range(wk, nwk, a // 32)
+        aoff = cuda.local.array(NA, int32)
+        boff = cuda.local.array(T, int32)
+        acc = cuda.local.array(NACC, float32)
+        for r in range(R):
+            row = (tile0 + r) * 16 + g
+            aoff[2 * r] = (hd * b + min(row, b - 1)) * half
+            aoff[2 * r + 1] = (hd * b + min(row + 8, b - 1)) * half
+        for tt in range(T):
+            boff[tt] = min(tok0 + tt * 8 + g, n - 1) * sx0 + hd * sx1
+        for i in range(NACC):
+            acc[i] = F0
+        mainloop(w, w, x, s0, s1, t, half, aoff, aoff, boff, acc)
+        block_reduce(acc, wr, wk, nwr, nwk, lane)
+        if wk == 0:
+            for r in range(R):
+                for tt in range(T):
+                    i = (r * T + tt) * 4
+                    for e in range(4):
+                        row = (tile0 + r) * 16 + g + 8 * (e // 2)
+                        tok = tok0 + tt * 8 + 2 * t + e % 2
+                        if row < b and tok < n:
+                            out[tok, hd, row] = acc[i + e]
+    return head_gemm_k
+
+
+def head_gemm(x, w, out, ws, cfg=None):
+    """Per head hd: out[:, hd] = x[:, hd] @ bf16(w[hd])^T in one launch. x f32[n, h, a] and out f32[n, h, b] may be
+    strided views (x rows: unit stride, 16-byte aligned, e.g. q[:, :, :nope]); w u16[h, b, a] contiguous."""
+    n, h, a = x.shape
+    b = w.shape[1]
+    if w.shape != (h, b, a) or out.shape != (n, h, b):
+        raise ValueError(f"head_gemm: x {x.shape}, w {w.shape}, out {out.shape} do not fit per-head x @ w^T")
+    sx = [s // 4 for s in x.strides]
+    if a % 32 or sx[2] != 1 or sx[0] % 4 or sx[1] % 4 or _address(x) % 16:
+        raise ValueError(f"head_gemm: x rows must be 16-byte aligned with unit stride and a % 32 == 0 "
+                         f"(a={a}, strides {x.strides})")
+    cfg = cfg or head_gemm_config(n, h, b, a)
+    nxb, npart = head_gemm_workspace_words(n, h, b, a, cfg)
+    if ws.xb.size < nxb or ws.part.size < npart:
+        raise ValueError(f"head_gemm: workspace too small ({ws.xb.size}/{ws.part.size} < {nxb}/{npart})")
+    if cfg.WR * cfg.WK > MAX_WARPS:
+        raise ValueError(f"head_gemm: {cfg} has more than {MAX_WARPS} warps per block")
+    kern = _cached(_build_head_gemm, cfg.T, cfg.R, XS_DEFAULT, cfg.U, cfg.PF)
+    grid = (math.ceil(b / 16 / (cfg.WR * cfg.R)), math.ceil(n / (8 * cfg.T)), h)
+    launch(kern, grid, 32 * cfg.WR * cfg.WK, _flat_span(x) if SIM else x, _words(w), out, int32(n), int32(b),
+           int32(a), int32(sx[0]), int32(sx[1]), int32(cfg.WR), int32(cfg.WK))
+    return out
+
+
+def _address(a):
+    """Data pointer of a NumPy, CuPy or numba array."""
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return iface["data"][0]
+
+
+def _flat_span(a):
+    """Simulator: the memory from a[0, ...] to its last element as a flat array (kernels address it by strides)."""
+    span = sum((d - 1) * s for d, s in zip(a.shape, a.strides)) // a.itemsize + 1
+    return np.lib.stride_tricks.as_strided(a, (span,), (a.itemsize,))

@@ -45,9 +45,8 @@ import math  # noqa: E402
 
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
-from kernels.attention import (NEG_INF, attention_ref, launch_smem, merge_splits_kernel, placeholder,  # noqa: E402
-                               shfl_xor)
-from kernels.device import SIM, current_stream, kernel, ld16, mma_bf16  # noqa: E402,F401
+from kernels.attention import NEG_INF, attention_ref, launch_smem, placeholder, shfl_xor  # noqa: E402
+from kernels.device import SIM, as_f32, current_stream, kernel, ld4, ld16, mma_bf16  # noqa: E402
 
 if not SIM:
     from llvmlite import ir
@@ -55,12 +54,17 @@ if not SIM:
     from numba.cuda import cgutils, libdevice
     from numba.cuda.extending import intrinsic
 
+    from kernels.device import _address
+
     def _smem_addr(context, builder, aryty, ary, idxty, idx):
-        """i64 address of element idx of a 1-D shared array."""
+        """32-bit shared-window address of element idx of a 1-D shared array (32-bit math: fewer registers)."""
         arr = context.make_array(aryty)(context, builder, value=ary)
-        i = context.cast(builder, idx, idxty, types.intp)
-        ptr = cgutils.get_item_pointer(context, builder, aryty, arr, [i])
-        return builder.ptrtoint(ptr, ir.IntType(64))
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        cvta = ir.InlineAsm(ir.FunctionType(i64, [i64]), "cvta.to.shared.u64 $0, $1;", "=l,l")
+        base = builder.trunc(builder.call(cvta, [builder.ptrtoint(arr.data, i64)]), i32)
+        i = context.cast(builder, idx, idxty, types.int32)
+        size = context.get_abi_sizeof(context.get_data_type(aryty.dtype))
+        return builder.add(base, builder.mul(i, ir.Constant(i32, size)))
 
     def _make_ldsm(trans):
         """ldmatrix .x4 (optionally .trans): this lane passes the address of its row (uint16 element idx)."""
@@ -73,24 +77,52 @@ if not SIM:
             def codegen(context, builder, sig, args):
                 a = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
                 i32 = ir.IntType(32)
-                fn = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ir.IntType(64)])
-                asm = "{ .reg .u64 sa; cvta.to.shared.u64 sa, $4; " + op + " {$0,$1,$2,$3}, [sa]; }"
-                r = builder.call(ir.InlineAsm(fn, asm, "=r,=r,=r,=r,l", side_effect=True), [a])
+                fn = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
+                asm = op + " {$0,$1,$2,$3}, [$4];"
+                r = builder.call(ir.InlineAsm(fn, asm, "=r,=r,=r,=r,r", side_effect=True), [a])
                 return context.make_tuple(builder, sig.return_type, [builder.extract_value(r, k) for k in range(4)])
             return sig, codegen
         return ldsm
 
     @intrinsic
-    def _sts(typingctx, ary, idx, x, y, z, w):
-        """st.shared.v4.u32 of four words at uint16 element idx of a 1-D shared array (16-byte aligned)."""
-        sig = types.void(ary, idx, types.uint32, types.uint32, types.uint32, types.uint32)
+    def _cp_async(typingctx, sary, sidx, gary, gidx, nbytes):
+        """cp.async.cg of 16 bytes: flat element gidx of a contiguous global array -> uint16 element sidx of a 1-D
+        shared array; nbytes = 0 reads nothing and writes zeros (rows past the split)."""
+        sig = types.void(sary, sidx, gary, gidx, nbytes)
 
         def codegen(context, builder, sig, args):
-            a = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] + [ir.IntType(32)] * 4)
-            asm = "{ .reg .u64 sa; cvta.to.shared.u64 sa, $0; st.shared.v4.u32 [sa], {$1,$2,$3,$4}; }"
-            builder.call(ir.InlineAsm(fn, asm, "l,r,r,r,r", side_effect=True), [a] + list(args[2:]))
+            sa = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            ga = _address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+            nb = context.cast(builder, args[4], sig.args[4], types.uint32)
+            i64, i32 = ir.IntType(64), ir.IntType(32)
+            fn = ir.FunctionType(ir.VoidType(), [i32, i64, i32])
+            asm = "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [$0], [ga], 16, $2; }"
+            builder.call(ir.InlineAsm(fn, asm, "r,l,r,~{memory}", side_effect=True), [sa, ga, nb])
         return sig, codegen
+
+    def _make_cp_op(asm):
+        @intrinsic
+        def op(typingctx):
+            def codegen(context, builder, sig, args):
+                fn = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(fn, asm, "~{memory}", side_effect=True), [])
+            return types.void(), codegen
+        return op
+
+    _cp_commit = _make_cp_op("cp.async.commit_group;")
+
+    @intrinsic
+    def _opaque0(typingctx):
+        """int32 0 the compiler cannot see through: offsets derived from it are recomputed where they are used
+        instead of being hoisted out of the step loop into registers (one per address: spills)."""
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            return builder.call(ir.InlineAsm(ir.FunctionType(i32, []), "mov.u32 $0, 0;", "=r", side_effect=True), [])
+        return types.int32(), codegen
+
+    def _cp_wait(n):
+        """cp.async.wait_group n: all but this thread's n most recent groups have landed."""
+        return _make_cp_op(f"cp.async.wait_group {n};")
 
     _ldsm, _ldsm_t = _make_ldsm(False), _make_ldsm(True)
 
@@ -122,7 +154,7 @@ if not SIM:
         lane = cuda.threadIdx.x & 31
         return _ldsm(sm, base + (n0 + (lane & 7)) * stride + k0 + (lane >> 3) * 8)
 else:
-    # Simulator twins: each lane reads exactly the registers ldmatrix would hand it.
+    # Simulator twins: each lane reads exactly the registers ldmatrix would hand it; cp.async copies at once.
     def _to_bf16(x):
         return f32_to_bf16(np.array([x], np.float32))[0]
 
@@ -150,61 +182,121 @@ else:
         at = [base + (n0 + g) * stride + k0 + 2 * t + 8 * k for k in range(4)]
         return tuple(_pair(sm, a, a + 1) for a in at)
 
-    def _sts(sm, idx, x, y, z, w):
-        sm[idx:idx + 8] = np.array([x, y, z, w], np.uint32).view(np.uint16)
+    def _cp_async(sm, sidx, arr, gidx, nbytes):
+        sm[sidx:sidx + 8] = np.array(ld16(arr, gidx) if nbytes else (0, 0, 0, 0), np.uint32).view(np.uint16)
+
+    def _cp_commit():
+        pass
+
+    def _cp_wait(n):
+        return _cp_commit
+
+    def _opaque0():
+        return 0
 
 
-MLA_NK = 32         # keys staged per step
+@cuda.jit(device=True, inline="always")
+def _bf16_pair(lo, hi):
+    """Two float32 -> one word of two bf16 (round to nearest even), lo in the low half."""
+    return uint32(_to_bf16(lo)) | (uint32(_to_bf16(hi)) << uint32(16))
+
+
+MLA_NK = 32                 # cache rows (keys) per pipeline step
+MLA_SMEM = 227 * 1024       # shared memory per block on sm_90
+LAZY = float32(8)           # online softmax: the running max moves only when a row's max grows by more than this
+MLA_MIN_SPLIT = 64          # fewest keys per flash-decoding split
 _MLA_KERNELS = {}
 
 
+def _smem_bytes(rg, kg, stages, D, r):
+    """Stats and S partials (f32), then Q, P and the cache ring (bf16); the f32 output tile reuses Q and the ring."""
+    mt, dp, nkp = 16 * rg, D + 8, MLA_NK + 8
+    kgs = -(-(D // 32) // -(-(D // 32) // kg))
+    head = 4 * (3 * mt + kgs * mt * nkp)
+    return max(head + 2 * (mt * dp + mt * nkp + stages * MLA_NK * dp), head + 4 * mt * (r + 8))
+
+
 def mla_geometry(M, D, r):
-    """(wm, wn, pf, threads, smem bytes) for M query rows (ntok*h), latent width D and output width r: wm warps
-    down the rows (16 each), wn across the r output columns, pf 16-byte prefetches per thread and step."""
-    wm = 1 if M <= 16 else 2 if M <= 32 else 4
-    wn = 8 if wm == 1 and r % 128 == 0 else 4        # decode: more warps, fewer registers per thread
-    threads = 32 * wm * wn
-    pf = -(-MLA_NK * D // 8 // threads)
-    mt, dp = 16 * wm, D + 8
-    smem = 4 * (mt * MLA_NK + 3 * mt) + 2 * (mt * dp + MLA_NK * dp + mt * (MLA_NK + 8))
-    return wm, wn, pf, threads, smem
+    """(rg, kg, stages, threads, smem bytes) for M query rows (ntok*h), latent width D and output width r. A block
+    holds a row tile of 16*rg rows (rg <= 4: the fewest padded rows, then the fewest tiles) and 32*rg*kg threads:
+    kg warps per 16 rows split the latent width for S = Q K^T and the r output columns for O += P V; `stages`
+    cache tiles of MLA_NK rows in flight (cp.async ring)."""
+    rg = min(range(4, 0, -1), key=lambda g: (-(-M // (16 * g)) * g, -(-M // (16 * g))))
+    kg = 8 if rg <= 2 and r % 128 == 0 else 4
+    stages = max([st for st in range(2, 5) if _smem_bytes(rg, kg, st, D, r) <= MLA_SMEM], default=0)
+    if not stages:
+        raise ValueError(f"mla_attention: D = {D}, r = {r} too large for shared memory")
+    return rg, kg, stages, 32 * rg * kg, _smem_bytes(rg, kg, stages, D, r)
 
 
-def mla_kernel(wm, wn, pf, causal, D, r):
-    """The absorbed-attention kernel for one tile geometry, latent width D and output width r (compiled once)."""
-    key = (wm, wn, pf, causal, D, r)
+def mla_kernel(rg, kg, stages, causal, D, r):
+    """The absorbed-attention kernel for one geometry (mla_geometry), latent width D, output width r (compiled
+    once per key)."""
+    key = (rg, kg, stages, causal, D, r)
     if key not in _MLA_KERNELS:
-        _MLA_KERNELS[key] = _make_mla_kernel(wm, wn, MLA_NK, r // wn, pf, causal, D)
+        _MLA_KERNELS[key] = _make_mla_kernel(rg, kg, stages, causal, D, r)
     return _MLA_KERNELS[key]
 
 
-def _make_mla_kernel(wm, wn, nk, cw, pf, causal, D):
-    MT, THREADS, NTP = 16 * wm, 32 * wm * wn, cw // 8
-    ACC, NKP, ST = 4 * NTP, nk + 8, MT * nk         # accumulators per lane; P row stride; stats offset (f32)
-    PF4 = 4 * pf                                     # prefetch registers per thread
-    U0 = 2 * (MT * nk + 3 * MT)                      # first uint16 of the Q/K/P area
-    DP, D2, D8 = D + 8, D // 2, D // 8               # Q/K row stride (conflict-free ldmatrix), pairs, 16 B chunks
-    CPT = nk // 4                                    # softmax: 4 threads per row, CPT columns each
+def _make_mla_kernel(rg, kg, stages, causal, D, r):
+    NK, MT, THREADS = MLA_NK, 16 * rg, 32 * rg * kg
+    DP, D8, D32 = D + 8, D // 8, D // 32            # Q/K row stride (conflict-free ldmatrix), 16 B pieces, k32 steps
+    KPW = -(-D32 // kg)                               # S = Q K^T: k32 steps per warp
+    KGS = -(-D32 // KPW)                              # warps per row group with S work (partial sums)
+    NKP = NK + 8                                      # row stride of the S partials (f32) and of P (bf16)
+    PM = 2 if rg % 2 == 0 and (r // (2 * kg)) % 16 == 0 else 1   # O += P V: m16 tiles per warp
+    PR = rg // PM                                     # row groups of O
+    CW = r // (kg * PM)                               # O columns per warp
+    NTP = CW // 8
+    TPR = THREADS // MT                               # softmax threads per row (2*kg)
+    CPT = NK // TPR                                   # softmax columns per thread
+    LOG_TPR = TPR.bit_length() - 1
+    PIECES = NK * D8                                  # 16-byte pieces per cache tile
+    PPT = -(-PIECES // THREADS)
+    RED = 3 * MT                                      # f32 offsets: stats (max, sum, alpha), then S partials
+    U0 = 2 * (RED + KGS * MT * NKP)                   # uint16 offsets: Q tile, P tile, cache ring
+    PO = U0 + MT * DP
+    KB = PO + MT * NKP
+    KSTAGE = NK * DP
+    OB, RS = U0 // 2, r + 8                           # f32 output tile [MT][RS] over the Q tile and the ring
+    D4 = D // 4                                       # 16-byte pieces of a q row (f32)
+    QPT = -(-(MT * D4) // THREADS)                    # q pieces per thread
+    QG = min(QPT, 8)                                  # q loads in flight per thread
+    ACC, SACC, AFR, QV = 4 * PM * NTP, NK // 2, 4 * PM, 4 * QG          # local (register) array sizes
+    cp_wait_ring, cp_wait_all = _cp_wait(stages - 2), _cp_wait(0)
 
-    @kernel(max_registers=min(255, 65536 // THREADS))   # the whole block fits the register file
-    def mla_attention_kernel(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part):
-        """Block (split s, row tile, sequence b) of 32*wm*wn threads; warp (wi, wj) owns query rows
-        16wi..16wi+15 of the tile (row m = t*h + head) and latent columns wj*cw..+cw. Per step of nk cache
-        rows: 16-byte loads into registers one step ahead, stored to shared memory; S = Q K^T and O += P V on
-        tensor cores (mma.sync bf16, f32 accumulate; q and p rounded to bf16). Bytes: every cache row of the
-        split once per row tile (one tile when ntok*h <= 64), q once, partials MT*r*4 per block."""
-        T, h = q.shape[1], q.shape[2]
+    @cuda.jit(device=True, inline="always")
+    def load_tile(usm, cache, b, j0, hi, stage, tid):
+        """cp.async of cache rows j0..j0+NK-1 of sequence b into ring slot `stage` (rows >= hi: zeros)."""
         cap = cache.shape[1]
-        s, mt, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        for p in range(PPT):
+            idx = tid + p * THREADS
+            if idx < PIECES:
+                kr, c = idx // D8, 8 * (idx % D8)
+                j = j0 + kr
+                ok = j < hi
+                _cp_async(usm, KB + stage * KSTAGE + kr * DP + c, cache, (b * cap + (j if ok else 0)) * D + c,
+                          uint32(16) if ok else uint32(0))
+        _cp_commit()
+
+    @kernel(max_registers=min(255, 65536 // THREADS // 8 * 8))   # the block fits the register file
+    def mla_attention_kernel(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part):
+        """Block (row tile, split s, sequence b) of 32*rg*kg threads over cache rows [s*split, +split) of b:
+        query rows m = t*h + head of tile mt. Per step of NK rows (a cp.async ring of `stages` tiles, one barrier
+        per phase): warp (wi, gj) sums S = Q K^T over its share of the latent width on tensor cores, the partials
+        meet in shared memory, an online softmax (f32) leaves P as bf16, and warp (pr, pc) adds P V for its
+        16*PM rows and CW columns (mma.sync bf16, f32 accumulators). Bytes: each cache row of the split once per
+        row tile (tiles of one split run side by side: L2), q once, partials MT*r*4 per block."""
+        T, h = q.shape[1], q.shape[2]
+        mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid = cuda.threadIdx.x
         lane, w = tid & 31, tid >> 5
-        wi, wj = w // wn, w % wn
         g, tq = lane >> 2, lane & 3
         M = T * h
-        KO = U0 + MT * DP
-        PO = KO + nk * DP
         fsm = cuda.shared.array(0, float32)
         usm = cuda.shared.array(0, uint16)
+        wsm = cuda.shared.array(0, uint32)
+        qv = cuda.local.array(QV, uint32)
         L, n = lengths[b], ntok[b]
         lo = s * split
         hi = min(lo + split, L + n)
@@ -213,128 +305,194 @@ def _make_mla_kernel(wm, wn, nk, cw, pf, causal, D):
                 ml_part[b, s, mt * MT + tid, 0] = NEG_INF
                 ml_part[b, s, mt * MT + tid, 1] = float32(0)
             return
-        for idx in range(tid, MT * D2, THREADS):       # q tile -> bf16 in shared memory
-            i, c = idx // D2, 2 * (idx % D2)
-            m = mt * MT + i
-            x0, x1 = float32(0), float32(0)
-            if m < M:
-                x0 = q[b, m // h, m % h, c]
-                x1 = q[b, m // h, m % h, c + 1]
-            usm[U0 + i * DP + c] = _to_bf16(x0)
-            usm[U0 + i * DP + c + 1] = _to_bf16(x1)
+        for p in range(stages - 1):                   # the ring's first tiles in flight
+            load_tile(usm, cache, b, lo + p * NK, hi, p, tid)
+        for p0 in range(0, QPT, QG):                  # q tile: QG 16-byte loads in flight, then bf16 pairs
+            for p in range(QG):
+                idx = tid + (p0 + p) * THREADS
+                m = mt * MT + idx // D4
+                qv[4 * p], qv[4 * p + 1], qv[4 * p + 2], qv[4 * p + 3] = uint32(0), uint32(0), uint32(0), uint32(0)
+                if idx < MT * D4 and m < M:
+                    qv[4 * p], qv[4 * p + 1], qv[4 * p + 2], qv[4 * p + 3] = ld16(q, (b * M + m) * D + 4 * (idx % D4))
+            for p in range(QG):
+                idx = tid + (p0 + p) * THREADS
+                if idx < MT * D4:
+                    o = (U0 + (idx // D4) * DP + 4 * (idx % D4)) // 2
+                    wsm[o] = _bf16_pair(as_f32(qv[4 * p]), as_f32(qv[4 * p + 1]))
+                    wsm[o + 1] = _bf16_pair(as_f32(qv[4 * p + 2]), as_f32(qv[4 * p + 3]))
         if tid < MT:
-            fsm[ST + tid] = NEG_INF
-            fsm[ST + MT + tid] = float32(0)
+            fsm[tid] = NEG_INF
+            fsm[MT + tid] = float32(0)
         acc = cuda.local.array(ACC, float32)
         for u in range(ACC):
             acc[u] = float32(0)
-        regs = cuda.local.array(PF4, uint32)
-        for p in range(pf):                           # first step's rows into registers
-            idx = tid + p * THREADS
-            kr, c = idx // D8, 8 * (idx % D8)
-            j = lo + kr
-            x, y, z, v = uint32(0), uint32(0), uint32(0), uint32(0)
-            if idx < nk * D8 and j < hi:
-                x, y, z, v = ld16(cache, (b * cap + j) * D + c)
-            regs[4 * p], regs[4 * p + 1], regs[4 * p + 2], regs[4 * p + 3] = x, y, z, v
-        for c0 in range(lo, hi, nk):
+        sacc = cuda.local.array(SACC, float32)
+        afr = cuda.local.array(AFR, uint32)
+        wi, gj = w % rg, w // rg                      # S roles
+        pr, pc = w % PR, w // PR                      # P V roles
+        nsteps = (hi - lo + NK - 1) // NK
+        for i in range(nsteps):
+            c0 = lo + i * NK
+            z = _opaque0()                            # addresses below: base + z + constant, made in the loop
+            cp_wait_ring()
+            cuda.syncthreads()                        # tile i landed; step i-1 done with its slot
+            load_tile(usm, cache, b, c0 + (stages - 1) * NK, hi, (i + stages - 1) % stages, tid + z)
+            KO = KB + (i % stages) * KSTAGE + z
+            QO, PZ, RZ = U0 + z, PO + z, RED + z
+            if gj < KGS:                              # S partial over k32 steps [gj*KPW, ...)
+                for u in range(SACC):
+                    sacc[u] = float32(0)
+                for k in range(KPW):
+                    kk = 32 * (gj * KPW + k)
+                    if kk >= D:
+                        break
+                    a0, a1, a2, a3 = _frag_a(usm, QO, DP, wi * 16, kk)
+                    e0, e1, e2, e3 = _frag_a(usm, QO, DP, wi * 16, kk + 16)
+                    for nt in range(NK // 8):
+                        b0, b1, b2, b3 = _frag_bn(usm, KO, DP, nt * 8, kk)
+                        s0, s1, s2, s3 = mma_bf16(a0, a1, a2, a3, b0, b1, sacc[4 * nt], sacc[4 * nt + 1],
+                                                  sacc[4 * nt + 2], sacc[4 * nt + 3])
+                        sacc[4 * nt], sacc[4 * nt + 1], sacc[4 * nt + 2], sacc[4 * nt + 3] = mma_bf16(
+                            e0, e1, e2, e3, b2, b3, s0, s1, s2, s3)
+                for nt in range(NK // 8):
+                    for e in range(4):
+                        row = wi * 16 + g + 8 * (e >> 1)
+                        fsm[uint32(RZ + (gj * MT + row) * NKP + nt * 8 + 2 * tq + (e & 1))] = sacc[4 * nt + e]
             cuda.syncthreads()
-            for p in range(pf):                       # registers -> shared memory
-                idx = tid + p * THREADS
-                if idx < nk * D8:
-                    kr, c = idx // D8, 8 * (idx % D8)
-                    _sts(usm, KO + kr * DP + c, regs[4 * p], regs[4 * p + 1], regs[4 * p + 2], regs[4 * p + 3])
-            cuda.syncthreads()
-            for p in range(pf):                       # next step's rows in flight during this step's math
-                idx = tid + p * THREADS
-                kr, c = idx // D8, 8 * (idx % D8)
-                j = c0 + nk + kr
-                x, y, z, v = uint32(0), uint32(0), uint32(0), uint32(0)
-                if idx < nk * D8 and j < hi:
-                    x, y, z, v = ld16(cache, (b * cap + j) * D + c)
-                regs[4 * p], regs[4 * p + 1], regs[4 * p + 2], regs[4 * p + 3] = x, y, z, v
-            for nt in range(wj, nk // 8, wn):         # S = Q K^T for n-tile nt of this warp's rows
-                s0, s1, s2, s3 = float32(0), float32(0), float32(0), float32(0)
-                t0, t1, t2, t3 = float32(0), float32(0), float32(0), float32(0)   # second chain: half the latency
-                for kk in range(0, D, 32):
-                    b0, b1, b2, b3 = _frag_bn(usm, KO, DP, nt * 8, kk)
-                    a0, a1, a2, a3 = _frag_a(usm, U0, DP, wi * 16, kk)
-                    s0, s1, s2, s3 = mma_bf16(a0, a1, a2, a3, b0, b1, s0, s1, s2, s3)
-                    a0, a1, a2, a3 = _frag_a(usm, U0, DP, wi * 16, kk + 16)
-                    t0, t1, t2, t3 = mma_bf16(a0, a1, a2, a3, b2, b3, t0, t1, t2, t3)
-                s0, s1, s2, s3 = s0 + t0, s1 + t1, s2 + t2, s3 + t3
-                for e in range(4):
-                    row = wi * 16 + g + 8 * (e >> 1)
-                    col = nt * 8 + 2 * tq + (e & 1)
-                    x = s0 if e == 0 else s1 if e == 1 else s2 if e == 2 else s3
-                    m, j = mt * MT + row, c0 + col
-                    ok = j < hi and m < M
-                    if ok and j >= L:
-                        jj = j - L
-                        if causal:
-                            ok = jj <= m // h
-                        else:
-                            ok = ((mask[b, m // h, jj >> 5] >> uint32(jj & 31)) & uint32(1)) != uint32(0)
-                    fsm[row * nk + col] = x * scale if ok else NEG_INF
-            cuda.syncthreads()
-            if tid < 4 * MT:                          # online softmax, 4 threads per row; P as bf16
-                row, c1 = tid >> 2, (tid & 3) * CPT
-                m_old = fsm[ST + row]
+            srow, sc1 = (tid + z) // TPR, (tid % TPR) * CPT   # online softmax: TPR threads per row, P as bf16
+            sm_ = mt * MT + srow
+            m_old = fsm[srow]
+            mx = m_old
+            for c in range(CPT):
+                x = float32(0)
+                for gg in range(KGS):
+                    x += fsm[uint32(RZ + (gg * MT + srow) * NKP + sc1 + c)]
+                j = c0 + sc1 + c
+                ok = j < hi and sm_ < M
+                if ok and j >= L:
+                    jj = j - L
+                    if causal:
+                        ok = jj <= sm_ // h
+                    else:
+                        ok = ((mask[b, sm_ // h, jj >> 5] >> uint32(jj & 31)) & uint32(1)) != uint32(0)
+                x = x * scale if ok else NEG_INF
+                sacc[c] = x
+                mx = max(mx, x)
+            for k in range(LOG_TPR):
+                mx = max(mx, shfl_xor(mx, 1 << k))
+            if m_old != NEG_INF and mx <= m_old + LAZY:   # lazy rescale: keep the old max (P <= e^LAZY)
                 mx = m_old
-                for c in range(c1, c1 + CPT):
-                    mx = max(mx, fsm[row * nk + c])
-                mx = max(mx, shfl_xor(mx, 1))
-                mx = max(mx, shfl_xor(mx, 2))
-                tot = float32(0)
-                for c in range(c1, c1 + CPT):
-                    pb = uint16(0)
-                    if mx != NEG_INF:
-                        pb = _to_bf16(math.exp(fsm[row * nk + c] - mx))
-                        tot += _from_bf16(pb)
-                    usm[PO + row * NKP + c] = pb
-                tot += shfl_xor(tot, 1)
-                tot += shfl_xor(tot, 2)
+            tot = float32(0)
+            for c in range(CPT):
+                pb = uint16(0)
+                if mx != NEG_INF:
+                    pb = _to_bf16(math.exp(sacc[c] - mx))
+                    tot += _from_bf16(pb)
+                usm[uint32(PZ + srow * NKP + sc1 + c)] = pb
+            for k in range(LOG_TPR):
+                tot += shfl_xor(tot, 1 << k)
+            if sc1 == 0:
                 alpha = math.exp(m_old - mx) if mx != NEG_INF else float32(1)
-                if c1 == 0:
-                    fsm[ST + row] = mx
-                    fsm[ST + MT + row] = fsm[ST + MT + row] * alpha + tot
-                    fsm[ST + 2 * MT + row] = alpha
+                fsm[srow] = mx
+                fsm[MT + srow] = fsm[MT + srow] * alpha + tot
+                fsm[2 * MT + srow] = alpha
             cuda.syncthreads()
-            al0, al1 = fsm[ST + 2 * MT + wi * 16 + g], fsm[ST + 2 * MT + wi * 16 + g + 8]
-            for u in range(NTP):
-                acc[4 * u] *= al0
-                acc[4 * u + 1] *= al0
-                acc[4 * u + 2] *= al1
-                acc[4 * u + 3] *= al1
-            for kk in range(0, nk, 16):               # O += P V for this warp's columns
-                a0, a1, a2, a3 = _frag_a(usm, PO, NKP, wi * 16, kk)
+            for mi in range(PM):                      # O += P V for this warp's rows and columns
+                r0 = (pr * PM + mi) * 16
+                al0, al1 = fsm[2 * MT + z + r0 + g], fsm[2 * MT + z + r0 + g + 8]
+                if al0 != float32(1) or al1 != float32(1):   # rare with the lazy rescale
+                    for u in range(NTP):
+                        acc[4 * (mi * NTP + u)] *= al0
+                        acc[4 * (mi * NTP + u) + 1] *= al0
+                        acc[4 * (mi * NTP + u) + 2] *= al1
+                        acc[4 * (mi * NTP + u) + 3] *= al1
+            for kk in range(0, NK, 16):
+                for mi in range(PM):                  # P fragments of this warp's rows, then V pairs of n-tiles
+                    afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3] = _frag_a(
+                        usm, PZ, NKP, (pr * PM + mi) * 16, kk)
                 for u in range(0, NTP, 2):
-                    b0, b1, b2, b3 = _frag_bt(usm, KO, DP, kk, wj * cw + 8 * u)
-                    acc[4 * u], acc[4 * u + 1], acc[4 * u + 2], acc[4 * u + 3] = mma_bf16(
-                        a0, a1, a2, a3, b0, b1, acc[4 * u], acc[4 * u + 1], acc[4 * u + 2], acc[4 * u + 3])
-                    acc[4 * u + 4], acc[4 * u + 5], acc[4 * u + 6], acc[4 * u + 7] = mma_bf16(
-                        a0, a1, a2, a3, b2, b3, acc[4 * u + 4], acc[4 * u + 5], acc[4 * u + 6], acc[4 * u + 7])
+                    b0, b1, b2, b3 = _frag_bt(usm, KO, DP, kk, pc * CW + 8 * u)
+                    for mi in range(PM):
+                        x = 4 * (mi * NTP + u)
+                        acc[x], acc[x + 1], acc[x + 2], acc[x + 3] = mma_bf16(
+                            afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3], b0, b1,
+                            acc[x], acc[x + 1], acc[x + 2], acc[x + 3])
+                        acc[x + 4], acc[x + 5], acc[x + 6], acc[x + 7] = mma_bf16(
+                            afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3], b2, b3,
+                            acc[x + 4], acc[x + 5], acc[x + 6], acc[x + 7])
+        cp_wait_all()
+        cuda.syncthreads()                            # the Q tile and the ring become the output tile
+        for x in range(0, ACC, 2):                    # acc pairs: (m16 tile, n-tile, row g or g+8)
+            row = (pr * PM + x // (4 * NTP)) * 16 + g + 8 * ((x // 2) & 1)
+            col = pc * CW + 8 * ((x // 4) % NTP) + 2 * tq
+            fsm[OB + row * RS + col] = acc[x]
+            fsm[OB + row * RS + col + 1] = acc[x + 1]
         cuda.syncthreads()
-        for half in range(2):                         # rows g and g+8 of this warp's 16
-            row = wi * 16 + g + 8 * half
+        for idx in range(tid, MT * r, THREADS):       # coalesced rows of o_part
+            row, col = idx // r, idx % r
             m = mt * MT + row
             if m < M:
                 live = m // h < n
-                den = fsm[ST + MT + row]
-                inv = float32(1) / den if den > float32(0) and live else float32(0)
-                for u in range(NTP):
-                    col = wj * cw + 8 * u + 2 * tq
-                    y0, y1 = acc[4 * u + 2 * half], acc[4 * u + 2 * half + 1]
-                    if normalize:
-                        y0, y1 = y0 * inv, y1 * inv
-                    elif not live:
-                        y0, y1 = float32(0), float32(0)
-                    o_part[b, s, m, col] = y0
-                    o_part[b, s, m, col + 1] = y1
-                if not normalize and wj == 0 and tq == 0:
-                    ml_part[b, s, m, 0] = fsm[ST + row] if live else NEG_INF
+                den = fsm[MT + row]
+                y = fsm[OB + row * RS + col]
+                if normalize:
+                    y = y / den if den > float32(0) and live else float32(0)
+                elif not live:
+                    y = float32(0)
+                o_part[b, s, m, col] = y
+                if not normalize and col == 0:
+                    ml_part[b, s, m, 0] = fsm[row] if live else NEG_INF
                     ml_part[b, s, m, 1] = den if live else float32(0)
     return mla_attention_kernel
+
+
+MERGE_GROUPS = 8            # split groups per merge block (summed in shared memory)
+
+
+@kernel(max_registers=64)                        # up to 1024 threads per block
+def mla_merge_kernel(o_part, ml_part, out):
+    """out[b, m] = sum_s e^(max_s - max) o_part[b, s, m] / sum_s e^(max_s - max) sum_s. Block (row m, sequence b)
+    of (r/4, G) threads: thread (x, y) folds splits y, y+G, ... for columns 4x..4x+3 (16-byte loads, an online
+    max: one pass), the G partial folds meet in shared memory. o_part f32[B, nsplit, M, r], ml_part
+    f32[B, nsplit, M, 2], out f32[B, M, r]; rows whose splits saw no key get 0. Bytes: the partials once, the
+    output once."""
+    m, b = cuda.blockIdx.x, cuda.blockIdx.y
+    x, y = cuda.threadIdx.x, cuda.threadIdx.y
+    G, X = cuda.blockDim.y, cuda.blockDim.x
+    nsplit, M, r = o_part.shape[1], o_part.shape[2], o_part.shape[3]
+    red = cuda.shared.array(0, float32)
+    ml0, mls = int32(2 * (b * nsplit * M + m)), int32(2 * M)      # flat ml_part[b, s, m, 0] = ml0 + s*mls
+    o0, os_ = (b * nsplit * M + m) * r + 4 * x, M * r               # flat o_part[b, s, m, 4x] = o0 + s*os_
+    mx, den = NEG_INF, float32(0)
+    y0, y1, y2, y3 = float32(0), float32(0), float32(0), float32(0)
+    for s in range(y, nsplit, G):                 # online over this thread's splits: one round trip each
+        ms, ls = as_f32(ld4(ml_part, ml0 + s * mls)), as_f32(ld4(ml_part, ml0 + s * mls + 1))
+        u0, u1, u2, u3 = ld16(o_part, o0 + s * os_)
+        if ms != NEG_INF:
+            mn = max(mx, ms)
+            a, wgt = math.exp(mx - mn), math.exp(ms - mn)
+            den = den * a + ls * wgt
+            y0, y1 = y0 * a + as_f32(u0) * wgt, y1 * a + as_f32(u1) * wgt
+            y2, y3 = y2 * a + as_f32(u2) * wgt, y3 * a + as_f32(u3) * wgt
+            mx = mn
+    if y > 0:
+        o = uint32(6 * (y * X + x))
+        red[o], red[o + 1], red[o + 2], red[o + 3], red[o + 4], red[o + 5] = y0, y1, y2, y3, den, mx
+    cuda.syncthreads()
+    if y == 0:
+        for k in range(1, G):
+            o = uint32(6 * (k * X + x))
+            ms = red[o + 5]
+            if ms != NEG_INF:
+                mn = max(mx, ms)
+                a, wgt = math.exp(mx - mn), math.exp(ms - mn)
+                den = den * a + red[o + 4] * wgt
+                y0, y1 = y0 * a + red[o] * wgt, y1 * a + red[o + 1] * wgt
+                y2, y3 = y2 * a + red[o + 2] * wgt, y3 * a + red[o + 3] * wgt
+                mx = mn
+        inv = float32(1) / den if den > float32(0) else float32(0)
+        out[b, m, 4 * x], out[b, m, 4 * x + 1] = y0 * inv, y1 * inv
+        out[b, m, 4 * x + 2], out[b, m, 4 * x + 3] = y2 * inv, y3 * inv
 
 
 class MlaWork:
@@ -348,13 +506,14 @@ class MlaWork:
 
 
 def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132):
-    """Scratch for up to max_keys cache rows per sequence (committed + new). split=None: about one wave of
-    blocks at full length (partials cost 2 * 64*r*4 bytes per block); zeros = np.zeros or cupy.zeros."""
+    """Scratch for up to max_keys cache rows per sequence (committed + new). split=None: as many splits as fit
+    one wave of blocks next to the B row tiles (at least MLA_MIN_SPLIT keys each); zeros = np.zeros or
+    cupy.zeros."""
     if split is None:
-        wm, _, _, threads, smem = mla_geometry(T * h, D, r)
-        per_sm = max(1, min(227 * 1024 // smem, 2048 // threads))
-        tiles = B * -(-T * h // (16 * wm))
-        nsplit = max(1, min(-(-per_sm * sms // tiles), -(-max_keys // 256)))
+        rg, _, _, _, smem = mla_geometry(T * h, D, r)
+        tiles = B * -(-T * h // (16 * rg))
+        slots = sms * max(1, MLA_SMEM // smem)
+        nsplit = max(1, min(slots // tiles, -(-max_keys // MLA_MIN_SPLIT)))
         split = -(-max_keys // nsplit)
     split = -(-split // MLA_NK) * MLA_NK
     return MlaWork(zeros, B, T * h, r, max_keys, split)
@@ -362,7 +521,8 @@ def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132):
 
 def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     """mla_attention_ref on the GPU or the simulator (same arguments). work=None: one split per sequence,
-    normalized in place (no scratch); else an MlaWork (splits + merge_splits; read lengths/ntok on the device)."""
+    normalized in place (no scratch); else an MlaWork (splits + mla_merge; read lengths/ntok on the device).
+    Launch: grid (row tiles, splits, B) of mla_geometry's threads and shared memory."""
     B, T, h, D = q.shape
     r = out.shape[-1]
     if cache.shape[0] != B or cache.shape[2] != D or out.shape != (B, T, h, r) or D % 32 or r % 64:
@@ -370,19 +530,23 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
                          f"(D % 32 == 0, r % 64 == 0)")
     if mask is not None and (mask.shape[:2] != (B, T) or mask.shape[2] * 32 < T):
         raise ValueError(f"mla_attention: mask {mask.shape} is not [B, T, >= T/32] for T = {T}")
+    if not (q.flags["C_CONTIGUOUS"] and cache.flags["C_CONTIGUOUS"]):
+        raise ValueError("mla_attention: q and cache must be C-contiguous (16-byte loads at flat offsets)")
     M = T * h
-    wm, wn, pf, threads, smem = mla_geometry(M, D, r)
-    kern = mla_kernel(wm, wn, pf, mask is None, D, r)
+    rg, kg, stages, threads, smem = mla_geometry(M, D, r)
+    kern = mla_kernel(rg, kg, stages, mask is None, D, r)
     maskarg = mask if mask is not None else placeholder(q, (1, 1, 1), np.uint32)
-    tiles = -(-M // (16 * wm))
+    tiles = -(-M // (16 * rg))
     if work is None:
         o4 = out.reshape(B, 1, M, r)
         args = (q, cache, lengths, ntok, maskarg, float32(scale), int32(cache.shape[1]), 1, o4,
                 placeholder(q, (1, 1, 1, 2), np.float32))
-        launch_smem(kern, (1, tiles, B), threads, smem, args)
+        launch_smem(kern, (tiles, 1, B), threads, smem, args)
         return out
     nsplit = work.o.shape[1]
     args = (q, cache, lengths, ntok, maskarg, float32(scale), int32(work.split), 0, work.o, work.ml)
-    launch_smem(kern, (nsplit, tiles, B), threads, smem, args)
-    merge_splits_kernel[(M, B), 128, current_stream()](work.o, work.ml, out.reshape(B, M, r))
+    launch_smem(kern, (tiles, nsplit, B), threads, smem, args)
+    groups = min(MERGE_GROUPS, nsplit)
+    mla_merge_kernel[(M, B), (r // 4, groups), current_stream(), 24 * r // 4 * groups](
+        work.o, work.ml, out.reshape(B, M, r))
     return out

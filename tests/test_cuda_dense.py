@@ -1,10 +1,33 @@
 """numba.cuda dense kernels (mma GEMM, RMSNorm, SiLU-mul, RoPE, argmax/top-k) against their reference ops: on the
 simulator (a child process, tiny shapes, see tests/cudasim.py) and on a GPU (K2 shapes, marked gpu)."""
+import numpy as np
 import pytest
 
 import cuda_cases as C
 from cudasim import Env, simulate
 from kernels.gemm import GemmConfig
+
+
+def check_gemm_fused_reduce(env, m, n, k, cfg=None, calls=2, seed=0):
+    """The k-split partials added by the last block of each row range (ws.sync): right twice in a row, counters
+    left at zero."""
+    from kernels.gemm import GemmWorkspace, gemm, gemm_ref, gemm_sync_words, gemm_workspace_words
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = C.rand_bf16(rng, n, k)
+    nxb, npart = gemm_workspace_words(m, n, k, 2, cfg)
+    nsync = gemm_sync_words(m, n, k, cfg)
+    assert nsync > 0, "no k split across blocks in this cut"
+    ws = GemmWorkspace(C.poisoned(env, (max(nxb, 1),), np.uint32), C.poisoned(env, (npart,), np.float32),
+                       env.zeros((nsync,), np.uint32))
+    ref = gemm_ref(x, w, np.empty((m, n), np.float32))
+    scale = (np.abs(x) @ np.abs(C.bf16_to_f32(w)).T).max()
+    dx, dw = env.dev(x), env.dev(w)
+    for call in range(calls):
+        out = C.poisoned(env, (m, n), np.float32)
+        gemm(dx, dw, out, ws, cfg=cfg)
+        C.assert_close(f"gemm fused reduce m={m} n={n} k={k} call {call}", env.host(out), ref, 2e-5, scale)
+        assert not env.host(ws.sync).any(), "k-split counters not left at zero"
 
 SIM_CASES = {
     "gemm_2tiles_split_in_and_across_blocks": lambda env: C.check_gemm(env, 9, 40, 96, 2,
@@ -13,6 +36,10 @@ SIM_CASES = {
     "gemm_prep_launch_split": lambda env: C.check_gemm(env, 5, 32, 64, 2, GemmConfig(R=1, WR=1, WK=2, SB=2, BF=0)),
     "gemm_1token_tile_past_end_u_tail": lambda env: C.check_gemm(env, 1, 16, 128, 2,
                                                                   GemmConfig(R=2, WR=1, WK=1, SB=1, U=3)),
+    "gemm_fused_reduce_2tiles": lambda env: check_gemm_fused_reduce(env, 9, 40, 96,
+                                                                    GemmConfig(R=1, WR=1, WK=2, SB=3, MB=0)),
+    "gemm_fused_reduce_prep": lambda env: check_gemm_fused_reduce(env, 5, 48, 128,
+                                                                  GemmConfig(R=2, WR=1, WK=1, SB=2, BF=0)),
     "rmsnorm": lambda env: C.check_norm(env, 3, 100, False),
     "add_rmsnorm": lambda env: C.check_norm(env, 3, 100, True),
     "rmsnorm_strided_in_place": C.check_norm_strided,
@@ -21,6 +48,34 @@ SIM_CASES = {
     "rope_rotate_half": lambda env: C.check_rope(env, 3, 2, 8, 8, False),
     "argmax_topk": lambda env: C.check_argmax_topk(env, 2, 300, 4),
 }
+
+
+@pytest.mark.parametrize("T,R,BF", [(1, 2, 1), (3, 2, 0), (5, 2, 1)])
+def test_ptx_gemm_fused_reduce(T, R, BF):
+    """The GEMM with the in-kernel k-split reduce compiles for sm_90: no float64, accumulators in registers."""
+    import re
+
+    import numba.cuda.dispatcher as dispatcher
+    from numba import cuda
+    from numba import types as ty
+
+    from cudasim import f64_lines, ptx_or_skip
+    from kernels.gemm import _build_gemm
+
+    class Device:     # device functions compile for the current device: without a GPU, say sm_90
+        compute_capability = (9, 0)
+    real = dispatcher.get_current_device
+    if not cuda.is_available():
+        dispatcher.get_current_device = Device
+    try:
+        u32, f32 = ty.uint32[::1], ty.float32
+        sig = ((f32[::1] if BF else u32), u32, f32[:, :], f32[:, :, :], u32) + (ty.int32,) * 5
+        ptx = ptx_or_skip(_build_gemm(T, R, 2, 2, 1, BF, 1, (256, 2)).py_func, sig)
+    finally:
+        dispatcher.get_current_device = real
+    assert not f64_lines(ptx), "float64 instructions:\n" + "\n".join(f64_lines(ptx)[:5])
+    assert "mma.sync.aligned.m16n8k16" in ptx and "atom.global.add.u32" in ptx
+    assert not re.search(r"\b(ld|st)\.local", ptx), "local memory"
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +99,17 @@ K2_GEMMS = {"q_a": (1536, 7168), "q_b": (12288, 1536), "kv_a": (576, 7168), "kv_
 def test_gpu_gemm(name, m):
     n, k = K2_GEMMS[name]
     C.check_gemm(Env(gpu=True), m, n, k, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 9, 17, 33])
+@pytest.mark.parametrize("name", ["q_a", "kv_a", "q_b", "kv_b", "o", "shared_down"])
+def test_gpu_gemm_fused_reduce(name, m):
+    from dataclasses import replace
+
+    from kernels.gemm import gemm_config
+    n, k = K2_GEMMS[name]
+    check_gemm_fused_reduce(Env(gpu=True), m, n, k, replace(gemm_config(m, n, k), FR=1), calls=3)
 
 
 @pytest.mark.gpu

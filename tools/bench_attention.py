@@ -77,14 +77,15 @@ def gpu_us(fn, reps=10):
             return cp.cuda.get_elapsed_time(start, end) * 1000 / reps, f"eager ({type(e).__name__})"
 
 
-def bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch=256 * 1024, q_bytes_cap=512 << 20):
-    """MLA decode/verify: B sequences of `ctx` committed rows + T tree tokens (random ancestor masks)."""
+def bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch=256 * 1024, q_bytes_cap=512 << 20, max_batch=64):
+    """MLA decode/verify: B sequences of `ctx` committed rows + T tree tokens (all-visible masks), at batch 1 and
+    min(max_batch, tokens_per_batch / ctx). GB/s counts the cache rows read once; tflops the S and P V products."""
     from kernels.mla import mla_attention, mla_work
     rows = []
     for ctx in contexts:
         for h in heads:
             for T in queries:
-                for B in sorted({1, max(1, min(tokens_per_batch // ctx, q_bytes_cap // (T * h * K2_D * 4)))}):
+                for B in sorted({1, max(1, min(max_batch, tokens_per_batch // ctx, q_bytes_cap // (T * h * K2_D * 4)))}):
                     keep = Keep()
                     q = keep.normal((B, T, h, K2_D))
                     cache = keep.bf16((B, ctx + T, K2_D))

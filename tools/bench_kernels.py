@@ -29,7 +29,11 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     "bound2_8w": dict(gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2), dn=dict(WR=8, WK=1, blocks_per_sm=4,
                                                                                min_blocks=2)),
 }
-GEMM_VARIANTS = {"pf": dict(PF=1), "pf_u4": dict(PF=1, U=4), "prep": dict(BF=0), "xs1": dict(xs=1)}
+# tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
+GEMM_VARIANTS = {"u2": ((1, 17), dict(U=2)), "fused_reduce": ((17, 33), dict(FR=1)), "bf": ((17, 33), dict(BF=1)),
+                 "no_bounds": ((17, 33), dict(MB=0)), "xs1": ((1, 17, 33), dict(xs=1))}
+HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
+HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured yet)
 
 
 # ------------------------------------------------------------------------------------------------------ timing
@@ -189,11 +193,13 @@ def bench_moe(cp, cuda, results, copy_bw, quick):
 
 # -------------------------------------------------------------------------------------------------------- dense
 def bench_gemm(cp, cuda, results, copy_bw, quick):
-    """Each K2 shape: the variants at m = 1 and 17, then every m with the best (by mean % of copy)."""
+    """Each K2 shape: the default cut and the variants at their token counts, then every m with the best (by mean
+    % of copy over the variant's token counts, against the default's at the same ones); then the per-head GEMMs."""
     from kernels.gemm import GemmWorkspace, gemm, gemm_config, gemm_workspace_words
     dv = cuda.as_cuda_array
     rows = results.setdefault("gemm", [])
-    ws = GemmWorkspace(dv(cp.zeros(max(NS) * 2 * 8192 // 2, cp.uint32)), dv(cp.zeros(64 * max(NS) * 32768, cp.float32)))
+    ws = GemmWorkspace(dv(cp.zeros(max(NS) * 2 * 8192 // 2, cp.uint32)), dv(cp.zeros(64 * max(NS) * 32768, cp.float32)),
+                       dv(cp.zeros(1 << 14, cp.uint32)))
 
     def run(name, w, m, n, k, tag, over):
         x, out = dv(cp.random.standard_normal((m, k), dtype=cp.float32)), dv(cp.zeros((m, n), cp.float32))
@@ -206,20 +212,48 @@ def bench_gemm(cp, cuda, results, copy_bw, quick):
         row = dict(op="gemm", name=name, tag=tag, m=m, n=n, k=k, xs=xs, cfg=cfg.__dict__, bytes=nbytes,
                    graph_ms=g_ms, eager_ms=e_ms, gbps=nbytes / g_ms / 1e6, pct_copy=100 * nbytes / g_ms / 1e6 / copy_bw)
         rows.append(row)
-        print(f"gemm {name:>15} {tag:>8} m={m:3d} n={n:6d} k={k:5d} {nbytes / 1e6:8.1f} MB  graph "
+        print(f"gemm {name:>15} {tag:>13} m={m:3d} n={n:6d} k={k:5d} {nbytes / 1e6:8.1f} MB  graph "
               f"{g_ms * 1e3:8.1f} us  eager {e_ms * 1e3:8.1f} us  {row['gbps']:7.0f} GB/s "
               f"{row['pct_copy']:5.1f}%  xs={xs} {cfg}", flush=True)
         return row["pct_copy"]
 
     for name, (n, k) in K2_GEMMS.items():
         w = dv(rand_bf16(cp, (n, k), 0.02))
-        variants = {"default": {}, **({} if quick else GEMM_VARIANTS)}
-        score = {tag: np.mean([run(name, w, m, n, k, tag, over) for m in (1, 17)]) for tag, over in variants.items()}
-        best = max(score, key=score.get)
-        results.setdefault("gemm_best", {})[name] = best
+        base = {m: run(name, w, m, n, k, "default", {}) for m in (1, 17, 33)}
+        best = {m: ("default", {}, pct) for m, pct in base.items()}
+        for tag, (ms, over) in ({} if quick else GEMM_VARIANTS).items():
+            for m in ms:
+                pct = run(name, w, m, n, k, tag, over)
+                if pct > best[m][2]:
+                    best[m] = (tag, over, pct)
+        results.setdefault("gemm_best", {})[name] = {m: b[0] for m, b in best.items()}
         for m in NS:
-            run(name, w, m, n, k, "best", variants[best])
+            tag, over, _ = best[min(best, key=lambda mm: abs(mm - m))]
+            run(name, w, m, n, k, "best", over)
         del w
+    bench_head_gemm(cp, cuda, results, copy_bw, quick)
+
+
+def bench_head_gemm(cp, cuda, results, copy_bw, quick):
+    """MLA's per-head products (one launch), default cut and variants: bytes = weights + x + out."""
+    from kernels.gemm import GemmWorkspace, head_gemm, head_gemm_config
+    dv = cuda.as_cuda_array
+    ws = GemmWorkspace(dv(cp.zeros(1, cp.uint32)), dv(cp.zeros(1, cp.float32)))
+    for name, (h, b, a) in HEAD_GEMMS.items():
+        w = dv(rand_bf16(cp, (h, b, a), 0.02))
+        for n in (1, 17, 130, 1040):
+            x = dv(cp.random.standard_normal((n, h, a + 64), dtype=cp.float32))[:, :, :a]
+            out = dv(cp.zeros((n, h, b), cp.float32))
+            nbytes = h * b * a * 2 + n * h * (a + b) * 4
+            for tag, over in {"default": {}, **({} if quick else HEAD_VARIANTS)}.items():
+                cfg = replace(head_gemm_config(n, h, b, a), **over)
+                g_ms, e_ms = timed(cp, lambda: head_gemm(x, w, out, ws, cfg), reps_for(nbytes))
+                row = dict(op="head_gemm", name=name, tag=tag, n=n, h=h, b=b, a=a, bytes=nbytes, graph_ms=g_ms,
+                           eager_ms=e_ms, gbps=nbytes / g_ms / 1e6, pct_copy=100 * nbytes / g_ms / 1e6 / copy_bw,
+                           cfg=cfg.__dict__)
+                results.setdefault("head_gemm", []).append(row)
+                print(f"head_gemm {name} {tag:>7} n={n:5d} {nbytes / 1e6:7.1f} MB graph {g_ms * 1e3:7.1f} us eager "
+                      f"{e_ms * 1e3:7.1f} us {row['gbps']:6.0f} GB/s {row['pct_copy']:5.1f}%", flush=True)
 
 
 def summary(results):

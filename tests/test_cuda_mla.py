@@ -1,0 +1,118 @@
+"""The absorbed MLA kernel (kernels/mla.py) beyond tests/test_cuda_attention.py: the cp.async ring over many steps,
+sharp scores (the lazy softmax rescale taken and skipped),
+every row-tile geometry (1..4 m16 tiles, two m16 tiles per P V warp), many splits through the merge kernel, dead
+query rows and empty sequences, the default model's shapes, split sizing; on the simulator, on a GPU (K2 shapes,
+marked gpu) and as sm_90 PTX (no float64, no local memory)."""
+import numpy as np
+import pytest
+
+from cudasim import Env, f64_lines, ptx_or_skip, simulate, worst
+from test_cuda_attention import BF16_NAN, pack_vis, random_tree_vis
+from weights.dtypes import bf16_to_f32, f32_to_bf16
+
+
+def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="none", causal=False, sms=132,
+          scale=None, seed=0):
+    """mla_attention against mla_attention_ref. work: "none" (one normalized split), an int (keys per split)
+    or "auto" (mla_work's sizing for `sms` SMs)."""
+    from kernels.mla import mla_attention, mla_attention_ref, mla_work
+    rng = np.random.default_rng(seed)
+    lengths, ntok = np.array(lengths, np.int32), np.array(ntok, np.int32)
+    cap = int((lengths + ntok).max()) + 7
+    q = bf16_to_f32(f32_to_bf16(rng.normal(size=(B, T, h, D)).astype(np.float32)))   # the kernel's bf16 q
+    cache = f32_to_bf16(rng.normal(size=(B, cap, D)).astype(np.float32))
+    for b in range(B):
+        cache[b, lengths[b] + ntok[b]:] = BF16_NAN                                    # never read
+    mask = None if causal else np.stack([pack_vis(random_tree_vis(rng, max(n, 1)), T) for n in ntok])
+    scale = float(D) ** -0.5 if scale is None else scale
+    want = mla_attention_ref(q, cache, lengths, ntok, mask, scale, np.empty((B, T, h, r), np.float32))
+    out = env.dev(np.full((B, T, h, r), np.nan, np.float32))
+    wk = None if work == "none" else mla_work(env.zeros, B, T, h, r, cap, None if work == "auto" else work,
+                                               D=D, sms=sms)
+    mla_attention(env.dev(q), env.dev(cache), env.dev(lengths), env.dev(ntok),
+                  None if causal else env.dev(mask), scale, out, wk)
+    got = env.host(out)
+    assert np.isfinite(got).all(), "non-finite output"
+    assert np.abs(got - want).max() <= 8e-3 * max(1.0, np.abs(want).max()), worst(got, want)
+    return wk
+
+
+def check_split_sizing(env):
+    from kernels.mla import MLA_MIN_SPLIT, mla_work
+    one = mla_work(np.zeros, 1, 1, 64, 512, 4097)                    # batch 1: every SM gets a split
+    assert one.o.shape[1] == -(-4097 // MLA_MIN_SPLIT), one.o.shape
+    many = mla_work(np.zeros, 64, 1, 64, 512, 4097)                  # batch 64: about one wave
+    assert 64 * many.o.shape[1] <= 132 and many.o.shape[1] >= 2, many.o.shape
+
+
+SIM_CASES = {
+    "ring_one_split": lambda env: check(env, seed=1),                                      # 5 steps > 4 stages
+    "ring_splits_merge": lambda env: check(env, work=32, seed=2),                          # 5 splits, 2 groups
+    "many_splits_auto": lambda env: check(env, B=1, lengths=(300,), ntok=(1,), work="auto", sms=12, seed=3),
+    "pv_two_tiles_per_warp": lambda env: check(env, B=1, T=16, h=4, D=160, r=128, lengths=(70,),
+                                                       ntok=(13,), work=64, seed=4),
+    "three_row_groups": lambda env: check(env, B=1, T=12, h=4, lengths=(40,), ntok=(12,), work="none", seed=5),
+    "five_row_tiles_causal": lambda env: check(env, B=1, T=20, h=4, lengths=(33,), ntok=(20,), causal=True,
+                                               work=32, seed=6),
+    "dead_rows_empty_seq": lambda env: check(env, B=3, T=3, h=4, lengths=(45, 0, 64), ntok=(2, 0, 3), work=32,
+                                             seed=7),
+    "default_model_decode": lambda env: check(env, B=2, T=1, h=6, D=160, r=128, lengths=(100, 7), work="auto",
+                                              sms=4, seed=8),
+    "sharp_scores_rescale": lambda env: check(env, B=1, lengths=(200,), ntok=(1,), scale=1.5, work=96, seed=9),
+    "split_sizing": check_split_sizing,
+}
+
+
+@pytest.fixture(scope="module")
+def sim_results():
+    return simulate("test_cuda_mla")
+
+
+@pytest.mark.parametrize("case", sorted(SIM_CASES))
+def test_simulator(sim_results, case):
+    assert sim_results[case] == "", sim_results[case]
+
+
+# --- GPU (K2 shapes) ----------------------------------------------------------------------------------------------
+
+K2 = dict(D=576, r=512)
+GPU_CASES = {
+    "decode_h64_b1_auto": dict(B=1, h=64, lengths=(5000,), ntok=(1,), work="auto"),
+    "decode_h64_b9_auto": dict(B=9, h=64, lengths=(3000, 17, 900, 4000, 1, 2500, 64, 65, 3333), ntok=(1,) * 9,
+                               work="auto"),
+    "decode_h8_b5_auto": dict(B=5, h=8, lengths=(4100, 33, 0, 2000, 777), ntok=(1, 1, 1, 0, 1), work="auto"),
+    "tree17_h64": dict(B=2, T=17, h=64, lengths=(1200, 300), ntok=(17, 5), work="auto"),
+    "tree65_h8": dict(B=2, T=65, h=8, lengths=(2000, 100), ntok=(65, 40), work="auto"),
+    "tree17_h8_one_split": dict(B=2, T=17, h=8, lengths=(700, 1), ntok=(17, 17), work="none"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_gpu(case):
+    check(Env(gpu=True), **K2, **GPU_CASES[case])
+
+
+# --- PTX for sm_90 ------------------------------------------------------------------------------------------------
+
+SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32[:,:,::1], float32, int32, int32, "
+       "float32[:,:,:,::1], float32[:,:,:,::1])")
+
+
+@pytest.mark.parametrize("M,D,r", [(8, 576, 512), (32, 576, 512), (48, 576, 512), (6, 160, 128), (64, 160, 128)])
+def test_ptx_geometries(M, D, r):
+    import re
+    from kernels.mla import mla_geometry, mla_kernel
+    rg, kg, stages, _, _ = mla_geometry(M, D, r)
+    ptx = ptx_or_skip(mla_kernel(rg, kg, stages, False, D, r).py_func, SIG)
+    assert not f64_lines(ptx), f64_lines(ptx)[:5]
+    assert ptx.count("mma.sync") and ptx.count("ldmatrix") and ptx.count("cp.async.cg")
+    assert not re.search(r"(ld|st)\.local", ptx), "local memory"
+
+
+def test_ptx_merge():
+    import re
+    from kernels.mla import mla_merge_kernel
+    ptx = ptx_or_skip(mla_merge_kernel.py_func, "void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1])")
+    assert not f64_lines(ptx), f64_lines(ptx)[:5]
+    assert not re.search(r"(ld|st)\.local", ptx), "local memory"
