@@ -506,7 +506,8 @@ def moe_plan(x, idx, experts, ws, cfg_gate_up=GATE_UP_CFG, cfg_down=DOWN_CFG):
         raise ValueError(f"moe: x {x.shape} vs experts H={hidden}, I={inter} (multiples of 64), idx {idx.shape}")
     if cfg_down.T != cfg_gate_up.T or max(c.WR * c.WK for c in (cfg_gate_up, cfg_down)) > MAX_WARPS:
         raise ValueError(f"moe: configs {cfg_gate_up}, {cfg_down}: same T, <= {MAX_WARPS} warps per block")
-    launch(_cached(_build_plan), 1, 1024, idx, int32(n), int32(k), int32(n_exp), int32(8 * cfg_gate_up.T), ws.sorted_slot,
+    plan_threads = 32 * math.ceil(n_exp / 32) if SIM else 1024   # simulator: a Python thread per CUDA thread
+    launch(_cached(_build_plan), 1, plan_threads, idx, int32(n), int32(k), int32(n_exp), int32(8 * cfg_gate_up.T), ws.sorted_slot,
            ws.item_e, ws.item_start, ws.item_len, ws.n_items)
     prep_b(x, ws.xb, ws.xs, int(fmt == INT4))
 

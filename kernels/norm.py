@@ -25,7 +25,9 @@ import math  # noqa: E402
 
 from numba import cuda, float32, int32  # noqa: E402
 
-from kernels.device import block_sum, bf16_f32, kernel, launch  # noqa: E402
+from kernels.device import SIM, block_sum, bf16_f32, kernel, launch  # noqa: E402
+
+NORM_THREADS = 32 if SIM else 256    # the simulator runs a Python thread per CUDA thread: one warp is enough there
 
 _KERNELS = {}
 
@@ -33,7 +35,7 @@ _KERNELS = {}
 def _build(add):
     @kernel()
     def norm_k(x, res, w, eps, out, d):
-        """One block per row (256 threads): [residual += x;] out = v / sqrt(mean(v^2) + eps) * w.
+        """One block per row (NORM_THREADS threads): [residual += x;] out = v / sqrt(mean(v^2) + eps) * w.
         Moves n*d*4 bytes in and out (twice that with the residual)."""
         row = cuda.blockIdx.x
         ss = float32(0)
@@ -61,7 +63,7 @@ def rmsnorm(x, w, eps, out):
     n, d = x.shape
     if w.shape != (d,) or out.shape != (n, d):
         raise ValueError(f"rmsnorm: x {x.shape}, w {w.shape}, out {out.shape} do not match")
-    launch(_kernel(False), n, 256, x, x, w, float32(eps), out, int32(d))
+    launch(_kernel(False), n, NORM_THREADS, x, x, w, float32(eps), out, int32(d))
     return out
 
 
@@ -70,5 +72,5 @@ def add_rmsnorm(x, residual, w, eps, out):
     n, d = x.shape
     if residual.shape != (n, d) or w.shape != (d,) or out.shape != (n, d):
         raise ValueError(f"add_rmsnorm: x {x.shape}, residual {residual.shape}, w {w.shape}, out {out.shape}")
-    launch(_kernel(True), n, 256, x, residual, w, float32(eps), out, int32(d))
+    launch(_kernel(True), n, NORM_THREADS, x, residual, w, float32(eps), out, int32(d))
     return out

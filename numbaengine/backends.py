@@ -4,7 +4,8 @@ An op table holds
   arrays   asarray, to_host, empty, zeros (fresh arrays), scratch(role, shape, dtype) (an intermediate the table may
            reuse across calls), copy(src, dst), upload(weights) (checkpoint records -> the backend's form)
   glue     embed, cache_write, cache_read, visibility, all_reduce
-  math     rmsnorm, add_rmsnorm, gemm, head_gemm, rope, attention, latent_attention, silu_mul, router, moe, sample
+  math     rmsnorm, add_rmsnorm, gemm, head_gemm, rope, attention, kv_attention, latent_attention, silu_mul, router,
+           moe, sample
   facts    name, cache_dtypes (latent cache storage it supports), max_shards (devices one table drives)
 `numpy` is the reference (kernels/*_ref, fresh arrays everywhere). `sim` and `cuda` run the numba.cuda kernels on
 the CUDA simulator or a GPU (numbaengine/ops_cuda.py).
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from kernels.act import silu_mul_ref
-from kernels.attention import attention_ref
+from kernels.attention import attention_ref, kv_attention_ref
 from kernels.gemm import gemm_ref
 from kernels.mla import head_gemm_ref
 from kernels.moe import moe_ref, router_ref
@@ -32,8 +33,10 @@ def embed_ref(table, tokens, out):
     return out
 
 
-def cache_write_ref(rows, start, latent):
-    """Latent rows f32[T, D] -> cache rows start..start+T-1 (rounded to bf16 in a bf16 cache)."""
+def cache_write_ref(rows, visible, latent):
+    """Latent rows f32[T, D] of new tokens -> cache rows start..start+T-1 (rounded to bf16 in a bf16 cache), where
+    visible bool[T, start+T] is what visibility_ref gave for them."""
+    start = visible.shape[1] - len(latent)
     rows[start:start + len(latent)] = f32_to_bf16(latent) if rows.dtype == np.uint16 else latent
 
 
@@ -84,7 +87,7 @@ NUMPY = SimpleNamespace(
     all_reduce=all_reduce_ref,
     rmsnorm=rmsnorm_ref, add_rmsnorm=add_rmsnorm_ref, gemm=gemm_ref,
     head_gemm=lambda x, w, out: head_gemm_ref(x, w, out, True),
-    rope=rope_ref, attention=attention_ref, latent_attention=latent_attention_ref, silu_mul=silu_mul_ref,
+    rope=rope_ref, attention=attention_ref, kv_attention=kv_attention_ref, latent_attention=latent_attention_ref, silu_mul=silu_mul_ref,
     router=router_ref, moe=moe_shared_ref, sample=sample_ref,
 )
 

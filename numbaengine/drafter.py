@@ -7,6 +7,7 @@ embedding and no LM head: it borrows the target's.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,8 +153,14 @@ class Drafter:
                               f"target lacks ({tcfg.num_hidden_layers} layers)")
         self.cfg, self.ops, self.target = cfg, ops, target
         self.vocab = tcfg.vocab_size
-        self.inv_freq, _ = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+        self.inv_freq = ops.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta)[0])
         self._load(checkpoint)
+
+    def with_ops(self, ops, target) -> "Drafter":
+        """The same weights on another table of the same backend, bound to `target` (see Target.with_ops)."""
+        other = copy.copy(self)
+        other.ops, other.target = ops, target
+        return other
 
     @property
     def block_size(self):
@@ -168,23 +175,25 @@ class Drafter:
         return self.cfg.mask_token_id
 
     def _load(self, ckpt):
-        c = self.cfg
+        c, ops = self.cfg, self.ops
         specs = draft_tensors(c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
                               c.head_dim, c.intermediate_size, len(c.target_layer_ids))
 
         def get(name):
             return ckpt.get_checked(name, *specs[name])
 
-        self.fc, self.hidden_norm, self.norm = get("fc.weight"), get("hidden_norm.weight"), get("norm.weight")
+        self.fc, self.hidden_norm, self.norm = ops.upload([get("fc.weight"), get("hidden_norm.weight"),
+                                                           get("norm.weight")])
         self.layers = []
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            self.layers.append(DraftLayer(
+            self.layers.append(ops.upload(DraftLayer(
                 get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight"),
                 get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight"),
                 get(a + "o_proj.weight"), get(a + "q_norm.weight"), get(a + "k_norm.weight"),
-                np.concatenate([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]), get(m + "down_proj.weight")))
+                np.concatenate([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]),
+                get(m + "down_proj.weight"))))
 
     # --- context ---------------------------------------------------------------------------------------------------
 
@@ -195,72 +204,90 @@ class Drafter:
                             [np.zeros(shape, np.float32) for _ in self.layers])
 
     def append(self, ctx: DraftContext, hidden, positions):
-        """Add committed tokens: hidden f32[F, n, H] (target features in target_layer_ids order) at absolute
-        positions i32[n]. Each layer caches k_norm(k_proj(f)) roped at `positions`, and v_proj(f)."""
+        """Add committed tokens (one sequence, host arrays): hidden f32[F, n, H] (target features in
+        target_layer_ids order) at absolute positions i32[n]."""
         F, n, H = hidden.shape
         if ctx.length + n > len(ctx.k[0]):
             raise ValueError(f"drafter context: {ctx.length + n} tokens exceed its {len(ctx.k[0])} rows")
         feats = np.ascontiguousarray(hidden.transpose(1, 0, 2)).reshape(n, F * H)      # [n, F*H]
-        f = self.ops.gemm(feats, self.fc, np.empty((n, H), np.float32))
-        f = self.ops.rmsnorm(f, self.hidden_norm, self.cfg.rms_norm_eps, np.empty_like(f))   # [n, H]
         rows = slice(ctx.length, ctx.length + n)
-        for layer, k_cache, v_cache in zip(self.layers, ctx.k, ctx.v):
-            k_cache[rows] = self._keys(f, layer, positions)
-            v_cache[rows] = self._values(f, layer)
+        for i, k, v in self.context_kv(feats, positions):
+            ctx.k[i][rows], ctx.v[i][rows] = k, v
         ctx.length += n
+
+    def context_kv(self, feats, positions):
+        """Per layer i, the context keys and values of committed tokens: feats f32[n, F*H] (concatenated target
+        features) at positions i32[n] -> (i, k_norm(k_proj(f)) roped f32[n, nkv, d], v_proj(f) f32[n, nkv, d])
+        with f = hidden_norm(fc(feats)). Yields views of scratch: use each before the next."""
+        ops, n = self.ops, len(feats)
+        f = ops.gemm(feats, self.fc, ops.scratch("d.f", (n, self.cfg.hidden_size)))
+        ops.rmsnorm(f, self.hidden_norm, self.cfg.rms_norm_eps, f)                     # [n, H]
+        for i, layer in enumerate(self.layers):
+            yield i, self._keys(f, layer, positions), self._values(f, layer)
 
     # --- the block forward -----------------------------------------------------------------------------------------
 
     def draft(self, ctx: DraftContext, bonus, start):
-        """Logits f32[Lb-1, V] for absolute positions start+1 .. start+Lb-1 (block slots 1..Lb-1)."""
+        """Logits f32[Lb-1, V] for absolute positions start+1 .. start+Lb-1 (block slots 1..Lb-1); one sequence,
+        host arrays (the reference round)."""
         c, ops, Lb = self.cfg, self.ops, self.cfg.block_size
         tokens = np.full(Lb, c.mask_token_id, np.int32)
         tokens[0] = bonus
         positions = np.arange(start, start + Lb, dtype=np.int32)
-        h = self.target.embed(tokens, np.empty((Lb, c.hidden_size), np.float32))      # [Lb, H]
-        x = np.empty_like(h)
-        for layer, k_cache, v_cache in zip(self.layers, ctx.k, ctx.v):
-            ops.rmsnorm(h, layer.ln1, c.rms_norm_eps, x)
-            h += self._attention(x, layer, positions, k_cache[:ctx.length], v_cache[:ctx.length])
-            ops.rmsnorm(h, layer.ln2, c.rms_norm_eps, x)
-            h += self._mlp(x, layer)
+
+        def attend(i, q, k, v):          # the block sees the committed context and itself, no mask
+            keys = np.concatenate([ctx.k[i][:ctx.length], k])                          # [S+Lb, nkv, d]
+            vals = np.concatenate([ctx.v[i][:ctx.length], v])
+            return ops.attention(q, keys, vals, None, self.scale, np.empty_like(q))   # [Lb, nh, d]
+
+        h = self.block(self.target.embed(tokens, ops.scratch("d.h", (Lb, c.hidden_size))), positions, attend)
         out = ops.rmsnorm(h[1:], self.norm, c.rms_norm_eps, np.empty((Lb - 1, c.hidden_size), np.float32))
         return self.target.lm_head(out, np.empty((Lb - 1, self.vocab), np.float32))
 
-    def _attention(self, x, layer, positions, k_ctx, v_ctx):
-        """Block queries over [context K/V ; block K/V], no mask. x f32[Lb, H] -> f32[Lb, H]."""
-        c, ops, n = self.cfg, self.ops, len(x)
-        q = self._heads(ops.gemm(x, layer.q, np.empty((n, c.num_attention_heads * c.head_dim), np.float32)),
-                        layer.q_norm)
-        ops.rope(q, positions, self.inv_freq, q, interleaved=False)                    # [Lb, nh, d]
-        k = np.concatenate([k_ctx, self._keys(x, layer, positions)])                   # [S+Lb, nkv, d]
-        v = np.concatenate([v_ctx, self._values(x, layer)])                            # [S+Lb, nkv, d]
-        o = ops.attention(q, k, v, None, c.head_dim ** -0.5, np.empty_like(q))          # [Lb, nh, d]
-        return ops.gemm(o.reshape(n, -1), layer.o, np.empty((n, c.hidden_size), np.float32))
+    @property
+    def scale(self):
+        return self.cfg.head_dim ** -0.5
+
+    def block(self, h, positions, attend):
+        """The drafter layers over block rows h f32[n, H] (updated in place and returned) at positions i32[n].
+        attend(i, q f32[n, nh, d], k f32[n, nkv, d], v f32[n, nkv, d]) -> f32[n, nh, d] is layer i's attention
+        of the block over its context plus the block's own keys and values (k, v)."""
+        c, ops, n = self.cfg, self.ops, len(h)
+        x = ops.scratch("d.x", h.shape)
+        for i, layer in enumerate(self.layers):
+            ops.rmsnorm(h, layer.ln1, c.rms_norm_eps, x)
+            q = self._heads(ops.gemm(x, layer.q, ops.scratch("d.q", (n, c.num_attention_heads * c.head_dim))),
+                            layer.q_norm)
+            ops.rope(q, positions, self.inv_freq, q, False)                            # [n, nh, d]
+            o = attend(i, q, self._keys(x, layer, positions), self._values(x, layer))
+            h += ops.gemm(o.reshape(n, -1), layer.o, ops.scratch("d.attn", h.shape))
+            ops.rmsnorm(h, layer.ln2, c.rms_norm_eps, x)
+            h += self._mlp(x, layer)
+        return h
 
     def _keys(self, x, layer, positions):
         """k_norm(k_proj(x)) roped at positions: x f32[n, H] -> f32[n, nkv, d]."""
         c = self.cfg
-        k = self.ops.gemm(x, layer.k, np.empty((len(x), c.num_key_value_heads * c.head_dim), np.float32))
+        k = self.ops.gemm(x, layer.k, self.ops.scratch("d.k", (len(x), c.num_key_value_heads * c.head_dim)))
         k = self._heads(k, layer.k_norm)
-        return self.ops.rope(k, positions, self.inv_freq, k, interleaved=False)
+        return self.ops.rope(k, positions, self.inv_freq, k, False)
 
     def _values(self, x, layer):
         c = self.cfg
-        v = self.ops.gemm(x, layer.v, np.empty((len(x), c.num_key_value_heads * c.head_dim), np.float32))
+        v = self.ops.gemm(x, layer.v, self.ops.scratch("d.v", (len(x), c.num_key_value_heads * c.head_dim)))
         return v.reshape(len(x), c.num_key_value_heads, c.head_dim)
 
     def _heads(self, y, norm_w):
-        """Split f32[n, h*d] into heads and RMS-normalize each head: -> f32[n, h, d]."""
+        """Split f32[n, h*d] into heads and RMS-normalize each head in place: -> f32[n, h, d]."""
         d = self.cfg.head_dim
         flat = y.reshape(-1, d)
-        return self.ops.rmsnorm(flat, norm_w, self.cfg.rms_norm_eps, np.empty_like(flat)).reshape(len(y), -1, d)
+        return self.ops.rmsnorm(flat, norm_w, self.cfg.rms_norm_eps, flat).reshape(len(y), -1, d)
 
     def _mlp(self, x, layer):
-        n, I2 = len(x), len(layer.gate_up)
-        gate_up = self.ops.gemm(x, layer.gate_up, np.empty((n, I2), np.float32))
-        act = self.ops.silu_mul(gate_up, np.empty((n, I2 // 2), np.float32))
-        return self.ops.gemm(act, layer.down, np.empty((n, self.cfg.hidden_size), np.float32))
+        ops, n, I2 = self.ops, len(x), len(layer.gate_up)
+        gate_up = ops.gemm(x, layer.gate_up, ops.scratch("d.gate_up", (n, I2)))
+        act = ops.silu_mul(gate_up, ops.scratch("d.act", (n, I2 // 2)))
+        return ops.gemm(act, layer.down, ops.scratch("d.mlp", (n, self.cfg.hidden_size)))
 
 
 def load_drafter(draft_dir, target, ops) -> Drafter:

@@ -21,6 +21,7 @@ class Engine:
     def __init__(self, cfg, target: Target, drafter=None, tokenizer=None, backend="numpy", max_context=4096):
         self.cfg, self.target, self.drafter, self.tokenizer = cfg, target, drafter, tokenizer
         self.backend, self.max_context = backend, max_context
+        self.rounds_cache = {}       # kernel backends: DeviceRounds (buffers + captured graph) of the last shape
 
     @classmethod
     def load(cls, model_dir, draft_dir=None, backend="auto", max_context=4096, cache_dtype="bf16",
@@ -31,9 +32,6 @@ class Engine:
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory not found: {model_dir}")
         ops = get_ops(backend)
-        if draft_dir is not None and ops.name != "numpy":
-            raise NotImplementedError(f"backend {ops.name!r} runs the target only so far: the DFlash drafter needs "
-                                      "backend 'numpy' (or decode with mode 'ar' and no draft model)")
         cfg = load_config(model_dir)
         ckpt, n = Checkpoint(model_dir), len(devices)
         target = Target(cfg, [load_target_weights(cfg, ckpt, rank, n) for rank in range(n)], ops, cache_dtype)
@@ -60,13 +58,18 @@ class Engine:
     def generate(self, prompt, max_new_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0, stop=None,
                  on_round=None) -> gen.Result:
         """Decode one prompt (text or token ids): `ar`, `dflash` (chain) or `ddtree` (tree of `budget` nodes)."""
-        with self._blas():
-            return gen.generate(self.target, self.drafter, self.tokenizer, prompt, max_new_tokens, mode, budget,
-                                temperature, seed, stop, max_context=self.max_context, on_round=on_round)
+        return self.generate_batch([prompt], max_new_tokens, mode, budget, temperature, seed, stop, on_round)[0]
 
     def generate_batch(self, prompts, max_new_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0, stop=None,
                        on_round=None) -> list[gen.Result]:
-        """Decode several prompts together, each with its own cache and tree."""
+        """Decode several prompts together, each with its own cache and tree. On the kernel backends (cuda, sim)
+        all sequences run in one batched round on the device (numbaengine/device_round.py), captured as a CUDA
+        graph on cuda."""
+        if self.backend != "numpy":
+            from numbaengine import device_round
+            return device_round.generate_batch(self.target, self.drafter, self.tokenizer, prompts, max_new_tokens,
+                                               mode, budget, temperature, seed, stop, self.max_context, on_round,
+                                               self.rounds_cache)
         with self._blas():
             return gen.generate_batch(self.target, self.drafter, self.tokenizer, prompts, max_new_tokens, mode,
                                       budget, temperature, seed, stop, max_context=self.max_context,

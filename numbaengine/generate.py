@@ -38,8 +38,8 @@ class Run:
 class Timer:
     """Wall time per phase, summed over rounds (and over the sequences of a batch)."""
 
-    def __init__(self):
-        self.seconds = dict.fromkeys(PHASES, 0.0)
+    def __init__(self, phases=PHASES):
+        self.seconds = dict.fromkeys(phases, 0.0)
 
     @contextmanager
     def __call__(self, phase):

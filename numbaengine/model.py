@@ -6,6 +6,7 @@ latent cache plus the new tokens its tree mask allows (causal when no mask is gi
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,12 @@ class Target:
         inv_freq, self.rope_factor = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.yarn)
         self.inv_freq = ops.asarray(inv_freq)
 
+    def with_ops(self, ops) -> "Target":
+        """The same weights driven through another table of the same backend (its own scratch)."""
+        other = copy.copy(self)
+        other.ops = ops
+        return other
+
     def new_cache(self, max_len: int) -> LatentCache:
         dtype = np.uint16 if self.cache_dtype == "bf16" else np.float32
         return LatentCache([self.ops.zeros((max_len, self.cfg.latent_dim), dtype)
@@ -80,21 +87,30 @@ class Target:
     # -- forward ----------------------------------------------------------------------------------------------
     def forward(self, tokens, positions, cache: LatentCache, tree_mask=None, hidden_layers=(), form="absorbed"):
         """tokens i32[T], positions i32[T] -> (logits f32[T, V], hidden f32[len(hidden_layers), T, H]), both
-        arrays of the backend."""
-        cfg, ops, T, H = self.cfg, self.ops, len(tokens), self.cfg.hidden_size
+        arrays of the backend. The new tokens' latent rows are written at cache.length.. (not committed)."""
+        ops, T = self.ops, len(tokens)
         if form not in FORMS:
             raise ValueError(f"form: {form!r} is not 'naive' or 'absorbed'")
-        start = cache.length
-        if start + T > cache.max_len:
-            raise ValueError(f"context full: {start} committed + {T} new tokens > cache size {cache.max_len}")
-        visible = ops.visibility(start, T, tree_mask, form)
+        if cache.length + T > cache.max_len:
+            raise ValueError(f"context full: {cache.length} committed + {T} new tokens > cache size {cache.max_len}")
+        visible = ops.visibility(cache.length, T, tree_mask, form)
+        logits = ops.empty((T, self.cfg.vocab_size), np.float32)
+        hidden = ops.empty((len(hidden_layers), T, self.cfg.hidden_size), np.float32)
+        self.forward_into(tokens, positions, cache.rows, visible, logits, hidden, hidden_layers, form)
+        return logits, hidden
+
+    def forward_into(self, tokens, positions, rows, visible, logits, hidden, hidden_layers=(), form="absorbed"):
+        """The forward into caller buffers (what a captured round calls). rows: per layer the cache rows of one
+        sequence [cap, D] or of a batch [B, cap, D]; visible: the op table's visibility answer, which says where
+        the new rows go and what each sees (for a batch: kernels' LatentVis with device lengths, ntok and tree
+        bitmasks; the T rows are then B blocks of T/B). logits f32[T, V], hidden f32[len(hidden_layers), T, H]."""
+        cfg, ops, T, H = self.cfg, self.ops, len(tokens), self.cfg.hidden_size
         positions = ops.asarray(positions, np.int32)
-        hidden = ops.empty((len(hidden_layers), T, H), np.float32)
         residual = self.embed(tokens, ops.scratch("residual", (T, H)))
         h = ops.scratch("h", (T, H))
         ops.rmsnorm(residual, self.w.layers[0].ln1, cfg.rms_norm_eps, h)
         for i, layer in enumerate(self.w.layers):
-            a = ops.all_reduce([self._attention(i, s.layers[i].attn, h, positions, cache, start, visible, form)
+            a = ops.all_reduce([self._attention(s.layers[i].attn, h, positions, rows[i], visible, form)
                                 for s in self.shards])
             ops.add_rmsnorm(a, residual, layer.ln2, cfg.rms_norm_eps, h)
             m = ops.all_reduce([self._mlp(s.layers[i], h) for s in self.shards])
@@ -102,10 +118,10 @@ class Target:
             ops.add_rmsnorm(m, residual, nxt, cfg.rms_norm_eps, h)         # residual is now layer i's output
             if i in hidden_layers:
                 ops.copy(residual, hidden[list(hidden_layers).index(i)])
-        logits = self.lm_head(h, ops.empty((T, cfg.vocab_size), np.float32))
+        self.lm_head(h, logits)
         return logits, hidden
 
-    def _attention(self, layer, w: Attn, x, pos, cache, start, visible, form):
+    def _attention(self, w: Attn, x, pos, rows, visible, form):
         cfg, ops, T = self.cfg, self.ops, len(x)
         nh, nope, rope, r = len(w.w_uk), cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank  # nh: held here
         cq = ops.gemm(x, w.q_a, ops.scratch("cq", (T, cfg.q_lora_rank)))
@@ -114,14 +130,14 @@ class Target:
         kv = ops.gemm(x, w.kv_a, ops.scratch("kv", (T, r + rope)))            # becomes the latent row
         ops.rmsnorm(kv[:, :r], w.kv_a_norm, LATENT_NORM_EPS, kv[:, :r])
         ops.rope(kv[:, None, r:], pos, self.inv_freq, kv[:, None, r:], True, self.rope_factor)
-        ops.cache_write(cache.rows[layer], start, kv)                          # same values from every shard
+        ops.cache_write(rows, visible, kv)                                     # same values from every shard
         mla = self._mla_naive if form == "naive" else self._mla_absorbed
-        o = mla(w, q, pos, cache.rows[layer], start + T, visible)              # [T, nh, v]
+        o = mla(w, q, pos, rows, visible)                                      # [T, nh, v]
         return ops.gemm(o.reshape(T, -1), w.o, ops.scratch("attn.out", (T, cfg.hidden_size)))
 
-    def _mla_naive(self, w: Attn, q, pos, rows, S, visible):
-        """Keys and values expanded per head from the latent rows [0, S) (prefill)."""
-        cfg, ops, (T, nh, _) = self.cfg, self.ops, q.shape
+    def _mla_naive(self, w: Attn, q, pos, rows, visible):
+        """Keys and values expanded per head from the latent rows [0, S) (prefill; visible bool[T, S])."""
+        cfg, ops, (T, nh, _), S = self.cfg, self.ops, q.shape, visible.shape[1]
         nope, rope, v, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         ops.rope(q[:, :, nope:], pos, self.inv_freq, q[:, :, nope:], True, self.rope_factor)
         latent = ops.cache_read(rows, S, ops.scratch("latent", (S, r + rope)))
@@ -132,7 +148,7 @@ class Target:
         vals = ops.copy(kvb[:, :, nope:], ops.scratch("v", (S, nh, v)))
         return ops.attention(q, k, vals, visible, cfg.softmax_scale, ops.scratch("o", (T, nh, v)))
 
-    def _mla_absorbed(self, w: Attn, q, pos, rows, S, visible):
+    def _mla_absorbed(self, w: Attn, q, pos, rows, visible):
         """Attention in the latent space: q_abs = [q_nope W_UK | rope(q_pe)] per head against the cached rows
         (decode, verify), then o = o_lat W_UV^T."""
         cfg, ops, (T, nh, _) = self.cfg, self.ops, q.shape

@@ -21,15 +21,19 @@ import numpy as np
 from numba import cuda, int32, uint16, uint32
 
 from kernels.act import silu_mul
-from kernels.attention import attention
+from kernels.attention import attention, kv_attention, kv_attention_work
 from kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
-from kernels.gemm import GemmWorkspace, gemm, gemm_config, gemm_workspace_words
-from kernels.mla import mla_attention
+from kernels.gemm import (GemmWorkspace, gemm, gemm_config, gemm_workspace_words, head_gemm,
+                          head_gemm_workspace_words)
+from kernels.mla import mla_attention, mla_work
 from kernels.moe import Experts, device_experts, moe, moe_workspace, router
 from kernels.norm import add_rmsnorm, rmsnorm
 from kernels.rope import rope
 from kernels.sample import sample
 from numbaengine.backends import visibility_ref
+
+
+MLA_ONE_SPLIT = 512          # caches up to this many rows run one split per sequence (no merge pass)
 
 
 # ----------------------------------------------------------------------------------------------- glue kernels
@@ -45,12 +49,32 @@ def _bf16_rows_k(src, idx, gather, out, d):
 
 
 @kernel()
-def _to_bf16_k(x, out, d):
-    """out u16[n, d] = bf16 bits of x f32[n, d] (round to nearest even). Launch as _bf16_rows_k. n*d*6 bytes."""
-    i = cuda.blockIdx.x
+def _write_rows_k(src, dst, start, count, has_count, bf16, d):
+    """Row i of block b of src f32[B*T, d] -> dst[b, start[b] + i] (bf16 bits, round to nearest even, when bf16;
+    else float32) for i < count[b] (every row when not has_count). dst u16/f32[B, cap, d]. Launch: grid (B*T,
+    ceil(d / block)), block <= 256. Moves B*T*d*(4 + 2 or 4) bytes."""
+    r = cuda.blockIdx.x
     j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
-    if j < d:
-        out[i, j] = uint16(pack_bf16x2(x[i, j], F0) & uint32(0xFFFF))
+    T = src.shape[0] // dst.shape[0]
+    b, i = r // T, r % T
+    if j < d and (not has_count or i < count[b]):
+        if bf16:
+            dst[b, start[b] + i, j] = uint16(pack_bf16x2(src[r, j], F0) & uint32(0xFFFF))
+        else:
+            dst[b, start[b] + i, j] = src[r, j]
+
+
+@kernel()
+def _block_inputs_k(bonus, lengths, mask_id, tokens, positions, kv_len):
+    """Drafter block inputs of sequence b (one block of Lb threads): tokens i32[B, Lb] = [bonus[b], mask_id...],
+    positions i32[B*Lb] = lengths[b] + j, kv_len[b] = lengths[b] + Lb (context plus the block)."""
+    b, j = cuda.blockIdx.x, cuda.threadIdx.x
+    Lb = tokens.shape[1]
+    if j < Lb:
+        tokens[b, j] = bonus[b] if j == 0 else mask_id
+        positions[b * Lb + j] = lengths[b] + j
+    if j == 0:
+        kv_len[b] = lengths[b] + Lb
 
 
 def _rows_launch(n, d):
@@ -87,6 +111,11 @@ class KernelOps:
         self.name, self.xp, self.poison, self.trim_warps = name, xp, poison, trim_warps
         self._flat = {}          # (role, dtype) -> flat buffer grown to the largest request
         self._moe_ws = {}        # (top_k, H, I, E) -> MoeWorkspace grown by n_max
+        self._work = {}          # flash-decoding scratch per attention shape
+
+    def fresh(self) -> "KernelOps":
+        """A table over the same device with its own scratch (a captured graph owns the buffers it points at)."""
+        return KernelOps(self.name, self.xp, self.poison, self.trim_warps)
 
     # -- arrays --------------------------------------------------------------------------------------------------
     def asarray(self, a, dtype=None):
@@ -144,11 +173,31 @@ class KernelOps:
         launch(_bf16_rows_k, grid, block, table, tokens, True, out, int32(out.shape[1]))
         return out
 
-    def cache_write(self, rows, start, latent):
-        """Latent rows f32[T, D] -> bf16 cache rows start..start+T-1."""
-        T, d = latent.shape
-        grid, block = _rows_launch(T, d)
-        launch(_to_bf16_k, grid, block, latent, rows[start:start + T], int32(d))
+    def cache_write(self, rows, visible, latent):
+        """Latent rows f32[T, D] of the new tokens -> bf16 cache rows where `visible` (from visibility) puts them:
+        start.. for one sequence (naive: start = S - T), lengths[b].. for block b of a batch (LatentVis)."""
+        if isinstance(visible, LatentVis):
+            B = len(visible.lengths)
+            return self.write_rows(latent, rows.reshape(B, -1, rows.shape[-1]), visible.lengths, visible.ntok)
+        start = visible.shape[1] - len(latent)
+        return self.write_rows(latent, rows[None, start:start + len(latent)], self._zero_start(), None)
+
+    @staticmethod
+    def block_inputs(bonus, lengths, mask_id, tokens, positions, kv_len):
+        """The drafter's block per sequence from device state (see _block_inputs_k)."""
+        launch(_block_inputs_k, tokens.shape[0], 32 * -(-tokens.shape[1] // 32), bonus, lengths, int32(mask_id),
+               tokens, positions, kv_len)
+
+    def write_rows(self, src, dst, start, count=None):
+        """Scatter rows of blocks: row i of block b of src f32[B*T, ...] -> dst[b, start[b] + i] for i < count[b]
+        (all T rows when count is None); dst u16 (rounded to bf16) or f32 [B, cap, ...]; start, count i32[B] on
+        the device (a captured round's cache and drafter-context appends)."""
+        B, cap = dst.shape[:2]
+        d = math.prod(dst.shape[2:])
+        grid, block = _rows_launch(src.shape[0], d)
+        launch(_write_rows_k, grid, block, src.reshape(-1, d), dst.reshape(B, cap, d), start,
+               start if count is None else count, count is not None, dst.dtype == np.uint16, int32(d))
+        return dst
 
     def cache_read(self, rows, end, out):
         """Cache rows [0, end) -> out f32[end, D]."""
@@ -178,31 +227,54 @@ class KernelOps:
     def gemm(self, x, w, out):
         """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T (mma GEMM; k % 32 == 0)."""
         (m, k), n = x.shape, w.shape[0]
-        cfg = gemm_config(m, n, k)
-        if self.trim_warps:      # no warps without rows (changes no sum: the k split stays): simulator time
+        if self.trim_warps:      # simulator time: few k-pieces, no warps without rows
+            cfg = gemm_config(m, n, k, target_warps=64)
             cfg = dataclasses.replace(cfg, WR=max(1, min(cfg.WR, math.ceil(n / 16 / cfg.R))))
+        else:
+            cfg = gemm_config(m, n, k)
         nxb, npart = gemm_workspace_words(m, n, k, cfg=cfg)
         ws = GemmWorkspace(self.scratch("gemm.xb", (max(nxb, 1),), np.uint32),
                            self.scratch("gemm.part", (max(npart, 1),), np.float32))
         return gemm(x, w, out, ws, cfg=cfg)
 
     def head_gemm(self, x, w, out):
-        """Per head: out[:, h] = x[:, h] @ bf16(w[h])^T; x f32[n, h, a], w u16[h, b, a] -> out f32[n, h, b].
-        One GEMM launch per head (a batched head GEMM kernel is still to come)."""
-        for h in range(w.shape[0]):
-            self.gemm(x[:, h], w[h], out[:, h])
-        return out
+        """Per head: out[:, h] = x[:, h] @ bf16(w[h])^T; x f32[n, h, a], w u16[h, b, a] -> out f32[n, h, b], one
+        launch (x and out may be strided views such as q[:, :, :nope])."""
+        nxb, npart = head_gemm_workspace_words(x.shape[0], *w.shape)
+        ws = GemmWorkspace(self.scratch("gemm.xb", (max(nxb, 1),), np.uint32),
+                           self.scratch("gemm.part", (max(npart, 1),), np.float32))
+        return head_gemm(x, w, out, ws)
 
     @staticmethod
     def attention(q, k, v, visible, scale, out):
         return attention(q, k, v, visible, scale, out)
 
-    @staticmethod
-    def latent_attention(q, rows, vis: LatentVis, scale, out):
-        """Absorbed MLA over the bf16 latent cache: q f32[T, h, D] ([q_lat | q_pe]), rows u16[max_len, D] ->
-        out f32[T, h, r]. One split per sequence (no flash-decoding scratch)."""
-        mla_attention(q[None], rows[None], vis.lengths, vis.ntok, vis.mask, scale, out[None])
+    def latent_attention(self, q, rows, vis: LatentVis, scale, out):
+        """Absorbed MLA over the bf16 latent cache for B = len(vis.lengths) blocks of query rows: q f32[B*T, h, D]
+        ([q_lat | q_pe]), rows u16[(B,) cap, D] -> out f32[B*T, h, r]. On the GPU long caches are split across
+        blocks (flash-decoding scratch made once per shape); the simulator runs one split per sequence."""
+        B, (n, h, D), r = len(vis.lengths), q.shape, out.shape[-1]
+        cache = rows.reshape(B, -1, D)
+        work = None
+        if self.xp is not np and cache.shape[1] > MLA_ONE_SPLIT:
+            key = ("mla", B, n // B, h, r, cache.shape[1], D)
+            if key not in self._work:
+                self._work[key] = mla_work(self.zeros, B, n // B, h, r, cache.shape[1], D=D)
+            work = self._work[key]
+        mla_attention(q.reshape(B, n // B, h, D), cache, vis.lengths, vis.ntok, vis.mask, scale,
+                      out.reshape(B, n // B, h, r), work)
         return out
+
+    def kv_attention(self, q, k, v, kv_len, scale, out):
+        """kv_attention_ref on the kernels: q f32[B, n, h, d] over k/v f32[B, cap, hk, d] rows [0, kv_len[b])."""
+        B, n, h, _ = q.shape
+        work = None
+        if self.xp is not np and k.shape[1] > MLA_ONE_SPLIT:
+            key = ("kv", B, n, h, v.shape[-1], k.shape[1])
+            if key not in self._work:
+                self._work[key] = kv_attention_work(self.zeros, B, n, h, v.shape[-1], k.shape[1])
+            work = self._work[key]
+        return kv_attention(q, k, v, kv_len, scale, out, work)
 
     def router(self, x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out):
         n = x.shape[0]
@@ -237,6 +309,11 @@ class KernelOps:
 
     def _placeholder_idx(self):
         return self.scratch("placeholder.idx", (1,), np.int32)
+
+    def _zero_start(self):
+        if "zero" not in self._work:
+            self._work["zero"] = self.zeros(1, np.int32)
+        return self._work["zero"]
 
 
 def _poison(dtype):

@@ -20,3 +20,15 @@ def pytest_collection_modifyitems(config, items):
     if gpu:
         items[:] = [item for item in items if not item.get_closest_marker("gpu")]
         config.hook.pytest_deselected(items=gpu)
+
+
+def pytest_collection_finish(session):
+    """Start the simulator children of every module whose simulator cases were selected, all at once."""
+    modules = []
+    for item in session.items:
+        name = item.module.__name__
+        if item.name.startswith("test_simulator") and hasattr(item.module, "SIM_CASES") and name not in modules:
+            modules.append(name)
+    if modules:
+        import cudasim
+        cudasim.start(modules)

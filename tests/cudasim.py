@@ -54,18 +54,60 @@ def run_cases(cases: dict) -> dict:
     return out
 
 
-def simulate(module: str, timeout=900) -> dict:
-    """In pytest: run tests/<module>.py's SIM_CASES in a simulator child process."""
-    code = (f"import sys, json, warnings; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
-            f"warnings.simplefilter('ignore'); import cudasim, {module} as m; "
-            f"print({MARK!r} + json.dumps(cudasim.run_cases(m.SIM_CASES)))")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout)
-    for line in p.stdout.splitlines():
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    raise RuntimeError(f"simulator child for {module} failed (rc {p.returncode}):\n{p.stderr[-4000:]}")
+_CHILDREN = {}               # module -> [(Popen, stdout file, stderr file)], started by start()
+
+
+def start(modules) -> None:
+    """Start the simulator children of test modules in the background (conftest does it right after collection,
+    so they overlap with each other and with the CPU tests). A module may set SIM_PARTS = n to spread its cases
+    over n children. Each child is pinned to one core: the simulator's Python threads fight for the GIL when
+    spread over several (measured: 440 s unpinned, 95 s pinned for test_backend_sim's first cases)."""
+    import importlib
+    import itertools
+    import tempfile
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [None]
+    cpu = itertools.cycle(cores)
+    for module in modules:
+        if module in _CHILDREN:
+            continue
+        m = importlib.import_module(module)
+        parts = max(1, getattr(m, "SIM_PARTS", 1))
+        names = list(m.SIM_CASES)
+        _CHILDREN[module] = []
+        for k in range(parts):
+            chunk = names[k::parts]
+            if not chunk:
+                continue
+            core = next(cpu)
+            pin = f"import os; os.sched_setaffinity(0, {{{core}}}); " if core is not None else ""
+            code = (f"{pin}import sys, json, warnings; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
+                    f"warnings.simplefilter('ignore'); import cudasim, {module} as m; "
+                    f"cases = {{k: m.SIM_CASES[k] for k in {chunk!r}}}; "
+                    f"print({MARK!r} + json.dumps(cudasim.run_cases(cases)))")
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+            p = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=out, stderr=err, text=True)
+            _CHILDREN[module].append((p, out, err))
+
+
+def simulate(module: str, timeout=1500) -> dict:
+    """In pytest: the results of tests/<module>.py's SIM_CASES from its simulator children (started now unless
+    conftest started them): case name -> "" (passed) or the failure text."""
+    start([module])
+    results = {}
+    for p, out, err in _CHILDREN[module]:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise RuntimeError(f"simulator child for {module} ran past {timeout} s") from None
+        out.seek(0)
+        err.seek(0)
+        lines = [ln for ln in out.read().splitlines() if ln.startswith(MARK)]
+        if not lines:
+            raise RuntimeError(f"simulator child for {module} failed (rc {p.returncode}):\n{err.read()[-4000:]}")
+        results.update(json.loads(lines[-1][len(MARK):]))
+    return results
 
 
 def ptx_or_skip(pyfunc, sig):

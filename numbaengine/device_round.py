@@ -1,0 +1,288 @@
+"""DDTree rounds on the device for a batch of sequences, replayed as CUDA graphs (backends cuda and sim).
+
+The round of numbaengine/ddtree.py (the reference: one sequence at a time, tree and walk on the host) restated
+over static device buffers, so that one round is one graph launch and the host reads one small array per round:
+
+  draft   block [bonus, MASK, ...] of every sequence -> drafter layers -> logits f32[B, Lb-1, V]
+  build   per-depth top-K -> best-first tree (kernels/tree.py) -> tokens, positions, ancestor bits [B, N]
+  verify  the target over all B*N tree rows at once (absorbed MLA reads each sequence's latent cache and bits)
+  walk    one sample per node -> accepted path, new bonus, lengths += tau; out_tokens i32[B, L+2] for the host
+  commit  accepted latent rows moved into place; their features -> the drafter context (fc, k/v per layer)
+
+DFlash is the same round with one candidate per depth, autoregressive decoding the tree with the root alone.
+Prefill stays eager (naive MLA, one sequence at a time). Rounds of one shape share buffers; the first round runs
+eagerly (it compiles kernels and sizes scratch), the next is captured, later ones replay the graph.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from time import perf_counter
+
+import numpy as np
+
+from kernels.sample import sample
+from kernels.tree import tree_buffers, tree_build, tree_commit, tree_topk, tree_walk
+from numbaengine import generate as gen
+from numbaengine.ddtree import MODES, Params, RoundOut, Seq
+from numbaengine.model import LatentCache
+from numbaengine.ops_cuda import LatentVis
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a set of buffers and a captured graph are made for."""
+    batch: int               # sequences decoded together (B)
+    mode: str                # ddtree | dflash | ar
+    budget: int              # drafted nodes per tree (ddtree), chain length (dflash), 0 (ar)
+    max_len: int             # committed rows a sequence may reach (its context)
+    temperature: float
+    seed: int
+
+
+class DeviceRounds:
+    """Static device state of `batch` sequences and the round over it.
+
+    Device state per sequence b: latent cache rows (one array u16[layers, B, cap, D]), lengths[b] = committed
+    rows = position of the bonus token, bonus[b], budgets[b], and with a drafter its context K/V per layer
+    f32[B, cap, nkv, d]. cap = max_len + room for one round's uncommitted rows."""
+
+    def __init__(self, target, drafter, shape: Shape, graphs=True):
+        if shape.mode not in MODES:
+            raise ValueError(f"mode: {shape.mode!r} is not one of {', '.join(MODES)}")
+        self.shape, self.base_target, self.base_drafter = shape, target, drafter
+        self.ops = ops = target.ops.fresh()          # the round's own scratch: graphs point into it
+        self.target = target.with_ops(ops)
+        self.drafter = drafter.with_ops(ops, self.target) if drafter is not None and shape.mode != "ar" else None
+        cfg, B, V = target.cfg, shape.batch, target.cfg.vocab_size
+        self.Lb = self.drafter.block_size if self.drafter is not None else 1
+        L = max(self.Lb - 1, 1)                      # depths (a dummy one in ar mode: the tree is the root)
+        K = {"ddtree": min(max(shape.budget, 1), V), "dflash": 1, "ar": 1}[shape.mode]
+        N = shape.budget + 1
+        self.cap = shape.max_len + max(N, self.Lb, L + 1)
+        self.layer_ids = self.drafter.layer_ids if self.drafter is not None else ()
+        F, H = len(self.layer_ids), cfg.hidden_size
+        check_memory(ops, plan_bytes(target, self.drafter, B, self.cap, N, self.Lb, V))
+        self.cache = ops.zeros((cfg.num_hidden_layers, B, self.cap, cfg.latent_dim), np.uint16)
+        self.rows = [self.cache[i] for i in range(cfg.num_hidden_layers)]
+        self.lengths, self.bonus, self.budgets, self.seq_ids = (ops.zeros(B, np.int32) for _ in range(4))
+        self.tb = tree_buffers(ops.zeros, B, L, K, N, V)
+        self.logits = ops.zeros((B * N, V), np.float32)
+        self.hidden = ops.zeros((F, B * N, H), np.float32)
+        if self.drafter is not None:
+            dc = self.drafter.cfg
+            ctx = (B, self.cap, dc.num_key_value_heads, dc.head_dim)
+            self.ctx_k = [ops.zeros(ctx, np.float32) for _ in range(dc.num_hidden_layers)]
+            self.ctx_v = [ops.zeros(ctx, np.float32) for _ in range(dc.num_hidden_layers)]
+            self.block_tokens = ops.zeros((B, self.Lb), np.int32)
+            self.block_pos = ops.zeros(B * self.Lb, np.int32)
+            self.kv_len = ops.zeros(B, np.int32)
+            self.draft_logits = ops.zeros((B, L, V), np.float32)
+            self.feats = ops.zeros((B, L + 1, F * H), np.float32)
+            self.feat_pos = ops.zeros((B, L + 1), np.int32)
+        self.graphs = graphs and ops.xp is not np    # the simulator has no graphs: it runs every round eagerly
+        self.stream = ops.xp.cuda.Stream(non_blocking=True) if ops.xp is not np else None
+        self.graph = None
+        self.rounds = 0
+
+    # --- prefill (eager, one sequence) -----------------------------------------------------------------------------
+
+    def prefill(self, b, ids, seq_index) -> int:
+        """Prompt ids of slot b through the target (naive MLA) into its cache rows, its features into the drafter
+        context; the first token is sampled at the last position. Returns it (one host read)."""
+        ops, T = self.base_target.ops, len(ids)
+        tokens, positions = np.asarray(ids, np.int32), np.arange(T, dtype=np.int32)
+        with self._on_stream():
+            cache = LatentCache([rows[b] for rows in self.rows], 0)
+            logits, hidden = self.base_target.forward(tokens, positions, cache, None, self.layer_ids, form="naive")
+            start = ops.asarray(np.zeros(1, np.int32))
+            if self.drafter is not None:
+                feats = ops.asarray(hidden.transpose(1, 0, 2).reshape(1, T, -1))     # [1, T, F*H]
+                self._append(self.base_drafter, feats, ops.asarray(positions), start, slice(b, b + 1))
+            seq = ops.asarray(np.array([seq_index], np.int32))
+            sample(logits[-1:], self.shape.temperature, self.shape.seed, seq, ops.asarray(np.array([T], np.int32)),
+                   self.bonus[b:b + 1])
+            self.lengths[b:b + 1] = ops.asarray(np.array([T], np.int32))
+            self.budgets[b:b + 1] = ops.asarray(np.array([self.shape.budget], np.int32))
+            self.seq_ids[b:b + 1] = seq
+            return int(ops.to_host(self.bonus[b:b + 1])[0])
+
+    def retire(self, slots):
+        """Finished slots keep running inside the graph: park them at an empty context so they never outgrow
+        their rows (their output is ignored)."""
+        if slots:
+            with self._on_stream():
+                idx = self.ops.asarray(np.asarray(slots, np.int32))
+                self.lengths[idx] = 0
+                self.budgets[idx] = 0
+
+    # --- one round ---------------------------------------------------------------------------------------------------
+
+    def step(self) -> np.ndarray:
+        """One round for every slot; returns out_tokens i32[B, L+2] (row b: tau, then the tau new tokens)."""
+        with self._on_stream():
+            if self.graph is not None:
+                self.graph.launch(self.stream)
+            elif self.graphs and self.rounds >= 1:
+                self.graph = self.capture()
+                self.graph.launch(self.stream)
+            else:
+                self.round()
+            self.rounds += 1
+            return self.ops.to_host(self.tb.out_tokens)
+
+    def round(self):
+        """The launches of one round (eager, or recorded by capture)."""
+        tb, B, N = self.tb, self.shape.batch, self.tb.tokens.shape[1]
+        if self.drafter is not None:
+            self._draft()
+            tree_topk(self.draft_logits, tb)
+        tree_build(tb, self.budgets, self.lengths, self.bonus, self.seq_ids)
+        self.target.forward_into(tb.tokens.reshape(-1), tb.positions.reshape(-1), self.rows,
+                                 LatentVis(self.lengths, tb.ntok, tb.vis), self.logits, self.hidden, self.layer_ids)
+        sample(self.logits, self.shape.temperature, self.shape.seed, tb.sample_seq, tb.sample_pos, tb.post)
+        tree_walk(tb, self.lengths, self.bonus)                      # lengths += tau, bonus = the next token
+        if self.drafter is None:
+            tree_commit(tb, self.cache)
+            return
+        F, H = self.hidden.shape[0], self.hidden.shape[2]
+        tree_commit(tb, self.cache, self.hidden.reshape(F, B, N, H), self.feats, self.feat_pos)
+        self._append(self.drafter, self.feats, self.feat_pos.reshape(-1), tb.start, slice(None))
+
+    def _draft(self):
+        """Drafter block of every sequence over its context -> draft_logits f32[B, Lb-1, V] (slots 1..Lb-1)."""
+        d, ops, B, Lb = self.drafter, self.ops, self.shape.batch, self.Lb
+        nh, hd = d.cfg.num_attention_heads, d.cfg.head_dim
+        ops.block_inputs(self.bonus, self.lengths, d.mask_id, self.block_tokens, self.block_pos, self.kv_len)
+        h = self.target.embed(self.block_tokens.reshape(-1), ops.scratch("d.h", (B * Lb, d.cfg.hidden_size)))
+
+        def attend(i, q, k, v):        # block keys go right after the committed context, then attend to it all
+            ops.write_rows(k, self.ctx_k[i], self.lengths)
+            ops.write_rows(v, self.ctx_v[i], self.lengths)
+            o = ops.scratch("d.o", (B, Lb, nh, hd))
+            return ops.kv_attention(q.reshape(B, Lb, nh, hd), self.ctx_k[i], self.ctx_v[i], self.kv_len, d.scale,
+                                    o).reshape(B * Lb, nh, hd)
+
+        h = d.block(h, self.block_pos, attend).reshape(B, Lb, -1)
+        x = ops.copy(h[:, 1:], ops.scratch("d.slots", (B, Lb - 1, h.shape[2])))     # slots 1.. are the drafts
+        x = x.reshape(B * (Lb - 1), -1)
+        ops.rmsnorm(x, d.norm, d.cfg.rms_norm_eps, x)
+        self.target.lm_head(x, self.draft_logits.reshape(B * (Lb - 1), -1))
+
+    def _append(self, drafter, feats, positions, start, slots):
+        """Drafter context rows start[b].. of `slots` from target features feats f32[b, P, F*H] at positions
+        i32[b*P] (rows past a sequence's tau land beyond its length and are overwritten later)."""
+        nb, P, FH = feats.shape
+        for i, k, v in drafter.context_kv(feats.reshape(nb * P, FH), positions):
+            drafter.ops.write_rows(k, self.ctx_k[i][slots], start)
+            drafter.ops.write_rows(v, self.ctx_v[i][slots], start)
+
+    # --- graphs ------------------------------------------------------------------------------------------------------
+
+    def capture(self):
+        """Record one round as a CUDA graph. Everything it touches exists already (the eager round made it); a
+        round that allocated, synchronized or copied from the host during capture is an error."""
+        cp, pool = self.ops.xp, self.ops.xp.get_default_memory_pool()
+        before = pool.total_bytes()
+        self.stream.begin_capture()
+        try:
+            self.round()
+        finally:
+            graph = self.stream.end_capture()
+        if pool.total_bytes() != before:
+            raise RuntimeError("capture: a round allocated device memory while being captured (a buffer is missing "
+                               "from DeviceRounds or an op made a temporary)")
+        graph.upload(self.stream)
+        del cp
+        return graph
+
+    def kernel_nodes(self) -> list:
+        """Names of the kernel nodes of the captured round (from the graph's DOT dump)."""
+        if self.graph is None:
+            return []
+        import re
+        return re.findall(r"KERNEL\\n\[\d+\]\\n([^\\\"]+)", self.graph.debug_dot_str())
+
+    def _on_stream(self):
+        import contextlib
+        return self.stream if self.stream is not None else contextlib.nullcontext()
+
+
+def plan_bytes(target, drafter, B, cap, N, Lb, V) -> dict:
+    """Device bytes the round's buffers need, by role (weights are resident already)."""
+    cfg = target.cfg
+    F = len(drafter.layer_ids) if drafter is not None else 0
+    plan = {"latent cache": cfg.num_hidden_layers * B * cap * cfg.latent_dim * 2,
+            "verify logits": B * N * V * 4, "verify activations": B * N * cfg.hidden_size * 4 * (F + 24)}
+    if drafter is not None:
+        dc = drafter.cfg
+        plan["drafter context"] = 2 * dc.num_hidden_layers * B * cap * dc.num_key_value_heads * dc.head_dim * 4
+        plan["draft logits"] = B * (Lb - 1) * V * 4
+    return plan
+
+
+def check_memory(ops, plan):
+    """Clear error when the round's buffers cannot fit in the free device memory."""
+    if ops.xp is np:
+        return
+    free = ops.xp.cuda.runtime.memGetInfo()[0]
+    need = sum(plan.values())
+    if need > 0.9 * free:
+        top = max(plan, key=plan.get)
+        raise MemoryError(f"memory: decoding needs {need / 2**30:.2f} GiB of buffers ({top}: {plan[top] / 2**30:.2f} "
+                          f"GiB) but {free / 2**30:.2f} GiB are free: lower max_context, the batch or the budget")
+
+
+# --- generation over DeviceRounds -------------------------------------------------------------------------------------
+
+def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="ddtree", budget=16, temperature=0.0,
+                   seed=0, stop=None, max_context=4096, on_round=None, rounds_cache=None, graphs=True) -> list:
+    """generate.generate_batch on the device: same arguments, same outputs (token for token), one graph launch
+    and one small host read per round. rounds_cache: a dict keeping DeviceRounds (and their graphs) per Shape."""
+    tokenizer = tokenizer if tokenizer is not None else gen.IdTokenizer()
+    gen.check_args(mode, budget, max_new_tokens, temperature, drafter)
+    ids = [gen.prompt_ids(p, tokenizer, target.cfg.vocab_size, max_context) for p in prompts]
+    stop = set(target.cfg.eos_ids if stop is None else (int(t) for t in stop))
+    width = gen.tree_width(mode, budget, drafter)
+    max_len = min(max_context, max(len(p) for p in ids) + max_new_tokens + width)
+    shape = Shape(len(ids), mode, width, max_len, float(temperature), int(seed))
+    rounds_cache = {} if rounds_cache is None else rounds_cache
+    if shape not in rounds_cache:
+        rounds_cache.clear()                         # one resident shape at a time: buffers are large
+        rounds_cache[shape] = DeviceRounds(target, drafter, shape, graphs)
+    dev = rounds_cache[shape]
+    report = on_round if on_round is not None else (lambda index, out, tokens: None)
+    p, t0, runs = Params(mode, float(temperature), int(seed)), perf_counter(), []
+    for i, prompt in enumerate(ids):
+        limit = min(max_context, len(prompt) + max_new_tokens + width)  # the reference's cache size for it
+        seq = Seq(i, None, None, len(prompt), dev.prefill(i, prompt, i))
+        runs.append(gen.Run(seq, len(prompt)))
+        runs[-1].limit = limit
+        gen.push(runs[-1], [seq.bonus], stop, max_new_tokens)
+        report(i, None, list(runs[-1].tokens))
+    dev.retire([r.seq.index for r in runs if r.stop_reason is not None])
+    prefill_s, t1, timer = perf_counter() - t0, perf_counter(), gen.Timer(("round",))
+    while live := [r for r in runs if _decoding(r)]:
+        with timer("round"):
+            out = dev.step()
+        done = []
+        for r in live:
+            tau = int(out[r.seq.index, 0])
+            tau = min(tau, r.limit - r.seq.start)    # the reference shrinks its last trees to fit its cache
+            r.seq.start += tau
+            r.taus.append(tau)
+            gen.push(r, out[r.seq.index, 1:tau + 1].tolist(), stop, max_new_tokens)
+            report(r.seq.index, RoundOut(None, None, r.tokens[-tau:], tau), list(r.tokens))
+            if not _decoding(r):
+                done.append(r.seq.index)
+        dev.retire(done)
+    decode_s = perf_counter() - t1
+    return [gen.Result(r.tokens, tokenizer.decode(r.tokens), gen.stats_of(r, p, budget, prefill_s, decode_s, timer))
+            for r in runs]
+
+
+def _decoding(run) -> bool:
+    """generate.still_decoding against the reference's cache size for this sequence."""
+    if run.stop_reason is None and run.seq.start >= run.limit:
+        run.stop_reason = "context"
+    return run.stop_reason is None
