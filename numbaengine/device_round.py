@@ -84,6 +84,8 @@ class DeviceRounds:
         self.stream = ops.xp.cuda.Stream(non_blocking=True) if ops.xp is not np else None
         self.graph = None
         self.rounds = 0
+        self.gpu_s = 0.0                             # device time of the rounds (CUDA events around each)
+        self._events = (ops.xp.cuda.Event(), ops.xp.cuda.Event()) if self.stream is not None else None
 
     # --- prefill (eager, one sequence) -----------------------------------------------------------------------------
 
@@ -121,27 +123,40 @@ class DeviceRounds:
     def step(self) -> np.ndarray:
         """One round for every slot; returns out_tokens i32[B, L+2] (row b: tau, then the tau new tokens)."""
         with self._on_stream():
-            if self.graph is not None:
-                self.graph.launch(self.stream)
-            elif self.graphs and self.rounds >= 1:
+            if self.graphs and self.graph is None and self.rounds >= 1:
                 self.graph = self.capture()
+            if self._events:
+                self._events[0].record(self.stream)
+            if self.graph is not None:
                 self.graph.launch(self.stream)
             else:
                 self.round()
+            if self._events:
+                self._events[1].record(self.stream)
             self.rounds += 1
-            return self.ops.to_host(self.tb.out_tokens)
+            out = self.ops.to_host(self.tb.out_tokens)
+            if self._events:
+                self.gpu_s += self.ops.xp.cuda.get_elapsed_time(*self._events) / 1e3
+            return out
 
-    def round(self):
-        """The launches of one round (eager, or recorded by capture)."""
+    def round(self, mark=lambda phase: None):
+        """The launches of one round (eager, or recorded by capture). mark(phase) is called as each phase starts
+        (tools/bench.py records events there)."""
         tb, B, N = self.tb, self.shape.batch, self.tb.tokens.shape[1]
         if self.drafter is not None:
+            mark("draft")
             self._draft()
+        mark("build")
+        if self.drafter is not None:
             tree_topk(self.draft_logits, tb)
         tree_build(tb, self.budgets, self.lengths, self.bonus, self.seq_ids)
+        mark("verify")
         self.target.forward_into(tb.tokens.reshape(-1), tb.positions.reshape(-1), self.rows,
                                  LatentVis(self.lengths, tb.ntok, tb.vis), self.logits, self.hidden, self.layer_ids)
+        mark("walk")
         sample(self.logits, self.shape.temperature, self.shape.seed, tb.sample_seq, tb.sample_pos, tb.post)
         tree_walk(tb, self.lengths, self.bonus)                      # lengths += tau, bonus = the next token
+        mark("commit")
         if self.drafter is None:
             tree_commit(tb, self.cache)
             return
@@ -261,7 +276,7 @@ def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="dd
         gen.push(runs[-1], [seq.bonus], stop, max_new_tokens)
         report(i, None, list(runs[-1].tokens))
     dev.retire([r.seq.index for r in runs if r.stop_reason is not None])
-    prefill_s, t1, timer = perf_counter() - t0, perf_counter(), gen.Timer(("round",))
+    prefill_s, t1, timer, gpu0 = perf_counter() - t0, perf_counter(), gen.Timer(("round", "gpu")), dev.gpu_s
     while live := [r for r in runs if _decoding(r)]:
         with timer("round"):
             out = dev.step()
@@ -277,6 +292,7 @@ def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="dd
                 done.append(r.seq.index)
         dev.retire(done)
     decode_s = perf_counter() - t1
+    timer.seconds["gpu"] = dev.gpu_s - gpu0          # of "round": the rest is host time (launch, read, Python)
     return [gen.Result(r.tokens, tokenizer.decode(r.tokens), gen.stats_of(r, p, budget, prefill_s, decode_s, timer))
             for r in runs]
 

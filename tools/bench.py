@@ -1,0 +1,216 @@
+"""End-to-end decoding benchmark on the cuda backend: tokens/s, tau, round time split into GPU and host, time per
+phase, and each round's HBM byte floor against the copy bandwidth measured in the same run. JSON + a table.
+
+    python -m tools.bench --out bench.json                              (the shipped pair)
+    python -m tools.bench --synth-k2 2 --modes ar,ddtree --budgets 16   (a K2.6-shaped checkpoint made here)
+
+Rounds are CUDA-graph replays (numbaengine/device_round.py). `gpu ms` is the device time of a round (events around
+the graph launch), `host %` the rest of the wall time per round (launch, the out_tokens read, Python). Phase times
+come from one extra eager round with events between phases (launch gaps included, so they sum to more than the
+graph). Byte floor of a round = weights read once (attention, dense and shared MLPs, lm_head for verify and for the
+draft, the drafter) + routed experts touched (the expected number of distinct experts for the round's tokens under
+uniform random routing: synthetic checkpoints route about uniformly; a trained one does not) + latent cache and
+drafter context rows. `floor %` = floor bytes / copy bandwidth / gpu time. The 61-layer, 8-GPU line is a
+PROJECTION from per-layer times measured here, not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\nclass Config:", "    for i in range(len(items)):\n        if",
+           "# Parse the command line\nimport argparse\n", "def main():\n    args = parse_args()\n", "class Node:\n"]
+PHASES = ("draft", "build", "verify", "walk", "commit")
+
+
+def copy_bandwidth(cp, nbytes=2 << 30, reps=10):
+    """Device-to-device copy GB/s (bytes read + written)."""
+    a, b = cp.empty(nbytes // 4, np.float32), cp.empty(nbytes // 4, np.float32)
+    b[...] = a
+    s, e = cp.cuda.Event(), cp.cuda.Event()
+    s.record()
+    for _ in range(reps):
+        b[...] = a
+    e.record()
+    e.synchronize()
+    return 2 * nbytes * reps / (cp.cuda.get_elapsed_time(s, e) / 1e3) / 1e9
+
+
+def nbytes(record) -> int:
+    """Bytes of the arrays of a weight record (dataclasses, lists, arrays)."""
+    if hasattr(record, "nbytes") and hasattr(record, "shape"):
+        return int(record.nbytes)
+    if isinstance(record, (list, tuple)):
+        return sum(nbytes(r) for r in record)
+    if dataclasses.is_dataclass(record):
+        return sum(nbytes(getattr(record, f.name)) for f in dataclasses.fields(record))
+    return 0
+
+
+def round_floor(engine, dev, n_rows, mean_len) -> dict:
+    """HBM bytes one round must move at least, by part."""
+    cfg, w = engine.cfg, engine.target.w
+    attn = sum(nbytes([a.q_a, a.q_a_norm, a.q_b, a.kv_a, a.kv_a_norm, a.w_uk, a.w_uv, a.o])
+               for a in (layer.attn for layer in w.layers))
+    dense = sum(nbytes(layer.mlp) for layer in w.layers if layer.mlp is not None)
+    shared = sum(nbytes(layer.moe.shared) + nbytes(layer.moe.gate) for layer in w.layers if layer.moe is not None)
+    experts = 0
+    for layer in w.layers:
+        if layer.moe is not None:
+            e = layer.moe.experts
+            per_expert = nbytes(e) / cfg.n_routed_experts
+            k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
+            experts += per_expert * E * (1 - (1 - k / E) ** n_rows)
+    B = dev.shape.batch
+    parts = {"attention": attn, "dense mlp": dense, "shared+router": shared, "experts (expected)": experts,
+             "lm_head": nbytes(w.lm_head),
+             "latent cache": cfg.num_hidden_layers * B * mean_len * cfg.latent_dim * 2}
+    if dev.drafter is not None:
+        d = dev.drafter
+        parts["drafter"] = nbytes(d.layers) + nbytes(d.fc) + nbytes(w.lm_head)
+        parts["drafter context"] = (2 * d.cfg.num_hidden_layers * B * mean_len * d.cfg.num_key_value_heads
+                                    * d.cfg.head_dim * 4)
+    return parts
+
+
+def phase_times(cp, dev, reps=3) -> dict:
+    """Milliseconds per phase of an eager round (events at each phase start); the state is restored after."""
+    saved = [a.copy() for a in (dev.lengths, dev.bonus)]
+    acc = dict.fromkeys(PHASES, 0.0)
+    with dev.stream:
+        for _ in range(reps):
+            marks = []
+
+            def mark(phase):
+                ev = cp.cuda.Event()
+                ev.record(dev.stream)
+                marks.append((phase, ev))
+            dev.round(mark)
+            mark("end")
+            marks[-1][1].synchronize()
+            for (phase, a), (_, b) in zip(marks, marks[1:]):
+                acc[phase] += cp.cuda.get_elapsed_time(a, b) / reps
+            dev.lengths[...], dev.bonus[...] = saved
+    return acc
+
+
+def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp):
+    from numbaengine import device_round
+    prompts = (PROMPTS * math.ceil(batch / len(PROMPTS)))[:batch]
+    kw = dict(mode=mode, budget=budget, stop=[])
+    engine.generate_batch(prompts, 8, **kw)                                  # compile, size, capture
+    t0 = time.perf_counter()
+    res = engine.generate_batch(prompts, new_tokens, **kw)
+    wall = time.perf_counter() - t0
+    dev = next(iter(engine.rounds_cache.values()))
+    st = res[0].stats
+    rounds = st["rounds"]
+    round_ms = st["phase_s"]["round"] / rounds * 1e3
+    gpu_ms = st["phase_s"]["gpu"] / rounds * 1e3
+    new = sum(len(r.tokens) for r in res)
+    mean_len = int(np.mean([r.stats["prompt_tokens"] + len(r.tokens) / 2 for r in res]))
+    floor = round_floor(engine, dev, batch * (dev.tb.tokens.shape[1]), mean_len)
+    floor_b = sum(floor.values())
+    phases = phase_times(cp, dev)
+    row = dict(mode=mode, budget=budget, batch=batch, new_tokens=new, wall_s=wall,
+               tokens_per_s=new / st["decode_s"], tau=float(np.mean([r.stats["tau_mean"] for r in res])),
+               rounds=rounds, round_ms=round_ms, gpu_ms=gpu_ms, host_pct=100 * (1 - gpu_ms / round_ms),
+               floor_mb=floor_b / 1e6, floor_parts_mb={k: v / 1e6 for k, v in floor.items()},
+               floor_gbs=floor_b / (gpu_ms / 1e3) / 1e9,
+               floor_pct=100 * floor_b / (gpu_ms / 1e3) / 1e9 / copy_bw,
+               phase_ms=phases, graph_kernels=len(dev.kernel_nodes()))
+    print(f"{mode:7s} B{budget:<4d} x{batch:<4d} {row['tokens_per_s']:9.1f} tok/s  tau {row['tau']:5.2f}  "
+          f"round {round_ms:7.3f} ms  gpu {gpu_ms:7.3f} ms  host {row['host_pct']:5.1f}%  floor "
+          f"{row['floor_mb']:8.1f} MB = {row['floor_pct']:5.1f}% of copy  "
+          + " ".join(f"{k} {v:.3f}" for k, v in phases.items()), flush=True)
+    return row
+
+
+def synth_k2(layers: int, where: Path):
+    """A K2.6-shaped target (full width, `layers` layers: one dense, the rest MoE with 384 random INT4 experts)
+    and a 1-layer DFlash drafter for it, written to `where`."""
+    from weights.synth import synth_config, write_draft, write_target
+    t0 = time.perf_counter()
+    write_target(where / "target", synth_config("k2", layers=layers, quant="int4"), seed=0)
+    write_draft(where / "draft", where / "target", layers=1, block_size=16, seed=1)
+    print(f"synthetic K2.6-shaped checkpoint ({layers} layers) written in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    return where / "target", where / "draft"
+
+
+def projection(rows, layers_measured, cfg) -> list:
+    """61 layers on 8 GPUs, from a measured round: MoE-layer time scaled to 60 MoE layers with experts split 8
+    ways (expert bytes / 8) and attention heads split 8 ways, plus the measured non-layer time. A PROJECTION."""
+    out = []
+    for r in rows:
+        parts = r["floor_parts_mb"]
+        layer_mb = (parts["attention"] + parts["shared+router"] + parts["experts (expected)"] + parts["latent cache"]
+                    ) / max(layers_measured, 1)
+        per_gpu_mb = layer_mb * 61 / 8 + (parts["lm_head"] + parts.get("drafter", 0)) / 8
+        eff = r["floor_pct"] / 100
+        ms = per_gpu_mb / 1e3 / (eff * r["copy_gbs"]) * 1e3 if eff > 0 else float("nan")
+        out.append(dict(mode=r["mode"], budget=r["budget"], batch=r["batch"], per_gpu_floor_mb=per_gpu_mb,
+                        projected_round_ms=ms, projected_tokens_per_s=r["batch"] * r["tau"] / ms * 1e3,
+                        note="projection: measured efficiency applied to the 61-layer 8-GPU byte floor; "
+                             "all-reduce time not included"))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(ROOT / "weights/default/target"))
+    ap.add_argument("--draft", default=str(ROOT / "weights/default/draft"))
+    ap.add_argument("--synth-k2", type=int, metavar="LAYERS", help="bench a K2.6-shaped checkpoint made here")
+    ap.add_argument("--modes", default="ar,dflash,ddtree")
+    ap.add_argument("--budgets", default="4,16,64,256")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--max-context", type=int, default=2048)
+    ap.add_argument("--out", default="bench.json")
+    args = ap.parse_args(argv)
+    import cupy as cp
+
+    from numbaengine import Engine
+    copy_bw = copy_bandwidth(cp)
+    print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
+    model, draft = Path(args.model), Path(args.draft)
+    tmp = None
+    if args.synth_k2:
+        tmp = tempfile.TemporaryDirectory(prefix="k2_")
+        model, draft = synth_k2(args.synth_k2, Path(tmp.name))
+    t0 = time.perf_counter()
+    engine = Engine.load(model, draft, backend="cuda", max_context=args.max_context)
+    print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows = []
+    for mode in args.modes.split(","):
+        for budget in ([int(b) for b in args.budgets.split(",")] if mode == "ddtree" else [0]):
+            for batch in [int(b) for b in args.batches.split(",")]:
+                try:
+                    row = run_case(engine, mode, budget, batch, args.new_tokens, copy_bw, cp)
+                except MemoryError as e:
+                    print(f"{mode} {budget} x{batch}: {e}", flush=True)
+                    continue
+                row["copy_gbs"] = copy_bw
+                rows.append(row)
+    result = dict(copy_gbs=copy_bw, model=str(args.model if not args.synth_k2 else f"synthetic K2.6 x{args.synth_k2}"),
+                  layers=engine.cfg.num_hidden_layers, rows=rows, date=time.strftime("%Y-%m-%d"),
+                  gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode())
+    if args.synth_k2:
+        result["projection_61_layers_8_gpus"] = projection(rows, engine.cfg.num_hidden_layers, engine.cfg)
+        for p in result["projection_61_layers_8_gpus"]:
+            print("PROJECTION", p, flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps({"new_tokens": sum(r["new_tokens"] for r in rows)}))
+    return result
+
+
+if __name__ == "__main__":
+    main()
