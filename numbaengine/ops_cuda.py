@@ -26,13 +26,14 @@ from kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
 from kernels.gemm import (GemmWorkspace, gemm, gemm_config, gemm_workspace_words, head_gemm,
                           head_gemm_workspace_words)
 from kernels.mla import mla_attention, mla_work
-from kernels.moe import Experts, device_experts, moe, moe_workspace, router
+from kernels.moe import MAX_SLOTS, Experts, device_experts, moe, moe_workspace, router
 from kernels.norm import add_rmsnorm, rmsnorm
 from kernels.rope import rope
 from kernels.sample import sample
 from numbaengine.backends import visibility_ref
 
 
+GEMM_ROWS = 64               # tallest x one dense GEMM launch takes (its shared-memory activation tile)
 MLA_ONE_SPLIT = 512          # caches up to this many rows run one split per sequence (no merge pass)
 
 
@@ -225,8 +226,13 @@ class KernelOps:
     silu_mul = staticmethod(silu_mul)
 
     def gemm(self, x, w, out):
-        """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T (mma GEMM; k % 32 == 0)."""
+        """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T (mma GEMM; k % 32 == 0). Taller x (a batch of trees)
+        runs in blocks of GEMM_ROWS rows, each reading the weights again."""
         (m, k), n = x.shape, w.shape[0]
+        if m > GEMM_ROWS:
+            for r in range(0, m, GEMM_ROWS):
+                self.gemm(x[r:r + GEMM_ROWS], w, out[r:r + GEMM_ROWS])
+            return out
         if self.trim_warps:      # simulator time: few k-pieces, no warps without rows
             cfg = gemm_config(m, n, k, target_warps=64)
             cfg = dataclasses.replace(cfg, WR=max(1, min(cfg.WR, math.ceil(n / 16 / cfg.R))))
@@ -282,8 +288,14 @@ class KernelOps:
         return router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws)
 
     def moe(self, x, idx, wts, experts, out, shared=None):
-        """Routed experts (+ shared[t] when given) -> out f32[n, H]."""
+        """Routed experts (+ shared[t] when given) -> out f32[n, H], in blocks of tokens the routing plan holds."""
         n, top_k = idx.shape
+        rows = MAX_SLOTS // top_k
+        if n > rows:
+            for r in range(0, n, rows):
+                c = slice(r, r + rows)
+                self.moe(x[c], idx[c], wts[c], experts, out[c], None if shared is None else shared[c])
+            return out
         n_exp, two_i, _ = experts.gate_up.shape
         key = (top_k, x.shape[1], two_i // 2, n_exp)
         ws = self._moe_ws.get(key)

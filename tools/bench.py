@@ -6,8 +6,7 @@ phase, and each round's HBM byte floor against the copy bandwidth measured in th
 
 Rounds are CUDA-graph replays (numbaengine/device_round.py). `gpu ms` is the device time of a round (events around
 the graph launch), `host %` the rest of the wall time per round (launch, the out_tokens read, Python). Phase times
-come from one extra eager round with events between phases (launch gaps included, so they sum to more than the
-graph). Byte floor of a round = weights read once (attention, dense and shared MLPs, lm_head for verify and for the
+come from the round captured as one graph per phase, each replayed between events (GPU time only). Byte floor of a round = weights read once (attention, dense and shared MLPs, lm_head for verify and for the
 draft, the drafter) + routed experts touched (the expected number of distinct experts for the round's tokens under
 uniform random routing: synthetic checkpoints route about uniformly; a trained one does not) + latent cache and
 drafter context rows. `floor %` = floor bytes / copy bandwidth / gpu time. The 61-layer, 8-GPU line is a
@@ -81,24 +80,33 @@ def round_floor(engine, dev, n_rows, mean_len) -> dict:
     return parts
 
 
-def phase_times(cp, dev, reps=3) -> dict:
-    """Milliseconds per phase of an eager round (events at each phase start); the state is restored after."""
+def phase_times(cp, dev, reps=20) -> dict:
+    """GPU milliseconds per phase of a round: the round captured as one graph per phase (the capture is cut at
+    each mark), each replayed between events; lengths and bonus are restored after every replay."""
+    s, graphs, cur = dev.stream, [], [None]
     saved = [a.copy() for a in (dev.lengths, dev.bonus)]
-    acc = dict.fromkeys(PHASES, 0.0)
-    with dev.stream:
-        for _ in range(reps):
-            marks = []
 
-            def mark(phase):
-                ev = cp.cuda.Event()
-                ev.record(dev.stream)
-                marks.append((phase, ev))
-            dev.round(mark)
-            mark("end")
-            marks[-1][1].synchronize()
-            for (phase, a), (_, b) in zip(marks, marks[1:]):
+    def mark(phase):
+        if cur[0] is not None:
+            graphs.append((cur[0], s.end_capture()))
+        cur[0] = phase
+        s.begin_capture()
+    with s:
+        dev.round(mark)
+        graphs.append((cur[0], s.end_capture()))
+        acc = dict.fromkeys(PHASES, 0.0)
+        for _ in range(reps):
+            for phase, g in graphs:
+                if phase not in acc:
+                    continue
+                a, b = cp.cuda.Event(), cp.cuda.Event()
+                a.record(s)
+                g.launch(s)
+                b.record(s)
+                b.synchronize()
                 acc[phase] += cp.cuda.get_elapsed_time(a, b) / reps
             dev.lengths[...], dev.bonus[...] = saved
+        s.synchronize()
     return acc
 
 
@@ -173,6 +181,7 @@ def main(argv=None):
     ap.add_argument("--budgets", default="4,16,64,256")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--max-rows", type=int, default=1200, help="skip cases with batch * (budget + 1) above this")
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--out", default="bench.json")
     args = ap.parse_args(argv)
@@ -193,6 +202,8 @@ def main(argv=None):
     for mode in args.modes.split(","):
         for budget in ([int(b) for b in args.budgets.split(",")] if mode == "ddtree" else [0]):
             for batch in [int(b) for b in args.batches.split(",")]:
+                if batch * (budget + 1) > args.max_rows:
+                    continue
                 try:
                     row = run_case(engine, mode, budget, batch, args.new_tokens, copy_bw, cp)
                 except MemoryError as e:
