@@ -212,11 +212,13 @@ class DeviceRounds:
         return graph
 
     def kernel_nodes(self) -> list:
-        """Names of the kernel nodes of the captured round (from the graph's DOT dump)."""
+        """Kernel names in the captured round's DOT dump (numba's mangled names, CuPy's elementwise kernels)."""
         if self.graph is None:
             return []
         import re
-        return re.findall(r"KERNEL\\n\[\d+\]\\n([^\\\"]+)", self.graph.debug_dot_str())
+        dot = self.graph.debug_dot_str()
+        dot = dot.decode() if isinstance(dot, bytes) else dot
+        return re.findall(r"_Z\w+|cupy_\w+", dot)
 
     def _on_stream(self):
         import contextlib
@@ -259,8 +261,7 @@ def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="dd
     ids = [gen.prompt_ids(p, tokenizer, target.cfg.vocab_size, max_context) for p in prompts]
     stop = set(target.cfg.eos_ids if stop is None else (int(t) for t in stop))
     width = gen.tree_width(mode, budget, drafter)
-    max_len = min(max_context, max(len(p) for p in ids) + max_new_tokens + width)
-    shape = Shape(len(ids), mode, width, max_len, float(temperature), int(seed))
+    shape = Shape(len(ids), mode, width, max_context, float(temperature), int(seed))   # reused across requests
     rounds_cache = {} if rounds_cache is None else rounds_cache
     if shape not in rounds_cache:
         rounds_cache.clear()                         # one resident shape at a time: buffers are large

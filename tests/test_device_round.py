@@ -72,7 +72,10 @@ def test_gpu_graph_replay_equals_eager(temperature):
     assert out[True] == out[False]
     assert rounds.graph is not None
     names = rounds.kernel_nodes()
-    print(len(names), "kernel nodes;", sorted(set(n[:40] for n in names))[:60])
+    print(len(names), "kernel names;", sorted(set(n[:60] for n in names))[:80])
+    import os
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "round_graph.dot").write_text(str(rounds.graph.debug_dot_str())[:2_000_000])
     for part in ("build_kernel", "walk_kernel", "commit_kernel", "mla", "sample_kernel", "kv_attention"):
         assert any(part in n for n in names), f"no {part} node among {len(names)} kernel nodes"
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from numbaengine.tokenizer import IdTokenizer
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\nclass Config:", "    for i in range(len(items)):\n        if",
            "# Parse the command line\nimport argparse\n", "def main():\n    args = parse_args()\n", "class Node:\n"]
@@ -113,8 +115,11 @@ def phase_times(cp, dev, reps=20) -> dict:
 def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp):
     from numbaengine import device_round
     prompts = (PROMPTS * math.ceil(batch / len(PROMPTS)))[:batch]
+    if isinstance(engine.tokenizer, IdTokenizer):                            # synthetic checkpoints: token ids
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, engine.cfg.vocab_size, 8 + 3 * (i % 5)).tolist() for i in range(batch)]
     kw = dict(mode=mode, budget=budget, stop=[])
-    engine.generate_batch(prompts, 8, **kw)                                  # compile, size, capture
+    engine.generate_batch(prompts, 8, **kw)                                  # compile, size buffers, capture
     t0 = time.perf_counter()
     res = engine.generate_batch(prompts, new_tokens, **kw)
     wall = time.perf_counter() - t0
