@@ -92,13 +92,26 @@ NUMPY = SimpleNamespace(
 )
 
 
+def gpu_ready() -> bool:
+    """A GPU that the cuda backend can drive: CuPy imports, numba sees a device, and the simulator is off."""
+    import os
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return False
+    try:
+        import cupy
+        from numba import cuda
+        return bool(cuda.is_available()) and cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device
+        return False
+
+
 def get_ops(backend: str):
-    """The op table for `backend`. `auto` means numpy until the drafter and the DDTree round run on the kernel
-    table too (the target runs there already). sim and cuda build a fresh table (it owns its scratch) per call."""
+    """The op table for `backend`; `auto` is cuda when gpu_ready(), else numpy. sim and cuda build a fresh table
+    (it owns its scratch) per call."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend == "auto":
-        backend = "numpy"
+        backend = "cuda" if gpu_ready() else "numpy"
     if backend == "numpy":
         return NUMPY
     from numbaengine.ops_cuda import cuda_ops, sim_ops

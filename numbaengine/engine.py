@@ -17,6 +17,16 @@ from numbaengine.tokenizer import load_tokenizer
 from weights.shards import Checkpoint
 
 
+def check_weights_fit(ops, dirs, n_devices):
+    """A clear error before uploading weights that cannot fit: their file bytes per device against the free
+    memory of the current device (FP8 checkpoints need twice that: they become bf16 at load)."""
+    need = sum(f.stat().st_size for d in dirs for f in Path(d).glob("*.safetensors")) / n_devices
+    free = ops.xp.cuda.runtime.memGetInfo()[0]
+    if need > 0.95 * free:
+        raise MemoryError(f"memory: the weights need at least {need / 2**30:.1f} GiB per GPU but {free / 2**30:.1f} "
+                          f"GiB are free: shard over more devices (devices=[...]) or free the GPU")
+
+
 class Engine:
     def __init__(self, cfg, target: Target, drafter=None, tokenizer=None, backend="numpy", max_context=4096):
         self.cfg, self.target, self.drafter, self.tokenizer = cfg, target, drafter, tokenizer
@@ -33,6 +43,8 @@ class Engine:
             raise FileNotFoundError(f"model directory not found: {model_dir}")
         ops = get_ops(backend)
         cfg = load_config(model_dir)
+        if ops.name == "cuda":
+            check_weights_fit(ops, [model_dir] + ([Path(draft_dir)] if draft_dir is not None else []), len(devices))
         ckpt, n = Checkpoint(model_dir), len(devices)
         target = Target(cfg, [load_target_weights(cfg, ckpt, rank, n) for rank in range(n)], ops, cache_dtype)
         drafter = load_drafter(draft_dir, target, ops) if draft_dir is not None else None

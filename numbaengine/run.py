@@ -140,6 +140,11 @@ def main(argv=None):
         print(f"model: {model}  draft: {draft}  ({how})", file=sys.stderr)
         if args.mode != "ar" and draft is None:
             raise UsageError(f"--mode {args.mode} needs a drafter: pass --draft DIR, or use --mode ar")
+        if args.show_tree and args.backend in ("cuda", "sim"):
+            raise UsageError("--show-tree reads the trees on the host: use --backend numpy (the kernel backends "
+                             "keep them on the device)")
+        if args.show_tree:
+            args.backend = "numpy"
         engine = Engine.load(model, draft if args.mode != "ar" else None, backend=args.backend,
                              max_context=args.max_context)
         watch = Watcher(args, engine.tokenizer)

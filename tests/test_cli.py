@@ -71,6 +71,11 @@ def test_show_tree_text_and_json(pair):
     assert len(r["tokens"]) == len(r["parents"]) == len(r["depths"]) == 6 and r["accepted"][0] == 0
 
 
+def test_show_tree_needs_the_host_trees(pair):
+    p = cli("--prompt", "5 6 7", *model_args(pair), "--show-tree", "--backend", "cuda", "--max-new-tokens", "2")
+    assert p.returncode == 2 and "--backend numpy" in p.stderr and p.stderr.count("\n") <= 2, p.stderr
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--budget", "-1"], "--budget"),
     (["--budget", "5000"], "--budget"),
