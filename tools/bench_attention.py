@@ -179,7 +179,10 @@ def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5):
         }
         row = dict(budget=Bud, batch=batch, depths=L, vocab=V, layers=K2_LAYERS)
         for name, fn in stages.items():
-            row[name + "_us"] = round(gpu_us(fn, reps=5)[0], 1)
+            us, how = gpu_us(fn, reps=5)
+            row[name + "_us"] = round(us, 1)
+            if how != "graph":
+                row[name + "_timing"] = how
         row["round_us"] = round(row["topk_us"] + row["build_us"] + row["sample_T1_us"] + row["walk_us"]
                                 + row["commit_us"], 1)
         row["pct_of_k2_round"] = round(100 * row["round_us"] / K2_ROUND_US, 1)
