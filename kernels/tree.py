@@ -268,10 +268,15 @@ def topk_chunks(V, K):
     return max(1, min(TOPK_CHUNKS, TOPK_MERGE // kp, V // TOPK_SPAN))
 
 
+TOPK_STATIC = 4 * TOPK_THREADS + 1024 * TOPK_WARPS + 4 * TOPK_WARPS + 64     # the kernels' static shared bytes
+
+
 def topk_smem(V, K):
-    """Dynamic shared memory bytes of (topk_part_kernel, topk_merge_kernel)."""
+    """Dynamic shared memory bytes of (topk_part_kernel, topk_merge_kernel). Static plus dynamic above 48 KB
+    needs the opt-in, which launch_smem makes for dynamic sizes above 48 KB: such sizes are rounded up to it."""
     C = topk_chunks(V, K)
-    return 8 * (-(-V // C)), 8 * (C * K + K)
+    return tuple(b if b + TOPK_STATIC <= 48 * 1024 else max(b, 48 * 1024 + 8) for b in (8 * (-(-V // C)),
+                                                                                      8 * (C * K + K)))
 
 
 @cuda.jit(device=True, inline="always")
