@@ -6,7 +6,11 @@ keys in shared memory, then one block per (depth, sequence) radix-selects the be
 and ranks them by counting. Build: the heap of the reference pops nodes in the total order (score descending,
 rank tuple ascending) because every pushed entry ranks after the entry that pushed it (log-probs <= 0 and rounding
 is monotone), so one warp per sequence pops the best frontier entry with a warp argmax under that order: no heap.
-Every buffer is preallocated (TreeBuffers); per-round values (lengths, bonus, budgets) live in device arrays.
+After each argmax the warp also pops, in one step, the run that provably follows: the popped entry's next
+siblings (while each beats, by score key, the second-best entry and the popped entry's first child) or its chain
+of first children (while each beats the second-best entry and the next siblings the chain leaves behind); ties
+end a run, so runs never need the rank tuples. Every buffer is preallocated (TreeBuffers); per-round values
+(lengths, bonus, budgets) live in device arrays.
 """
 import math
 from dataclasses import dataclass
@@ -23,7 +27,7 @@ TOPK_THREADS = 64 if SIM else 512
 TOPK_WARPS = TOPK_THREADS // 32
 TOPK_MAX = 1024                 # largest K (candidates per depth)
 TOPK_CHUNKS = 32                # vocabulary chunks per row at most (blocks of the first stage)
-TOPK_SPAN = 512 if SIM else 4096  # vocabulary ids per chunk at least
+TOPK_SPAN = 1024 if SIM else 4096  # vocabulary ids per chunk at least
 TOPK_MERGE = 16384              # chunk candidates per row at most (8 B each in the merge's shared memory)
 NODE_MAX = 1025                 # largest tree: MAX_BUDGET 1024 drafted nodes + the root
 DEPTH_MAX = 64                  # largest L (drafter block size - 1)
@@ -60,6 +64,24 @@ else:
     def shfl_idx(value, src):
         """device.shfl_idx inlined in numba IR (see kernels.attention.shfl_xor)."""
         return cuda.shfl_sync(0xFFFFFFFF, value, src)
+
+
+if SIM:
+    from kernels.device import _collective
+
+    def _ballot(pred):
+        bits, _ = _collective(bool(pred), lambda preds: sum(1 << i for i, p in enumerate(preds) if p))
+        return np.uint32(bits)
+else:
+    @cuda.jit(device=True, inline="always")
+    def _ballot(pred):
+        return uint32(cuda.ballot_sync(0xFFFFFFFF, pred))
+
+
+@cuda.jit(device=True, inline="always")
+def _trailing_ones(bits):
+    """Consecutive set bits of a uint32 from bit 0 (bit 31 clear)."""
+    return int32(cuda.popc(uint32(bits) ^ (uint32(bits) + uint32(1)))) - 1
 
 
 @cuda.jit(device=True, inline="always")
@@ -315,7 +337,8 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
                  sample_seq, sample_pos):
     """Block per sequence b (BUILD_THREADS): warp 0 pops the budgets[b] best prefixes of the candidate lists
     ids/lp i32/f32[B, L, K] in the reference heap's pop order (scores summed root to leaf in float64, compared
-    as uint64 keys; rank tuples only on equal scores), then the block writes tokens, parents, depths, positions
+    as uint64 keys; rank tuples only on equal scores), one argmax plus a sibling or chain run (up to 31 more
+    pops) per step (module docstring), then the block writes tokens, parents, depths, positions
     (= lengths[b] + depth) i32[B, N], vis u32[B, N, W] (bit j of row i: node j is i or an ancestor),
     ntok[b] = nodes incl. the root, and per node the sampling keys sample_seq / sample_pos (= position + 1)
     i32[B*N]. Rows past ntok[b] are padding (token 0, parent -1, no visibility). Dynamic shared memory
@@ -348,34 +371,80 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
     if t < 32:                                          # warp 0: the pops
         _syncwarp()
         while nodes <= budget and live > 0:
-            bk, be = uint64(0), int32(-1)
+            bk, be, sk = uint64(0), int32(-1), uint64(0)   # best entry (key, slot), the second-best key
             for e in range(lane, live, 32):
                 k = fkey[e]
                 if _better(k, int32(e), bk, be, fpar, frank, fdepth, npar, nrank):
-                    bk, be = k, int32(e)
+                    sk, bk, be = bk, k, int32(e)
+                else:
+                    sk = max(sk, k)
             for off in (16, 8, 4, 2, 1):              # warp argmax under the pop order
-                ok, oe = _shfl_u64(bk, int32(off)), shfl_xor(be, int32(off))
+                ok, oe, os_ = _shfl_u64(bk, int32(off)), shfl_xor(be, int32(off)), _shfl_u64(sk, int32(off))
                 if _better(ok, oe, bk, be, fpar, frank, fdepth, npar, nrank):
-                    bk, be = ok, oe
+                    sk, bk, be = max(bk, os_), ok, oe
+                else:
+                    sk = max(sk, ok)
             par, dep, rk, sc = fpar[be], fdepth[be], frank[be], fscore[be]
-            _syncwarp()
+            n0, room, ps, row = nodes, min(budget - nodes, 31), nscore[par], (dep - 1) * kc
+            ck = _score_key(sc + float64(lps[dep * kc])) if dep < L else uint64(0)       # first child
+            gk = _score_key(ps + float64(lps[row + rk + 1])) if rk + 1 < K else uint64(0)  # next sibling
+            # a run: the next pops need no argmax while each beats, by key, every other entry there will be
+            s = float64(0)                            # sibling run: lane l pops sibling rk+1+l too
+            hit = False
+            if lane < room and rk + 1 + lane < K:
+                s = ps + float64(lps[row + rk + 1 + lane])
+                hit = _score_key(s) > max(sk, ck)
+            run = _trailing_ones(_ballot(hit))
+            chain = run == 0 and ck > max(sk, gk)
+            cs, cand = sc, float64(0)                 # chain run: lane l pops c_(l+1), the first child of c_l
+            if chain:
+                hit = False
+                if dep + lane < L:
+                    bound = max(sk, gk)
+                    for i in range(lane):             # the next siblings of c_1..c_lane join the frontier
+                        if K > 1:
+                            bound = max(bound, _score_key(cs + float64(lps[(dep + i) * kc + 1])))
+                        cs = cs + float64(lps[(dep + i) * kc])
+                    cand = cs + float64(lps[(dep + lane) * kc])
+                    hit = lane < room and _score_key(cand) > bound
+                run = _trailing_ones(_ballot(hit))
+            _syncwarp()                               # every lane has read the frontier: write
             if lane == 0:
-                nscore[nodes], npar[nodes], ndepth[nodes], nrank[nodes] = sc, par, dep, rk
-                if rk + 1 < K:                        # next sibling replaces the popped entry
-                    s = nscore[par] + float64(lps[(dep - 1) * kc + rk + 1])
-                    fscore[be], fkey[be], frank[be] = s, _score_key(s), rk + 1
-                else:                                 # no sibling left: the last entry moves here
+                nscore[n0], npar[n0], ndepth[n0], nrank[n0] = sc, par, dep, rk
+            if chain:                                 # node c_(l+1); entries: sibling of c_(l+1), child of c_run
+                if lane < run:
+                    n = n0 + 1 + lane
+                    nscore[n], npar[n], ndepth[n], nrank[n] = cand, n0 + lane, dep + 1 + lane, 0
+                add = (lane < run and K > 1) or (lane == run and dep + run < L)
+                es = cs + float64(lps[(dep + lane) * kc + 1]) if add and lane < run else cand
+                ep, ed, er = n0 + lane, dep + 1 + lane, (1 if lane < run else 0)
+                g = rk + 1
+            else:                                     # node: sibling rk+1+l; entries: child of every node
+                if lane < run:
+                    n = n0 + 1 + lane
+                    nscore[n], npar[n], ndepth[n], nrank[n] = s, par, dep, rk + 1 + lane
+                add = lane <= run and dep < L
+                es = float64(0)
+                if add:
+                    es = (sc if lane == 0 else ps + float64(lps[row + rk + lane])) + float64(lps[dep * kc])
+                ep, ed, er = n0 + lane, dep + 1, 0
+                g = rk + 1 + run
+            bits = _ballot(add)
+            new = int32(cuda.popc(bits))
+            if add:                                   # the popped entry's slot is reused when its group ends
+                idx = int32(cuda.popc(bits & ((uint32(1) << uint32(lane)) - uint32(1))))
+                e = live + idx if g < K else (be if idx == 0 else live + idx - 1)
+                fscore[e], fkey[e], fpar[e], fdepth[e], frank[e] = es, _score_key(es), ep, ed, er
+            if lane == 0:
+                if g < K:                             # the group's next sibling stays in the popped slot
+                    gs = ps + float64(lps[row + g])
+                    fscore[be], fkey[be], frank[be] = gs, _score_key(gs), g
+                elif new == 0:                        # the group ends and nothing joins: the last entry moves
                     j = live - 1
                     fscore[be], fkey[be], fpar[be] = fscore[j], fkey[j], fpar[j]
                     fdepth[be], frank[be] = fdepth[j], frank[j]
-            live -= 0 if rk + 1 < K else 1
-            if dep < L:                               # first child joins the frontier
-                if lane == 0:
-                    s = sc + float64(lps[dep * kc])
-                    fscore[live], fkey[live] = s, _score_key(s)
-                    fpar[live], fdepth[live], frank[live] = nodes, dep + 1, 0
-                live += 1
-            nodes += 1
+            live += new - (0 if g < K else 1)
+            nodes = n0 + 1 + run
             _syncwarp()
         if t == 0:
             nsh[0] = nodes
@@ -445,40 +514,59 @@ def walk_kernel(tokens, parents, ntok, post, lengths, bonus, path, nacc, start_o
         bonus[b] = post[b * N + cur]
 
 
+COMMIT_THREADS = 64 if SIM else 256
+GATHER_THREADS = 64 if SIM else 256
+
+
 @cuda.jit
 def commit_kernel(cache, path, nacc, start):
-    """Block per (layer, sequence): cache rows start+path[i] move to start+i (i < nacc), all rows read into
-    shared memory before any is written. cache u32[layers, B, cap, D/2] (bf16 pairs); dynamic shared memory
-    P*D/2 words. Bytes: 2 * 2D per accepted row per layer."""
+    """Block per (layer, sequence): cache rows start+path[i] move to start+i (0 < i < nacc), all rows read into
+    shared memory before any is written, four independent loads in flight per thread. cache u32[layers, B, cap,
+    D/2] (bf16 pairs); dynamic shared memory P*D/2 words. Bytes: 2 * 2D per accepted row per layer."""
     layer, b = cuda.blockIdx.x, cuda.blockIdx.y
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     D2 = cache.shape[3]
     buf = cuda.shared.array(0, uint32)
     s0, m = start[b], nacc[b]
-    for i in range(1, m):
-        src = s0 + path[b, i]
-        for c in range(t, D2, nt):
-            buf[i * D2 + c] = cache[layer, b, src, c]
+    n = (m - 1) * D2                                   # words of rows 1..m-1, row-major
+    for k in range(t, n, 4 * nt):
+        w = cuda.local.array(4, uint32)
+        for u in range(4):
+            ku = k + u * nt
+            if ku < n:
+                w[u] = cache[layer, b, s0 + path[b, 1 + ku // D2], ku % D2]
+        for u in range(4):
+            if k + u * nt < n:
+                buf[k + u * nt] = w[u]
     cuda.syncthreads()
-    for i in range(1, m):
+    for k in range(t, n, nt):
+        i = 1 + k // D2
         if path[b, i] != i:
-            for c in range(t, D2, nt):
-                cache[layer, b, s0 + i, c] = buf[i * D2 + c]
+            cache[layer, b, s0 + i, k % D2] = buf[k]
 
 
 @cuda.jit
 def gather_kernel(hidden, path, nacc, start, feats, feat_pos):
-    """Block per (accepted slot i, sequence b): feats[b, i] = concat_f hidden[f, b, path[b, i]] (the drafter
-    context's new rows, target_layer_ids order) and feat_pos[b, i] = start[b] + i, for i < nacc[b].
-    hidden f32[F, B, N, H] -> feats f32[B, P, F*H]."""
-    i, b = cuda.blockIdx.x, cuda.blockIdx.y
+    """Block per (column chunk, accepted slot i, sequence b), 4 * blockDim columns per block:
+    feats[b, i] = concat_f hidden[f, b, path[b, i]] (the drafter context's new rows, target_layer_ids order)
+    and feat_pos[b, i] = start[b] + i, for i < nacc[b]. hidden f32[F, B, N, H] -> feats f32[B, P, F*H].
+    Bytes: 2 * 4 * F*H per accepted row."""
+    g, i, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+    t, nt = cuda.threadIdx.x, cuda.blockDim.x
     F, H = hidden.shape[0], hidden.shape[3]
     if i >= nacc[b]:
         return
     node = path[b, i]
-    for c in range(cuda.threadIdx.x, F * H, cuda.blockDim.x):
-        feats[b, i, c] = hidden[c // H, b, node, c % H]
-    if cuda.threadIdx.x == 0:
+    w = cuda.local.array(4, float32)
+    for u in range(4):                                 # four independent loads in flight per thread
+        c = (4 * g + u) * nt + t
+        if c < F * H:
+            w[u] = hidden[c // H, b, node, c % H]
+    for u in range(4):
+        c = (4 * g + u) * nt + t
+        if c < F * H:
+            feats[b, i, c] = w[u]
+    if g == 0 and t == 0:
         feat_pos[b, i] = start[b] + i
 
 
@@ -555,8 +643,9 @@ def tree_commit(tb: TreeBuffers, cache, hidden=None, feats=None, feat_pos=None):
     """commit: move the accepted latent rows of every layer (cache u16[layers, B, cap, D]) and, with a drafter,
     gather the accepted nodes' features hidden f32[F, B, N, H] into feats f32[B, L+1, F*H] at feat_pos."""
     B, P = tb.path.shape
-    launch_smem(commit_kernel, (cache.shape[0], B), 128, 2 * P * cache.shape[3],
+    launch_smem(commit_kernel, (cache.shape[0], B), COMMIT_THREADS, 2 * P * cache.shape[3],
                 (cache.view(np.uint32), tb.path, tb.nacc, tb.start))
     if hidden is not None:
-        gather_kernel[(tb.path.shape[1], B), 256, current_stream()](hidden, tb.path, tb.nacc, tb.start, feats,
-                                                                    feat_pos)
+        chunks = -(-hidden.shape[0] * hidden.shape[3] // (4 * GATHER_THREADS))
+        gather_kernel[(chunks, P, B), GATHER_THREADS, current_stream()](hidden, tb.path, tb.nacc, tb.start, feats,
+                                                                        feat_pos)

@@ -9,11 +9,14 @@ from kernels.mla import mask_bits
 from numbaengine.ddtree import build_tree, draft_tree, top_logprobs, walk
 
 
-def random_lists(rng, L, K, quantized):
-    """Per-depth candidates as in tests/test_tree.py: distinct ids, log-probs sorted descending (quantized tie)."""
+def random_lists(rng, L, K, quantized, peaked=False):
+    """Per-depth candidates as in tests/test_tree.py: distinct ids, log-probs sorted descending (quantized tie;
+    peaked: a confident drafter, top candidates near probability 1, long chains)."""
     ids = np.stack([rng.choice(max(50, 4 * K), K, replace=False) for _ in range(L)]).astype(np.int32)
     if quantized:
         lp = -rng.integers(0, 4, size=(L, K)) * 0.5 - 0.25
+    elif peaked:
+        lp = np.log(rng.dirichlet(np.r_[60.0, np.ones(K + 2)], size=L)[:, :K])
     else:
         lp = np.log(rng.dirichlet(np.ones(K + 3), size=L)[:, :K])
     return ids, (-np.sort(-lp, axis=1)).astype(np.float32)
@@ -36,12 +39,12 @@ def assert_tree(got, b, ref, start, seq_id):
         (got.sample_seq[b * N:b * N + n] == seq_id).all(), f"seq {b} sampling keys"
 
 
-def check_build(env, L=3, K=3, budgets=(9, 5, 0, 1), quantized=True, seed=0):
+def check_build(env, L=3, K=3, budgets=(9, 5, 0, 1), quantized=True, seed=0, peaked=False):
     """Trees from given candidate lists, several sequences with different budgets, vs build_tree."""
     from kernels.tree import tree_buffers, tree_build
     rng = np.random.default_rng(seed)
     B, N = len(budgets), max(budgets) + 1
-    lists = [random_lists(rng, L, K, quantized and b % 2 == 0) for b in range(B)]
+    lists = [random_lists(rng, L, K, quantized and b % 2 == 0, peaked) for b in range(B)]
     tb = tree_buffers(env.zeros, B, L, K, N, 4 * K)
     tb.ids, tb.lp = env.dev(np.stack([i for i, _ in lists])), env.dev(np.stack([p for _, p in lists]))
     budgets, lengths = np.array(budgets, np.int32), rng.integers(0, 100, B).astype(np.int32)
@@ -156,8 +159,11 @@ SIM_CASES = {
     "build_chain_dflash": lambda env: check_build(env, L=4, K=1, budgets=(4, 2), seed=5),
     "topk_ties": lambda env: check_topk(env),
     "topk_chunks": lambda env: check_topk(env, B=1, L=2, V=5000, K=3, seed=8),
-    "topk_chunks_ties": lambda env: check_topk(env, B=1, L=2, V=1500, K=40, seed=9),
+    "topk_chunks_ties": lambda env: check_topk(env, B=1, L=2, V=2100, K=40, seed=9),
     "build_exhausted": lambda env: check_build(env, L=2, K=2, budgets=(9, 3, 6), quantized=True, seed=12),
+    "build_runs": lambda env: check_build(env, L=5, K=12, budgets=(40, 33, 7), quantized=True, seed=21),
+    "build_runs_peaked": lambda env: check_build(env, L=7, K=6, budgets=(45, 20), quantized=False, seed=22,
+                                                 peaked=True),
     "sample_split": lambda env: check_sample_split(env),
     "draft_pipeline": lambda env: check_draft_pipeline(env),
     "walk_commit_gather": lambda env: check_walk_commit(env),
@@ -180,6 +186,8 @@ def test_simulator(sim_results, case):
 @pytest.mark.parametrize("quantized", [False, True])
 def test_gpu_build(quantized):
     check_build(Env(gpu=True), L=15, K=255, budgets=(255, 16, 1, 0), quantized=quantized, seed=11)
+    check_build(Env(gpu=True), L=15, K=255, budgets=(255, 64, 200), quantized=False, seed=15, peaked=True)
+    check_build(Env(gpu=True), L=15, K=1024, budgets=(1024, 300), quantized=quantized, seed=16)
 
 
 @pytest.mark.gpu
