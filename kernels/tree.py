@@ -627,7 +627,8 @@ def build_smem(L, K, N):
 def tree_build(tb: TreeBuffers, budgets, lengths, bonus, seq_ids):
     """build_tree for every sequence from tb.ids / tb.lp; budgets, lengths, bonus, seq_ids i32[B] on the device."""
     (B, L, K), N = tb.ids.shape, tb.tokens.shape[1]
-    launch_smem(build_kernel, B, BUILD_THREADS, build_smem(L, K, N),
+    smem = build_smem(L, K, N)
+    launch_smem(build_kernel, B, BUILD_THREADS, smem if smem + 64 <= 48 * 1024 else max(smem, 48 * 1024 + 8),
                 (tb.ids, tb.lp, budgets, lengths, bonus, seq_ids, tb.tokens, tb.parents, tb.depths, tb.positions,
                  tb.vis, tb.ntok, tb.sample_seq, tb.sample_pos))
 
