@@ -42,17 +42,33 @@ def sample_ref(logits, temperature, seed, seq, pos, out):
     return out
 
 
-# --- numba.cuda kernel: the same noise with uint64 math on the device ----------------------------------------------
+# --- numba.cuda kernels: the same noise with uint64 math on the device -------------------------------------------
 
 import math  # noqa: E402
 
 from numba import cuda, float32, int32, uint64  # noqa: E402
 
-from kernels.device import current_stream  # noqa: E402
+from kernels.attention import shfl_xor  # noqa: E402
+from kernels.device import SIM, current_stream  # noqa: E402
+from kernels.topk import key_index, order_key  # noqa: E402
 
-SAMPLE_THREADS = 512
+SAMPLE_THREADS = 512            # sample_kernel: one block per row
+SPLIT_THREADS = 64 if SIM else 256  # sample_part_kernel: one block per (vocabulary chunk, row)
+SAMPLE_CHUNKS = 32              # vocabulary chunks per row at most (columns of the workspace)
+SPLIT_BLOCKS = 1024             # the split path aims at about this many blocks (~8 per SM)
 _G1, _G2, _G3 = uint64(0xBF58476D1CE4E5B9), uint64(0x94D049BB133111EB), uint64(0x9E3779B97F4A7C15)
 _POS_SALT = uint64(0x5851F42D)
+
+if SIM:
+    def _log2_approx(w):
+        return -math.inf if w == 0 else math.log2(w)
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline="always")
+    def _log2_approx(w):
+        """lg2.approx: absolute error below 1e-5 for w in [2**-25, 1]; -inf at 0."""
+        return libdevice.fast_log2f(w)
 
 
 @cuda.jit(device=True, inline="always")
@@ -71,11 +87,61 @@ def row_key(seed, seq, pos):
 
 
 @cuda.jit(device=True, inline="always")
+def uniform_dev(hkey, v):
+    """uniform's 24-bit draw u in (0, 1] for vocab id v (1.0 where the +0.5 rounds up, as on the host)."""
+    z = mix64_dev(hkey ^ uint64(v))
+    return (float32(z >> uint64(40)) + float32(0.5)) * float32(5.9604644775390625e-08)
+
+
+@cuda.jit(device=True, inline="always")
 def gumbel_dev(hkey, v):
     """-log(-log(u)) with u = uniform's 24-bit draw for vocab id v."""
-    z = mix64_dev(hkey ^ uint64(v))
-    u = (float32(z >> uint64(40)) + float32(0.5)) * float32(5.9604644775390625e-08)
+    u = uniform_dev(hkey, v)
     return float32(-math.log(float32(-math.log(u))))
+
+
+@cuda.jit(device=True, inline="always")
+def _scan(logits, i, lo, hi, step, temperature, greedy, hkey):
+    """This thread's best (value, index) over logits[i, lo:hi:step] (strided: the first hit has the lowest index);
+    (-inf, V) if none. With noise, an id whose value provably stays below the best so far skips the two logs:
+    -log(-log u) <= -log(1 - u) (since -log u >= 1 - u), bounded with lg2.approx plus a margin far above its
+    error and the roundings of x / T, so the winner and its value are those of computing every id."""
+    bv, bi = float32(-math.inf), int32(logits.shape[1])
+    inv_t = float32(1) / temperature
+    for v in range(lo, hi, step):
+        x = logits[i, v]
+        if not greedy:
+            u = uniform_dev(hkey, v)
+            xs = x * inv_t
+            bound = xs - _log2_approx(float32(1) - u) * float32(0.6931472)
+            if bound + (abs(xs) + abs(bv)) * float32(1e-6) + float32(1e-3) < bv:
+                continue
+            x = x / temperature + float32(-math.log(float32(-math.log(u))))
+        if x > bv:
+            bv, bi = x, int32(v)
+    return bv, bi
+
+
+@cuda.jit(device=True, inline="always")
+def _block_best(bv, bi):
+    """(value, index) of the block's largest bv, lowest index among equals (blockDim a multiple of 32, <= 1024);
+    every thread gets it. Barriers inside."""
+    shv = cuda.shared.array(32, float32)
+    shi = cuda.shared.array(32, int32)
+    t = cuda.threadIdx.x
+    for off in (16, 8, 4, 2, 1):
+        ov, oi = shfl_xor(bv, int32(off)), shfl_xor(bi, int32(off))
+        if ov > bv or (ov == bv and oi < bi):
+            bv, bi = ov, oi
+    if t % 32 == 0:
+        shv[t // 32], shi[t // 32] = bv, bi
+    cuda.syncthreads()
+    bv, bi = shv[0], shi[0]
+    for j in range(1, cuda.blockDim.x // 32):
+        if shv[j] > bv or (shv[j] == bv and shi[j] < bi):
+            bv, bi = shv[j], shi[j]
+    cuda.syncthreads()
+    return bv, bi
 
 
 @cuda.jit
@@ -84,36 +150,63 @@ def sample_kernel(logits, temperature, greedy, seed, seq, pos, out):
     logits / temperature + gumbel noise; lowest index wins ties. Bytes: the logits once."""
     i, t = cuda.blockIdx.x, cuda.threadIdx.x
     V = logits.shape[1]
-    best_v = cuda.shared.array(SAMPLE_THREADS, float32)
-    best_i = cuda.shared.array(SAMPLE_THREADS, int32)
-    hkey = row_key(seed, seq[i], pos[i])
-    bv, bi = float32(-math.inf), int32(V)
-    for v in range(t, V, SAMPLE_THREADS):
-        x = logits[i, v]
-        if not greedy:
-            x = x / temperature + gumbel_dev(hkey, v)
-        if x > bv:                 # strided: the first hit per thread has the lowest index
-            bv, bi = x, int32(v)
-    best_v[t], best_i[t] = bv, bi
-    step = SAMPLE_THREADS // 2
-    while step > 0:
-        cuda.syncthreads()
-        if t < step:
-            ov, oi = best_v[t + step], best_i[t + step]
-            if ov > best_v[t] or (ov == best_v[t] and oi < best_i[t]):
-                best_v[t], best_i[t] = ov, oi
-        step //= 2
+    bv, bi = _scan(logits, i, t, V, cuda.blockDim.x, temperature, greedy, row_key(seed, seq[i], pos[i]))
+    bv, bi = _block_best(bv, bi)
     if t == 0:
-        out[i] = best_i[0] if best_i[0] < V else int32(0)
+        out[i] = bi if bi < V else int32(0)
 
 
-def sample(logits, temperature, seed, seq, pos, out):
-    """sample_ref on the GPU or the simulator: logits f32[n, V], seq i32[n], pos i32[n] -> out i32[n]."""
-    n = logits.shape[0]
+@cuda.jit
+def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, best):
+    """Block per (vocabulary chunk c, row i), grid (C, n): the chunk's winner as order_key(value, id) in
+    best u64[>= n, >= C] (value -inf, id V when the chunk has none). Bytes: the logits once."""
+    c, i, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+    V, C = logits.shape[1], cuda.gridDim.x
+    span = (V + C - 1) // C
+    hi = min(c * span + span, V)
+    bv, bi = _scan(logits, i, c * span + t, hi, cuda.blockDim.x, temperature, greedy, row_key(seed, seq[i], pos[i]))
+    bv, bi = _block_best(bv, bi)
+    if t == 0:
+        best[i, c] = order_key(bv, bi)
+
+
+@cuda.jit
+def sample_merge_kernel(best, chunks, vocab, out):
+    """Thread per row: out[i] = the id of the largest of best[i, :chunks] (0 if no chunk had a candidate)."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < out.shape[0]:
+        k = best[i, 0]
+        for c in range(1, chunks):
+            k = max(k, best[i, c])
+        v = key_index(k)
+        out[i] = v if v < vocab else int32(0)
+
+
+def sample_work(zeros, n):
+    """Workspace of the split sampler for up to n rows: u64[n, SAMPLE_CHUNKS] chunk winners."""
+    return zeros((n, SAMPLE_CHUNKS), np.uint64)
+
+
+def sample_chunks(n, V):
+    """Vocabulary chunks per row of the split sampler: about SPLIT_BLOCKS blocks, >= 4 ids per thread."""
+    return max(1, min(SAMPLE_CHUNKS, -(-SPLIT_BLOCKS // max(n, 1)), V // (4 * SPLIT_THREADS)))
+
+
+def sample(logits, temperature, seed, seq, pos, out, work=None):
+    """sample_ref on the GPU or the simulator: logits f32[n, V], seq i32[n], pos i32[n] -> out i32[n].
+    work (sample_work, >= n rows): split every row over vocabulary chunks (sample_part_kernel, then
+    sample_merge_kernel), for when n rows alone cannot fill the GPU; without it, one block per row."""
+    n, V = logits.shape
     if seq.shape != (n,) or pos.shape != (n,) or out.shape != (n,):
         raise ValueError(f"sample: seq {seq.shape}, pos {pos.shape}, out {out.shape} must be [{n}]")
+    if work is not None and (work.shape[0] < n or work.shape[1] != SAMPLE_CHUNKS):
+        raise ValueError(f"sample: work {work.shape} is not [>= {n}, {SAMPLE_CHUNKS}]")
     greedy = temperature == 0
-    if n:
-        sample_kernel[n, SAMPLE_THREADS, current_stream()](logits, float32(1 if greedy else temperature), greedy,
-                                                           uint64(seed), seq, pos, out)
+    args = (logits, float32(1 if greedy else temperature), greedy, uint64(seed), seq, pos)
+    if n and work is None:
+        sample_kernel[n, SAMPLE_THREADS, current_stream()](*args, out)
+    elif n:
+        C = sample_chunks(n, V)
+        sample_part_kernel[(C, n), SPLIT_THREADS, current_stream()](*args, work)
+        sample_merge_kernel[-(-n // 128), 128, current_stream()](work, int32(C), int32(V), out)
     return out

@@ -4,9 +4,9 @@ Order: larger value first; among equal values the lower index first (matches np.
 """
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint32, uint64
 
-from kernels.device import block_argmax, kernel, launch
+from kernels.device import SIM, block_argmax, kernel, launch
 
 BIG = 2 ** 31 - 1
 NEG_INF = float32(-np.inf)
@@ -27,6 +27,32 @@ def topk_ref(logits, k, idx_out, val_out):
 
 
 # ---------------------------------------------------------------------------------------------------- numba.cuda
+if SIM:
+    def f32_bits(x):
+        return np.uint32(np.array([x], np.float32).view(np.uint32)[0])
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline="always")
+    def f32_bits(x):
+        return uint32(libdevice.float_as_int(x))
+
+
+@cuda.jit(device=True, inline="always")
+def order_key(x, v):
+    """Unique uint64 key of (value x, index v): larger key = earlier in this module's order (larger value, then
+    lower index); -0.0 and +0.0 rank equal, as in numpy."""
+    u = f32_bits(x + float32(0))
+    u = ~u if (u & uint32(0x80000000)) != uint32(0) else u | uint32(0x80000000)
+    return (uint64(u) << uint64(32)) | uint64(uint32(0xFFFFFFFF) - uint32(v))
+
+
+@cuda.jit(device=True, inline="always")
+def key_index(key):
+    """The index v of order_key(x, v)."""
+    return int32(uint32(0xFFFFFFFF) - uint32(key & uint64(0xFFFFFFFF)))
+
+
 @kernel()
 def _argmax_k(logits, out, vocab):
     """One block per row (1024 threads): strided scan, then a block reduction. Moves n*V*4 bytes."""

@@ -1,45 +1,94 @@
 """DDTree on the GPU: per-depth top-K, the best-first tree build, the walk and the commit, for a batch of sequences.
 
 The reference is numbaengine.ddtree (top_logprobs, build_tree, walk, commit); the outputs here are identical given
-the same candidate lists. Build: the heap of the reference pops nodes in the total order (score descending, rank
-tuple ascending) because every pushed entry ranks after the entry that pushed it (log-probs <= 0 and rounding is
-monotone), so one warp per sequence pops the best frontier entry with a warp argmax under that order: no heap.
-Every buffer is preallocated (TreeBuffers); per-round values (lengths, bonus, budgets) live in device arrays.
+the same candidate lists. Top-K: every (vocabulary chunk, depth, sequence) block radix-selects its chunk's best K
+keys in shared memory, then one block per (depth, sequence) radix-selects the best K of the chunks' candidates
+and ranks them by counting. Build: the heap of the reference pops nodes in the total order (score descending,
+rank tuple ascending) because every pushed entry ranks after the entry that pushed it (log-probs <= 0 and rounding
+is monotone), so one warp per sequence pops the best frontier entry with a warp argmax under that order: no heap.
+After each argmax the warp also pops, in one step, the run that provably follows: the popped entry's next
+siblings (while each beats, by score key, the second-best entry and the popped entry's first child) or its chain
+of first children (while each beats the second-best entry and the next siblings the chain leaves behind); ties
+end a run, so runs never need the rank tuples. Every buffer is preallocated (TreeBuffers); per-round values
+(lengths, bonus, budgets) live in device arrays.
 """
 import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, float64, int32, uint32, uint64
+from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from kernels.attention import launch_smem, shfl_xor
 from kernels.device import SIM, current_stream, kernel
+from kernels.sample import SAMPLE_CHUNKS
+from kernels.topk import key_index, order_key
 
 TOPK_THREADS = 64 if SIM else 512
+TOPK_WARPS = TOPK_THREADS // 32
 TOPK_MAX = 1024                 # largest K (candidates per depth)
-TOPK_CHUNKS = 8                 # vocabulary chunks per row at most (blocks of the first stage)
-TOPK_MERGE = 2048               # chunk candidates sorted per row at most
+TOPK_CHUNKS = 32                # vocabulary chunks per row at most (blocks of the first stage)
+TOPK_SPAN = 1024 if SIM else 4096  # vocabulary ids per chunk at least
+TOPK_MERGE = 16384              # chunk candidates per row at most (8 B each in the merge's shared memory)
 NODE_MAX = 1025                 # largest tree: MAX_BUDGET 1024 drafted nodes + the root
 DEPTH_MAX = 64                  # largest L (drafter block size - 1)
+BUILD_THREADS = 64 if SIM else 256
 WALK_THREADS = 32
 
 if SIM:
-    def _f32_bits(x):
-        return np.uint32(np.array([x], np.float32).view(np.uint32)[0])
+    from kernels.device import shfl_idx
+
+    def _f64_bits(x):
+        return np.uint64(np.array([x], np.float64).view(np.uint64)[0])
+
+    def _syncwarp():
+        shfl_xor(int32(0), int32(0))            # the simulator's warp exchange is a barrier of the warp
+
+    _shfl_u64 = shfl_xor
 else:
     from numba.cuda import libdevice
 
     @cuda.jit(device=True, inline="always")
-    def _f32_bits(x):
-        return uint32(libdevice.float_as_int(x))
+    def _f64_bits(x):
+        return uint64(libdevice.double_as_longlong(x))
+
+    @cuda.jit(device=True, inline="always")
+    def _syncwarp():
+        cuda.syncwarp(0xFFFFFFFF)
+
+    @cuda.jit(device=True, inline="always")
+    def _shfl_u64(value, mask):
+        """shfl_xor of a uint64 (numba shuffles 64-bit signed integers only)."""
+        return uint64(cuda.shfl_xor_sync(0xFFFFFFFF, int64(value), mask))
+
+    @cuda.jit(device=True, inline="always")
+    def shfl_idx(value, src):
+        """device.shfl_idx inlined in numba IR (see kernels.attention.shfl_xor)."""
+        return cuda.shfl_sync(0xFFFFFFFF, value, src)
+
+
+if SIM:
+    from kernels.device import _collective
+
+    def _ballot(pred):
+        bits, _ = _collective(bool(pred), lambda preds: sum(1 << i for i, p in enumerate(preds) if p))
+        return np.uint32(bits)
+else:
+    @cuda.jit(device=True, inline="always")
+    def _ballot(pred):
+        return uint32(cuda.ballot_sync(0xFFFFFFFF, pred))
 
 
 @cuda.jit(device=True, inline="always")
-def _order_key(x, v):
-    """Unique uint64 key, larger = earlier in top_logprobs' order (larger logit, then lower id)."""
-    u = _f32_bits(x + float32(0))                   # -0.0 -> +0.0: numpy ranks them equal
-    u = ~u if (u & uint32(0x80000000)) != uint32(0) else u | uint32(0x80000000)
-    return (uint64(u) << uint64(32)) | uint64(uint32(0xFFFFFFFF) - uint32(v))
+def _trailing_ones(bits):
+    """Consecutive set bits of a uint32 from bit 0 (bit 31 clear)."""
+    return int32(cuda.popc(uint32(bits) ^ (uint32(bits) + uint32(1)))) - 1
+
+
+@cuda.jit(device=True, inline="always")
+def _score_key(s):
+    """uint64 key of a float64 score, larger = higher score, equal keys = equal scores (-0.0 as +0.0); > 0."""
+    u = _f64_bits(s + float64(0))
+    return ~u if (u >> uint64(63)) != uint64(0) else u | (uint64(1) << uint64(63))
 
 
 @cuda.jit(device=True, inline="always")
@@ -59,6 +108,29 @@ def _block_reduce(buf, x, is_max):
     return r
 
 
+@cuda.jit(device=True, inline="always")
+def _block_scan(x, wsum):
+    """Inclusive prefix sum of int32 x over the block's threads (blockDim a multiple of 32) and the total; every
+    thread must call it (barriers inside). wsum: int32 shared scratch, one per warp."""
+    t = cuda.threadIdx.x
+    lane, w = t & 31, t >> 5
+    for off in (1, 2, 4, 8, 16):
+        y = shfl_idx(x, int32(max(lane - off, 0)))
+        if lane >= off:
+            x += y
+    if lane == 31:
+        wsum[w] = x
+    cuda.syncthreads()
+    base, tot = int32(0), int32(0)
+    for j in range(cuda.blockDim.x >> 5):
+        s = wsum[j]
+        tot += s
+        if j < w:
+            base += s
+    cuda.syncthreads()
+    return base + x, tot
+
+
 if SIM:
     def _hist_add(hist, w, bin_):
         if bin_ >= 0:
@@ -74,97 +146,117 @@ else:
             cuda.atomic.add(hist, (w, bin_), cuda.popc(peers))
 
 
-@kernel(launch_bounds=TOPK_THREADS)
-def topk_part_kernel(logits, keys, stats):
-    """Block per (chunk c, depth d, sequence b), blockDim a power of two <= TOPK_THREADS: the best
-    min(K, chunk) keys of logits[b, d, chunk] (unique 64-bit keys, larger = earlier in top_logprobs' order) by
-    an 8-bit radix select with warp-private, warp-aggregated histograms; written unsorted to keys u64[B, L, C, K]
-    (rest 0), with the chunk's max and sum of exp(x - max) in stats f32[B, L, C, 2]. Bytes: the chunk 3-6
-    times (L2 after the first)."""
-    c, d, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+@cuda.jit(device=True, inline="always")
+def _radix_select(keys, n, kq, hist, wsum, ctl):
+    """The best kq of the unique keys u64[n] (shared memory, larger first) by 8-bit radix passes from the top,
+    warp-private histograms and a block scan over the bins. Returns (prefix, mask): exactly kq keys satisfy
+    (key & mask) >= prefix (kq <= n; kq = 0: none). Every thread must call it (barriers inside)."""
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     w = t >> 5
-    V, C, K = logits.shape[2], keys.shape[2], keys.shape[3]
-    red = cuda.shared.array(TOPK_THREADS, float32)
-    hist = cuda.shared.array((32, 256), int32)
-    hsum = cuda.shared.array(257, int32)             # [256] = gather counter
-    ctl = cuda.shared.array(4, uint64)               # prefix, mask, remaining k, done
-    span = (V + C - 1) // C
-    lo = c * span
-    hi = min(lo + span, V)
-    m = float32(-math.inf)
-    for v in range(lo + t, hi, nt):
-        m = max(m, logits[b, d, v])
-    m = _block_reduce(red, m, True)
-    sx = float32(0)
-    for v in range(lo + t, hi, nt):
-        sx += math.exp(logits[b, d, v] - m)
-    sx = _block_reduce(red, sx, False)
-    kc = min(K, max(hi - lo, 0))
     if t == 0:
-        stats[b, d, c, 0], stats[b, d, c, 1] = m, sx
-        ctl[0], ctl[1], ctl[2], ctl[3] = uint64(0), uint64(0), uint64(kc), uint64(0)
-        hsum[256] = 0
-    for p in range(8 if kc > 0 else 0):              # radix select of the kc-th largest key, 8 bits per pass
+        ctl[0], ctl[1], ctl[2], ctl[3] = uint64(0), uint64(0), uint64(kq), uint64(0)
+    for p in range(8 if kq > 0 else 0):
         shift = uint64(56 - 8 * p)
-        for i in range(t, 32 * 256, nt):
-            hist[i // 256, i % 256] = 0
+        for i in range(t, (nt >> 5) * 256, nt):
+            hist[i >> 8, i & 255] = 0
         cuda.syncthreads()
-        prefix, pmask = ctl[0], ctl[1]
-        for base in range(lo, hi, nt):               # uniform trip count per warp (aggregated atomics)
-            v = base + t
+        prefix, pmask, need = ctl[0], ctl[1], int32(ctl[2])
+        for base in range(0, n, nt):                 # uniform trip count per warp (aggregated atomics)
+            i = base + t
             bn = int32(-1)
-            if v < hi:
-                key = _order_key(logits[b, d, v], v)
+            if i < n:
+                key = keys[i]
                 if (key & pmask) == prefix:
                     bn = int32((key >> shift) & uint64(0xFF))
             _hist_add(hist, w, bn)
         cuda.syncthreads()
-        for i in range(t, 256, nt):
-            tot = 0
-            for ww in range(nt // 32):
-                tot += hist[ww, i]
-            hsum[i] = tot
+        carry = int32(0)
+        for r in range(0, 256, nt):                  # bins from the top: thread t takes digit 255 - r - t
+            dig = 255 - r - t
+            cnt = int32(0)
+            if dig >= 0:
+                for ww in range(nt >> 5):
+                    cnt += hist[ww, dig]
+            incl, tot = _block_scan(cnt, wsum)
+            above = carry + incl - cnt               # keys in the bins above this digit
+            if dig >= 0 and above < need and need <= above + cnt:
+                ctl[0] = prefix | (uint64(dig) << shift)
+                ctl[1] = pmask | (uint64(0xFF) << shift)
+                ctl[2] = uint64(need - above)
+                ctl[3] = uint64(1) if cnt == need - above else uint64(0)
+            carry += tot
         cuda.syncthreads()
-        if t == 0:
-            kq, above, sel = int32(ctl[2]), int32(0), int32(0)
-            for dig in range(255, -1, -1):
-                if above + hsum[dig] >= kq:
-                    sel = int32(dig)
-                    break
-                above += hsum[dig]
-            kq -= above
-            ctl[0] = prefix | (uint64(sel) << shift)
-            ctl[1] = pmask | (uint64(0xFF) << shift)
-            ctl[2] = uint64(kq)
-            ctl[3] = uint64(1) if hsum[sel] == kq else uint64(0)
-        cuda.syncthreads()
-        if ctl[3] != uint64(0):                      # every key under the prefix is in: stop early
+        if ctl[3] != uint64(0):                      # every key under the prefix is in: stop
             break
-    prefix, pmask = ctl[0], ctl[1]
-    for v in range(lo + t, hi, nt):                  # exactly kc keys satisfy this
-        key = _order_key(logits[b, d, v], v)
-        if kc > 0 and (key & pmask) >= prefix:
-            keys[b, d, c, cuda.atomic.add(hsum, 256, 1)] = key
+    cuda.syncthreads()
+    return ctl[0], ctl[1]
+
+
+@cuda.jit(device=True, inline="always")
+def _gather(keys, n, prefix, pmask, out, counter):
+    """out[...] = the keys with (key & pmask) >= prefix, unordered; counter: int32 shared, zeroed before."""
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        key = keys[i]
+        if (key & pmask) >= prefix:
+            out[cuda.atomic.add(counter, 0, 1)] = key
+
+
+@kernel(launch_bounds=TOPK_THREADS)
+def topk_part_kernel(logits, keys, stats):
+    """Block per (chunk c, depth d, sequence b), blockDim TOPK_THREADS: the best min(K, chunk) order_keys of
+    logits[b, d, chunk] (unique 64-bit keys, larger = earlier in top_logprobs' order), radix-selected in shared
+    memory (dynamic: 8 B per chunk id) and written unsorted to keys u64[B, L, C, K] (rest 0), with the chunk's
+    max and sum of exp(x - max) in stats f32[B, L, C, 2]. Bytes: the chunk twice (L2 the second time)."""
+    c, d, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+    t, nt = cuda.threadIdx.x, cuda.blockDim.x
+    V, C, K = logits.shape[2], keys.shape[2], keys.shape[3]
+    sk = cuda.shared.array(0, uint64)
+    red = cuda.shared.array(TOPK_THREADS, float32)
+    hist = cuda.shared.array((TOPK_WARPS, 256), int32)
+    wsum = cuda.shared.array(TOPK_WARPS, int32)
+    ctl = cuda.shared.array(4, uint64)
+    cnt = cuda.shared.array(1, int32)
+    span = (V + C - 1) // C
+    lo = c * span
+    n = max(min(lo + span, V) - lo, 0)
+    m = float32(-math.inf)
+    for i in range(t, n, nt):
+        x = logits[b, d, lo + i]
+        sk[i] = order_key(x, lo + i)
+        m = max(m, x)
+    m = _block_reduce(red, m, True)
+    sx = float32(0)
+    for i in range(t, n, nt):
+        sx += math.exp(logits[b, d, lo + i] - m)
+    sx = _block_reduce(red, sx, False)
+    kc = min(K, n)
+    if t == 0:
+        stats[b, d, c, 0], stats[b, d, c, 1] = m, sx
+        cnt[0] = 0
+    prefix, pmask = _radix_select(sk, n, kc, hist, wsum, ctl)
+    if kc > 0:
+        _gather(sk, n, prefix, pmask, keys[b, d, c], cnt)
     for i in range(kc + t, K, nt):
         keys[b, d, c, i] = uint64(0)
 
 
 @kernel(launch_bounds=TOPK_THREADS)
 def topk_merge_kernel(logits, keys, stats, ids, lp):
-    """Block per (depth d, sequence b): sort the C*K chunk candidates (bitonic, descending, in shared memory),
-    keep the first K as ids i32[B, L, K] and their log-probs logit - logsumexp (from the chunks' stats)."""
+    """Block per (depth d, sequence b): the best K of the C*K chunk candidates (radix select in shared memory,
+    dynamic: 8 B per candidate + 8 B per K), ranked by counting; ids i32[B, L, K] in top_logprobs' order and
+    their log-probs logit - logsumexp (from the chunks' stats)."""
     d, b = cuda.blockIdx.x, cuda.blockIdx.y
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     C, K = keys.shape[2], keys.shape[3]
-    sk = cuda.shared.array(TOPK_MERGE, uint64)
-    lse = cuda.shared.array(1, float32)
     n = C * K
-    kp = 1
-    while kp < n:
-        kp *= 2
-    for i in range(t, kp, nt):
-        sk[i] = keys[b, d, i // K, i % K] if i < n else uint64(0)
+    sk = cuda.shared.array(0, uint64)
+    hist = cuda.shared.array((TOPK_WARPS, 256), int32)
+    wsum = cuda.shared.array(TOPK_WARPS, int32)
+    ctl = cuda.shared.array(4, uint64)
+    cnt = cuda.shared.array(1, int32)
+    lse = cuda.shared.array(1, float32)
+    for i in range(t, n, nt):
+        sk[i] = keys[b, d, i // K, i % K]
     if t == 0:
         mx = float32(-math.inf)
         for c in range(C):
@@ -174,32 +266,39 @@ def topk_merge_kernel(logits, keys, stats, ids, lp):
             if stats[b, d, c, 1] > float32(0):
                 tot += stats[b, d, c, 1] * math.exp(stats[b, d, c, 0] - mx)
         lse[0] = mx + math.log(tot)
-    k = 2
-    while k <= kp:
-        j = k // 2
-        while j > 0:
-            cuda.syncthreads()
-            for i in range(t, kp, nt):
-                ixj = i ^ j
-                if ixj > i:
-                    a, e = sk[i], sk[ixj]
-                    if ((i & k) == 0 and a < e) or ((i & k) != 0 and a > e):
-                        sk[i], sk[ixj] = e, a
-            j //= 2
-        k *= 2
+        cnt[0] = 0
+    cuda.syncthreads()
+    prefix, pmask = _radix_select(sk, n, K, hist, wsum, ctl)   # padding keys are 0, below every real key
+    sel = sk[n:n + K]
+    _gather(sk, n, prefix, pmask, sel, cnt)
     cuda.syncthreads()
     for r in range(t, K, nt):
-        v = int32(uint32(0xFFFFFFFF) - uint32(sk[r] & uint64(0xFFFFFFFF)))
-        ids[b, d, r] = v
-        lp[b, d, r] = logits[b, d, v] - lse[0]
+        key = sel[r]
+        rank = 0
+        for j in range(K):
+            rank += 1 if sel[j] > key else 0
+        v = key_index(key)
+        ids[b, d, rank] = v
+        lp[b, d, rank] = logits[b, d, v] - lse[0]
 
 
 def topk_chunks(V, K):
-    """Vocabulary chunks per row: enough blocks to fill the GPU, C*K candidates fitting the merge sort."""
+    """Vocabulary chunks per row: up to TOPK_CHUNKS of >= TOPK_SPAN ids, C*K candidates within TOPK_MERGE."""
     kp = 1
     while kp < K:
         kp *= 2
-    return max(1, min(TOPK_CHUNKS, TOPK_MERGE // kp, -(-V // 2048)))
+    return max(1, min(TOPK_CHUNKS, TOPK_MERGE // kp, V // TOPK_SPAN))
+
+
+TOPK_STATIC = 4 * TOPK_THREADS + 1024 * TOPK_WARPS + 4 * TOPK_WARPS + 64     # the kernels' static shared bytes
+
+
+def topk_smem(V, K):
+    """Dynamic shared memory bytes of (topk_part_kernel, topk_merge_kernel). Static plus dynamic above 48 KB
+    needs the opt-in, which launch_smem makes for dynamic sizes above 48 KB: such sizes are rounded up to it."""
+    C = topk_chunks(V, K)
+    return tuple(b if b + TOPK_STATIC <= 48 * 1024 else max(b, 48 * 1024 + 8) for b in (8 * (-(-V // C)),
+                                                                                      8 * (C * K + K)))
 
 
 @cuda.jit(device=True, inline="always")
@@ -224,93 +323,149 @@ def _ranks_less(ea, eb, fpar, frank, fdepth, npar, nrank):
 
 
 @cuda.jit(device=True, inline="always")
-def _better(sa, ea, sb, eb, fpar, frank, fdepth, npar, nrank):
-    """Entry (score sa, slot ea) pops before (sb, eb): higher score, then smaller rank tuple; slot -1 = none."""
-    if ea < 0:
+def _better(ka, ea, kb, eb, fpar, frank, fdepth, npar, nrank):
+    """Entry (score key ka, slot ea) pops before (kb, eb): higher score, then smaller rank tuple; key 0 = none."""
+    if ka != kb:
+        return ka > kb
+    if ka == uint64(0) or ea == eb:
         return False
-    if eb < 0:
-        return True
-    if sa != sb:
-        return sa > sb
     return _ranks_less(ea, eb, fpar, frank, fdepth, npar, nrank)
 
 
 @cuda.jit
 def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, depths, positions, vis, ntok,
                  sample_seq, sample_pos):
-    """One warp per sequence b: the budgets[b] best prefixes of the candidate lists ids/lp i32/f32[B, L, K], in
-    the reference heap's pop order (scores summed root to leaf in float64). Writes tokens, parents, depths,
-    positions (= lengths[b] + depth) i32[B, N], vis u32[B, N, W] (bit j of row i: node j is i or an ancestor),
+    """Block per sequence b (BUILD_THREADS): warp 0 pops the budgets[b] best prefixes of the candidate lists
+    ids/lp i32/f32[B, L, K] in the reference heap's pop order (scores summed root to leaf in float64, compared
+    as uint64 keys; rank tuples only on equal scores), one argmax plus a sibling or chain run (up to 31 more
+    pops) per step (module docstring), then the block writes tokens, parents, depths, positions
+    (= lengths[b] + depth) i32[B, N], vis u32[B, N, W] (bit j of row i: node j is i or an ancestor),
     ntok[b] = nodes incl. the root, and per node the sampling keys sample_seq / sample_pos (= position + 1)
     i32[B*N]. Rows past ntok[b] are padding (token 0, parent -1, no visibility). Dynamic shared memory
-    (build_smem): frontier and node arrays (40 B per node) and lp[b, :, :min(K, N)]."""
-    b, lane = cuda.blockIdx.x, cuda.threadIdx.x
+    (build_smem): frontier and node arrays (48 B per node) and lp[b, :, :min(K, N)]."""
+    b, t, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    lane = t & 31
     L, K = ids.shape[1], ids.shape[2]
     N, W = tokens.shape[1], vis.shape[2]
     kc = min(K, N)
     d64 = cuda.shared.array(0, float64)
+    du64 = cuda.shared.array(0, uint64)
     d32 = cuda.shared.array(0, int32)
     dff = cuda.shared.array(0, float32)
-    fscore, nscore = d64[0:N], d64[N:2 * N]             # frontier (the reference's heap content) / popped nodes
-    fpar, fdepth, frank = d32[4 * N:5 * N], d32[5 * N:6 * N], d32[6 * N:7 * N]
-    npar, ndepth, nrank = d32[7 * N:8 * N], d32[8 * N:9 * N], d32[9 * N:10 * N]
-    lps = dff[10 * N:10 * N + L * kc]                    # the ranks a tree of N nodes can reach
-    for d in range(L):
-        for r in range(lane, kc, 32):
-            lps[d * kc + r] = lp[b, d, r]
+    fscore, nscore, fkey = d64[0:N], d64[N:2 * N], du64[2 * N:3 * N]   # frontier (the heap's content) / nodes
+    fpar, fdepth, frank = d32[6 * N:7 * N], d32[7 * N:8 * N], d32[8 * N:9 * N]
+    npar, ndepth, nrank = d32[9 * N:10 * N], d32[10 * N:11 * N], d32[11 * N:12 * N]
+    lps = dff[12 * N:12 * N + L * kc]                    # the ranks a tree of N nodes can reach
+    nsh = cuda.shared.array(1, int32)
+    for i in range(t, L * kc, nt):
+        lps[i] = lp[b, i // kc, i % kc]
     budget = min(budgets[b], N - 1)
-    size = 0
-    if budget > 0 and L > 0 and K > 0:
-        size = 1
-        if lane == 0:
-            fscore[0], fpar[0], fdepth[0], frank[0] = float64(lps[0]), 0, 1, 0
-    if lane == 0:
-        nscore[0], npar[0], ndepth[0], nrank[0] = float64(0), -1, 0, 0
+    live = 1 if budget > 0 and L > 0 and K > 0 else 0
     cuda.syncthreads()
+    if t == 0:
+        nscore[0], npar[0], ndepth[0], nrank[0] = float64(0), -1, 0, 0
+        if live:
+            fscore[0], fpar[0], fdepth[0], frank[0] = float64(lps[0]), 0, 1, 0
+            fkey[0] = _score_key(fscore[0])
     nodes = 1
-    while nodes <= budget and size > 0:
-        bs, be = float64(-math.inf), int32(-1)
-        for e in range(lane, size, 32):
-            if _better(fscore[e], int32(e), bs, be, fpar, frank, fdepth, npar, nrank):
-                bs, be = fscore[e], int32(e)
-        for off in (16, 8, 4, 2, 1):                  # warp argmax under the pop order
-            os_, oe = shfl_xor(bs, int32(off)), shfl_xor(be, int32(off))
-            if _better(os_, oe, bs, be, fpar, frank, fdepth, npar, nrank):
-                bs, be = os_, oe
-        par, dep, rk = fpar[be], fdepth[be], frank[be]
-        cuda.syncthreads()
-        if lane == 0:
-            nscore[nodes], npar[nodes], ndepth[nodes], nrank[nodes] = bs, par, dep, rk
-            if rk + 1 < K:                            # next sibling replaces the popped entry
-                fscore[be] = nscore[par] + float64(lps[(dep - 1) * kc + rk + 1])
-                frank[be] = rk + 1
-            else:
-                last = size - 1
-                fscore[be], fpar[be], fdepth[be], frank[be] = fscore[last], fpar[last], fdepth[last], frank[last]
-        size += (0 if rk + 1 < K else -1)
-        if dep < L:                                   # first child joins the frontier
+    if t < 32:                                          # warp 0: the pops
+        _syncwarp()
+        while nodes <= budget and live > 0:
+            bk, be, sk = uint64(0), int32(-1), uint64(0)   # best entry (key, slot), the second-best key
+            for e in range(lane, live, 32):
+                k = fkey[e]
+                if _better(k, int32(e), bk, be, fpar, frank, fdepth, npar, nrank):
+                    sk, bk, be = bk, k, int32(e)
+                else:
+                    sk = max(sk, k)
+            for off in (16, 8, 4, 2, 1):              # warp argmax under the pop order
+                ok, oe, os_ = _shfl_u64(bk, int32(off)), shfl_xor(be, int32(off)), _shfl_u64(sk, int32(off))
+                if _better(ok, oe, bk, be, fpar, frank, fdepth, npar, nrank):
+                    sk, bk, be = max(bk, os_), ok, oe
+                else:
+                    sk = max(sk, ok)
+            par, dep, rk, sc = fpar[be], fdepth[be], frank[be], fscore[be]
+            n0, room, ps, row = nodes, min(budget - nodes, 31), nscore[par], (dep - 1) * kc
+            ck = _score_key(sc + float64(lps[dep * kc])) if dep < L else uint64(0)       # first child
+            gk = _score_key(ps + float64(lps[row + rk + 1])) if rk + 1 < K else uint64(0)  # next sibling
+            # a run: the next pops need no argmax while each beats, by key, every other entry there will be
+            s = float64(0)                            # sibling run: lane l pops sibling rk+1+l too
+            hit = False
+            if lane < room and rk + 1 + lane < K:
+                s = ps + float64(lps[row + rk + 1 + lane])
+                hit = _score_key(s) > max(sk, ck)
+            run = _trailing_ones(_ballot(hit))
+            chain = run == 0 and ck > max(sk, gk)
+            cs, cand = sc, float64(0)                 # chain run: lane l pops c_(l+1), the first child of c_l
+            if chain:
+                hit = False
+                if dep + lane < L:
+                    bound = max(sk, gk)
+                    for i in range(lane):             # the next siblings of c_1..c_lane join the frontier
+                        if K > 1:
+                            bound = max(bound, _score_key(cs + float64(lps[(dep + i) * kc + 1])))
+                        cs = cs + float64(lps[(dep + i) * kc])
+                    cand = cs + float64(lps[(dep + lane) * kc])
+                    hit = lane < room and _score_key(cand) > bound
+                run = _trailing_ones(_ballot(hit))
+            _syncwarp()                               # every lane has read the frontier: write
             if lane == 0:
-                fscore[size] = bs + float64(lps[dep * kc])
-                fpar[size], fdepth[size], frank[size] = nodes, dep + 1, 0
-            size += 1
-        nodes += 1
-        cuda.syncthreads()
+                nscore[n0], npar[n0], ndepth[n0], nrank[n0] = sc, par, dep, rk
+            if chain:                                 # node c_(l+1); entries: sibling of c_(l+1), child of c_run
+                if lane < run:
+                    n = n0 + 1 + lane
+                    nscore[n], npar[n], ndepth[n], nrank[n] = cand, n0 + lane, dep + 1 + lane, 0
+                add = (lane < run and K > 1) or (lane == run and dep + run < L)
+                es = cs + float64(lps[(dep + lane) * kc + 1]) if add and lane < run else cand
+                ep, ed, er = n0 + lane, dep + 1 + lane, (1 if lane < run else 0)
+                g = rk + 1
+            else:                                     # node: sibling rk+1+l; entries: child of every node
+                if lane < run:
+                    n = n0 + 1 + lane
+                    nscore[n], npar[n], ndepth[n], nrank[n] = s, par, dep, rk + 1 + lane
+                add = lane <= run and dep < L
+                es = float64(0)
+                if add:
+                    es = (sc if lane == 0 else ps + float64(lps[row + rk + lane])) + float64(lps[dep * kc])
+                ep, ed, er = n0 + lane, dep + 1, 0
+                g = rk + 1 + run
+            bits = _ballot(add)
+            new = int32(cuda.popc(bits))
+            if add:                                   # the popped entry's slot is reused when its group ends
+                idx = int32(cuda.popc(bits & ((uint32(1) << uint32(lane)) - uint32(1))))
+                e = live + idx if g < K else (be if idx == 0 else live + idx - 1)
+                fscore[e], fkey[e], fpar[e], fdepth[e], frank[e] = es, _score_key(es), ep, ed, er
+            if lane == 0:
+                if g < K:                             # the group's next sibling stays in the popped slot
+                    gs = ps + float64(lps[row + g])
+                    fscore[be], fkey[be], frank[be] = gs, _score_key(gs), g
+                elif new == 0:                        # the group ends and nothing joins: the last entry moves
+                    j = live - 1
+                    fscore[be], fkey[be], fpar[be] = fscore[j], fkey[j], fpar[j]
+                    fdepth[be], frank[be] = fdepth[j], frank[j]
+            live += new - (0 if g < K else 1)
+            nodes = n0 + 1 + run
+            _syncwarp()
+        if t == 0:
+            nsh[0] = nodes
+    cuda.syncthreads()
+    nodes = nsh[0]
     start = lengths[b]
-    for i in range(lane, N, 32):
-        live = i < nodes
-        dep = ndepth[i] if live else 0
+    for i in range(t, N, nt):
+        live_i = i < nodes
+        dep = ndepth[i] if live_i else 0
         tok = 0
         if i == 0:
             tok = bonus[b]
-        elif live:
+        elif live_i:
             tok = ids[b, dep - 1, nrank[i]]
         tokens[b, i] = tok
-        parents[b, i] = npar[i] if live else -1
+        parents[b, i] = npar[i] if live_i else -1
         depths[b, i] = dep
         positions[b, i] = start + dep
         sample_seq[b * N + i] = seq_ids[b]
         sample_pos[b * N + i] = start + dep + 1
-    for iw in range(lane, N * W, 32):                 # ancestor-or-self bits, one word per step
+    for iw in range(t, N * W, nt):                    # ancestor-or-self bits, one word per step
         i, w = iw // W, iw % W
         word = uint32(0)
         j = i if i < nodes else -1
@@ -319,7 +474,7 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
                 word |= uint32(1) << uint32(j % 32)
             j = npar[j]
         vis[b, i, w] = word
-    if lane == 0:
+    if t == 0:
         ntok[b] = nodes
 
 
@@ -359,40 +514,59 @@ def walk_kernel(tokens, parents, ntok, post, lengths, bonus, path, nacc, start_o
         bonus[b] = post[b * N + cur]
 
 
+COMMIT_THREADS = 64 if SIM else 256
+GATHER_THREADS = 64 if SIM else 256
+
+
 @cuda.jit
 def commit_kernel(cache, path, nacc, start):
-    """Block per (layer, sequence): cache rows start+path[i] move to start+i (i < nacc), all rows read into
-    shared memory before any is written. cache u32[layers, B, cap, D/2] (bf16 pairs); dynamic shared memory
-    P*D/2 words. Bytes: 2 * 2D per accepted row per layer."""
+    """Block per (layer, sequence): cache rows start+path[i] move to start+i (0 < i < nacc), all rows read into
+    shared memory before any is written, four independent loads in flight per thread. cache u32[layers, B, cap,
+    D/2] (bf16 pairs); dynamic shared memory P*D/2 words. Bytes: 2 * 2D per accepted row per layer."""
     layer, b = cuda.blockIdx.x, cuda.blockIdx.y
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     D2 = cache.shape[3]
     buf = cuda.shared.array(0, uint32)
     s0, m = start[b], nacc[b]
-    for i in range(1, m):
-        src = s0 + path[b, i]
-        for c in range(t, D2, nt):
-            buf[i * D2 + c] = cache[layer, b, src, c]
+    n = (m - 1) * D2                                   # words of rows 1..m-1, row-major
+    for k in range(t, n, 4 * nt):
+        w = cuda.local.array(4, uint32)
+        for u in range(4):
+            ku = k + u * nt
+            if ku < n:
+                w[u] = cache[layer, b, s0 + path[b, 1 + ku // D2], ku % D2]
+        for u in range(4):
+            if k + u * nt < n:
+                buf[k + u * nt] = w[u]
     cuda.syncthreads()
-    for i in range(1, m):
+    for k in range(t, n, nt):
+        i = 1 + k // D2
         if path[b, i] != i:
-            for c in range(t, D2, nt):
-                cache[layer, b, s0 + i, c] = buf[i * D2 + c]
+            cache[layer, b, s0 + i, k % D2] = buf[k]
 
 
 @cuda.jit
 def gather_kernel(hidden, path, nacc, start, feats, feat_pos):
-    """Block per (accepted slot i, sequence b): feats[b, i] = concat_f hidden[f, b, path[b, i]] (the drafter
-    context's new rows, target_layer_ids order) and feat_pos[b, i] = start[b] + i, for i < nacc[b].
-    hidden f32[F, B, N, H] -> feats f32[B, P, F*H]."""
-    i, b = cuda.blockIdx.x, cuda.blockIdx.y
+    """Block per (column chunk, accepted slot i, sequence b), 4 * blockDim columns per block:
+    feats[b, i] = concat_f hidden[f, b, path[b, i]] (the drafter context's new rows, target_layer_ids order)
+    and feat_pos[b, i] = start[b] + i, for i < nacc[b]. hidden f32[F, B, N, H] -> feats f32[B, P, F*H].
+    Bytes: 2 * 4 * F*H per accepted row."""
+    g, i, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+    t, nt = cuda.threadIdx.x, cuda.blockDim.x
     F, H = hidden.shape[0], hidden.shape[3]
     if i >= nacc[b]:
         return
     node = path[b, i]
-    for c in range(cuda.threadIdx.x, F * H, cuda.blockDim.x):
-        feats[b, i, c] = hidden[c // H, b, node, c % H]
-    if cuda.threadIdx.x == 0:
+    w = cuda.local.array(4, float32)
+    for u in range(4):                                 # four independent loads in flight per thread
+        c = (4 * g + u) * nt + t
+        if c < F * H:
+            w[u] = hidden[c // H, b, node, c % H]
+    for u in range(4):
+        c = (4 * g + u) * nt + t
+        if c < F * H:
+            feats[b, i, c] = w[u]
+    if g == 0 and t == 0:
         feat_pos[b, i] = start[b] + i
 
 
@@ -416,6 +590,7 @@ class TreeBuffers:
     nacc: object         # i32[B]
     start: object        # i32[B]
     out_tokens: object   # i32[B, L+2]
+    sample_work: object  # u64[B*N, SAMPLE_CHUNKS] kernels.sample.sample's workspace for the B*N node rows
 
 
 def tree_buffers(zeros, B, L, K, N, V):
@@ -427,7 +602,8 @@ def tree_buffers(zeros, B, L, K, N, V):
                        zeros((B, L, C, 2), np.float32), zeros((B, N), i32), zeros((B, N), i32),
                        zeros((B, N), i32), zeros((B, N), i32), zeros((B, N, -(-N // 32)), np.uint32),
                        zeros(B, i32), zeros(B * N, i32), zeros(B * N, i32), zeros(B * N, i32),
-                       zeros((B, L + 1), i32), zeros(B, i32), zeros(B, i32), zeros((B, L + 2), i32))
+                       zeros((B, L + 1), i32), zeros(B, i32), zeros(B, i32), zeros((B, L + 2), i32),
+                       zeros((B * N, SAMPLE_CHUNKS), np.uint64))
 
 
 def tree_topk(logits, tb: TreeBuffers):
@@ -438,20 +614,21 @@ def tree_topk(logits, tb: TreeBuffers):
         raise ValueError(f"tree_topk: logits {logits.shape} do not match buffers ids {tb.ids.shape}, "
                          f"{C} chunks (made for another vocabulary?)")
     if B and L:
-        stream = current_stream()
-        topk_part_kernel[(C, L, B), TOPK_THREADS, stream](logits, tb.cand, tb.cstats)
-        topk_merge_kernel[(L, B), TOPK_THREADS, stream](logits, tb.cand, tb.cstats, tb.ids, tb.lp)
+        part, merge = topk_smem(V, K)
+        launch_smem(topk_part_kernel, (C, L, B), TOPK_THREADS, part, (logits, tb.cand, tb.cstats))
+        launch_smem(topk_merge_kernel, (L, B), TOPK_THREADS, merge, (logits, tb.cand, tb.cstats, tb.ids, tb.lp))
 
 
 def build_smem(L, K, N):
     """Dynamic shared memory bytes of build_kernel."""
-    return 40 * N + 4 * L * min(K, N)
+    return 48 * N + 4 * L * min(K, N)
 
 
 def tree_build(tb: TreeBuffers, budgets, lengths, bonus, seq_ids):
     """build_tree for every sequence from tb.ids / tb.lp; budgets, lengths, bonus, seq_ids i32[B] on the device."""
     (B, L, K), N = tb.ids.shape, tb.tokens.shape[1]
-    launch_smem(build_kernel, B, 32, build_smem(L, K, N),
+    smem = build_smem(L, K, N)
+    launch_smem(build_kernel, B, BUILD_THREADS, smem if smem + 64 <= 48 * 1024 else max(smem, 48 * 1024 + 8),
                 (tb.ids, tb.lp, budgets, lengths, bonus, seq_ids, tb.tokens, tb.parents, tb.depths, tb.positions,
                  tb.vis, tb.ntok, tb.sample_seq, tb.sample_pos))
 
@@ -467,8 +644,9 @@ def tree_commit(tb: TreeBuffers, cache, hidden=None, feats=None, feat_pos=None):
     """commit: move the accepted latent rows of every layer (cache u16[layers, B, cap, D]) and, with a drafter,
     gather the accepted nodes' features hidden f32[F, B, N, H] into feats f32[B, L+1, F*H] at feat_pos."""
     B, P = tb.path.shape
-    launch_smem(commit_kernel, (cache.shape[0], B), 128, 2 * P * cache.shape[3],
+    launch_smem(commit_kernel, (cache.shape[0], B), COMMIT_THREADS, 2 * P * cache.shape[3],
                 (cache.view(np.uint32), tb.path, tb.nacc, tb.start))
     if hidden is not None:
-        gather_kernel[(tb.path.shape[1], B), 256, current_stream()](hidden, tb.path, tb.nacc, tb.start, feats,
-                                                                    feat_pos)
+        chunks = -(-hidden.shape[0] * hidden.shape[3] // (4 * GATHER_THREADS))
+        gather_kernel[(chunks, P, B), GATHER_THREADS, current_stream()](hidden, tb.path, tb.nacc, tb.start, feats,
+                                                                        feat_pos)

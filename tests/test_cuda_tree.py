@@ -9,11 +9,14 @@ from kernels.mla import mask_bits
 from numbaengine.ddtree import build_tree, draft_tree, top_logprobs, walk
 
 
-def random_lists(rng, L, K, quantized):
-    """Per-depth candidates as in tests/test_tree.py: distinct ids, log-probs sorted descending (quantized tie)."""
+def random_lists(rng, L, K, quantized, peaked=False):
+    """Per-depth candidates as in tests/test_tree.py: distinct ids, log-probs sorted descending (quantized tie;
+    peaked: a confident drafter, top candidates near probability 1, long chains)."""
     ids = np.stack([rng.choice(max(50, 4 * K), K, replace=False) for _ in range(L)]).astype(np.int32)
     if quantized:
         lp = -rng.integers(0, 4, size=(L, K)) * 0.5 - 0.25
+    elif peaked:
+        lp = np.log(rng.dirichlet(np.r_[60.0, np.ones(K + 2)], size=L)[:, :K])
     else:
         lp = np.log(rng.dirichlet(np.ones(K + 3), size=L)[:, :K])
     return ids, (-np.sort(-lp, axis=1)).astype(np.float32)
@@ -36,12 +39,12 @@ def assert_tree(got, b, ref, start, seq_id):
         (got.sample_seq[b * N:b * N + n] == seq_id).all(), f"seq {b} sampling keys"
 
 
-def check_build(env, L=3, K=3, budgets=(9, 5, 0, 1), quantized=True, seed=0):
+def check_build(env, L=3, K=3, budgets=(9, 5, 0, 1), quantized=True, seed=0, peaked=False):
     """Trees from given candidate lists, several sequences with different budgets, vs build_tree."""
     from kernels.tree import tree_buffers, tree_build
     rng = np.random.default_rng(seed)
     B, N = len(budgets), max(budgets) + 1
-    lists = [random_lists(rng, L, K, quantized and b % 2 == 0) for b in range(B)]
+    lists = [random_lists(rng, L, K, quantized and b % 2 == 0, peaked) for b in range(B)]
     tb = tree_buffers(env.zeros, B, L, K, N, 4 * K)
     tb.ids, tb.lp = env.dev(np.stack([i for i, _ in lists])), env.dev(np.stack([p for _, p in lists]))
     budgets, lengths = np.array(budgets, np.int32), rng.integers(0, 100, B).astype(np.int32)
@@ -131,12 +134,37 @@ def check_walk_commit(env, L=3, K=3, budgets=(9, 5, 0), D=16, layers=2, F=2, H=4
         assert feat_pos[b, :m].tolist() == list(range(s0, s0 + m))
 
 
+def check_sample_split(env, n=5, V=700, temperatures=(0, 0.7, 1.0), seed=6):
+    """kernels.sample.sample with a workspace (rows split over vocabulary chunks) == sample_ref: exact ties, a
+    peaked row (most ids skip the noise's logs), -inf logits; the workspace starts as garbage."""
+    from kernels.sample import SAMPLE_CHUNKS, sample, sample_ref
+    rng = np.random.default_rng(seed)
+    logits = (3 * rng.normal(size=(n, V))).astype(np.float32)
+    logits[1 % n, [5, 9, V - 1]] = 50.0                                            # exact tie: lowest index wins
+    logits[2 % n] *= 20                                                            # peaked
+    logits[3 % n, ::3] = -np.inf
+    seq = np.arange(n, dtype=np.int32) + 3
+    pos = rng.integers(0, 100000, size=n).astype(np.int32)
+    work = env.dev(np.full((n + 2, SAMPLE_CHUNKS), 2 ** 63 + 7, np.uint64))
+    for t in temperatures:
+        want = sample_ref(logits, t, 99, seq, pos, np.empty(n, np.int32))
+        out = env.dev(np.full(n, -1, np.int32))
+        sample(env.dev(logits), t, 99, env.dev(seq), env.dev(pos), out, work=work)
+        assert env.host(out).tolist() == want.tolist(), f"temperature {t}"
+
+
 SIM_CASES = {
     "build_ties_batch": lambda env: check_build(env),
     "build_deeper_wider": lambda env: check_build(env, L=4, K=3, budgets=(16, 20), quantized=True, seed=4),
     "build_chain_dflash": lambda env: check_build(env, L=4, K=1, budgets=(4, 2), seed=5),
     "topk_ties": lambda env: check_topk(env),
     "topk_chunks": lambda env: check_topk(env, B=1, L=2, V=5000, K=3, seed=8),
+    "topk_chunks_ties": lambda env: check_topk(env, B=1, L=2, V=2100, K=40, seed=9),
+    "build_exhausted": lambda env: check_build(env, L=2, K=2, budgets=(9, 3, 6), quantized=True, seed=12),
+    "build_runs": lambda env: check_build(env, L=5, K=12, budgets=(40, 33, 7), quantized=True, seed=21),
+    "build_runs_peaked": lambda env: check_build(env, L=7, K=6, budgets=(45, 20), quantized=False, seed=22,
+                                                 peaked=True),
+    "sample_split": lambda env: check_sample_split(env),
     "draft_pipeline": lambda env: check_draft_pipeline(env),
     "walk_commit_gather": lambda env: check_walk_commit(env),
 }
@@ -158,11 +186,25 @@ def test_simulator(sim_results, case):
 @pytest.mark.parametrize("quantized", [False, True])
 def test_gpu_build(quantized):
     check_build(Env(gpu=True), L=15, K=255, budgets=(255, 16, 1, 0), quantized=quantized, seed=11)
+    check_build(Env(gpu=True), L=15, K=255, budgets=(255, 64, 200), quantized=False, seed=15, peaked=True)
+    check_build(Env(gpu=True), L=15, K=1024, budgets=(1024, 300), quantized=quantized, seed=16)
 
 
 @pytest.mark.gpu
 def test_gpu_topk_k2_vocab():
     check_topk(Env(gpu=True), B=2, L=15, V=163840, K=255)
+
+
+@pytest.mark.gpu
+def test_gpu_topk_wide():
+    check_topk(Env(gpu=True), B=1, L=3, V=163840, K=1024, seed=13)
+    check_topk(Env(gpu=True), B=3, L=2, V=163840, K=16, seed=14)
+
+
+@pytest.mark.gpu
+def test_gpu_sample_split():
+    check_sample_split(Env(gpu=True), n=257, V=163840, temperatures=(0, 1.0, 0.6))
+    check_sample_split(Env(gpu=True), n=17, V=163840, temperatures=(1.0,), seed=7)
 
 
 @pytest.mark.gpu
@@ -189,6 +231,19 @@ SIGS = {
     "commit_kernel": "void(uint32[:,:,:,::1], int32[:,::1], int32[::1], int32[::1])",
     "gather_kernel": "void(float32[:,:,:,::1], int32[:,::1], int32[::1], int32[::1], float32[:,:,::1], int32[:,::1])",
 }
+
+
+SAMPLE_SIGS = {
+    "sample_part_kernel": "void(float32[:,::1], float32, boolean, uint64, int32[::1], int32[::1], uint64[:,::1])",
+    "sample_merge_kernel": "void(uint64[:,::1], int32, int32, int32[::1])",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLE_SIGS))
+def test_ptx_sample_split(name):
+    import kernels.sample as S
+    ptx = ptx_or_skip(getattr(S, name).py_func, SAMPLE_SIGS[name])
+    assert not f64_lines(ptx), f64_lines(ptx)[:5]
 
 
 @pytest.mark.parametrize("name", sorted(SIGS))
