@@ -154,7 +154,8 @@ class DeviceRounds:
         self.target.forward_into(tb.tokens.reshape(-1), tb.positions.reshape(-1), self.rows,
                                  LatentVis(self.lengths, tb.ntok, tb.vis), self.logits, self.hidden, self.layer_ids)
         mark("walk")
-        sample(self.logits, self.shape.temperature, self.shape.seed, tb.sample_seq, tb.sample_pos, tb.post)
+        sample(self.logits, self.shape.temperature, self.shape.seed, tb.sample_seq, tb.sample_pos, tb.post,
+               tb.sample_work)
         tree_walk(tb, self.lengths, self.bonus)                      # lengths += tau, bonus = the next token
         mark("commit")
         if self.drafter is None:
