@@ -268,7 +268,7 @@ def batch1(a):
 def launch_attention(q, k, v, kv_len, vis, scale, out, work):
     """The launches behind `attention` and `kv_attention` (shapes already checked; 4-D q, k, v, out)."""
     B, n, h, _ = q.shape
-    hk, dv = v.shape[2], v.shape[3]
+    hk = v.shape[2]
     tiles = -(-n * (h // hk) // ATT_ROWS)
     has_len, has_vis = kv_len is not None, vis is not None
     lens = placeholder(q, (1,), np.int32) if kv_len is None else kv_len

@@ -51,7 +51,7 @@ from kernels.device import SIM, as_f32, current_stream, kernel, ld4, ld16, mma_b
 if not SIM:
     from llvmlite import ir
     from numba import types
-    from numba.cuda import cgutils, libdevice
+    from numba.cuda import libdevice
     from numba.cuda.extending import intrinsic
 
     from kernels.device import _address

@@ -15,7 +15,6 @@ eagerly (it compiles kernels and sizes scratch), the next is captured, later one
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from time import perf_counter
 

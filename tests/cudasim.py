@@ -137,3 +137,23 @@ def worst(got, want):
     i = np.unravel_index(np.argmax(err), err.shape) if err.size else ()
     return f"max |err| {err.max() if err.size else 0:.3g} at {i}: got {got[i] if err.size else ''} want " \
            f"{want[i] if err.size else ''}"
+
+
+def simulator_test(module: str):
+    """The test a module with SIM_CASES exposes (`test_simulator = simulator_test(__name__)`): one parametrized
+    case per name, reading the module's simulator children once (their results are cached per module)."""
+    import importlib
+
+    import pytest
+    cases = sorted(importlib.import_module(module).SIM_CASES) if module in sys.modules else []
+
+    @pytest.mark.parametrize("case", cases)
+    def test_simulator(case):
+        results = _RESULTS.get(module)
+        if results is None:
+            results = _RESULTS[module] = simulate(module)
+        assert results[case] == "", results[case]
+    return test_simulator
+
+
+_RESULTS = {}                # module -> simulate(module)

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 import pytest
-from cudasim import f64_lines, ptx_or_skip, simulate
+from cudasim import f64_lines, ptx_or_skip, simulator_test
 from test_ptx import cpu_compute_capability  # noqa: F401  (fixture: sm_90 for device functions without a GPU)
 
 TOL = 1e-2
@@ -157,14 +157,7 @@ SIM_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def sim_results():
-    return simulate("test_backend_sim")
-
-
-@pytest.mark.parametrize("case", sorted(SIM_CASES))
-def test_simulator(sim_results, case):
-    assert sim_results[case] == "", sim_results[case]
+test_simulator = simulator_test(__name__)
 
 
 def test_sim_needs_the_simulator():

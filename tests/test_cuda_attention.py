@@ -4,7 +4,7 @@ compile check for sm_90 with no float64 instructions in the hot kernels."""
 import numpy as np
 import pytest
 
-from cudasim import Env, f64_lines, ptx_or_skip, simulate, worst
+from cudasim import Env, f64_lines, ptx_or_skip, simulator_test, worst
 from weights.dtypes import bf16_to_f32, f32_to_bf16
 
 BF16_NAN = np.uint16(0x7FC0)
@@ -133,14 +133,7 @@ SIM_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def sim_results():
-    return simulate("test_cuda_attention")
-
-
-@pytest.mark.parametrize("case", sorted(SIM_CASES))
-def test_simulator(sim_results, case):
-    assert sim_results[case] == "", sim_results[case]
+test_simulator = simulator_test(__name__)
 
 
 # --- GPU (K2 shapes) ----------------------------------------------------------------------------------------------

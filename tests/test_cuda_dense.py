@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import cuda_cases as C
-from cudasim import Env, simulate
+from cudasim import Env, simulator_test
 from kernels.gemm import GemmConfig
 
 
@@ -78,14 +78,7 @@ def test_ptx_gemm_fused_reduce(T, R, BF):
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory"
 
 
-@pytest.fixture(scope="module")
-def sim_results():
-    return simulate("test_cuda_dense")
-
-
-@pytest.mark.parametrize("case", sorted(SIM_CASES))
-def test_simulator(sim_results, case):
-    assert sim_results[case] == "", sim_results[case]
+test_simulator = simulator_test(__name__)
 
 
 # --- GPU (K2 shapes) ----------------------------------------------------------------------------------------------

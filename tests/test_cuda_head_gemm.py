@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from cuda_cases import assert_close, poisoned, rand_bf16
-from cudasim import Env, f64_lines, ptx_or_skip, simulate
+from cudasim import Env, f64_lines, ptx_or_skip, simulator_test
 from kernels.gemm import HeadGemmConfig
 from weights.dtypes import bf16_to_f32
 
@@ -43,14 +43,7 @@ SIM_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def sim_results():
-    return simulate("test_cuda_head_gemm")
-
-
-@pytest.mark.parametrize("case", sorted(SIM_CASES))
-def test_simulator(sim_results, case):
-    assert sim_results[case] == "", sim_results[case]
+test_simulator = simulator_test(__name__)
 
 
 def test_ptx_head_gemm():

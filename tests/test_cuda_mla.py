@@ -6,7 +6,7 @@ marked gpu) and as sm_90 PTX (no float64, no local memory)."""
 import numpy as np
 import pytest
 
-from cudasim import Env, f64_lines, ptx_or_skip, simulate, worst
+from cudasim import Env, f64_lines, ptx_or_skip, simulator_test, worst
 from test_cuda_attention import BF16_NAN, pack_vis, random_tree_vis
 from weights.dtypes import bf16_to_f32, f32_to_bf16
 
@@ -63,14 +63,7 @@ SIM_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def sim_results():
-    return simulate("test_cuda_mla")
-
-
-@pytest.mark.parametrize("case", sorted(SIM_CASES))
-def test_simulator(sim_results, case):
-    assert sim_results[case] == "", sim_results[case]
+test_simulator = simulator_test(__name__)
 
 
 # --- GPU (K2 shapes) ----------------------------------------------------------------------------------------------

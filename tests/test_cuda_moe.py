@@ -4,7 +4,7 @@ all tokens on one expert (several work items for it), a shared-expert add."""
 import pytest
 
 import cuda_cases as C
-from cudasim import Env, simulate
+from cudasim import Env, simulator_test
 from kernels.moe import ExpertConfig
 
 SMALL = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2), ExpertConfig(R=2, WR=1, WK=1, T=1, blocks_per_sm=2))
@@ -19,14 +19,7 @@ SIM_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def sim_results():
-    return simulate("test_cuda_moe")
-
-
-@pytest.mark.parametrize("case", sorted(SIM_CASES))
-def test_simulator(sim_results, case):
-    assert sim_results[case] == "", sim_results[case]
+test_simulator = simulator_test(__name__)
 
 
 # --- GPU (K2 widths: H 7168, I 2048, top-8; 8-16 experts keep the NumPy reference quick) -----------------------

@@ -4,7 +4,7 @@ and the drafter-feature gather. Simulator cases run in a child process; K2-sized
 import numpy as np
 import pytest
 
-from cudasim import Env, f64_lines, ptx_or_skip, simulate
+from cudasim import Env, f64_lines, ptx_or_skip, simulator_test
 from kernels.mla import mask_bits
 from numbaengine.ddtree import build_tree, draft_tree, top_logprobs, walk
 
@@ -170,14 +170,7 @@ SIM_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def sim_results():
-    return simulate("test_cuda_tree")
-
-
-@pytest.mark.parametrize("case", sorted(SIM_CASES))
-def test_simulator(sim_results, case):
-    assert sim_results[case] == "", sim_results[case]
+test_simulator = simulator_test(__name__)
 
 
 # --- GPU (K2 / DFlash shapes: L = 15 depths, budgets 0 / 1 / 16 / 255) ------------------------------------------

@@ -113,7 +113,6 @@ def phase_times(cp, dev, reps=20) -> dict:
 
 
 def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp):
-    from numbaengine import device_round
     prompts = (PROMPTS * math.ceil(batch / len(PROMPTS)))[:batch]
     if isinstance(engine.tokenizer, IdTokenizer):                            # synthetic checkpoints: token ids
         rng = np.random.default_rng(0)
