@@ -19,10 +19,9 @@ from weights.shards import Checkpoint
 
 @dataclass
 class Attn:
-    q_a: np.ndarray          # u16[q_lora, H]
+    q_kv_a: np.ndarray       # u16[q_lora + kv_lora + rope, H]: q_a_proj stacked over kv_a_proj_with_mqa (same x)
     q_a_norm: np.ndarray     # u16[q_lora]
     q_b: np.ndarray          # u16[h*(nope+rope), q_lora]
-    kv_a: np.ndarray         # u16[kv_lora+rope, H]
     kv_a_norm: np.ndarray    # u16[kv_lora]
     kv_b: np.ndarray         # u16[h*(nope+v), kv_lora]
     w_uk: np.ndarray         # u16[h, kv_lora, nope]  view of kv_b, transposed per head (out, in like a linear)
@@ -114,9 +113,9 @@ def _attn(cfg, read: Reader, p: str) -> Attn:
     h, nope, v, r = cfg.num_attention_heads // read.n, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     kv_b = read.linear(p + "kv_b_proj")
     per_head = kv_b.reshape(h, nope + v, r)
-    return Attn(read.linear(p + "q_a_proj"), read(p + "q_a_layernorm.weight"), read.linear(p + "q_b_proj"),
-                read.linear(p + "kv_a_proj_with_mqa"), read(p + "kv_a_layernorm.weight"), kv_b,
-                per_head[:, :nope].transpose(0, 2, 1), per_head[:, nope:], read.linear(p + "o_proj"))
+    q_kv_a = np.concatenate([read.linear(p + "q_a_proj"), read.linear(p + "kv_a_proj_with_mqa")])
+    return Attn(q_kv_a, read(p + "q_a_layernorm.weight"), read.linear(p + "q_b_proj"),
+                read(p + "kv_a_layernorm.weight"), kv_b, per_head[:, :nope].transpose(0, 2, 1), per_head[:, nope:], read.linear(p + "o_proj"))
 
 
 def _experts(cfg, read: Reader, p: str) -> Experts:

@@ -124,10 +124,11 @@ class Target:
     def _attention(self, w: Attn, x, pos, rows, visible, form):
         cfg, ops, T = self.cfg, self.ops, len(x)
         nh, nope, rope, r = len(w.w_uk), cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank  # nh: held here
-        cq = ops.gemm(x, w.q_a, ops.scratch("cq", (T, cfg.q_lora_rank)))
+        ql = cfg.q_lora_rank
+        qkv = ops.gemm(x, w.q_kv_a, ops.scratch("q_kv_a", (T, ql + r + rope)))  # q_a and kv_a read x once
+        cq, kv = qkv[:, :ql], qkv[:, ql:]                                      # kv becomes the latent row
         ops.rmsnorm(cq, w.q_a_norm, LATENT_NORM_EPS, cq)
         q = ops.gemm(cq, w.q_b, ops.scratch("q", (T, nh * (nope + rope)))).reshape(T, nh, nope + rope)
-        kv = ops.gemm(x, w.kv_a, ops.scratch("kv", (T, r + rope)))            # becomes the latent row
         ops.rmsnorm(kv[:, :r], w.kv_a_norm, LATENT_NORM_EPS, kv[:, :r])
         ops.rope(kv[:, None, r:], pos, self.inv_freq, kv[:, None, r:], True, self.rope_factor)
         ops.cache_write(rows, visible, kv)                                     # same values from every shard

@@ -1,8 +1,8 @@
 """How the target is laid out over n devices of one host, as data: which tensors split along which axis.
 
-Attention is split by heads (q_b and kv_b by rows, o_proj by columns; q_a, kv_a and the norms replicated), routed
-experts by expert id, the router replicated, dense layer 0 and the shared expert by their intermediate columns, and
-lm_head by vocabulary. Each device then holds a partial sum after attention and after the MLP/MoE block: one
+Attention is split by heads (q_b and kv_b by rows, o_proj by columns; q_a, kv_a (stacked into one GEMM at load)
+and the norms replicated), routed experts by expert id, the router replicated, dense layer 0 and the shared expert
+by their intermediate columns, and lm_head by vocabulary. Each device then holds a partial sum after attention and after the MLP/MoE block: one
 all-reduce each per layer. The embedding is replicated (every device embeds its own copy of the tokens).
 """
 from __future__ import annotations

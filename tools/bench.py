@@ -59,7 +59,7 @@ def nbytes(record) -> int:
 def round_floor(engine, dev, n_rows, mean_len) -> dict:
     """HBM bytes one round must move at least, by part."""
     cfg, w = engine.cfg, engine.target.w
-    attn = sum(nbytes([a.q_a, a.q_a_norm, a.q_b, a.kv_a, a.kv_a_norm, a.w_uk, a.w_uv, a.o])
+    attn = sum(nbytes([a.q_kv_a, a.q_a_norm, a.q_b, a.kv_a_norm, a.w_uk, a.w_uv, a.o])
                for a in (layer.attn for layer in w.layers))
     dense = sum(nbytes(layer.mlp) for layer in w.layers if layer.mlp is not None)
     shared = sum(nbytes(layer.moe.shared) + nbytes(layer.moe.gate) for layer in w.layers if layer.moe is not None)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On a GPU machine: every GPU test (pytest -m gpu), then the kernel benchmark. Logs and JSON go to $OUT (./gpu_out).
+# On a GPU machine: every GPU test (pytest -m gpu), the kernel benchmark, then the end-to-end benchmark under the
+# NVML profiler. Logs and JSON go to $OUT (./gpu_out).
 #   bash tools/gpu_check.sh            (device tool: OUT is set there)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,5 +18,9 @@ test_rc=${PIPESTATUS[0]}
 timeout "${BENCH_TIMEOUT:-400}" python3 -m tools.bench_kernels --out "$OUT/bench_kernels.json" ${BENCH_ARGS:-} 2>&1 \
   | tee "$OUT/bench_kernels.log"
 bench_rc=${PIPESTATUS[0]}
-echo "pytest rc=$test_rc bench rc=$bench_rc" | tee -a "$OUT/gpu.txt"
-exit $(( test_rc != 0 || bench_rc != 0 ))
+timeout "${E2E_TIMEOUT:-400}" python3 -m tools.nvml_profile --out "$OUT/nvml" -- python3 -m tools.bench \
+  --out "$OUT/bench.json" ${E2E_ARGS:---modes ar,dflash,ddtree --budgets 4,16,64,256 --batches 1,8,32} 2>&1 \
+  | tee "$OUT/bench.log"
+e2e_rc=${PIPESTATUS[0]}
+echo "pytest rc=$test_rc bench rc=$bench_rc e2e rc=$e2e_rc" | tee -a "$OUT/gpu.txt"
+exit $(( test_rc != 0 || bench_rc != 0 || e2e_rc != 0 ))
