@@ -197,7 +197,7 @@ class DeviceRounds:
     def capture(self):
         """Record one round as a CUDA graph. Everything it touches exists already (the eager round made it); a
         round that allocated, synchronized or copied from the host during capture is an error."""
-        cp, pool = self.ops.xp, self.ops.xp.get_default_memory_pool()
+        pool = self.ops.xp.get_default_memory_pool()
         before = pool.total_bytes()
         self.stream.begin_capture()
         try:
@@ -208,7 +208,6 @@ class DeviceRounds:
             raise RuntimeError("capture: a round allocated device memory while being captured (a buffer is missing "
                                "from DeviceRounds or an op made a temporary)")
         graph.upload(self.stream)
-        del cp
         return graph
 
     def kernel_nodes(self) -> list:

@@ -254,15 +254,19 @@ class Drafter:
         of the block over its context plus the block's own keys and values (k, v)."""
         c, ops, n = self.cfg, self.ops, len(h)
         x = ops.scratch("d.x", h.shape)
+        ops.rmsnorm(h, self.layers[0].ln1, c.rms_norm_eps, x)
         for i, layer in enumerate(self.layers):
-            ops.rmsnorm(h, layer.ln1, c.rms_norm_eps, x)
             q = self._heads(ops.gemm(x, layer.q, ops.scratch("d.q", (n, c.num_attention_heads * c.head_dim))),
                             layer.q_norm)
             ops.rope(q, positions, self.inv_freq, q, False)                            # [n, nh, d]
             o = attend(i, q, self._keys(x, layer, positions), self._values(x, layer))
-            h += ops.gemm(o.reshape(n, -1), layer.o, ops.scratch("d.attn", h.shape))
-            ops.rmsnorm(h, layer.ln2, c.rms_norm_eps, x)
-            h += self._mlp(x, layer)
+            a = ops.gemm(o.reshape(n, -1), layer.o, ops.scratch("d.attn", h.shape))
+            ops.add_rmsnorm(a, h, layer.ln2, c.rms_norm_eps, x)                        # h += a; x = norm(h)
+            m = self._mlp(x, layer)
+            if i + 1 < len(self.layers):
+                ops.add_rmsnorm(m, h, self.layers[i + 1].ln1, c.rms_norm_eps, x)       # h += m; next layer's x
+            else:
+                h += m
         return h
 
     def _keys(self, x, layer, positions):
