@@ -84,6 +84,7 @@ class DeviceRounds:
         self.graph = None
         self.rounds = 0
         self.gpu_s = 0.0                             # device time of the rounds (CUDA events around each)
+        self.parked, self._parked_idx = set(), None  # finished slots (see retire)
         self._events = (ops.xp.cuda.Event(), ops.xp.cuda.Event()) if self.stream is not None else None
 
     # --- prefill (eager, one sequence) -----------------------------------------------------------------------------
@@ -92,6 +93,8 @@ class DeviceRounds:
         """Prompt ids of slot b through the target (naive MLA) into its cache rows, its features into the drafter
         context; the first token is sampled at the last position. Returns it (one host read)."""
         ops, T = self.base_target.ops, len(ids)
+        self.parked.discard(b)
+        self.retire([])
         tokens, positions = np.asarray(ids, np.int32), np.arange(T, dtype=np.int32)
         with self._on_stream():
             cache = LatentCache([rows[b] for rows in self.rows], 0)
@@ -109,19 +112,22 @@ class DeviceRounds:
             return int(ops.to_host(self.bonus[b:b + 1])[0])
 
     def retire(self, slots):
-        """Finished slots keep running inside the graph: park them at an empty context so they never outgrow
-        their rows (their output is ignored)."""
-        if slots:
-            with self._on_stream():
-                idx = self.ops.asarray(np.asarray(slots, np.int32))
-                self.lengths[idx] = 0
-                self.budgets[idx] = 0
+        """Finished slots keep running inside the graph: they are parked at an empty context before every round
+        so they never outgrow their rows (their output is ignored)."""
+        self.parked.update(slots)
+        self._parked_idx = self.ops.asarray(np.array(sorted(self.parked), np.int32)) if self.parked else None
+
+    def _park(self):
+        if self._parked_idx is not None:
+            self.lengths[self._parked_idx] = 0
+            self.budgets[self._parked_idx] = 0
 
     # --- one round ---------------------------------------------------------------------------------------------------
 
     def step(self) -> np.ndarray:
         """One round for every slot; returns out_tokens i32[B, L+2] (row b: tau, then the tau new tokens)."""
         with self._on_stream():
+            self._park()
             if self.graphs and self.graph is None and self.rounds >= 1:
                 self.graph = self.capture()
             if self._events:

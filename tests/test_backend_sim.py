@@ -89,7 +89,8 @@ def check_prefill(backend, dims="tiny", n=5):
     return assert_close("prefill logits", got, want, seeds(dims, seed))
 
 
-def check_decode(backend, dims="tiny", prompt_lens=(2,), new=3, mode="ar", budget=0, temperature=0.0):
+def check_decode(backend, dims="tiny", prompt_lens=(2,), new=3, mode="ar", budget=0, temperature=0.0,
+                 max_context=4096):
     """Engine.generate_batch on both backends from fresh random prompts (one per length, decoded together: the
     kernel backends run them as one batched device round). Greedy: every kernel token is a near-argmax of the
     reference given the kernel's own prefix, and the outputs are equal unless a near-tie flipped. Sampled: equal
@@ -99,10 +100,16 @@ def check_decode(backend, dims="tiny", prompt_lens=(2,), new=3, mode="ar", budge
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, ref.cfg.vocab_size, n).tolist() for n in prompt_lens]
     kw = dict(mode=mode, budget=budget, temperature=temperature, seed=seed, stop=[])
-    gots = [r.tokens for r in dev.generate_batch(prompts, new, **kw)]
-    wants = [r.tokens for r in ref.generate_batch(prompts, new, **kw)]
-    for prompt, got, want in zip(prompts, gots, wants):
-        assert len(got) == new, f"{seeds(dims, seed)}: {len(got)} tokens, want {new}"
+    ref.max_context = dev.max_context = max_context
+    try:
+        got_r, want_r = dev.generate_batch(prompts, new, **kw), ref.generate_batch(prompts, new, **kw)
+    finally:
+        ref.max_context = dev.max_context = 4096
+    gots, wants = [r.tokens for r in got_r], [r.tokens for r in want_r]
+    for prompt, got, want, g, w in zip(prompts, gots, wants, got_r, want_r):
+        assert len(got) == len(want) and g.stats["stop_reason"] == w.stats["stop_reason"], \
+            f"{seeds(dims, seed)}: {len(got)} tokens ({g.stats['stop_reason']}), reference {len(want)} " \
+            f"({w.stats['stop_reason']})"
         if temperature:
             continue
         logits = ref.forward_logits(prompt + got[:-1])[len(prompt) - 1:]   # reference given the kernel's prefix
@@ -149,8 +156,11 @@ SIM_PARTS = 3
 SIM_CASES = {
     "prefill_logits": lambda env: check_prefill("sim", n=3),
     "greedy_ar": lambda env: check_greedy("sim", prompt_len=1),
-    "batch_ddtree": lambda env: check_decode("sim", prompt_lens=(1, 3), new=4, mode="ddtree", budget=3),
-    "dflash": lambda env: check_decode("sim", prompt_lens=(2,), new=4, mode="dflash"),
+    # the 3-token prompt ends at the context (6 rows) after 4 tokens while the other decodes on (retired slot,
+    # last tree cut to the cache): both as the reference
+    "batch_ddtree": lambda env: check_decode("sim", prompt_lens=(1, 3), new=5, mode="ddtree", budget=3,
+                                             max_context=6),
+    "dflash": lambda env: check_decode("sim", prompt_lens=(2,), new=3, mode="dflash"),
     "sampled_ddtree": lambda env: check_decode("sim", prompt_lens=(2,), new=3, mode="ddtree", budget=2,
                                                temperature=1.0),
     "tree_verify": lambda env: check_verify("sim"),
