@@ -180,6 +180,11 @@ def test_sim_needs_the_simulator():
     assert "\n" not in str(e.value)
 
 
+def test_auto_picks_cuda_only_with_a_gpu():
+    from numbaengine.backends import get_ops, gpu_ready
+    assert get_ops("auto").name == ("cuda" if gpu_ready() else "numpy")
+
+
 def test_cuda_without_gpu_is_a_clear_error():
     from numba import cuda
 
