@@ -212,7 +212,7 @@ def test_ptx_glue_kernels(name, sig):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims", ["tiny", "wide"])
 def test_gpu_cuda_backend(dims):
-    cupy = pytest.importorskip("cupy")
+    cupy = pytest.importorskip("cupy", reason="the cuda extra: pip install -e '.[cuda]'")
     print(dims, "prefill error", check_prefill("cuda", dims, n=9))
     print(dims, "greedy", check_greedy("cuda", dims, prompt_len=5, new=8))
     print(dims, "verify error", check_verify("cuda", dims))

@@ -137,7 +137,7 @@ def test_id_tokenizer():
 
 
 def test_hf_tokenizer_json(pair, tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
+    tokenizers = pytest.importorskip("tokenizers", reason="a dev extra: pip install -e '.[dev]'")
     words = ["the", "cat", "sat", "on", "mat", "[UNK]"] + [f"w{i}" for i in range(250)]
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()

@@ -12,8 +12,8 @@ from weights.dtypes import bf16_to_f32
 from weights.shards import Checkpoint
 from weights.synth import synth_config, write_draft, write_target
 
-torch = pytest.importorskip("torch")
-qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+torch = pytest.importorskip("torch", reason="a dev extra: pip install -e '.[dev]'")
+qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3", reason="a dev extra: pip install -e '.[dev]'")
 
 
 @pytest.mark.parametrize("n,d,want", [(36, 5, [1, 9, 17, 25, 33]), (48, 8, [1, 7, 14, 20, 26, 32, 39, 45]),

@@ -14,7 +14,7 @@ from numbaengine.engine import Engine
 from numbaengine.generate import generate, generate_batch
 from weights.synth import synth_config, write_draft, write_target
 
-stats = pytest.importorskip("scipy.stats")
+stats = pytest.importorskip("scipy.stats", reason="a dev extra: pip install -e '.[dev]'")
 
 SMALL = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=32,
              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4)

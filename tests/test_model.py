@@ -13,8 +13,8 @@ from weights.int4 import dequant_int4
 from weights.shards import Checkpoint
 from weights.synth import synth_config, write_target
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch", reason="a dev extra: pip install -e '.[dev]'")
+transformers = pytest.importorskip("transformers", reason="a dev extra: pip install -e '.[dev]'")
 
 CASES = {
     # name: (overrides of the tiny preset, quant, wrapper)

@@ -144,8 +144,8 @@ def test_cli(tmp_path):
 def test_transformers_reads_tiny_int4(tmp_path):
     """HF transformers + compressed-tensors load the synthetic INT4 checkpoint with no missing or unexpected keys,
     dequantize the experts to bf16(our dequant), and activations stay O(1) through the layers."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch", reason="a dev extra: pip install -e '.[dev]'")
+    transformers = pytest.importorskip("transformers", reason="a dev extra: pip install -e '.[dev]'")
     d = write_target(tmp_path, synth_config("tiny"), seed=2)
     model, info = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16,
                                                                     output_loading_info=True)

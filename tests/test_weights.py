@@ -58,7 +58,7 @@ def test_e4m3_encode_matches_torch():
 # ---------------------------------------------------------------- int4
 
 def _ct():
-    ct = pytest.importorskip("compressed_tensors")
+    ct = pytest.importorskip("compressed_tensors", reason="a dev extra: pip install -e '.[dev]'")
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
