@@ -46,7 +46,7 @@ def sample_ref(logits, temperature, seed, seq, pos, out):
 
 import math  # noqa: E402
 
-from numba import cuda, float32, int32, uint64  # noqa: E402
+from numba import cuda, float32, int32, uint32, uint64  # noqa: E402
 
 from kernels.attention import shfl_xor  # noqa: E402
 from kernels.device import SIM, current_stream  # noqa: E402
@@ -90,7 +90,7 @@ def row_key(seed, seq, pos):
 def uniform_dev(hkey, v):
     """uniform's 24-bit draw u in (0, 1] for vocab id v (1.0 where the +0.5 rounds up, as on the host)."""
     z = mix64_dev(hkey ^ uint64(v))
-    return (float32(z >> uint64(40)) + float32(0.5)) * float32(5.9604644775390625e-08)
+    return (float32(uint32(z >> uint64(40))) + float32(0.5)) * float32(5.9604644775390625e-08)   # < 2**24: exact
 
 
 @cuda.jit(device=True, inline="always")
@@ -100,25 +100,45 @@ def gumbel_dev(hkey, v):
     return float32(-math.log(float32(-math.log(u))))
 
 
+SCAN_UNROLL = 4                 # ids per thread per step of _scan (loads in flight)
+
+
 @cuda.jit(device=True, inline="always")
-def _scan(logits, i, lo, hi, step, temperature, greedy, hkey):
-    """This thread's best (value, index) over logits[i, lo:hi:step] (strided: the first hit has the lowest index);
-    (-inf, V) if none. With noise, an id whose value provably stays below the best so far skips the two logs:
-    -log(-log u) <= -log(1 - u) (since -log u >= 1 - u), bounded with lg2.approx plus a margin far above its
-    error and the roundings of x / T, so the winner and its value are those of computing every id."""
+def _scan(logits, i, lo, hi, temperature, greedy, hkey):
+    """This thread's best (value, index) over its ids of logits[i, lo:hi] (the block steps over the range with
+    SCAN_UNROLL ids per thread per step, each thread's ids in increasing order: its first hit has the lowest
+    index); (-inf, V) if none. With noise, an id whose value provably stays below `floor` (a value some id of the
+    row reaches: the warp's best so far) skips the two logs: -log(-log u) <= -log(1 - u) (since -log u >= 1 - u),
+    bounded with lg2.approx plus a margin far above its error and the roundings of x / T, so the winner and its
+    value are those of computing every id. Every lane of a warp must call it (warp max inside)."""
+    t, nt = cuda.threadIdx.x, cuda.blockDim.x
     bv, bi = float32(-math.inf), int32(logits.shape[1])
+    floor = float32(-math.inf)
     inv_t = float32(1) / temperature
-    for v in range(lo, hi, step):
-        x = logits[i, v]
-        if not greedy:
-            u = uniform_dev(hkey, v)
-            xs = x * inv_t
-            bound = xs - _log2_approx(float32(1) - u) * float32(0.6931472)
-            if bound + (abs(xs) + abs(bv)) * float32(1e-6) + float32(1e-3) < bv:
+    xs = cuda.local.array(SCAN_UNROLL, float32)
+    for base in range(lo, hi, SCAN_UNROLL * nt):      # same trip count on every lane
+        for u in range(SCAN_UNROLL):
+            v = base + u * nt + t
+            if v < hi:
+                xs[u] = logits[i, v]
+        for u in range(SCAN_UNROLL):
+            v = base + u * nt + t
+            if v >= hi:
                 continue
-            x = x / temperature + float32(-math.log(float32(-math.log(u))))
-        if x > bv:
-            bv, bi = x, int32(v)
+            x = xs[u]
+            if not greedy:
+                r = uniform_dev(hkey, v)
+                xt = x * inv_t
+                bound = xt - _log2_approx(float32(1) - r) * float32(0.6931472)
+                if bound + (abs(xt) + abs(floor)) * float32(1e-6) + float32(1e-3) < floor:
+                    continue
+                x = x / temperature + float32(-math.log(float32(-math.log(r))))
+            if x > bv:
+                bv, bi = x, int32(v)
+        if not greedy:
+            floor = max(floor, bv)
+            for off in (16, 8, 4, 2, 1):
+                floor = max(floor, shfl_xor(floor, int32(off)))
     return bv, bi
 
 
@@ -150,7 +170,7 @@ def sample_kernel(logits, temperature, greedy, seed, seq, pos, out):
     logits / temperature + gumbel noise; lowest index wins ties. Bytes: the logits once."""
     i, t = cuda.blockIdx.x, cuda.threadIdx.x
     V = logits.shape[1]
-    bv, bi = _scan(logits, i, t, V, cuda.blockDim.x, temperature, greedy, row_key(seed, seq[i], pos[i]))
+    bv, bi = _scan(logits, i, 0, V, temperature, greedy, row_key(seed, seq[i], pos[i]))
     bv, bi = _block_best(bv, bi)
     if t == 0:
         out[i] = bi if bi < V else int32(0)
@@ -164,7 +184,7 @@ def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, best):
     V, C = logits.shape[1], cuda.gridDim.x
     span = (V + C - 1) // C
     hi = min(c * span + span, V)
-    bv, bi = _scan(logits, i, c * span + t, hi, cuda.blockDim.x, temperature, greedy, row_key(seed, seq[i], pos[i]))
+    bv, bi = _scan(logits, i, c * span, hi, temperature, greedy, row_key(seed, seq[i], pos[i]))
     bv, bi = _block_best(bv, bi)
     if t == 0:
         best[i, c] = order_key(bv, bi)

@@ -30,12 +30,19 @@ def topk_ref(logits, k, idx_out, val_out):
 if SIM:
     def f32_bits(x):
         return np.uint32(np.array([x], np.float32).view(np.uint32)[0])
+
+    def bits_f32(u):
+        return np.array([u], np.uint32).view(np.float32)[0]
 else:
     from numba.cuda import libdevice
 
     @cuda.jit(device=True, inline="always")
     def f32_bits(x):
         return uint32(libdevice.float_as_int(x))
+
+    @cuda.jit(device=True, inline="always")
+    def bits_f32(u):
+        return libdevice.int_as_float(int32(u))
 
 
 @cuda.jit(device=True, inline="always")
@@ -45,6 +52,13 @@ def order_key(x, v):
     u = f32_bits(x + float32(0))
     u = ~u if (u & uint32(0x80000000)) != uint32(0) else u | uint32(0x80000000)
     return (uint64(u) << uint64(32)) | uint64(uint32(0xFFFFFFFF) - uint32(v))
+
+
+@cuda.jit(device=True, inline="always")
+def key_value(key):
+    """The value x of order_key(x, v) (-0.0 comes back as +0.0)."""
+    u = uint32(key >> uint64(32))
+    return bits_f32(u & uint32(0x7FFFFFFF) if (u & uint32(0x80000000)) != uint32(0) else ~u)
 
 
 @cuda.jit(device=True, inline="always")

@@ -21,7 +21,7 @@ from numba import cuda, float32, float64, int32, int64, uint32, uint64
 from kernels.attention import launch_smem, shfl_xor
 from kernels.device import SIM, current_stream, kernel
 from kernels.sample import SAMPLE_CHUNKS
-from kernels.topk import key_index, order_key
+from kernels.topk import key_index, key_value, order_key
 
 TOPK_THREADS = 64 if SIM else 512
 TOPK_WARPS = TOPK_THREADS // 32
@@ -31,6 +31,7 @@ TOPK_SPAN = 1024 if SIM else 4096  # vocabulary ids per chunk at least
 TOPK_MERGE = 16384              # chunk candidates per row at most (8 B each in the merge's shared memory)
 NODE_MAX = 1025                 # largest tree: MAX_BUDGET 1024 drafted nodes + the root
 DEPTH_MAX = 64                  # largest L (drafter block size - 1)
+VIS_WORDS = (NODE_MAX + 31) // 32
 BUILD_THREADS = 64 if SIM else 256
 WALK_THREADS = 32
 
@@ -220,14 +221,19 @@ def topk_part_kernel(logits, keys, stats):
     lo = c * span
     n = max(min(lo + span, V) - lo, 0)
     m = float32(-math.inf)
-    for i in range(t, n, nt):
-        x = logits[b, d, lo + i]
-        sk[i] = order_key(x, lo + i)
-        m = max(m, x)
+    xs = cuda.local.array(4, float32)
+    for i0 in range(t, n, 4 * nt):                   # four loads in flight per thread
+        for u in range(4):
+            if i0 + u * nt < n:
+                xs[u] = logits[b, d, lo + i0 + u * nt]
+        for u in range(4):
+            if i0 + u * nt < n:
+                sk[i0 + u * nt] = order_key(xs[u], lo + i0 + u * nt)
+                m = max(m, xs[u])
     m = _block_reduce(red, m, True)
     sx = float32(0)
     for i in range(t, n, nt):
-        sx += math.exp(logits[b, d, lo + i] - m)
+        sx += math.exp(key_value(sk[i]) - m)
     sx = _block_reduce(red, sx, False)
     kc = min(K, n)
     if t == 0:
@@ -250,22 +256,30 @@ def topk_merge_kernel(logits, keys, stats, ids, lp):
     C, K = keys.shape[2], keys.shape[3]
     n = C * K
     sk = cuda.shared.array(0, uint64)
+    red = cuda.shared.array(TOPK_THREADS, float32)
     hist = cuda.shared.array((TOPK_WARPS, 256), int32)
     wsum = cuda.shared.array(TOPK_WARPS, int32)
     ctl = cuda.shared.array(4, uint64)
     cnt = cuda.shared.array(1, int32)
-    lse = cuda.shared.array(1, float32)
-    for i in range(t, n, nt):
-        sk[i] = keys[b, d, i // K, i % K]
+    ws = cuda.local.array(4, uint64)
+    for i0 in range(t, n, 4 * nt):                   # four loads in flight per thread
+        for u in range(4):
+            i = i0 + u * nt
+            if i < n:
+                ws[u] = keys[b, d, i // K, i % K]
+        for u in range(4):
+            if i0 + u * nt < n:
+                sk[i0 + u * nt] = ws[u]
+    mx = float32(-math.inf)
+    for c in range(t, C, nt):
+        mx = max(mx, stats[b, d, c, 0])
+    mx = _block_reduce(red, mx, True)
+    tot = float32(0)
+    for c in range(t, C, nt):
+        if stats[b, d, c, 1] > float32(0):
+            tot += stats[b, d, c, 1] * math.exp(stats[b, d, c, 0] - mx)
+    lse = mx + math.log(_block_reduce(red, tot, False))
     if t == 0:
-        mx = float32(-math.inf)
-        for c in range(C):
-            mx = max(mx, stats[b, d, c, 0])
-        tot = float32(0)
-        for c in range(C):
-            if stats[b, d, c, 1] > float32(0):
-                tot += stats[b, d, c, 1] * math.exp(stats[b, d, c, 0] - mx)
-        lse[0] = mx + math.log(tot)
         cnt[0] = 0
     cuda.syncthreads()
     prefix, pmask = _radix_select(sk, n, K, hist, wsum, ctl)   # padding keys are 0, below every real key
@@ -279,7 +293,7 @@ def topk_merge_kernel(logits, keys, stats, ids, lp):
             rank += 1 if sel[j] > key else 0
         v = key_index(key)
         ids[b, d, rank] = v
-        lp[b, d, rank] = logits[b, d, v] - lse[0]
+        lp[b, d, rank] = logits[b, d, v] - lse
 
 
 def topk_chunks(V, K):
@@ -323,13 +337,14 @@ def _ranks_less(ea, eb, fpar, frank, fdepth, npar, nrank):
 
 
 @cuda.jit(device=True, inline="always")
-def _better(ka, ea, kb, eb, fpar, frank, fdepth, npar, nrank):
-    """Entry (score key ka, slot ea) pops before (kb, eb): higher score, then smaller rank tuple; key 0 = none."""
-    if ka != kb:
-        return ka > kb
-    if ka == uint64(0) or ea == eb:
-        return False
-    return _ranks_less(ea, eb, fpar, frank, fdepth, npar, nrank)
+def _tie_break(fkey, top, live, fpar, frank, fdepth, npar, nrank):
+    """The slot, among the frontier entries with score key `top`, of the smallest rank tuple (every lane scans:
+    rare, only on equal scores)."""
+    be = int32(-1)
+    for e in range(live):
+        if fkey[e] == top and (be < 0 or _ranks_less(int32(e), be, fpar, frank, fdepth, npar, nrank)):
+            be = int32(e)
+    return be
 
 
 @cuda.jit
@@ -357,8 +372,15 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
     npar, ndepth, nrank = d32[9 * N:10 * N], d32[10 * N:11 * N], d32[11 * N:12 * N]
     lps = dff[12 * N:12 * N + L * kc]                    # the ranks a tree of N nodes can reach
     nsh = cuda.shared.array(1, int32)
-    for i in range(t, L * kc, nt):
-        lps[i] = lp[b, i // kc, i % kc]
+    ws = cuda.local.array(4, float32)
+    for i0 in range(t, L * kc, 4 * nt):                # four loads in flight per thread
+        for u in range(4):
+            i = i0 + u * nt
+            if i < L * kc:
+                ws[u] = lp[b, i // kc, i % kc]
+        for u in range(4):
+            if i0 + u * nt < L * kc:
+                lps[i0 + u * nt] = ws[u]
     budget = min(budgets[b], N - 1)
     live = 1 if budget > 0 and L > 0 and K > 0 else 0
     cuda.syncthreads()
@@ -371,19 +393,23 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
     if t < 32:                                          # warp 0: the pops
         _syncwarp()
         while nodes <= budget and live > 0:
-            bk, be, sk = uint64(0), int32(-1), uint64(0)   # best entry (key, slot), the second-best key
+            bk, be, sk = uint64(0), int32(-1), uint64(0)   # best key and its slot, the second-best key
             for e in range(lane, live, 32):
                 k = fkey[e]
-                if _better(k, int32(e), bk, be, fpar, frank, fdepth, npar, nrank):
+                if k > bk:
                     sk, bk, be = bk, k, int32(e)
-                else:
-                    sk = max(sk, k)
-            for off in (16, 8, 4, 2, 1):              # warp argmax under the pop order
-                ok, oe, os_ = _shfl_u64(bk, int32(off)), shfl_xor(be, int32(off)), _shfl_u64(sk, int32(off))
-                if _better(ok, oe, bk, be, fpar, frank, fdepth, npar, nrank):
-                    sk, bk, be = max(bk, os_), ok, oe
-                else:
-                    sk = max(sk, ok)
+                elif k > sk:
+                    sk = k
+            top = bk
+            for off in (16, 8, 4, 2, 1):              # warp top-2 of the keys (equal keys: second = best)
+                ok, os_ = _shfl_u64(top, int32(off)), _shfl_u64(sk, int32(off))
+                sk = max(min(top, ok), max(sk, os_))
+                top = max(top, ok)
+            owner = _ballot(bk == top)
+            if sk < top:                              # one entry has the best score: it pops
+                be = shfl_idx(be, int32(cuda.ffs(owner) - 1))
+            else:                                     # equal best scores: the smallest rank tuple pops
+                be = _tie_break(fkey, top, live, fpar, frank, fdepth, npar, nrank)
             par, dep, rk, sc = fpar[be], fdepth[be], frank[be], fscore[be]
             n0, room, ps, row = nodes, min(budget - nodes, 31), nscore[par], (dep - 1) * kc
             ck = _score_key(sc + float64(lps[dep * kc])) if dep < L else uint64(0)       # first child
@@ -465,15 +491,16 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
         positions[b, i] = start + dep
         sample_seq[b * N + i] = seq_ids[b]
         sample_pos[b * N + i] = start + dep + 1
-    for iw in range(t, N * W, nt):                    # ancestor-or-self bits, one word per step
-        i, w = iw // W, iw % W
-        word = uint32(0)
+    words = cuda.local.array(VIS_WORDS, uint32)
+    for i in range(t, N, nt):                        # ancestor-or-self bits: one walk to the root per node
+        for w in range(W):
+            words[w] = uint32(0)
         j = i if i < nodes else -1
         while j >= 0:
-            if j // 32 == w:
-                word |= uint32(1) << uint32(j % 32)
+            words[j >> 5] |= uint32(1) << uint32(j & 31)
             j = npar[j]
-        vis[b, i, w] = word
+        for w in range(W):
+            vis[b, i, w] = words[w]
     if t == 0:
         ntok[b] = nodes
 
