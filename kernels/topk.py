@@ -10,6 +10,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
+from kernels.attention import shfl_xor
 from kernels.device import SIM, block_argmax, kernel, launch
 
 TOPK_THREADS = 64 if SIM else 512
@@ -152,25 +153,56 @@ def topk(logits, k, idx_out, val_out):
 
 # --- DDTree per-depth top-K: chunked radix select ---------------------------------------------------------------
 
-@cuda.jit(device=True, inline="always")
-def _block_reduce(buf, x, is_max):
-    """Sum or max of x over the block (power-of-two size); every thread gets the result."""
-    t, n = cuda.threadIdx.x, cuda.blockDim.x
-    buf[t] = x
-    step = n // 2
-    while step > 0:
+if SIM:
+    def _block_reduce(buf, x, is_max):
+        """Simulator twin of _block_reduce through shared memory (its warp exchanges are slow)."""
+        t, n = cuda.threadIdx.x, cuda.blockDim.x
+        tmp = cuda.shared.array(TOPK_THREADS, float32)
+        tmp[t] = x
         cuda.syncthreads()
-        if t < step:
-            buf[t] = max(buf[t], buf[t + step]) if is_max else buf[t] + buf[t + step]
-        step //= 2
+        r = tmp[0]
+        for j in range(1, n):
+            r = max(r, tmp[j]) if is_max else r + tmp[j]
+        cuda.syncthreads()
+        return r
+
+
+@cuda.jit(device=True, inline="always")
+def _block_reduce_gpu(buf, x, is_max):
+    """Sum or max of float32 x over the block (blockDim a multiple of 32): warp butterflies, then every thread
+    folds the warps' results from buf (one float per warp) in the same order; barriers inside."""
+    for off in (16, 8, 4, 2, 1):
+        y = shfl_xor(x, int32(off))
+        x = max(x, y) if is_max else x + y
+    if cuda.threadIdx.x % 32 == 0:
+        buf[cuda.threadIdx.x // 32] = x
     cuda.syncthreads()
     r = buf[0]
+    for w in range(1, cuda.blockDim.x // 32):
+        r = max(r, buf[w]) if is_max else r + buf[w]
     cuda.syncthreads()
     return r
 
 
+
+
+if SIM:
+    def _block_scan(x, wsum):
+        """Simulator twin of _block_scan_gpu through shared memory."""
+        t, n = cuda.threadIdx.x, cuda.blockDim.x
+        tmp = cuda.shared.array(TOPK_THREADS, int32)
+        tmp[t] = x
+        cuda.syncthreads()
+        incl, tot = 0, 0
+        for j in range(n):
+            tot += tmp[j]
+            incl += tmp[j] if j <= t else 0
+        cuda.syncthreads()
+        return incl, tot
+
+
 @cuda.jit(device=True, inline="always")
-def _block_scan(x, wsum):
+def _block_scan_gpu(x, wsum):
     """Inclusive prefix sum of int32 x over the block's threads (blockDim a multiple of 32) and the total; every
     thread must call it (barriers inside). wsum: int32 shared scratch, one per warp."""
     t = cuda.threadIdx.x
@@ -190,6 +222,10 @@ def _block_scan(x, wsum):
             base += s
     cuda.syncthreads()
     return base + x, tot
+
+
+if not SIM:
+    _block_reduce, _block_scan = _block_reduce_gpu, _block_scan_gpu
 
 
 if SIM:
@@ -272,7 +308,7 @@ def topk_part_kernel(logits, keys, stats):
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     V, C, K = logits.shape[2], keys.shape[2], keys.shape[3]
     sk = cuda.shared.array(0, uint64)
-    red = cuda.shared.array(TOPK_THREADS, float32)
+    red = cuda.shared.array(TOPK_WARPS, float32)
     hist = cuda.shared.array((TOPK_WARPS, 256), int32)
     wsum = cuda.shared.array(TOPK_WARPS, int32)
     ctl = cuda.shared.array(4, uint64)
@@ -316,7 +352,7 @@ def topk_merge_kernel(logits, keys, stats, ids, lp):
     C, K = keys.shape[2], keys.shape[3]
     n = C * K
     sk = cuda.shared.array(0, uint64)
-    red = cuda.shared.array(TOPK_THREADS, float32)
+    red = cuda.shared.array(TOPK_WARPS, float32)
     hist = cuda.shared.array((TOPK_WARPS, 256), int32)
     wsum = cuda.shared.array(TOPK_WARPS, int32)
     ctl = cuda.shared.array(4, uint64)
@@ -364,7 +400,7 @@ def topk_chunks(V, K):
     return max(1, min(TOPK_CHUNKS, TOPK_MERGE // kp, V // TOPK_SPAN))
 
 
-TOPK_STATIC = 4 * TOPK_THREADS + 1024 * TOPK_WARPS + 4 * TOPK_WARPS + 64     # the kernels' static shared bytes
+TOPK_STATIC = 1024 * TOPK_WARPS + 8 * TOPK_WARPS + 64     # the kernels' static shared bytes
 
 
 def topk_smem(V, K):
