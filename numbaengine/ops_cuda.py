@@ -23,7 +23,7 @@ from numba import cuda, int32, uint16, uint32
 from kernels.act import silu_mul
 from kernels.attention import attention, kv_attention, kv_attention_work
 from kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
-from kernels.gemm import (GemmWorkspace, gemm, gemm_config, gemm_workspace_words, head_gemm,
+from kernels.gemm import (GemmWorkspace, gemm, gemm_config, gemm_sync_words, gemm_workspace_words, head_gemm,
                           head_gemm_workspace_words)
 from kernels.mla import mla_attention, mla_work
 from kernels.moe import MAX_SLOTS, Experts, device_experts, moe, moe_workspace, router
@@ -113,6 +113,7 @@ class KernelOps:
         self._flat = {}          # (role, dtype) -> flat buffer grown to the largest request
         self._moe_ws = {}        # (top_k, H, I, E) -> MoeWorkspace grown by n_max
         self._work = {}          # flash-decoding scratch per attention shape
+        self._gemm_sync = None   # u32 k-split counters of the fused GEMM reduce (zero between calls)
 
     def fresh(self) -> "KernelOps":
         """A table over the same device with its own scratch (a captured graph owns the buffers it points at)."""
@@ -239,8 +240,11 @@ class KernelOps:
         else:
             cfg = gemm_config(m, n, k)
         nxb, npart = gemm_workspace_words(m, n, k, cfg=cfg)
+        nsync = gemm_sync_words(m, n, k, cfg)
+        if self._gemm_sync is None or self._gemm_sync.size < nsync:    # never poisoned: every call leaves it zero
+            self._gemm_sync = self.xp.zeros(max(nsync, 1024), np.uint32)
         ws = GemmWorkspace(self.scratch("gemm.xb", (max(nxb, 1),), np.uint32),
-                           self.scratch("gemm.part", (max(npart, 1),), np.float32))
+                           self.scratch("gemm.part", (max(npart, 1),), np.float32), self._gemm_sync)
         return gemm(x, w, out, ws, cfg=cfg)
 
     def head_gemm(self, x, w, out):

@@ -76,7 +76,8 @@ def test_gpu_graph_replay_equals_eager(temperature):
     import os
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "round_graph.dot").write_text(str(rounds.graph.debug_dot_str())[:2_000_000])
-    for part in ("build_kernel", "walk_kernel", "commit_kernel", "mla", "sample_kernel", "kv_attention"):
+    for part in ("build_kernel", "walk_kernel", "commit_kernel", "mla", "sample_part_kernel", "sample_merge_kernel",
+                 "kv_attention"):
         assert any(part in n for n in names), f"no {part} node among {len(names)} kernel nodes"
 
 
