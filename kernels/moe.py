@@ -125,6 +125,7 @@ class DeviceExperts:
     gate_up_scale: object = None
     down_scale: object = None
     group: int = 32
+    offset: int = 0          # global id of local expert 0 (expert parallelism: this device holds a range)
 
     @property
     def int4(self) -> bool:
@@ -134,12 +135,12 @@ class DeviceExperts:
 def device_experts(experts: Experts, to_device) -> DeviceExperts:
     """Host Experts -> DeviceExperts (INT4 words re-laid by int4_tiles; `to_device` copies a NumPy array)."""
     if not experts.int4:
-        return DeviceExperts(to_device(experts.gate_up), to_device(experts.down))
+        return DeviceExperts(to_device(experts.gate_up), to_device(experts.down), offset=experts.offset)
     if experts.group != 32:
         raise ValueError(f"device_experts: group size {experts.group} is not 32")
     return DeviceExperts(to_device(int4_tiles(experts.gate_up).view(np.uint32)),
                          to_device(int4_tiles(experts.down).view(np.uint32)),
-                         to_device(experts.gate_up_scale), to_device(experts.down_scale))
+                         to_device(experts.gate_up_scale), to_device(experts.down_scale), offset=experts.offset)
 
 
 @dataclass
@@ -304,10 +305,10 @@ def _block_scan(a, nelem):
 
 def _build_plan():
     @kernel()
-    def plan(idx, n, top_k, n_exp, cap, sorted_slot, item_e, item_start, item_len, n_items):
-        """Routing plan on the GPU, one block of 1024 threads: slots (t * k + j) grouped by expert (stable:
-        slot order inside an expert), and work items of <= cap slots per expert, in expert order.
-        Outputs sized n_max*k (fixed); n_items[0] says how many items are live."""
+    def plan(idx, n, top_k, e0, n_exp, cap, sorted_slot, item_e, item_start, item_len, n_items):
+        """Routing plan on the GPU, one block of 1024 threads: slots (t * k + j) of the experts held here (global
+        ids e0 .. e0+n_exp-1) grouped by local expert (stable: slot order inside an expert), and work items of
+        <= cap slots per expert, in expert order. Outputs sized n_max*k (fixed); n_items[0] = live items."""
         sh_idx = cuda.shared.array(MAX_SLOTS, int32)
         cnt = cuda.shared.array(MAX_E, int32)
         inc = cuda.shared.array(MAX_E, int32)
@@ -315,12 +316,14 @@ def _build_plan():
         tid, bs = cuda.threadIdx.x, cuda.blockDim.x
         ns = n * top_k
         for i in range(tid, ns, bs):
-            sh_idx[i] = idx[i // top_k, i % top_k]
+            e = idx[i // top_k, i % top_k] - e0
+            sh_idx[i] = e if e >= 0 and e < n_exp else -1                # -1: an expert of another device
         for e in range(tid, n_exp, bs):
             cnt[e] = 0
         cuda.syncthreads()
         for i in range(tid, ns, bs):
-            cuda.atomic.add(cnt, sh_idx[i], 1)
+            if sh_idx[i] >= 0:
+                cuda.atomic.add(cnt, sh_idx[i], 1)
         cuda.syncthreads()
         for e in range(tid, n_exp, bs):
             inc[e] = cnt[e]
@@ -330,6 +333,8 @@ def _build_plan():
         _block_scan(iinc, n_exp)
         for i in range(tid, ns, bs):
             e = sh_idx[i]
+            if e < 0:
+                continue
             rank = 0
             for j in range(i):
                 if sh_idx[j] == e:
@@ -435,15 +440,18 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None):
 
 def _build_combine():
     @kernel()
-    def combine(y, shared, out, n, top_k, hdim, has_shared):
-        """out[t, h] = sum over j (in order) of y[t*k + j, h] (+ shared[t, h]). Launch: grid ceil(n*H/256), 256."""
-        idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if idx >= n * hdim:
+    def combine(y, shared, out, eidx, e0, n_exp, n, top_k, hdim, has_shared):
+        """out[t, h] = sum over j (in order) of y[t*k + j, h] for the slots whose expert eidx[t, j] is held here
+        (e0 <= e < e0 + n_exp) (+ shared[t, h]). Launch: grid ceil(n*H/256), 256."""
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if i >= n * hdim:
             return
-        tok, h = idx // hdim, idx % hdim
-        v = y[tok * top_k, h]
-        for j in range(1, top_k):
-            v += y[tok * top_k + j, h]
+        tok, h = i // hdim, i % hdim
+        v = F0
+        for j in range(top_k):
+            e = eidx[tok, j] - e0
+            if e >= 0 and e < n_exp:
+                v += y[tok * top_k + j, h]
         if has_shared:
             v += shared[tok, h]
         out[tok, h] = v
@@ -483,7 +491,7 @@ def moe(x, idx, wts, experts: DeviceExperts, out, ws: MoeWorkspace, shared=None,
     moe_plan(x, idx, experts, ws, cfg_gate_up, cfg_down)
     moe_stage(0, experts, wts, ws, cfg_gate_up)
     moe_stage(1, experts, wts, ws, cfg_down)
-    moe_combine(out, shared, ws, idx.shape[0])
+    moe_combine(out, shared, ws, idx, experts)
     return out
 
 
@@ -507,7 +515,8 @@ def moe_plan(x, idx, experts, ws, cfg_gate_up=GATE_UP_CFG, cfg_down=DOWN_CFG):
     if cfg_down.T != cfg_gate_up.T or max(c.WR * c.WK for c in (cfg_gate_up, cfg_down)) > MAX_WARPS:
         raise ValueError(f"moe: configs {cfg_gate_up}, {cfg_down}: same T, <= {MAX_WARPS} warps per block")
     plan_threads = 32 * math.ceil(n_exp / 32) if SIM else 1024   # simulator: a Python thread per CUDA thread
-    launch(_cached(_build_plan), 1, plan_threads, idx, int32(n), int32(k), int32(n_exp), int32(8 * cfg_gate_up.T), ws.sorted_slot,
+    launch(_cached(_build_plan), 1, plan_threads, idx, int32(n), int32(k), int32(experts.offset), int32(n_exp),
+           int32(8 * cfg_gate_up.T), ws.sorted_slot,
            ws.item_e, ws.item_start, ws.item_len, ws.n_items)
     prep_b(x, ws.xb, ws.xs, int(fmt == INT4))
 
@@ -532,10 +541,11 @@ def moe_stage(down, experts, wts, ws, cfg=GATE_UP_CFG):
            int32(kdim), int32(cfg.WR), int32(cfg.WK))
 
 
-def moe_combine(out, shared, ws, n):
-    """out[t] = sum over the token's slots of y (+ shared[t])."""
-    h = ws.y.shape[1]
+def moe_combine(out, shared, ws, idx, experts):
+    """out[t] = sum over the token's slots on experts held here of y (+ shared[t])."""
+    h, n = ws.y.shape[1], idx.shape[0]
     if out.shape != (n, h) or (shared is not None and shared.shape != (n, h)):
         raise ValueError(f"moe: out {out.shape} / shared {None if shared is None else shared.shape} not [{n}, {h}]")
     launch(_cached(_build_combine), math.ceil(n * h / 256), 256, ws.y, shared if shared is not None else out, out,
-           int32(n), int32(ws.top_k), int32(h), int32(shared is not None))
+           idx, int32(experts.offset), int32(_dims(experts)[1]), int32(n), int32(ws.top_k), int32(h),
+           int32(shared is not None))

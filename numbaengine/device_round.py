@@ -230,6 +230,35 @@ class DeviceRounds:
         return self.stream if self.stream is not None else contextlib.nullcontext()
 
 
+class Replicated:
+    """The same DeviceRounds on every rank of several devices (numbaengine/devices.py), driven together: each call
+    runs on all ranks at once (a thread per device); the host gets rank 0's answer after checking that every rank
+    computed the same (the tree work is replicated, so they must commit identical tokens)."""
+
+    def __init__(self, ranks, shape: Shape, graphs=True):
+        self.ranks = ranks
+        self.devs = ranks.run(lambda r: DeviceRounds(ranks.targets[r], ranks.drafters[r], shape, graphs))
+
+    def prefill(self, b, ids, seq_index) -> int:
+        return self._agree(self.ranks.run(lambda r: self.devs[r].prefill(b, ids, seq_index)), "prefill")
+
+    def step(self) -> np.ndarray:
+        return self._agree(self.ranks.run(lambda r: self.devs[r].step()), "round")
+
+    def retire(self, slots):
+        self.ranks.run(lambda r: self.devs[r].retire(slots))
+
+    def __getattr__(self, name):                     # shape, tb, graph, gpu_s, kernel_nodes, ...: rank 0's
+        return getattr(self.__dict__["devs"][0], name)
+
+    def _agree(self, answers, what):
+        for r, a in enumerate(answers[1:], 1):
+            if not np.array_equal(a, answers[0]):
+                raise RuntimeError(f"{what}: device {self.ranks.devices[r]} committed other tokens than device "
+                                   f"{self.ranks.devices[0]} (ranks out of step)")
+        return answers[0]
+
+
 def plan_bytes(target, drafter, B, cap, N, Lb, V) -> dict:
     """Device bytes the round's buffers need, by role (weights are resident already)."""
     cfg = target.cfg
@@ -258,9 +287,11 @@ def check_memory(ops, plan):
 # --- generation over DeviceRounds -------------------------------------------------------------------------------------
 
 def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="ddtree", budget=16, temperature=0.0,
-                   seed=0, stop=None, max_context=4096, on_round=None, rounds_cache=None, graphs=True) -> list:
+                   seed=0, stop=None, max_context=4096, on_round=None, rounds_cache=None, graphs=True,
+                   ranks=None) -> list:
     """generate.generate_batch on the device: same arguments, same outputs (token for token), one graph launch
-    and one small host read per round. rounds_cache: a dict keeping DeviceRounds (and their graphs) per Shape."""
+    and one small host read per round. rounds_cache: a dict keeping DeviceRounds (and their graphs) per Shape.
+    ranks: several devices (numbaengine/devices.py), one replica of the round per device."""
     tokenizer = tokenizer if tokenizer is not None else gen.IdTokenizer()
     gen.check_args(mode, budget, max_new_tokens, temperature, drafter)
     ids = [gen.prompt_ids(p, tokenizer, target.cfg.vocab_size, max_context) for p in prompts]
@@ -270,7 +301,8 @@ def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="dd
     rounds_cache = {} if rounds_cache is None else rounds_cache
     if shape not in rounds_cache:
         rounds_cache.clear()                         # one resident shape at a time: buffers are large
-        rounds_cache[shape] = DeviceRounds(target, drafter, shape, graphs)
+        rounds_cache[shape] = (DeviceRounds(target, drafter, shape, graphs) if ranks is None
+                               else Replicated(ranks, shape, graphs))
     dev = rounds_cache[shape]
     report = on_round if on_round is not None else (lambda index, out, tokens: None)
     p, t0, runs = Params(mode, float(temperature), int(seed)), perf_counter(), []

@@ -28,24 +28,36 @@ def check_weights_fit(ops, dirs, n_devices):
 
 
 class Engine:
-    def __init__(self, cfg, target: Target, drafter=None, tokenizer=None, backend="numpy", max_context=4096):
+    def __init__(self, cfg, target: Target, drafter=None, tokenizer=None, backend="numpy", max_context=4096,
+                 ranks=None):
         self.cfg, self.target, self.drafter, self.tokenizer = cfg, target, drafter, tokenizer
         self.backend, self.max_context = backend, max_context
+        self.ranks = ranks           # kernel backends over a device list: every rank (numbaengine/devices.py)
         self.rounds_cache = {}       # kernel backends: DeviceRounds (buffers + captured graph) of the last shape
 
     @classmethod
     def load(cls, model_dir, draft_dir=None, backend="auto", max_context=4096, cache_dtype="bf16",
-             devices=(0,)) -> "Engine":
+             devices=None) -> "Engine":
         """Load the checkpoint at model_dir (and the drafter at draft_dir) for `backend` (numpy, sim, cuda, auto).
-        `devices`: the GPUs to shard over; on the numpy backend, a simulated layout of that many devices."""
+        `devices`: the GPUs to shard over, one rank (thread, op table, NCCL communicator) per GPU; None: the
+        current GPU alone. On the numpy backend a list gives a simulated layout of that many devices."""
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory not found: {model_dir}")
         ops = get_ops(backend)
         cfg = load_config(model_dir)
+        if devices is not None:
+            from numbaengine.devices import check_devices
+            devices = check_devices(devices, ops.name)
+        n = 1 if devices is None else len(devices)
         if ops.name == "cuda":
-            check_weights_fit(ops, [model_dir] + ([Path(draft_dir)] if draft_dir is not None else []), len(devices))
-        ckpt, n = Checkpoint(model_dir), len(devices)
+            check_weights_fit(ops, [model_dir] + ([Path(draft_dir)] if draft_dir is not None else []), max(n, 1))
+        if devices is not None and ops.name != "numpy":
+            from numbaengine.devices import load_ranks
+            ranks = load_ranks(cfg, model_dir, draft_dir, ops.name, devices, cache_dtype)
+            return cls(cfg, ranks.targets[0], ranks.drafters[0], load_tokenizer(model_dir), ops.name, max_context,
+                       ranks)
+        ckpt = Checkpoint(model_dir)
         target = Target(cfg, [load_target_weights(cfg, ckpt, rank, n) for rank in range(n)], ops, cache_dtype)
         drafter = load_drafter(draft_dir, target, ops) if draft_dir is not None else None
         return cls(cfg, target, drafter, load_tokenizer(model_dir), ops.name, max_context)
@@ -57,10 +69,14 @@ class Engine:
             raise ValueError("token_ids: expected a non-empty 1-D list of token ids")
         if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
             raise ValueError(f"token_ids: ids must be in [0, {self.cfg.vocab_size})")
-        cache = self.target.new_cache(len(tokens))
+        def prefill(target):
+            cache = target.new_cache(len(tokens))
+            logits, _ = target.forward(tokens, np.arange(len(tokens), dtype=np.int32), cache, form="naive")
+            return target.ops.to_host(logits)
+        if self.ranks is not None:               # every rank runs it (collectives); all hold the same logits
+            return self.ranks.run(lambda r: prefill(self.ranks.targets[r]))[0]
         with self._blas():
-            logits, _ = self.target.forward(tokens, np.arange(len(tokens), dtype=np.int32), cache, form="naive")
-        return self.target.ops.to_host(logits)
+            return prefill(self.target)
 
     def _blas(self):
         """Decode-sized matmuls run faster on one BLAS thread: on a 2-core machine with another busy process,
@@ -81,7 +97,7 @@ class Engine:
             from numbaengine import device_round
             return device_round.generate_batch(self.target, self.drafter, self.tokenizer, prompts, max_new_tokens,
                                                mode, budget, temperature, seed, stop, self.max_context, on_round,
-                                               self.rounds_cache)
+                                               self.rounds_cache, ranks=self.ranks)
         with self._blas():
             return gen.generate_batch(self.target, self.drafter, self.tokenizer, prompts, max_new_tokens, mode,
                                       budget, temperature, seed, stop, max_context=self.max_context,

@@ -51,8 +51,8 @@ class Target:
             raise ValueError(f"cache_dtype: backend {ops.name!r} keeps a {' or '.join(ops.cache_dtypes)} latent "
                              f"cache, not {cache_dtype!r}")
         if len(shards) > ops.max_shards:
-            raise ValueError(f"devices: backend {ops.name!r} drives {ops.max_shards} device(s), not {len(shards)} "
-                             "(the multi-device layout runs on backend 'numpy' until NCCL is wired)")
+            raise ValueError(f"devices: an op table of backend {ops.name!r} drives one shard, not {len(shards)} "
+                             "(several devices: Engine.load(devices=[...]) makes a rank per device)")
         self.cfg, self.ops, self.cache_dtype = cfg, ops, cache_dtype
         self.shards = [ops.upload(s) for s in shards]
         self.w = self.shards[0]                  # replicated tensors (embedding, norms, router) are read from here
@@ -76,7 +76,12 @@ class Target:
         return self.ops.embed(self.w.embed, self.ops.asarray(tokens, np.int32), out)
 
     def lm_head(self, h, out):
-        """h f32[n, H] (already normalized) -> out f32[n, V]; each shard computes its slice of the vocabulary."""
+        """h f32[n, H] (already normalized) -> out f32[n, V]; each shard computes its slice of the vocabulary (a
+        rank of several devices: its slice, then every rank's slices all-gathered)."""
+        ops = self.ops
+        if getattr(ops, "comm", None) is not None and len(self.w.lm_head) < out.shape[1]:
+            part = ops.gemm(h, self.w.lm_head, ops.scratch("lm_head.part", (len(h), len(self.w.lm_head))))
+            return ops.all_gather(part, out)
         v0 = 0
         for shard in self.shards:
             v1 = v0 + len(shard.lm_head)

@@ -106,10 +106,11 @@ class LatentVis:
 class KernelOps:
     """Op table over the numba.cuda kernels. `xp` is numpy (simulator) or cupy (GPU)."""
     cache_dtypes = ("bf16",)     # the MLA kernel reads a bf16 latent cache
-    max_shards = 1               # one device per table: NCCL all-reduce is not wired yet
+    max_shards = 1               # one shard per table: several devices are several ranks (numbaengine/devices.py)
 
-    def __init__(self, name, xp, poison=False, trim_warps=False):
+    def __init__(self, name, xp, poison=False, trim_warps=False, comm=None):
         self.name, self.xp, self.poison, self.trim_warps = name, xp, poison, trim_warps
+        self.comm = comm         # this rank's collectives (devices.NcclComm / ThreadComm) or None: one device
         self._flat = {}          # (role, dtype) -> flat buffer grown to the largest request
         self._moe_ws = {}        # (top_k, H, I, E) -> MoeWorkspace grown by n_max
         self._work = {}          # flash-decoding scratch per attention shape
@@ -117,7 +118,7 @@ class KernelOps:
 
     def fresh(self) -> "KernelOps":
         """A table over the same device with its own scratch (a captured graph owns the buffers it points at)."""
-        return KernelOps(self.name, self.xp, self.poison, self.trim_warps)
+        return KernelOps(self.name, self.xp, self.poison, self.trim_warps, self.comm)
 
     # -- arrays --------------------------------------------------------------------------------------------------
     def asarray(self, a, dtype=None):
@@ -158,8 +159,6 @@ class KernelOps:
         if isinstance(weights, np.ndarray):
             return self.asarray(np.ascontiguousarray(weights))
         if isinstance(weights, Experts):
-            if weights.offset:
-                raise ValueError("upload: experts with an offset (expert parallelism) need the NCCL layout")
             return device_experts(weights, lambda a: self.asarray(np.ascontiguousarray(a)))
         if isinstance(weights, list):
             return [self.upload(w) for w in weights]
@@ -214,11 +213,16 @@ class KernelOps:
         mask = None if tree_mask is None else self.asarray(pack_mask(tree_mask)[None])
         return LatentVis(self.asarray(np.array([start], np.int32)), self.asarray(np.array([T], np.int32)), mask)
 
-    @staticmethod
-    def all_reduce(parts):
+    def all_reduce(self, parts):
+        """This rank's partial result (one shard per table) summed over the ranks in place (NCCL on cuda)."""
         if len(parts) != 1:
-            raise NotImplementedError("all_reduce over several devices (NCCL) is not wired into the kernel table")
-        return parts[0]
+            raise ValueError(f"all_reduce: a kernel table holds one shard, got {len(parts)} partial results")
+        return parts[0] if self.comm is None else self.comm.all_reduce(parts[0])
+
+    def all_gather(self, part, out):
+        """Every rank's part f32[m, v] side by side -> out f32[m, ranks * v] (vocabulary-parallel lm_head)."""
+        from numbaengine.devices import all_gather_cols
+        return all_gather_cols(self.comm, part, out, self.scratch("gather", (self.comm.size,) + part.shape))
 
     # -- math ops (reference signatures) -------------------------------------------------------------------------
     rmsnorm = staticmethod(rmsnorm)
@@ -343,16 +347,16 @@ def simulator_loaded() -> bool:
     return SIM and cuda.jit.__module__.startswith("numba.cuda.simulator")
 
 
-def sim_ops() -> KernelOps:
+def sim_ops(comm=None) -> KernelOps:
     """The kernel table on the CUDA simulator (NumPy arrays, poisoned scratch)."""
     if not simulator_loaded():
         raise ValueError("backend 'sim' needs NUMBA_ENABLE_CUDASIM=1 in the environment before numba is imported "
                          "(e.g. NUMBA_ENABLE_CUDASIM=1 python -m numbaengine.run ...)")
-    return KernelOps("sim", np, poison=True, trim_warps=True)
+    return KernelOps("sim", np, poison=True, trim_warps=True, comm=comm)
 
 
-def cuda_ops() -> KernelOps:
-    """The kernel table on the current CuPy device."""
+def cuda_ops(comm=None) -> KernelOps:
+    """The kernel table on the current CuPy device (comm: this rank's NCCL communicator when several)."""
     if SIM:
         raise ValueError("backend 'cuda' cannot run with NUMBA_ENABLE_CUDASIM=1 (use backend 'sim')")
     try:
@@ -361,4 +365,4 @@ def cuda_ops() -> KernelOps:
         raise ImportError(f"backend 'cuda' needs CuPy (pip install 'numbaengine[cuda]'): {e}") from None
     if not cuda.is_available():
         raise ValueError("backend 'cuda': numba finds no usable GPU")
-    return KernelOps("cuda", cupy)
+    return KernelOps("cuda", cupy, comm=comm)

@@ -35,6 +35,13 @@ def budget_arg(text):
     return b
 
 
+def devices_arg(text):
+    try:
+        return [int(d) for d in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of GPU ids") from None
+
+
 def parse_args(argv):
     ap = Parser(prog="python -m numbaengine.run", description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", required=True, help="text, or token ids ('1 2 3') for a model without tokenizer")
@@ -48,6 +55,8 @@ def parse_args(argv):
     ap.add_argument("--stop", help="comma-separated stop token ids ('' for none; default: the model's eos)")
     ap.add_argument("--max-context", type=int, default=4096, help="cache rows per sequence")
     ap.add_argument("--backend", choices=BACKENDS, default="auto")
+    ap.add_argument("--devices", type=devices_arg, help="comma-separated GPU ids to shard the model over, one rank "
+                                                        "per GPU over NCCL (cuda; default: the current GPU alone)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (with the trees under --show-tree)")
     ap.add_argument("--show-tree", action="store_true", help="print every round's tree, accepted path marked *")
     return ap.parse_args(argv)
@@ -146,7 +155,7 @@ def main(argv=None):
         if args.show_tree:
             args.backend = "numpy"
         engine = Engine.load(model, draft if args.mode != "ar" else None, backend=args.backend,
-                             max_context=args.max_context)
+                             max_context=args.max_context, devices=args.devices)
         watch = Watcher(args, engine.tokenizer)
         result = engine.generate(args.prompt, args.max_new_tokens, args.mode, args.budget, args.temperature,
                                  args.seed, stop_ids(args.stop), on_round=watch)

@@ -149,12 +149,22 @@ def routing(rng, n, n_exp, k, mode):
     return idx, rng.random((n, k)).astype(np.float32)
 
 
-def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, seed=0, shared=False):
+def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, seed=0, shared=False, held=None):
+    """held=(offset, count): this device holds experts offset.. of n_exp (expert parallelism); the others' slots
+    add nothing."""
+    import dataclasses
+
     from kernels.moe import device_experts, moe, moe_ref, moe_workspace
     rng = np.random.default_rng(seed)
-    ex = make_experts(rng, n_exp, hidden, inter, int4)
-    x = rng.standard_normal((n, hidden)).astype(np.float32)
     idx, wts = routing(rng, n, n_exp, k, mode)
+    ex = make_experts(rng, n_exp, hidden, inter, int4)
+    if held is not None:
+        e0, count = held
+        ex = dataclasses.replace(ex, **{f: getattr(ex, f)[e0:e0 + count] for f in
+                                        ("gate_up", "down", "gate_up_scale", "down_scale")
+                                        if getattr(ex, f) is not None}, offset=e0)
+        n_exp = count
+    x = rng.standard_normal((n, hidden)).astype(np.float32)
     sh = rng.standard_normal((n, hidden)).astype(np.float32) if shared else None
     ws = moe_workspace(n + 3, k, hidden, inter, n_exp, lambda shape, dtype: poisoned(env, shape, dtype), xs=xs)
     out = poisoned(env, (n, hidden), np.float32)

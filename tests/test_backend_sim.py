@@ -152,6 +152,19 @@ def check_verify(backend, dims="tiny", prompt_len=2):
             assert_close("verify hidden", out[1][1], out[0][1], seeds(dims, seed)))
 
 
+def check_ranks_one_device(backend, dims="tiny"):
+    """Engine.load(devices=[0]): the multi-device path (a rank thread, the communicator's all-reduces inside the
+    round, replicated tree work with the agreement check) gives exactly the single-device tokens."""
+    from numbaengine import Engine
+    _, dev = engines(backend, dims)
+    ranked = Engine.load(model_dir(dims), draft_dir(dims), backend=backend, devices=[0])
+    assert ranked.ranks is not None and ranked.ranks.size == 1
+    prompts = [np.random.default_rng().integers(0, dev.cfg.vocab_size, 2).tolist()]
+    kw = dict(mode="ar", stop=[])            # prefill, then rounds with the all-reduces (the cheapest round)
+    assert [r.tokens for r in ranked.generate_batch(prompts, 2, **kw)] == \
+        [r.tokens for r in dev.generate_batch(prompts, 2, **kw)]
+
+
 SIM_PARTS = 3
 SIM_CASES = {
     "prefill_logits": lambda env: check_prefill("sim", n=3),
@@ -164,6 +177,7 @@ SIM_CASES = {
     "sampled_ddtree": lambda env: check_decode("sim", prompt_lens=(2,), new=3, mode="ddtree", budget=2,
                                                temperature=1.0),
     "tree_verify": lambda env: check_verify("sim"),
+    "ranks_one_device": lambda env: check_ranks_one_device("sim"),
 }
 
 

@@ -14,6 +14,8 @@ SIM_CASES = {
                                                                      shared=True),
     "moe_int4_unused_expert_hi_lo": lambda env: C.check_moe(env, 3, 128, 64, 4, 2, "skip", 2, cfgs=SMALL),
     "moe_bf16_experts": lambda env: C.check_moe(env, 4, 128, 64, 4, 2, "random", 1, int4=False, cfgs=SMALL),
+    "moe_int4_expert_parallel_shard": lambda env: C.check_moe(env, 6, 128, 64, 8, 3, "random", 1, cfgs=SMALL,
+                                                              held=(4, 2), shared=True),
     "router_one_group": lambda env: C.check_router(env, 3, 64, 16, 4, 1, 1),
     "router_grouped": lambda env: C.check_router(env, 3, 64, 16, 4, 4, 2),
 }

@@ -1,4 +1,6 @@
 """The multi-device layout on CPU: a simulated n-device target equals the unsharded one; the plan covers every tensor."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -63,3 +65,124 @@ def test_plan_covers_every_tensor_exactly_once(model_dir, n):
 def test_indivisible_layout_is_a_clear_error(model_dir, n, field):
     with pytest.raises(ValueError, match=field):
         Engine.load(model_dir, backend="numpy", devices=list(range(n)))
+
+
+# --- ranks: one thread, op table and communicator per device (numbaengine/devices.py) ---------------------------
+def test_thread_comm_collectives():
+    """The CPU stand-in for NCCL: every rank gets the same rank-order sum; gathered columns land side by side."""
+    from numbaengine.devices import Ranks, ThreadComm, all_gather_cols
+    n, rng = 3, np.random.default_rng()
+    xs = [rng.standard_normal((4, 5)).astype(np.float32) for _ in range(n)]
+    comms = ThreadComm.make(n)
+    ranks = Ranks(range(n), comms, use_device=False)
+    sums = ranks.run(lambda r: comms[r].all_reduce(xs[r].copy()))
+    want = (xs[0] + xs[1]) + xs[2]
+    assert all(np.array_equal(s, want) for s in sums)
+    outs = ranks.run(lambda r: all_gather_cols(comms[r], xs[r], np.full((4, 15), np.nan, np.float32),
+                                               np.empty((n, 4, 5), np.float32)))
+    assert all(np.array_equal(o, np.concatenate(xs, axis=1)) for o in outs)
+
+
+def test_rank_error_reaches_the_caller():
+    """An exception on one rank aborts the others' pending collectives instead of hanging them."""
+    from numbaengine.devices import Ranks, ThreadComm
+    comms = ThreadComm.make(2)
+    ranks = Ranks(range(2), comms, use_device=False)
+
+    def work(r):
+        if r == 1:
+            raise KeyError("rank 1 failed")
+        return comms[r].all_reduce(np.zeros(3, np.float32))
+    with pytest.raises(KeyError, match="rank 1 failed"):
+        ranks.run(work)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ranks_equal_unsharded(model_dir, n):
+    """A rank per simulated device (own thread, own shard, all-reduce and vocabulary all-gather through the
+    communicator): every rank holds the same logits, which equal the unsharded model's; greedy tokens agree."""
+    from numbaengine.devices import load_ranks
+    cfg = load_config(model_dir)
+    prompt = np.random.default_rng().integers(0, 512, size=9).astype(np.int32)
+    one = Engine.load(model_dir, backend="numpy", cache_dtype="float32")
+    ranks = load_ranks(cfg, model_dir, None, "numpy", list(range(n)), "float32")
+    assert [len(t.w.lm_head) for t in ranks.targets] == [cfg.vocab_size // n] * n
+
+    def prefill(r):
+        target = ranks.targets[r]
+        logits, _ = target.forward(prompt, np.arange(len(prompt), dtype=np.int32), target.new_cache(len(prompt)),
+                                   form="naive")
+        return logits
+    got = ranks.run(prefill)
+    assert all(np.array_equal(g, got[0]) for g in got), "ranks disagree"
+    ref = one.forward_logits(prompt)
+    assert np.abs(ref - got[0]).max() / np.abs(ref).max() < 1e-4
+    bf16 = load_ranks(cfg, model_dir, None, "numpy", list(range(n)))
+    tokens = bf16.run(lambda r: greedy(bf16.targets[r], prompt, 5))
+    assert tokens == [greedy(Engine.load(model_dir, backend="numpy").target, prompt, 5)] * n
+
+
+@pytest.mark.parametrize("devices,backend,match", [([], "numpy", "at least one"), ([0, 0], "numpy", "twice"),
+                                                   ([0, 1], "sim", "one rank")])
+def test_bad_device_list_is_a_clear_error(devices, backend, match):
+    from numbaengine.devices import check_devices
+    with pytest.raises(ValueError, match=match) as e:
+        check_devices(devices, backend)
+    assert "\n" not in str(e.value)
+
+
+# --- the same on the GPU through NCCL (devices=[0] is what one lent H200 can check) -----------------------------
+DEFAULT = Path(__file__).resolve().parents[1] / "weights" / "default"
+
+
+@pytest.mark.gpu
+def test_gpu_nccl_collectives_eager_and_captured():
+    """NcclComm on device 0 (a one-rank communicator): all-reduce in place and the vocabulary all-gather, eager
+    and inside a captured graph."""
+    import cupy as cp
+
+    from numbaengine.devices import all_gather_cols, nccl_comms
+    comm = nccl_comms([0])[0]
+    x = cp.random.standard_normal((5, 7), dtype=cp.float32)
+    want = cp.asnumpy(x)
+    out, buf = cp.full((5, 7), cp.nan, cp.float32), cp.empty((1, 5, 7), cp.float32)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        comm.all_reduce(x)
+        all_gather_cols(comm, x, out, buf)
+        s.synchronize()
+        assert np.array_equal(cp.asnumpy(x), want) and np.array_equal(cp.asnumpy(out), want)
+        out.fill(cp.nan)
+        s.begin_capture()
+        comm.all_reduce(x)
+        all_gather_cols(comm, x, out, buf)
+        graph = s.end_capture()
+        graph.launch(s)
+        s.synchronize()
+    assert np.array_equal(cp.asnumpy(out), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,budget", [("ddtree", 16), ("ar", 0)])
+def test_gpu_devices_0_equals_single_gpu(mode, budget):
+    """Engine.load(devices=[0]) runs the multi-GPU path (a rank thread, NCCL all-reduces captured in the round
+    graph, replicated tree work with the agreement check) and gives the single-GPU path's tokens and tau."""
+    prompts = ["def fibonacci(n):", "import os\n", "class Node:\n    def"]
+    outs = []
+    for devices in (None, [0]):
+        engine = Engine.load(DEFAULT / "target", DEFAULT / "draft", backend="cuda", devices=devices,
+                             max_context=512)
+        res = engine.generate_batch(prompts, 40, mode=mode, budget=budget, stop=[])
+        outs.append([(r.tokens, r.stats["tau_mean"]) for r in res])
+        if devices:      # (a one-rank in-place all-reduce is a no-op for NCCL: the graph need not show it)
+            assert next(iter(engine.rounds_cache.values())).graph is not None
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+def test_gpu_more_devices_than_present_is_a_clear_error():
+    import cupy as cp
+    n = cp.cuda.runtime.getDeviceCount()
+    with pytest.raises(ValueError, match=f"GPU {n}") as e:
+        Engine.load(DEFAULT / "target", backend="cuda", devices=list(range(n + 1)))
+    assert "\n" not in str(e.value)

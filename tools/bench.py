@@ -119,10 +119,12 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp):
         prompts = [rng.integers(0, engine.cfg.vocab_size, 8 + 3 * (i % 5)).tolist() for i in range(batch)]
     kw = dict(mode=mode, budget=budget, stop=[])
     engine.generate_batch(prompts, 8, **kw)                                  # compile, size buffers, capture
+    dev = next(iter(engine.rounds_cache.values()))
+    devs = getattr(dev, "devs", [dev])                                       # one DeviceRounds per GPU
+    gpu0 = [d.gpu_s for d in devs]
     t0 = time.perf_counter()
     res = engine.generate_batch(prompts, new_tokens, **kw)
     wall = time.perf_counter() - t0
-    dev = next(iter(engine.rounds_cache.values()))
     st = res[0].stats
     rounds = st["rounds"]
     round_ms = st["phase_s"]["round"] / rounds * 1e3
@@ -131,14 +133,15 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp):
     mean_len = int(np.mean([r.stats["prompt_tokens"] + len(r.tokens) / 2 for r in res]))
     floor = round_floor(engine, dev, batch * (dev.tb.tokens.shape[1]), mean_len)
     floor_b = sum(floor.values())
-    phases = phase_times(cp, dev)
+    phases = (dev.ranks.run(lambda r: phase_times(cp, devs[r]))[0] if len(devs) > 1 else phase_times(cp, devs[0]))
     row = dict(mode=mode, budget=budget, batch=batch, new_tokens=new, wall_s=wall,
                tokens_per_s=new / st["decode_s"], tau=float(np.mean([r.stats["tau_mean"] for r in res])),
                rounds=rounds, round_ms=round_ms, gpu_ms=gpu_ms, host_pct=100 * (1 - gpu_ms / round_ms),
                floor_mb=floor_b / 1e6, floor_parts_mb={k: v / 1e6 for k, v in floor.items()},
                floor_gbs=floor_b / (gpu_ms / 1e3) / 1e9,
                floor_pct=100 * floor_b / (gpu_ms / 1e3) / 1e9 / copy_bw,
-               phase_ms=phases, graph_kernels=len(dev.kernel_nodes()))
+               phase_ms=phases, graph_kernels=len(dev.kernel_nodes()),
+               gpu_ms_per_device=[(d.gpu_s - g) / rounds * 1e3 for d, g in zip(devs, gpu0)])
     print(f"{mode:7s} B{budget:<4d} x{batch:<4d} {row['tokens_per_s']:9.1f} tok/s  tau {row['tau']:5.2f}  "
           f"round {round_ms:7.3f} ms  gpu {gpu_ms:7.3f} ms  host {row['host_pct']:5.1f}%  floor "
           f"{row['floor_mb']:8.1f} MB = {row['floor_pct']:5.1f}% of copy  "
@@ -187,6 +190,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--max-rows", type=int, default=1200, help="skip cases with batch * (budget + 1) above this")
     ap.add_argument("--max-context", type=int, default=2048)
+    ap.add_argument("--devices", help="comma-separated GPU ids: one rank per GPU over NCCL (default: GPU 0 alone)")
     ap.add_argument("--out", default="bench.json")
     args = ap.parse_args(argv)
     import cupy as cp
@@ -200,7 +204,8 @@ def main(argv=None):
         tmp = tempfile.TemporaryDirectory(prefix="k2_")
         model, draft = synth_k2(args.synth_k2, Path(tmp.name))
     t0 = time.perf_counter()
-    engine = Engine.load(model, draft, backend="cuda", max_context=args.max_context)
+    devices = [int(d) for d in args.devices.split(",")] if args.devices else None
+    engine = Engine.load(model, draft, backend="cuda", max_context=args.max_context, devices=devices)
     print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
     for mode in args.modes.split(","):
@@ -216,7 +221,7 @@ def main(argv=None):
                 row["copy_gbs"] = copy_bw
                 rows.append(row)
     result = dict(copy_gbs=copy_bw, model=str(args.model if not args.synth_k2 else f"synthetic K2.6 x{args.synth_k2}"),
-                  layers=engine.cfg.num_hidden_layers, rows=rows, date=time.strftime("%Y-%m-%d"),
+                  layers=engine.cfg.num_hidden_layers, rows=rows, date=time.strftime("%Y-%m-%d"), devices=devices,
                   gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode())
     if args.synth_k2:
         result["projection_61_layers_8_gpus"] = projection(rows, engine.cfg.num_hidden_layers, engine.cfg)

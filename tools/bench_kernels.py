@@ -134,7 +134,7 @@ def bench_moe(cp, cuda, results, copy_bw, quick):
         parts = {"plan+prep": lambda: moe_plan(x, di, ex, ws, gu_cfg, dn_cfg),
                  "gate_up": lambda: moe_stage(0, ex, dw, ws, gu_cfg),
                  "down": lambda: moe_stage(1, ex, dw, ws, dn_cfg),
-                 "combine": lambda: moe_combine(out, None, ws, n)}
+                 "combine": lambda: moe_combine(out, None, ws, di, ex)}
 
         def full():
             for f in parts.values():
