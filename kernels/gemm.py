@@ -333,9 +333,6 @@ def _build_reduce():
 
 
 # ---------------------------------------------------------------------------------------------------- launcher
-LAUNCH_BOUND_BYTES = 4 << 20   # weights this small take less time to read (~1 us) than a launch: one launch per GEMM
-
-
 @dataclass(frozen=True)
 class GemmConfig:
     """How one GEMM is cut. split = WK * SB k-pieces (chosen from n, k only: batch invariance);
@@ -375,10 +372,11 @@ def gemm_config(m, n, k, target_warps=4096):
     R = 2 if T <= 5 else 1
     wr = max(1, 8 // wk)
     U = (4 if sb > 1 else 2) if T == 1 else (1 if T == 3 else 2)
-    # reading f32 x in the kernel saves a launch (wins at one token tile) but costs conversions per tile (loses above);
-    # small weights are launch-bound at any T: one launch, x read in the GEMM, k-split reduce by the last block
-    one_launch = T == 1 or n * k * 2 <= LAUNCH_BOUND_BYTES
-    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(one_launch), MB=2 if T > 1 else 0, FR=int(one_launch))
+    # reading f32 x in the kernel saves a launch (wins at one token tile) but costs conversions per tile (loses above;
+    # also on small weights: doing so with the last-block reduce at T > 1 for weights under 4 MB took the default
+    # pair's DDTree-16 round from 1.12 to 1.54 ms on the H200, verify 0.78 -> 1.03 ms, although it saved 2 launches
+    # per GEMM)
+    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2 if T > 1 else 0, FR=int(T == 1))
 
 
 def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):

@@ -246,7 +246,8 @@ class Replicated:
         return self._agree(self.ranks.run(lambda r: self.devs[r].step()), "round")
 
     def retire(self, slots):
-        self.ranks.run(lambda r: self.devs[r].retire(slots))
+        if slots:                                    # (most rounds retire nothing: no thread round trip)
+            self.ranks.run(lambda r: self.devs[r].retire(slots))
 
     def __getattr__(self, name):                     # shape, tb, graph, gpu_s, kernel_nodes, ...: rank 0's
         return getattr(self.__dict__["devs"][0], name)

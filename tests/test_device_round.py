@@ -102,6 +102,24 @@ def test_gpu_sampled_matches_numpy_ar():
 
 
 @pytest.mark.gpu
+def test_gpu_sampled_ddtree_distribution_exact(tmp_path):
+    """The reference's goodness-of-fit test on the cuda backend: 1500 sampled DDTree continuations of one prompt
+    (15 device batches of 100, seeds 11..25: independent noise) against the target's exact joint law of three
+    tokens (16-token vocabulary, kernel-sized dims; its random drafter leads the walk past the root in ~87% of the
+    samples, the small CPU pair in > 90%)."""
+    from test_backend_sim import TINY
+    from test_generate import GOF_N, GOF_PROMPT, gof_of, small_pair
+
+    from numbaengine import Engine
+    small = small_pair(tmp_path, TINY, heads=2, kv_heads=1, head_dim=32, intermediate=64)
+    dev = Engine.load(tmp_path / "target", tmp_path / "draft", backend="cuda", max_context=64)
+    results = []
+    for chunk in range(GOF_N // 100):
+        results += dev.generate_batch([GOF_PROMPT] * 100, 3, "ddtree", 24, temperature=0.7, seed=11 + chunk, stop=[])
+    assert gof_of(small, 0.7, results, min_walked=0.8) > 1e-3
+
+
+@pytest.mark.gpu
 def test_gpu_memory_error_is_clear():
     from numbaengine import device_round
     _, dev = engines()

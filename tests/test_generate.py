@@ -118,16 +118,19 @@ def test_sampled_ddtree_equals_sampled_ar(pair, temperature):
 V_SMALL, GOF_PROMPT, GOF_N = 16, [3, 5, 7], 1500
 
 
+def small_pair(root, dims=SMALL, **draft_dims):
+    """A 16-token-vocabulary pair, so the joint law of the first three tokens has 4096 cells."""
+    cfg = synth_config("tiny", layers=2, quant="none", **{**dims, "vocab_size": V_SMALL})
+    write_target(root / "target", cfg, seed=0)
+    write_draft(root / "draft", root / "target", layers=1, block_size=4, seed=1, target_layer_ids=[1], **draft_dims)
+    engine = Engine.load(root / "target", backend="numpy")
+    return SimpleNamespace(root=root, engine=engine, target=engine.target,
+                           drafter=load_drafter(root / "draft", engine.target, NUMPY))
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    """A 16-token-vocabulary pair, so the joint law of the first three tokens has 4096 cells."""
-    root = tmp_path_factory.mktemp("small")
-    cfg = synth_config("tiny", layers=2, quant="none", vocab_size=V_SMALL, **SMALL)
-    write_target(root / "target", cfg, seed=0)
-    write_draft(root / "draft", root / "target", layers=1, block_size=4, seed=1, target_layer_ids=[1])
-    engine = Engine.load(root / "target", backend="numpy")
-    return SimpleNamespace(engine=engine, target=engine.target,
-                           drafter=load_drafter(root / "draft", engine.target, NUMPY))
+    return small_pair(tmp_path_factory.mktemp("small"))
 
 
 def exact_joint(engine, temperature):
@@ -147,11 +150,17 @@ def gof_pvalue(small, temperature, ops=NUMPY):
     token 2 matched a depth-1 child (budget 24 over 16 tokens: almost always)."""
     results = generate_batch(small.target, small.drafter, None, [GOF_PROMPT] * GOF_N, 3, mode="ddtree", budget=24,
                              temperature=temperature, seed=11, stop=[], ops=ops)
+    return gof_of(small, temperature, results)
+
+
+def gof_of(small, temperature, results, min_walked=0.9):
+    """Chi-square p-value of sampled continuations (results of GOF_PROMPT, 3 tokens each) against the exact law;
+    at least `min_walked` of them must have gone through a tree walk (tau >= 2 in some round)."""
     counts = np.zeros((V_SMALL,) * 3)
     for r in results:
         counts[tuple(r.tokens)] += 1
     walked = np.mean([len(r.stats["tau_hist"]) > 2 for r in results])      # some round had tau >= 2
-    assert walked > 0.9, "the tree walk was not exercised"
+    assert walked > min_walked, f"the tree walk was not exercised enough ({walked:.2f} of the samples)"
     expected = exact_joint(small.engine, temperature).ravel() * GOF_N
     big = expected >= 5
     observed = np.append(counts.ravel()[big], counts.ravel()[~big].sum())
