@@ -37,6 +37,17 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
     return wk
 
 
+def check_step_keys(env, nk, **kw):
+    """check with kernels.mla.MLA_NK = nk (64: two column chunks per softmax thread), restored afterwards."""
+    import kernels.mla as km
+    saved = km.MLA_NK
+    km.MLA_NK = nk
+    try:
+        check(env, **kw)
+    finally:
+        km.MLA_NK = saved
+
+
 def check_split_sizing(env):
     from kernels.mla import MLA_MIN_SPLIT, mla_work
     one = mla_work(np.zeros, 1, 1, 64, 512, 4097)                    # batch 1: every SM gets a split
@@ -60,6 +71,8 @@ SIM_CASES = {
                                               sms=4, seed=8),
     "sharp_scores_rescale": lambda env: check(env, B=1, lengths=(200,), ntok=(1,), scale=1.5, work=96, seed=9),
     "split_sizing": check_split_sizing,
+    "nk64_splits_tree": lambda env: check_step_keys(env, 64, B=1, T=3, h=4, lengths=(150,), ntok=(3,), work=96,
+                                                    seed=10),
 }
 
 
