@@ -264,6 +264,8 @@ def _bf16_pair(lo, hi):
 
 MLA_NK = 32                 # cache rows (keys) per pipeline step (64 where it fits: fewer steps and barriers)
 MLA_MAX_STAGES = 4          # most cache tiles in the ring (fewer: smaller blocks, several per SM)
+MLA_WIDE_KG = 4             # warps per 16 rows in row tiles of 48 or 64 rows
+MLA_S_TILES = 1             # m16 tiles per warp in S = Q K^T (2: each K fragment feeds two row tiles)
 MLA_SMEM = 227 * 1024       # shared memory per block on sm_90
 LAZY = float32(8)           # online softmax (log2 units): the running max moves only when a row's max grows by more
 MLA_MIN_SPLIT = 64          # fewest keys per flash-decoding split
@@ -271,10 +273,15 @@ LOG2E = float32(1 / math.log(2))
 _MLA_KERNELS = {}
 
 
+def _s_tiles(rg):
+    return MLA_S_TILES if rg % MLA_S_TILES == 0 else 1
+
+
 def _smem_bytes(rg, kg, stages, D, r, nk):
     """Stats and S partials (f32), then Q, P and the cache ring (bf16); the f32 output tile reuses Q and the ring."""
     mt, dp, nkp = 16 * rg, D + 8, nk + 8
-    kgs = -(-(D // 32) // -(-(D // 32) // kg))
+    lg = kg * _s_tiles(rg)
+    kgs = -(-(D // 32) // -(-(D // 32) // lg))
     head = 4 * (3 * mt + kgs * mt * nkp)
     return max(head + 2 * (mt * dp + mt * nkp + stages * nk * dp), head + 4 * mt * (r + 8))
 
@@ -290,7 +297,7 @@ def mla_geometry(M, D, r):
     kg warps per 16 rows split the latent width for S = Q K^T and the r output columns for O += P V; `stages`
     cache tiles of mla_step_keys rows in flight (cp.async ring, at most MLA_MAX_STAGES)."""
     rg = min(range(4, 0, -1), key=lambda g: (-(-M // (16 * g)) * g, -(-M // (16 * g))))
-    kg = 8 if rg <= 2 and r % 128 == 0 else 4
+    kg = (8 if r % 128 == 0 else 4) if rg <= 2 else MLA_WIDE_KG
     nk = mla_step_keys(rg, kg, D, r)
     stages = max([st for st in range(2, max(2, MLA_MAX_STAGES) + 1)
                   if _smem_bytes(rg, kg, st, D, r, nk) <= MLA_SMEM], default=0)
@@ -302,16 +309,17 @@ def mla_geometry(M, D, r):
 def mla_kernel(rg, kg, stages, causal, D, r, nk=None):
     """The absorbed-attention kernel for one geometry (mla_geometry), latent width D, output width r, nk keys per
     step (None: mla_step_keys; compiled once per key)."""
-    key = (rg, kg, stages, causal, D, r, mla_step_keys(rg, kg, D, r) if nk is None else nk)
+    key = (rg, kg, stages, causal, D, r, mla_step_keys(rg, kg, D, r) if nk is None else nk, _s_tiles(rg))
     if key not in _MLA_KERNELS:
         _MLA_KERNELS[key] = _make_mla_kernel(*key)
     return _MLA_KERNELS[key]
 
 
-def _make_mla_kernel(rg, kg, stages, causal, D, r, NK):
+def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
     MT, THREADS = 16 * rg, 32 * rg * kg
     DP, D8, D32 = D + 8, D // 8, D // 32            # Q/K row stride (conflict-free ldmatrix), 16 B pieces, k32 steps
-    KPW = -(-D32 // kg)                               # S = Q K^T: k32 steps per warp
+    RGS = rg // SMW                                   # S = Q K^T: warp (wi, gj) has SMW m16 tiles of row group wi
+    KPW = -(-D32 // (kg * SMW))                       # and k32 steps [gj*KPW, ...)
     KGS = -(-D32 // KPW)                              # warps per row group with S work (partial sums)
     NKP = NK + 8                                      # row stride of the S partials (f32, 8 mod 32 words: float2
     PM = 2 if rg % 2 == 0 and (r // (2 * kg)) % 16 == 0 else 1   # stores conflict-free) and of P (bf16)
@@ -334,7 +342,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK):
     D4 = D // 4                                       # 16-byte pieces of a q row (f32)
     QPT = -(-(MT * D4) // THREADS)                    # q pieces per thread
     QG = min(QPT, 8)                                  # q loads in flight per thread
-    ACC, SACC, AFR, QV = 4 * PM * NTP, NK // 2, 4 * PM, 4 * QG          # local (register) array sizes
+    ACC, SACC, AFR, QV = 4 * PM * NTP, SMW * NK // 2, max(4 * PM, 8 * SMW), 4 * QG   # local (register) arrays
     assert VW in (2, 4) and CPT % VW == 0 and NK % 16 == 0
     cp_wait_ring, cp_wait_all = _cp_wait(stages - 2), _cp_wait(0)
 
@@ -408,7 +416,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK):
             acc[u] = float32(0)
         sacc = cuda.local.array(SACC, float32)
         afr = cuda.local.array(AFR, uint32)
-        wi, gj = w % rg, w // rg                      # S roles
+        wi, gj = w % RGS, w // RGS                    # S roles
         pr, pc = w % PR, w // PR                      # P V roles
         srow, sc = tid // TPR, tid % TPR              # softmax role: row, first column chunk
         sm_ = mt * MT + srow
@@ -430,18 +438,26 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK):
                     kk = 32 * (gj * KPW + k)
                     if kk >= D:
                         break
-                    a0, a1, a2, a3 = _frag_a(usm, QO, DP, wi * 16, kk)
-                    e0, e1, e2, e3 = _frag_a(usm, QO, DP, wi * 16, kk + 16)
+                    for mi in range(SMW):             # Q fragments of k16 steps kk and kk+16
+                        afr[8 * mi], afr[8 * mi + 1], afr[8 * mi + 2], afr[8 * mi + 3] = _frag_a(
+                            usm, QO, DP, (wi * SMW + mi) * 16, kk)
+                        afr[8 * mi + 4], afr[8 * mi + 5], afr[8 * mi + 6], afr[8 * mi + 7] = _frag_a(
+                            usm, QO, DP, (wi * SMW + mi) * 16, kk + 16)
                     for nt in range(NK // 8):
                         b0, b1, b2, b3 = _frag_bn(usm, KO, DP, nt * 8, kk)
-                        s0, s1, s2, s3 = mma_bf16(a0, a1, a2, a3, b0, b1, sacc[4 * nt], sacc[4 * nt + 1],
-                                                  sacc[4 * nt + 2], sacc[4 * nt + 3])
-                        sacc[4 * nt], sacc[4 * nt + 1], sacc[4 * nt + 2], sacc[4 * nt + 3] = mma_bf16(
-                            e0, e1, e2, e3, b2, b3, s0, s1, s2, s3)
-                so = RZ + (gj * MT + wi * 16 + g) * NKP + 2 * tq
-                for nt in range(NK // 8):             # float2 stores: rows g, g+8 (stride 8 mod 32 words)
-                    _sts2f(fsm, uint32(so + nt * 8), sacc[4 * nt], sacc[4 * nt + 1])
-                    _sts2f(fsm, uint32(so + 8 * NKP + nt * 8), sacc[4 * nt + 2], sacc[4 * nt + 3])
+                        for mi in range(SMW):
+                            x = 4 * (mi * (NK // 8) + nt)
+                            s0, s1, s2, s3 = mma_bf16(afr[8 * mi], afr[8 * mi + 1], afr[8 * mi + 2], afr[8 * mi + 3],
+                                                      b0, b1, sacc[x], sacc[x + 1], sacc[x + 2], sacc[x + 3])
+                            sacc[x], sacc[x + 1], sacc[x + 2], sacc[x + 3] = mma_bf16(
+                                afr[8 * mi + 4], afr[8 * mi + 5], afr[8 * mi + 6], afr[8 * mi + 7], b2, b3,
+                                s0, s1, s2, s3)
+                for mi in range(SMW):                 # float2 stores: rows g, g+8 (stride 8 mod 32 words)
+                    so = RZ + (gj * MT + (wi * SMW + mi) * 16 + g) * NKP + 2 * tq
+                    for nt in range(NK // 8):
+                        x = 4 * (mi * (NK // 8) + nt)
+                        _sts2f(fsm, uint32(so + nt * 8), sacc[x], sacc[x + 1])
+                        _sts2f(fsm, uint32(so + 8 * NKP + nt * 8), sacc[x + 2], sacc[x + 3])
             cuda.syncthreads()
             m_old = fsm[uint32(srow + z)]             # online softmax: TPR threads per row, P as bf16
             mx = m_old
