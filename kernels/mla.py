@@ -54,7 +54,7 @@ if not SIM:
     from numba.cuda import libdevice
     from numba.cuda.extending import intrinsic
 
-    from kernels.device import _address
+    from kernels.device import _address, _asm_op, _cvt_pair
 
     def _smem_addr(context, builder, aryty, ary, idxty, idx):
         """32-bit shared-window address of element idx of a 1-D shared array (32-bit math: fewer registers)."""
@@ -126,11 +126,55 @@ if not SIM:
 
     _ldsm, _ldsm_t = _make_ldsm(False), _make_ldsm(True)
 
+    def _make_lds(n):
+        """ld.shared.v{n}.f32 at element idx of a 1-D float32 shared array (idx * 4 aligned to 4n bytes)."""
+        asm = f"ld.shared.v{n}.f32 {{{','.join(f'${k}' for k in range(n))}}}, [${n}];"
+
+        @intrinsic
+        def lds(typingctx, ary, idx):
+            sig = types.UniTuple(types.float32, n)(ary, idx)
+
+            def codegen(context, builder, sig, args):
+                a = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                fn = ir.FunctionType(ir.LiteralStructType([ir.FloatType()] * n), [ir.IntType(32)])
+                rr = builder.call(ir.InlineAsm(fn, asm, ",".join(["=f"] * n) + ",r", side_effect=True), [a])
+                return context.make_tuple(builder, sig.return_type, [builder.extract_value(rr, k) for k in range(n)])
+            return sig, codegen
+        return lds
+
+    def _make_sts2(kind):
+        """st.shared.v2.{kind} of (x, y) at element idx of a 1-D shared array (8-byte aligned)."""
+        ty = types.float32 if kind == "f32" else types.uint32
+        asm = f"st.shared.v2.{kind} [$0], {{$1, $2}};"
+
+        @intrinsic
+        def sts2(typingctx, ary, idx, x, y):
+            sig = types.void(ary, idx, x, y)
+
+            def codegen(context, builder, sig, args):
+                a = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                v = [context.cast(builder, args[k], sig.args[k], ty) for k in (2, 3)]
+                lt = context.get_value_type(ty)
+                fn = ir.FunctionType(ir.VoidType(), [ir.IntType(32), lt, lt])
+                cons = "r," + ("f,f" if kind == "f32" else "r,r") + ",~{memory}"
+                builder.call(ir.InlineAsm(fn, asm, cons, side_effect=True), [a] + v)
+            return sig, codegen
+        return sts2
+
+    _lds2, _lds4 = _make_lds(2), _make_lds(4)
+    _sts2f, _sts2u = _make_sts2("f32"), _make_sts2("u32")
+    _ex2 = _asm_op("ex2", "ex2.approx.ftz.f32 $0, $1;", "=f,f", [types.float32], types.float32)
+
     @cuda.jit(device=True, inline="always")
     def _to_bf16(x):
         """float32 -> bf16 bits, round to nearest even."""
         u = uint32(libdevice.float_as_int(x))
         return uint16((u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16))
+
+    @cuda.jit(device=True, inline="always")
+    def _pack2(lo, hi):
+        """Two float32 -> bf16 pair (round to nearest even, one cvt), lo in the low half."""
+        return _cvt_pair(hi, lo)
 
     @cuda.jit(device=True, inline="always")
     def _from_bf16(u):
@@ -161,6 +205,9 @@ else:
     def _from_bf16(u):
         return bf16_to_f32(np.array([u], np.uint16))[0]
 
+    def _pack2(lo, hi):
+        return np.uint32(int(_to_bf16(np.float32(lo))) | (int(_to_bf16(np.float32(hi))) << 16))
+
     def _pair(sm, i, j):
         return np.uint32(int(sm[i]) | (int(sm[j]) << 16))
 
@@ -182,6 +229,20 @@ else:
         at = [base + (n0 + g) * stride + k0 + 2 * t + 8 * k for k in range(4)]
         return tuple(_pair(sm, a, a + 1) for a in at)
 
+    def _lds2(sm, i):
+        return np.float32(sm[i]), np.float32(sm[i + 1])
+
+    def _lds4(sm, i):
+        return np.float32(sm[i]), np.float32(sm[i + 1]), np.float32(sm[i + 2]), np.float32(sm[i + 3])
+
+    def _sts2f(sm, i, x, y):
+        sm[i], sm[i + 1] = x, y
+
+    _sts2u = _sts2f
+
+    def _ex2(x):
+        return np.float32(np.exp2(np.float32(x)))
+
     def _cp_async(sm, sidx, arr, gidx, nbytes):
         sm[sidx:sidx + 8] = np.array(ld16(arr, gidx) if nbytes else (0, 0, 0, 0), np.uint32).view(np.uint16)
 
@@ -201,58 +262,77 @@ def _bf16_pair(lo, hi):
     return uint32(_to_bf16(lo)) | (uint32(_to_bf16(hi)) << uint32(16))
 
 
-MLA_NK = 32                 # cache rows (keys) per pipeline step
+MLA_NK = 32                 # cache rows (keys) per pipeline step (64 where it fits: fewer steps and barriers)
+MLA_MAX_STAGES = 4          # most cache tiles in the ring (fewer: smaller blocks, several per SM)
+MLA_WIDE_KG = 4             # warps per 16 rows in row tiles of 48 or 64 rows
+MLA_S_TILES = 1             # m16 tiles per warp in S = Q K^T (2: each K fragment feeds two row tiles)
 MLA_SMEM = 227 * 1024       # shared memory per block on sm_90
-LAZY = float32(8)           # online softmax: the running max moves only when a row's max grows by more than this
+LAZY = float32(8)           # online softmax (log2 units): the running max moves only when a row's max grows by more
 MLA_MIN_SPLIT = 64          # fewest keys per flash-decoding split
+LOG2E = float32(1 / math.log(2))
 _MLA_KERNELS = {}
 
 
-def _smem_bytes(rg, kg, stages, D, r):
+def _s_tiles(rg):
+    return MLA_S_TILES if rg % MLA_S_TILES == 0 else 1
+
+
+def _smem_bytes(rg, kg, stages, D, r, nk):
     """Stats and S partials (f32), then Q, P and the cache ring (bf16); the f32 output tile reuses Q and the ring."""
-    mt, dp, nkp = 16 * rg, D + 8, MLA_NK + 8
-    kgs = -(-(D // 32) // -(-(D // 32) // kg))
+    mt, dp, nkp = 16 * rg, D + 8, nk + 8
+    lg = kg * _s_tiles(rg)
+    kgs = -(-(D // 32) // -(-(D // 32) // lg))
     head = 4 * (3 * mt + kgs * mt * nkp)
-    return max(head + 2 * (mt * dp + mt * nkp + stages * MLA_NK * dp), head + 4 * mt * (r + 8))
+    return max(head + 2 * (mt * dp + mt * nkp + stages * nk * dp), head + 4 * mt * (r + 8))
+
+
+def mla_step_keys(rg, kg, D, r):
+    """Keys per step: MLA_NK, or 32 where MLA_NK keys leave no room for two ring slots."""
+    return MLA_NK if _smem_bytes(rg, kg, 2, D, r, MLA_NK) <= MLA_SMEM else 32
 
 
 def mla_geometry(M, D, r):
     """(rg, kg, stages, threads, smem bytes) for M query rows (ntok*h), latent width D and output width r. A block
     holds a row tile of 16*rg rows (rg <= 4: the fewest padded rows, then the fewest tiles) and 32*rg*kg threads:
     kg warps per 16 rows split the latent width for S = Q K^T and the r output columns for O += P V; `stages`
-    cache tiles of MLA_NK rows in flight (cp.async ring)."""
+    cache tiles of mla_step_keys rows in flight (cp.async ring, at most MLA_MAX_STAGES)."""
     rg = min(range(4, 0, -1), key=lambda g: (-(-M // (16 * g)) * g, -(-M // (16 * g))))
-    kg = 8 if rg <= 2 and r % 128 == 0 else 4
-    stages = max([st for st in range(2, 5) if _smem_bytes(rg, kg, st, D, r) <= MLA_SMEM], default=0)
+    kg = (8 if r % 128 == 0 else 4) if rg <= 2 else MLA_WIDE_KG
+    nk = mla_step_keys(rg, kg, D, r)
+    stages = max([st for st in range(2, max(2, MLA_MAX_STAGES) + 1)
+                  if _smem_bytes(rg, kg, st, D, r, nk) <= MLA_SMEM], default=0)
     if not stages:
         raise ValueError(f"mla_attention: D = {D}, r = {r} too large for shared memory")
-    return rg, kg, stages, 32 * rg * kg, _smem_bytes(rg, kg, stages, D, r)
+    return rg, kg, stages, 32 * rg * kg, _smem_bytes(rg, kg, stages, D, r, nk)
 
 
-def mla_kernel(rg, kg, stages, causal, D, r):
-    """The absorbed-attention kernel for one geometry (mla_geometry), latent width D, output width r (compiled
-    once per key)."""
-    key = (rg, kg, stages, causal, D, r)
+def mla_kernel(rg, kg, stages, causal, D, r, nk=None):
+    """The absorbed-attention kernel for one geometry (mla_geometry), latent width D, output width r, nk keys per
+    step (None: mla_step_keys; compiled once per key)."""
+    key = (rg, kg, stages, causal, D, r, mla_step_keys(rg, kg, D, r) if nk is None else nk, _s_tiles(rg))
     if key not in _MLA_KERNELS:
-        _MLA_KERNELS[key] = _make_mla_kernel(rg, kg, stages, causal, D, r)
+        _MLA_KERNELS[key] = _make_mla_kernel(*key)
     return _MLA_KERNELS[key]
 
 
-def _make_mla_kernel(rg, kg, stages, causal, D, r):
-    NK, MT, THREADS = MLA_NK, 16 * rg, 32 * rg * kg
+def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
+    MT, THREADS = 16 * rg, 32 * rg * kg
     DP, D8, D32 = D + 8, D // 8, D // 32            # Q/K row stride (conflict-free ldmatrix), 16 B pieces, k32 steps
-    KPW = -(-D32 // kg)                               # S = Q K^T: k32 steps per warp
+    RGS = rg // SMW                                   # S = Q K^T: warp (wi, gj) has SMW m16 tiles of row group wi
+    KPW = -(-D32 // (kg * SMW))                       # and k32 steps [gj*KPW, ...)
     KGS = -(-D32 // KPW)                              # warps per row group with S work (partial sums)
-    NKP = NK + 8                                      # row stride of the S partials (f32) and of P (bf16)
-    PM = 2 if rg % 2 == 0 and (r // (2 * kg)) % 16 == 0 else 1   # O += P V: m16 tiles per warp
-    PR = rg // PM                                     # row groups of O
+    NKP = NK + 8                                      # row stride of the S partials (f32, 8 mod 32 words: float2
+    PM = 2 if rg % 2 == 0 and (r // (2 * kg)) % 16 == 0 else 1   # stores conflict-free) and of P (bf16)
+    PR = rg // PM                                     # O += P V: m16 tiles per warp, row groups of O
     CW = r // (kg * PM)                               # O columns per warp
     NTP = CW // 8
     TPR = THREADS // MT                               # softmax threads per row (2*kg)
-    CPT = NK // TPR                                   # softmax columns per thread
+    CPT = NK // TPR                                   # softmax columns per thread: NCH chunks of VW adjacent ones
+    VW = min(4, CPT)
+    NCH = CPT // VW
     LOG_TPR = TPR.bit_length() - 1
-    PIECES = NK * D8                                  # 16-byte pieces per cache tile
-    PPT = -(-PIECES // THREADS)
+    PA, PB = THREADS // D8, THREADS % D8              # a thread's next cache piece: PA rows and PB pieces further
+    PPT = -(-(NK * D8) // THREADS)                    # 16-byte pieces per thread and tile
     RED = 3 * MT                                      # f32 offsets: stats (max, sum, alpha), then S partials
     U0 = 2 * (RED + KGS * MT * NKP)                   # uint16 offsets: Q tile, P tile, cache ring
     PO = U0 + MT * DP
@@ -262,21 +342,26 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
     D4 = D // 4                                       # 16-byte pieces of a q row (f32)
     QPT = -(-(MT * D4) // THREADS)                    # q pieces per thread
     QG = min(QPT, 8)                                  # q loads in flight per thread
-    ACC, SACC, AFR, QV = 4 * PM * NTP, NK // 2, 4 * PM, 4 * QG          # local (register) array sizes
+    ACC, SACC, AFR, QV = 4 * PM * NTP, SMW * NK // 2, max(4 * PM, 8 * SMW), 4 * QG   # local (register) arrays
+    assert VW in (2, 4) and CPT % VW == 0 and NK % 16 == 0
     cp_wait_ring, cp_wait_all = _cp_wait(stages - 2), _cp_wait(0)
 
     @cuda.jit(device=True, inline="always")
-    def load_tile(usm, cache, b, j0, hi, stage, tid):
-        """cp.async of cache rows j0..j0+NK-1 of sequence b into ring slot `stage` (rows >= hi: zeros)."""
-        cap = cache.shape[1]
+    def load_tile(usm, cache, row0, kr0, pc0, j0, hi, stage):
+        """cp.async of cache rows j0..j0+NK-1 (flat row row0 + j of the cache) into ring slot `stage`, rows >= hi
+        as zeros. This thread's pieces: (kr0, pc0), then PA rows and PB pieces on (no division in the loop)."""
+        kr, pc = kr0, pc0
         for p in range(PPT):
-            idx = tid + p * THREADS
-            if idx < PIECES:
-                kr, c = idx // D8, 8 * (idx % D8)
+            if kr < NK:
                 j = j0 + kr
                 ok = j < hi
-                _cp_async(usm, KB + stage * KSTAGE + kr * DP + c, cache, (b * cap + (j if ok else 0)) * D + c,
-                          uint32(16) if ok else uint32(0))
+                _cp_async(usm, uint32(KB + stage * KSTAGE + kr * DP + 8 * pc), cache,
+                          (row0 + (j if ok else 0)) * D + 8 * pc, uint32(16) if ok else uint32(0))
+            pc += PB
+            kr += PA
+            if pc >= D8:
+                pc -= D8
+                kr += 1
         _cp_commit()
 
     @kernel(max_registers=min(255, 65536 // THREADS // 8 * 8))   # the block fits the register file
@@ -284,9 +369,10 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
         """Block (row tile, split s, sequence b) of 32*rg*kg threads over cache rows [s*split, +split) of b:
         query rows m = t*h + head of tile mt. Per step of NK rows (a cp.async ring of `stages` tiles, one barrier
         per phase): warp (wi, gj) sums S = Q K^T over its share of the latent width on tensor cores, the partials
-        meet in shared memory, an online softmax (f32) leaves P as bf16, and warp (pr, pc) adds P V for its
-        16*PM rows and CW columns (mma.sync bf16, f32 accumulators). Bytes: each cache row of the split once per
-        row tile (tiles of one split run side by side: L2), q once, partials MT*r*4 per block."""
+        meet in shared memory, an online softmax (f32, base 2: `scale` includes log2 e) leaves P as bf16, and warp
+        (pr, pc) adds P V for its 16*PM rows and CW columns (mma.sync bf16, f32 accumulators). Steps wholly inside
+        the committed rows skip the masks. Bytes: each cache row of the split once per row tile (tiles of one
+        split run side by side: L2), q once, partials MT*r*4 per block."""
         T, h = q.shape[1], q.shape[2]
         mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid = cuda.threadIdx.x
@@ -305,8 +391,10 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
                 ml_part[b, s, mt * MT + tid, 0] = NEG_INF
                 ml_part[b, s, mt * MT + tid, 1] = float32(0)
             return
+        row0 = b * cache.shape[1]
+        kr0, pc0 = tid // D8, tid % D8
         for p in range(stages - 1):                   # the ring's first tiles in flight
-            load_tile(usm, cache, b, lo + p * NK, hi, p, tid)
+            load_tile(usm, cache, row0, kr0, pc0, lo + p * NK, hi, p)
         for p0 in range(0, QPT, QG):                  # q tile: QG 16-byte loads in flight, then bf16 pairs
             for p in range(QG):
                 idx = tid + (p0 + p) * THREADS
@@ -328,15 +416,19 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
             acc[u] = float32(0)
         sacc = cuda.local.array(SACC, float32)
         afr = cuda.local.array(AFR, uint32)
-        wi, gj = w % rg, w // rg                      # S roles
+        wi, gj = w % RGS, w // RGS                    # S roles
         pr, pc = w % PR, w // PR                      # P V roles
+        srow, sc = tid // TPR, tid % TPR              # softmax role: row, first column chunk
+        sm_ = mt * MT + srow
+        tmask = min(sm_ // h, T - 1)                  # its query (mask row)
+        plain = min(hi, L)                            # steps ending here see no mask
         nsteps = (hi - lo + NK - 1) // NK
         for i in range(nsteps):
             c0 = lo + i * NK
             z = _opaque0()                            # addresses below: base + z + constant, made in the loop
             cp_wait_ring()
             cuda.syncthreads()                        # tile i landed; step i-1 done with its slot
-            load_tile(usm, cache, b, c0 + (stages - 1) * NK, hi, (i + stages - 1) % stages, tid + z)
+            load_tile(usm, cache, row0, kr0, pc0, c0 + (stages - 1) * NK, hi, (i + stages - 1) % stages)
             KO = KB + (i % stages) * KSTAGE + z
             QO, PZ, RZ = U0 + z, PO + z, RED + z
             if gj < KGS:                              # S partial over k32 steps [gj*KPW, ...)
@@ -346,60 +438,89 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
                     kk = 32 * (gj * KPW + k)
                     if kk >= D:
                         break
-                    a0, a1, a2, a3 = _frag_a(usm, QO, DP, wi * 16, kk)
-                    e0, e1, e2, e3 = _frag_a(usm, QO, DP, wi * 16, kk + 16)
+                    for mi in range(SMW):             # Q fragments of k16 steps kk and kk+16
+                        afr[8 * mi], afr[8 * mi + 1], afr[8 * mi + 2], afr[8 * mi + 3] = _frag_a(
+                            usm, QO, DP, (wi * SMW + mi) * 16, kk)
+                        afr[8 * mi + 4], afr[8 * mi + 5], afr[8 * mi + 6], afr[8 * mi + 7] = _frag_a(
+                            usm, QO, DP, (wi * SMW + mi) * 16, kk + 16)
                     for nt in range(NK // 8):
                         b0, b1, b2, b3 = _frag_bn(usm, KO, DP, nt * 8, kk)
-                        s0, s1, s2, s3 = mma_bf16(a0, a1, a2, a3, b0, b1, sacc[4 * nt], sacc[4 * nt + 1],
-                                                  sacc[4 * nt + 2], sacc[4 * nt + 3])
-                        sacc[4 * nt], sacc[4 * nt + 1], sacc[4 * nt + 2], sacc[4 * nt + 3] = mma_bf16(
-                            e0, e1, e2, e3, b2, b3, s0, s1, s2, s3)
-                for nt in range(NK // 8):
-                    for e in range(4):
-                        row = wi * 16 + g + 8 * (e >> 1)
-                        fsm[uint32(RZ + (gj * MT + row) * NKP + nt * 8 + 2 * tq + (e & 1))] = sacc[4 * nt + e]
+                        for mi in range(SMW):
+                            x = 4 * (mi * (NK // 8) + nt)
+                            s0, s1, s2, s3 = mma_bf16(afr[8 * mi], afr[8 * mi + 1], afr[8 * mi + 2], afr[8 * mi + 3],
+                                                      b0, b1, sacc[x], sacc[x + 1], sacc[x + 2], sacc[x + 3])
+                            sacc[x], sacc[x + 1], sacc[x + 2], sacc[x + 3] = mma_bf16(
+                                afr[8 * mi + 4], afr[8 * mi + 5], afr[8 * mi + 6], afr[8 * mi + 7], b2, b3,
+                                s0, s1, s2, s3)
+                for mi in range(SMW):                 # float2 stores: rows g, g+8 (stride 8 mod 32 words)
+                    so = RZ + (gj * MT + (wi * SMW + mi) * 16 + g) * NKP + 2 * tq
+                    for nt in range(NK // 8):
+                        x = 4 * (mi * (NK // 8) + nt)
+                        _sts2f(fsm, uint32(so + nt * 8), sacc[x], sacc[x + 1])
+                        _sts2f(fsm, uint32(so + 8 * NKP + nt * 8), sacc[x + 2], sacc[x + 3])
             cuda.syncthreads()
-            srow, sc1 = (tid + z) // TPR, (tid % TPR) * CPT   # online softmax: TPR threads per row, P as bf16
-            sm_ = mt * MT + srow
-            m_old = fsm[srow]
+            m_old = fsm[uint32(srow + z)]             # online softmax: TPR threads per row, P as bf16
             mx = m_old
-            for c in range(CPT):
-                x = float32(0)
+            for k in range(NCH):                      # columns VW*sc + VW*TPR*k + e: 128-byte rows per 8 lanes
+                col = VW * sc + VW * TPR * k
+                for e in range(VW):
+                    sacc[VW * k + e] = float32(0)
                 for gg in range(KGS):
-                    x += fsm[uint32(RZ + (gg * MT + srow) * NKP + sc1 + c)]
-                j = c0 + sc1 + c
-                ok = j < hi and sm_ < M
-                if ok and j >= L:
-                    jj = j - L
-                    if causal:
-                        ok = jj <= sm_ // h
+                    o = uint32(RZ + (gg * MT + srow) * NKP + col)
+                    if VW == 4:
+                        x0, x1, x2, x3 = _lds4(fsm, o)
+                        sacc[VW * k] += x0
+                        sacc[VW * k + 1] += x1
+                        sacc[VW * k + 2] += x2
+                        sacc[VW * k + 3] += x3
                     else:
-                        ok = ((mask[b, sm_ // h, jj >> 5] >> uint32(jj & 31)) & uint32(1)) != uint32(0)
-                x = x * scale if ok else NEG_INF
-                sacc[c] = x
-                mx = max(mx, x)
+                        x0, x1 = _lds2(fsm, o)
+                        sacc[VW * k] += x0
+                        sacc[VW * k + 1] += x1
+                for e in range(VW):
+                    sacc[VW * k + e] *= scale
+            if c0 + NK > plain:                       # the split's end or new tokens in this step: masks
+                for k in range(NCH):
+                    for e in range(VW):
+                        j = c0 + VW * sc + VW * TPR * k + e
+                        ok = j < hi and sm_ < M
+                        if ok and j >= L:
+                            jj = j - L
+                            if causal:
+                                ok = jj * h <= sm_
+                            else:
+                                ok = ((mask[b, tmask, jj >> 5] >> uint32(jj & 31)) & uint32(1)) != uint32(0)
+                        if not ok:
+                            sacc[VW * k + e] = NEG_INF
+            for c in range(CPT):
+                mx = max(mx, sacc[c])
             for k in range(LOG_TPR):
                 mx = max(mx, shfl_xor(mx, 1 << k))
-            if m_old != NEG_INF and mx <= m_old + LAZY:   # lazy rescale: keep the old max (P <= e^LAZY)
+            if m_old != NEG_INF and mx <= m_old + LAZY:   # lazy rescale: keep the old max (P <= 2^LAZY)
                 mx = m_old
+            mz = mx if mx != NEG_INF else float32(0)      # masked scores: 2^-inf = 0
             tot = float32(0)
-            for c in range(CPT):
-                pb = uint16(0)
-                if mx != NEG_INF:
-                    pb = _to_bf16(math.exp(sacc[c] - mx))
-                    tot += _from_bf16(pb)
-                usm[uint32(PZ + srow * NKP + sc1 + c)] = pb
+            for k in range(NCH):
+                o = uint32(PZ + srow * NKP + VW * sc + VW * TPR * k) >> uint32(1)
+                w0 = _pack2(_ex2(sacc[VW * k] - mz), _ex2(sacc[VW * k + 1] - mz))
+                tot += as_f32(w0 << uint32(16)) + as_f32(w0 & uint32(0xFFFF0000))
+                if VW == 4:
+                    w1 = _pack2(_ex2(sacc[VW * k + 2] - mz), _ex2(sacc[VW * k + 3] - mz))
+                    tot += as_f32(w1 << uint32(16)) + as_f32(w1 & uint32(0xFFFF0000))
+                    _sts2u(wsm, o, w0, w1)
+                else:
+                    wsm[o] = w0
             for k in range(LOG_TPR):
                 tot += shfl_xor(tot, 1 << k)
-            if sc1 == 0:
-                alpha = math.exp(m_old - mx) if mx != NEG_INF else float32(1)
-                fsm[srow] = mx
-                fsm[MT + srow] = fsm[MT + srow] * alpha + tot
-                fsm[2 * MT + srow] = alpha
+            if sc == 0:
+                alpha = _ex2(m_old - mx) if mx != m_old else float32(1)
+                fsm[uint32(srow + z)] = mx
+                fsm[uint32(MT + srow + z)] = fsm[uint32(MT + srow + z)] * alpha + tot
+                fsm[uint32(2 * MT + srow + z)] = alpha
             cuda.syncthreads()
             for mi in range(PM):                      # O += P V for this warp's rows and columns
                 r0 = (pr * PM + mi) * 16
-                al0, al1 = fsm[2 * MT + z + r0 + g], fsm[2 * MT + z + r0 + g + 8]
+                al0, al1 = fsm[uint32(2 * MT + z + r0 + g)], fsm[uint32(2 * MT + z + r0 + g + 8)]
                 if al0 != float32(1) or al1 != float32(1):   # rare with the lazy rescale
                     for u in range(NTP):
                         acc[4 * (mi * NTP + u)] *= al0
@@ -428,11 +549,12 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r):
             fsm[OB + row * RS + col] = acc[x]
             fsm[OB + row * RS + col + 1] = acc[x + 1]
         cuda.syncthreads()
+        nlive = n * h                                 # rows m < n*h belong to live queries
         for idx in range(tid, MT * r, THREADS):       # coalesced rows of o_part
             row, col = idx // r, idx % r
             m = mt * MT + row
             if m < M:
-                live = m // h < n
+                live = m < nlive
                 den = fsm[MT + row]
                 y = fsm[OB + row * RS + col]
                 if normalize:
@@ -470,7 +592,7 @@ def mla_merge_kernel(o_part, ml_part, out):
         u0, u1, u2, u3 = ld16(o_part, o0 + s * os_)
         if ms != NEG_INF:
             mn = max(mx, ms)
-            a, wgt = math.exp(mx - mn), math.exp(ms - mn)
+            a, wgt = math.exp2(mx - mn), math.exp2(ms - mn)
             den = den * a + ls * wgt
             y0, y1 = y0 * a + as_f32(u0) * wgt, y1 * a + as_f32(u1) * wgt
             y2, y3 = y2 * a + as_f32(u2) * wgt, y3 * a + as_f32(u3) * wgt
@@ -485,7 +607,7 @@ def mla_merge_kernel(o_part, ml_part, out):
             ms = red[o + 5]
             if ms != NEG_INF:
                 mn = max(mx, ms)
-                a, wgt = math.exp(mx - mn), math.exp(ms - mn)
+                a, wgt = math.exp2(mx - mn), math.exp2(ms - mn)
                 den = den * a + red[o + 4] * wgt
                 y0, y1 = y0 * a + red[o] * wgt, y1 * a + red[o + 1] * wgt
                 y2, y3 = y2 * a + red[o + 2] * wgt, y3 * a + red[o + 3] * wgt
@@ -509,13 +631,14 @@ def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132):
     """Scratch for up to max_keys cache rows per sequence (committed + new). split=None: as many splits as fit
     one wave of blocks next to the B row tiles (at least MLA_MIN_SPLIT keys each); zeros = np.zeros or
     cupy.zeros."""
+    rg, kg, _, _, smem = mla_geometry(T * h, D, r)
+    nk = mla_step_keys(rg, kg, D, r)
     if split is None:
-        rg, _, _, _, smem = mla_geometry(T * h, D, r)
         tiles = B * -(-T * h // (16 * rg))
         slots = sms * max(1, MLA_SMEM // smem)
         nsplit = max(1, min(slots // tiles, -(-max_keys // MLA_MIN_SPLIT)))
         split = -(-max_keys // nsplit)
-    split = -(-split // MLA_NK) * MLA_NK
+    split = -(-split // nk) * nk
     return MlaWork(zeros, B, T * h, r, max_keys, split)
 
 
@@ -539,12 +662,12 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     tiles = -(-M // (16 * rg))
     if work is None:
         o4 = out.reshape(B, 1, M, r)
-        args = (q, cache, lengths, ntok, maskarg, float32(scale), int32(cache.shape[1]), 1, o4,
+        args = (q, cache, lengths, ntok, maskarg, float32(scale * LOG2E), int32(cache.shape[1]), 1, o4,
                 placeholder(q, (1, 1, 1, 2), np.float32))
         launch_smem(kern, (tiles, 1, B), threads, smem, args)
         return out
     nsplit = work.o.shape[1]
-    args = (q, cache, lengths, ntok, maskarg, float32(scale), int32(work.split), 0, work.o, work.ml)
+    args = (q, cache, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0, work.o, work.ml)
     launch_smem(kern, (tiles, nsplit, B), threads, smem, args)
     groups = min(MERGE_GROUPS, nsplit)
     mla_merge_kernel[(M, B), (r // 4, groups), current_stream(), 24 * r // 4 * groups](

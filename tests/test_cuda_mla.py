@@ -37,6 +37,20 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
     return wk
 
 
+def check_knobs(env, knobs, **kw):
+    """check with kernels.mla settings changed (e.g. MLA_NK = 64: two column chunks per softmax thread),
+    restored afterwards."""
+    import kernels.mla as km
+    saved = {k: getattr(km, k) for k in knobs}
+    for k, v in knobs.items():
+        setattr(km, k, v)
+    try:
+        check(env, **kw)
+    finally:
+        for k, v in saved.items():
+            setattr(km, k, v)
+
+
 def check_split_sizing(env):
     from kernels.mla import MLA_MIN_SPLIT, mla_work
     one = mla_work(np.zeros, 1, 1, 64, 512, 4097)                    # batch 1: every SM gets a split
@@ -60,6 +74,10 @@ SIM_CASES = {
                                               sms=4, seed=8),
     "sharp_scores_rescale": lambda env: check(env, B=1, lengths=(200,), ntok=(1,), scale=1.5, work=96, seed=9),
     "split_sizing": check_split_sizing,
+    "nk64_splits_tree": lambda env: check_knobs(env, dict(MLA_NK=64), B=1, T=3, h=4, lengths=(150,), ntok=(3,),
+                                                work=96, seed=10),
+    "two_s_tiles_kg2": lambda env: check_knobs(env, dict(MLA_S_TILES=2, MLA_WIDE_KG=2), B=1, T=13, h=4,
+                                               lengths=(70,), ntok=(13,), work=64, seed=11),
 }
 
 

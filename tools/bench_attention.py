@@ -77,10 +77,26 @@ def gpu_us(fn, reps=10):
             return cp.cuda.get_elapsed_time(start, end) * 1000 / reps, f"eager ({type(e).__name__})"
 
 
-def bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch=256 * 1024, q_bytes_cap=512 << 20, max_batch=64):
+def bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch=256 * 1024, q_bytes_cap=512 << 20, max_batch=64,
+              variant=None):
     """MLA decode/verify: B sequences of `ctx` committed rows + T tree tokens (all-visible masks), at batch 1 and
-    min(max_batch, tokens_per_batch / ctx). GB/s counts the cache rows read once; tflops the S and P V products."""
-    from kernels.mla import mla_attention, mla_work
+    min(max_batch, tokens_per_batch / ctx). GB/s counts the cache rows read once; tflops the S and P V products.
+    variant: kernels.mla settings to try (e.g. {"MLA_NK": 64, "MLA_MAX_STAGES": 2}), restored afterwards."""
+    import kernels.mla as km
+    from kernels.mla import mla_attention, mla_geometry, mla_step_keys, mla_work
+    saved = {k: getattr(km, k) for k in (variant or {})}
+    try:
+        for k, v in (variant or {}).items():
+            setattr(km, k, v)
+        return _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap, max_batch,
+                          mla_attention, mla_geometry, mla_step_keys, mla_work)
+    finally:
+        for k, v in saved.items():
+            setattr(km, k, v)
+
+
+def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap, max_batch, mla_attention,
+               mla_geometry, mla_step_keys, mla_work):
     rows = []
     for ctx in contexts:
         for h in heads:
@@ -99,7 +115,10 @@ def bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch=256 * 1024, q_
                     nbytes = B * (ctx + T) * K2_D * 2
                     flops = 2.0 * B * (ctx + T) * T * h * (K2_D + K2_R)
                     gbs = nbytes / us / 1e3
+                    rg, kg, stages, _, smem = mla_geometry(T * h, K2_D, K2_R)
+                    nk = mla_step_keys(rg, kg, K2_D, K2_R)
                     rows.append(dict(ctx=ctx, heads=h, queries=T, batch=B, split=work.split, splits=work.o.shape[1],
+                                     nk=nk, stages=stages, smem_kb=smem // 1024,
                                      us=round(us, 2), cache_gbs=round(gbs, 1), pct_copy=round(100 * gbs / copy_bw, 1),
                                      tflops=round(flops / us / 1e6, 1), timing=how))
                     print("mla", rows[-1], flush=True)
