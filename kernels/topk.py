@@ -1,9 +1,11 @@
 """Argmax and top-k over the vocabulary, per row: greedy tokens and the drafter's candidate ids.
 
 Order: larger value first; among equal values the lower index first (matches np.argmax and a stable sort).
-DDTree's per-depth top-K (kernels.tree.tree_topk) is the chunked radix select at the end: every (vocabulary
-chunk, row) block radix-selects its chunk's best K keys in shared memory, then one block per row radix-selects
-the best K of the chunks' candidates and ranks them by counting.
+DDTree's per-depth top-K (kernels.tree.tree_topk) is at the end, two launches: every (vocabulary chunk, row)
+block histograms its values by 12-bit order-key bins, keeps the ids at or above its own K-th best's bin as
+candidates and adds those bins to the row's histogram; one block per row finds the row's K-th best bin, which
+is at or above every chunk's, gathers the candidates at or above it and sorts them (bitonic). Rows whose
+candidates overflow (many equal values) take an exact radix select over the row instead.
 """
 import math
 
@@ -18,7 +20,6 @@ TOPK_WARPS = TOPK_THREADS // 32
 TOPK_MAX = 1024                 # largest K (candidates per depth)
 TOPK_CHUNKS = 32                # vocabulary chunks per row at most (blocks of the first stage)
 TOPK_SPAN = 1024 if SIM else 4096  # vocabulary ids per chunk at least
-TOPK_MERGE = 16384              # chunk candidates per row at most (8 B each in the merge's shared memory)
 
 BIG = 2 ** 31 - 1
 NEG_INF = float32(-np.inf)
@@ -151,7 +152,19 @@ def topk(logits, k, idx_out, val_out):
     return idx_out, val_out
 
 
-# --- DDTree per-depth top-K: chunked radix select ---------------------------------------------------------------
+# --- DDTree per-depth top-K: histogram threshold, filtered candidates, one sort per row --------------------------
+
+TOPK_BINS = 4096                # bins of the top 12 bits of a value's order key (1/8 octave each)
+TOPK_BIN_SHIFT = 52             # bin of an order_key = key >> 52
+TOPK_CAP = 4096                 # candidates a row's merge sorts in shared memory (8 B each)
+TOPK_STAT = TOPK_BINS           # cstats row: TOPK_BINS histogram counts, then per chunk (max, sum exp, count)
+_PRE = TOPK_CHUNKS + 2
+
+
+def topk_cap(K):
+    """Candidates per vocabulary chunk (beyond it the chunk, and its row, take the exact slow path)."""
+    return 2 * K + 64
+
 
 if SIM:
     def _block_reduce(buf, x, is_max):
@@ -165,6 +178,23 @@ if SIM:
             r = max(r, tmp[j]) if is_max else r + tmp[j]
         cuda.syncthreads()
         return r
+
+    def _block_scan(x, wsum):
+        """Simulator twin of _block_scan_gpu through shared memory."""
+        t, n = cuda.threadIdx.x, cuda.blockDim.x
+        tmp = cuda.shared.array(TOPK_THREADS, int32)
+        tmp[t] = x
+        cuda.syncthreads()
+        incl, tot = 0, 0
+        for j in range(n):
+            tot += tmp[j]
+            incl += tmp[j] if j <= t else 0
+        cuda.syncthreads()
+        return incl, tot
+
+    def _append(counter, pred):
+        """Simulator twin of _append: one atomic per taking thread."""
+        return cuda.atomic.add(counter, 0, 1) if pred else 0
 
 
 @cuda.jit(device=True, inline="always")
@@ -182,23 +212,6 @@ def _block_reduce_gpu(buf, x, is_max):
         r = max(r, buf[w]) if is_max else r + buf[w]
     cuda.syncthreads()
     return r
-
-
-
-
-if SIM:
-    def _block_scan(x, wsum):
-        """Simulator twin of _block_scan_gpu through shared memory."""
-        t, n = cuda.threadIdx.x, cuda.blockDim.x
-        tmp = cuda.shared.array(TOPK_THREADS, int32)
-        tmp[t] = x
-        cuda.syncthreads()
-        incl, tot = 0, 0
-        for j in range(n):
-            tot += tmp[j]
-            incl += tmp[j] if j <= t else 0
-        cuda.syncthreads()
-        return incl, tot
 
 
 @cuda.jit(device=True, inline="always")
@@ -224,98 +237,149 @@ def _block_scan_gpu(x, wsum):
     return base + x, tot
 
 
+@cuda.jit(device=True, inline="always")
+def _append_gpu(counter, pred):
+    """Slot of this lane's item in a shared list whose length is counter[0] (int32), one atomic per warp;
+    every lane of the warp must call it (the result is meaningless where pred is False)."""
+    bits = uint32(cuda.ballot_sync(0xFFFFFFFF, pred))
+    lane = int32(cuda.laneid)
+    leader = int32(cuda.ffs(bits)) - 1
+    base = int32(0)
+    if lane == leader:
+        base = cuda.atomic.add(counter, 0, int32(cuda.popc(bits)))
+    base = cuda.shfl_sync(0xFFFFFFFF, base, max(leader, 0))
+    return base + int32(cuda.popc(bits & ((uint32(1) << uint32(lane)) - uint32(1))))
+
+
 if not SIM:
-    _block_reduce, _block_scan = _block_reduce_gpu, _block_scan_gpu
-
-
-if SIM:
-    def _hist_add(hist, w, bin_):
-        if bin_ >= 0:
-            cuda.atomic.add(hist, (w, bin_), 1)
-else:
-    @cuda.jit(device=True, inline="always")
-    def _hist_add(hist, w, bin_):
-        """Warp-aggregated histogram increment into warp w's private histogram (bin -1: nothing); every lane
-        of the warp must call it."""
-        peers = cuda.match_any_sync(0xFFFFFFFF, bin_)
-        below = (uint32(1) << uint32(cuda.laneid)) - uint32(1)
-        if bin_ >= 0 and (uint32(peers) & below) == uint32(0):
-            cuda.atomic.add(hist, (w, bin_), cuda.popc(peers))
+    _block_reduce, _block_scan, _append = _block_reduce_gpu, _block_scan_gpu, _append_gpu
 
 
 @cuda.jit(device=True, inline="always")
-def _radix_select(keys, n, kq, hist, wsum, ctl):
-    """The best kq of the unique keys u64[n] (shared memory, larger first) by 8-bit radix passes from the top,
-    warp-private histograms and a block scan over the bins. Returns (prefix, mask): exactly kq keys satisfy
-    (key & mask) >= prefix (kq <= n; kq = 0: none). Every thread must call it (barriers inside)."""
+def _bin(x):
+    """Histogram bin of value x: the top 12 bits of its order key (larger bin = larger value)."""
+    return int32(order_key(x, 0) >> uint64(TOPK_BIN_SHIFT))
+
+
+@cuda.jit(device=True, inline="always")
+def _threshold_bin(hist, kq, wsum, ctl):
+    """(bin, above, inside) for counts hist[0:TOPK_BINS] (any number type): the highest bin such that the bins
+    from it up hold >= kq items, the items above it and in it; (TOPK_BINS, 0, 0) for kq = 0. Thread t scans a
+    run of bins from the top, then a block scan; ctl: int32[3] shared. Every thread must call it (barriers)."""
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
-    w = t >> 5
+    per = TOPK_BINS // nt
+    top = TOPK_BINS - 1 - t * per
+    s = int32(0)
+    for j in range(per):
+        s += int32(hist[top - j])
     if t == 0:
-        ctl[0], ctl[1], ctl[2], ctl[3] = uint64(0), uint64(0), uint64(kq), uint64(0)
-    for p in range(8 if kq > 0 else 0):
-        shift = uint64(56 - 8 * p)
-        for i in range(t, (nt >> 5) * 256, nt):
-            hist[i >> 8, i & 255] = 0
+        ctl[0], ctl[1], ctl[2] = TOPK_BINS, 0, 0
+    incl, tot = _block_scan(s, wsum)
+    cum = incl - s
+    if kq > 0 and cum < kq <= incl:
+        for j in range(per):
+            c = int32(hist[top - j])
+            if cum + c >= kq:
+                ctl[0], ctl[1], ctl[2] = top - j, cum, c
+                break
+            cum += c
+    cuda.syncthreads()
+    r0, r1, r2 = ctl[0], ctl[1], ctl[2]
+    cuda.syncthreads()
+    return r0, r1, r2
+
+
+@cuda.jit(device=True, inline="always")
+def _radix_select(row, n, prefix, pmask, need, shift0, hist, wsum, ctl):
+    """Exact slow path: refine (prefix, pmask) over the order keys of row f32[n] (read from global memory each
+    pass) by 8-bit digits from bit shift0 down, until exactly `need` keys under the starting prefix are kept.
+    Returns (prefix, mask): the keys with (key & mask) >= prefix are the ones above the start prefix plus those
+    `need`. hist: int32[256] shared; ctl: uint64[4] shared. Every thread must call it (barriers inside)."""
+    t, nt = cuda.threadIdx.x, cuda.blockDim.x
+    if t == 0:
+        ctl[0], ctl[1], ctl[2], ctl[3] = prefix, pmask, uint64(need), uint64(0)
+    cuda.syncthreads()
+    shift = int32(shift0)
+    while shift >= 0 and ctl[3] == uint64(0):
+        sh = uint64(shift)
+        for i in range(t, 256, nt):
+            hist[i] = 0
         cuda.syncthreads()
         prefix, pmask, need = ctl[0], ctl[1], int32(ctl[2])
-        for base in range(0, n, nt):                 # uniform trip count per warp (aggregated atomics)
-            i = base + t
-            bn = int32(-1)
-            if i < n:
-                key = keys[i]
-                if (key & pmask) == prefix:
-                    bn = int32((key >> shift) & uint64(0xFF))
-            _hist_add(hist, w, bn)
+        for i in range(t, n, nt):
+            key = order_key(row[i], i)
+            if (key & pmask) == prefix:
+                cuda.atomic.add(hist, int32((key >> sh) & uint64(0xFF)), 1)
         cuda.syncthreads()
         carry = int32(0)
         for r in range(0, 256, nt):                  # bins from the top: thread t takes digit 255 - r - t
             dig = 255 - r - t
-            cnt = int32(0)
-            if dig >= 0:
-                for ww in range(nt >> 5):
-                    cnt += hist[ww, dig]
+            cnt = hist[dig] if dig >= 0 else int32(0)
             incl, tot = _block_scan(cnt, wsum)
-            above = carry + incl - cnt               # keys in the bins above this digit
+            above = carry + incl - cnt
             if dig >= 0 and above < need <= above + cnt:
-                ctl[0] = prefix | (uint64(dig) << shift)
-                ctl[1] = pmask | (uint64(0xFF) << shift)
+                ctl[0] = prefix | (uint64(dig) << sh)
+                ctl[1] = pmask | (uint64(0xFF) << sh)
                 ctl[2] = uint64(need - above)
                 ctl[3] = uint64(1) if cnt == need - above else uint64(0)
             carry += tot
         cuda.syncthreads()
-        if ctl[3] != uint64(0):                      # every key under the prefix is in: stop
-            break
+        shift = shift - 8 if shift >= 8 else (0 if shift > 0 else -1)   # ..., 12, 4, 0 (overlap is harmless)
     cuda.syncthreads()
-    return ctl[0], ctl[1]
+    r0, r1 = ctl[0], ctl[1]
+    cuda.syncthreads()
+    return r0, r1
 
 
 @cuda.jit(device=True, inline="always")
-def _gather(keys, n, prefix, pmask, out, counter):
-    """out[...] = the keys with (key & pmask) >= prefix, unordered; counter: int32 shared, zeroed before."""
-    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
-        key = keys[i]
-        if (key & pmask) >= prefix:
-            out[cuda.atomic.add(counter, 0, 1)] = key
+def _bitonic_desc(sk, n):
+    """Sort the uint64 keys sk[0:n] in shared memory, larger first (bitonic network over the next power of two,
+    padded with 0). Every thread must call it (barriers inside)."""
+    t, nt = cuda.threadIdx.x, cuda.blockDim.x
+    n2 = int32(1)
+    while n2 < n:
+        n2 *= 2
+    for i in range(n + t, n2, nt):
+        sk[i] = uint64(0)
+    cuda.syncthreads()
+    k = int32(2)
+    while k <= n2:
+        j = k >> 1
+        while j > 0:
+            for p in range(t, n2 >> 1, nt):
+                lo = ((p & ~(j - 1)) << 1) | (p & (j - 1))
+                a, c = sk[lo], sk[lo + j]
+                if (a < c) == ((lo & k) == 0):
+                    sk[lo], sk[lo + j] = c, a
+            cuda.syncthreads()
+            j >>= 1
+        k *= 2
 
 
 @kernel(launch_bounds=TOPK_THREADS)
-def topk_part_kernel(logits, keys, stats):
-    """Block per (chunk c, depth d, sequence b), blockDim TOPK_THREADS: the best min(K, chunk) order_keys of
-    logits[b, d, chunk] (unique 64-bit keys, larger = earlier in top_logprobs' order), radix-selected in shared
-    memory (dynamic: 8 B per chunk id) and written unsorted to keys u64[B, L, C, K] (rest 0), with the chunk's
-    max and sum of exp(x - max) in stats f32[B, L, C, 2]. Bytes: the chunk twice (L2 the second time)."""
+def topk_part_kernel(logits, k, cand, ws):
+    """Block per (chunk c, depth d, sequence b), blockDim TOPK_THREADS, over the chunk's ids of logits f32[B, L, V]
+    (staged in dynamic shared memory, 4 B per id): the chunk's max and sum of exp(x - max); a shared histogram of
+    the 12-bit value bins; the chunk's threshold bin t_c (its best min(k, n) sit at or above it); the counts of
+    bins >= t_c added to the row histogram ws[b, d, 0:TOPK_BINS] (f32 counts, exact); the order_keys of the ids
+    at or above t_c to cand u64[B, L, C, cap] (unordered). ws[b, d, TOPK_STAT + 3c + (0, 1, 2)] = max, sum,
+    candidates (-1: more than cap, the row takes the slow path). Bytes: the chunk once, ~(2k + bin) keys out."""
     c, d, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
-    V, C, K = logits.shape[2], keys.shape[2], keys.shape[3]
-    sk = cuda.shared.array(0, uint64)
+    V, C, cap = logits.shape[2], cand.shape[2], cand.shape[3]
+    sv = cuda.shared.array(0, float32)
+    hist = cuda.shared.array(TOPK_BINS, int32)
     red = cuda.shared.array(TOPK_WARPS, float32)
-    hist = cuda.shared.array((TOPK_WARPS, 256), int32)
     wsum = cuda.shared.array(TOPK_WARPS, int32)
-    ctl = cuda.shared.array(4, uint64)
+    ctl = cuda.shared.array(3, int32)
     cnt = cuda.shared.array(1, int32)
     span = (V + C - 1) // C
     lo = c * span
     n = max(min(lo + span, V) - lo, 0)
+    for i in range(t, TOPK_BINS, nt):
+        hist[i] = 0
+    if t == 0:
+        cnt[0] = 0
     m = float32(-math.inf)
     xs = cuda.local.array(4, float32)
     for i0 in range(t, n, 4 * nt):                   # four loads in flight per thread
@@ -324,88 +388,124 @@ def topk_part_kernel(logits, keys, stats):
                 xs[u] = logits[b, d, lo + i0 + u * nt]
         for u in range(4):
             if i0 + u * nt < n:
-                sk[i0 + u * nt] = order_key(xs[u], lo + i0 + u * nt)
+                sv[i0 + u * nt] = xs[u]
                 m = max(m, xs[u])
     m = _block_reduce(red, m, True)
     sx = float32(0)
     for i in range(t, n, nt):
-        sx += math.exp(key_value(sk[i]) - m)
-    sx = _block_reduce(red, sx, False)
-    kc = min(K, n)
+        x = sv[i]
+        sx += math.exp(x - m)
+        cuda.atomic.add(hist, _bin(x), 1)
+    sx = _block_reduce(red, sx, False)               # barriers: the histogram is complete
+    tc, above, inside = _threshold_bin(hist, min(k, n), wsum, ctl)
+    for i in range(tc + t, TOPK_BINS, nt):
+        h = hist[i]
+        if h > 0:
+            cuda.atomic.add(ws, (b, d, i), float32(h))
+    count = above + inside
+    if count <= cap:
+        for base in range(0, n, nt):                 # uniform trip count per warp (warp-aggregated appends)
+            i = base + t
+            take = i < n and _bin(sv[min(i, n - 1)]) >= tc
+            slot = _append(cnt, take)
+            if take:
+                cand[b, d, c, slot] = order_key(sv[i], lo + i)
     if t == 0:
-        stats[b, d, c, 0], stats[b, d, c, 1] = m, sx
-        cnt[0] = 0
-    prefix, pmask = _radix_select(sk, n, kc, hist, wsum, ctl)
-    if kc > 0:
-        _gather(sk, n, prefix, pmask, keys[b, d, c], cnt)
-    for i in range(kc + t, K, nt):
-        keys[b, d, c, i] = uint64(0)
+        ws[b, d, TOPK_STAT + 3 * c] = m
+        ws[b, d, TOPK_STAT + 3 * c + 1] = sx
+        ws[b, d, TOPK_STAT + 3 * c + 2] = float32(count) if count <= cap else float32(-1)
 
 
 @kernel(launch_bounds=TOPK_THREADS)
-def topk_merge_kernel(logits, keys, stats, ids, lp):
-    """Block per (depth d, sequence b): the best K of the C*K chunk candidates (radix select in shared memory,
-    dynamic: 8 B per candidate + 8 B per K), ranked by counting; ids i32[B, L, K] in top_logprobs' order and
-    their log-probs logit - logsumexp (from the chunks' stats)."""
+def topk_merge_kernel(logits, cand, ws, ids, lp):
+    """Block per (depth d, sequence b): the row's threshold bin t* from the histogram (t* >= every chunk's t_c,
+    so the chunk lists hold every id at or above t*; the histogram is zeroed after), the ids at or above t* from
+    the chunk lists into shared memory (dynamic: TOPK_CAP keys), a bitonic sort, the best K to ids i32[B, L, K]
+    in top_logprobs' order with log-probs logit - logsumexp (from the chunks' stats) to lp f32[B, L, K]. Slow
+    exact path (a chunk overflowed or more than TOPK_CAP ids at or above t*): radix passes over the row's logits
+    below t*'s prefix, then the same sort of the K winners."""
     d, b = cuda.blockIdx.x, cuda.blockIdx.y
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
-    C, K = keys.shape[2], keys.shape[3]
-    n = C * K
+    V, C, K = logits.shape[2], cand.shape[2], ids.shape[2]
     sk = cuda.shared.array(0, uint64)
     red = cuda.shared.array(TOPK_WARPS, float32)
-    hist = cuda.shared.array((TOPK_WARPS, 256), int32)
     wsum = cuda.shared.array(TOPK_WARPS, int32)
-    ctl = cuda.shared.array(4, uint64)
+    ctl = cuda.shared.array(3, int32)
+    ctl64 = cuda.shared.array(4, uint64)
+    hist = cuda.shared.array(256, int32)
+    pre = cuda.shared.array(_PRE, int32)             # chunk list offsets, then the fast-path flag
     cnt = cuda.shared.array(1, int32)
-    ws = cuda.local.array(4, uint64)
-    for i0 in range(t, n, 4 * nt):                   # four loads in flight per thread
-        for u in range(4):
-            i = i0 + u * nt
-            if i < n:
-                ws[u] = keys[b, d, i // K, i % K]
-        for u in range(4):
-            if i0 + u * nt < n:
-                sk[i0 + u * nt] = ws[u]
     mx = float32(-math.inf)
     for c in range(t, C, nt):
-        mx = max(mx, stats[b, d, c, 0])
+        mx = max(mx, ws[b, d, TOPK_STAT + 3 * c])
     mx = _block_reduce(red, mx, True)
     tot = float32(0)
     for c in range(t, C, nt):
-        if stats[b, d, c, 1] > float32(0):
-            tot += stats[b, d, c, 1] * math.exp(stats[b, d, c, 0] - mx)
+        s = ws[b, d, TOPK_STAT + 3 * c + 1]
+        if s > float32(0):
+            tot += s * math.exp(ws[b, d, TOPK_STAT + 3 * c] - mx)
     lse = mx + math.log(_block_reduce(red, tot, False))
+    tb, above, inside = _threshold_bin(ws[b, d], K, wsum, ctl)
+    for i in range(t, TOPK_BINS, nt):                # consumed: ready for the next call
+        ws[b, d, i] = float32(0)
+    n = above + inside
     if t == 0:
+        ok = n <= TOPK_CAP
+        acc = int32(0)
+        for c in range(C):
+            pre[c] = acc
+            kc = int32(ws[b, d, TOPK_STAT + 3 * c + 2])
+            ok = ok and kc >= 0
+            acc += max(kc, 0)
+        pre[C] = acc
+        pre[C + 1] = 1 if ok else 0
         cnt[0] = 0
     cuda.syncthreads()
-    prefix, pmask = _radix_select(sk, n, K, hist, wsum, ctl)   # padding keys are 0, below every real key
-    sel = sk[n:n + K]
-    _gather(sk, n, prefix, pmask, sel, cnt)
+    if pre[C + 1] != 0:
+        total = pre[C]
+        for base in range(0, total, nt):             # uniform trip count per warp (warp-aggregated appends)
+            i = base + t
+            key = uint64(0)
+            if i < total:
+                c = 0
+                while pre[c + 1] <= i:
+                    c += 1
+                key = cand[b, d, c, i - pre[c]]
+            take = i < total and int32(key >> uint64(TOPK_BIN_SHIFT)) >= tb
+            slot = _append(cnt, take)
+            if take and slot < TOPK_CAP:
+                sk[slot] = key
+    else:
+        row = logits[b, d]
+        prefix, pmask = _radix_select(row, V, uint64(tb) << uint64(TOPK_BIN_SHIFT),
+                                      uint64(0xFFF) << uint64(TOPK_BIN_SHIFT), K - above, 44, hist, wsum, ctl64)
+        for base in range(0, V, nt):
+            i = base + t
+            key = order_key(row[min(i, V - 1)], i)
+            take = i < V and (key & pmask) >= prefix
+            slot = _append(cnt, take)
+            if take:
+                sk[slot] = key
+        n = K
     cuda.syncthreads()
+    _bitonic_desc(sk, n)
     for r in range(t, K, nt):
-        key = sel[r]
-        rank = 0
-        for j in range(K):
-            rank += 1 if sel[j] > key else 0
-        v = key_index(key)
-        ids[b, d, rank] = v
-        lp[b, d, rank] = logits[b, d, v] - lse
+        key = sk[r]
+        ids[b, d, r] = key_index(key)
+        lp[b, d, r] = key_value(key) - lse
 
 
 def topk_chunks(V, K):
-    """Vocabulary chunks per row: up to TOPK_CHUNKS of >= TOPK_SPAN ids, C*K candidates within TOPK_MERGE."""
-    kp = 1
-    while kp < K:
-        kp *= 2
-    return max(1, min(TOPK_CHUNKS, TOPK_MERGE // kp, V // TOPK_SPAN))
+    """Vocabulary chunks per row: up to TOPK_CHUNKS of >= TOPK_SPAN ids."""
+    return max(1, min(TOPK_CHUNKS, V // TOPK_SPAN))
 
 
-TOPK_STATIC = 1024 * TOPK_WARPS + 8 * TOPK_WARPS + 64     # the kernels' static shared bytes
+TOPK_STATIC = (4 * TOPK_BINS + 8 * TOPK_WARPS + 64, 1024 + 8 * TOPK_WARPS + 4 * TOPK_CHUNKS + 128)
 
 
 def topk_smem(V, K):
     """Dynamic shared memory bytes of (topk_part_kernel, topk_merge_kernel). Static plus dynamic above 48 KB
     needs the opt-in, which launch_smem makes for dynamic sizes above 48 KB: such sizes are rounded up to it."""
     C = topk_chunks(V, K)
-    return tuple(b if b + TOPK_STATIC <= 48 * 1024 else max(b, 48 * 1024 + 8) for b in (8 * (-(-V // C)),
-                                                                                      8 * (C * K + K)))
+    return tuple(b if b + s <= 48 * 1024 else max(b, 48 * 1024 + 8)
+                 for b, s in zip((4 * (-(-V // C)), 8 * TOPK_CAP), TOPK_STATIC))

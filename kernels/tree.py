@@ -1,8 +1,8 @@
 """DDTree on the GPU: per-depth top-K, the best-first tree build, the walk and the commit, for a batch of sequences.
 
 The reference is numbaengine.ddtree (top_logprobs, build_tree, walk, commit); the outputs here are identical given
-the same candidate lists. Top-K: kernels.topk's chunked radix select (one block per vocabulary chunk and depth,
-then one per depth). Build: the heap of the reference pops nodes in the total order (score descending, rank tuple
+the same candidate lists. Top-K: kernels.topk's histogram-threshold select (one block per vocabulary chunk and
+depth, then one per depth). Build: the heap of the reference pops nodes in the total order (score descending, rank tuple
 ascending) because every pushed entry ranks after the entry that pushed it (log-probs <= 0 and rounding is
 monotone), so one warp per sequence pops the best frontier entry with a warp argmax under that order: no heap.
 After each argmax the warp also pops, in one step, the run that provably follows: the popped entry's next
@@ -21,8 +21,10 @@ from kernels.device import SIM, current_stream
 from kernels.sample import SAMPLE_CHUNKS
 from kernels.topk import (
     TOPK_MAX,
+    TOPK_STAT,
     TOPK_THREADS,
     shfl_idx,
+    topk_cap,
     topk_chunks,
     topk_merge_kernel,
     topk_part_kernel,
@@ -372,8 +374,8 @@ class TreeBuffers:
     """Every device buffer of one DDTree round for B sequences, L depths, K candidates, N = budget+1 nodes."""
     ids: object          # i32[B, L, K]
     lp: object           # f32[B, L, K]
-    cand: object         # u64[B, L, C, K] top-K candidates per vocabulary chunk
-    cstats: object       # f32[B, L, C, 2] per chunk: max, sum of exp(x - max)
+    cand: object         # u64[B, L, C, topk_cap(K)] top-K candidates per vocabulary chunk (order keys)
+    cstats: object       # f32[B, L, TOPK_STAT + 3C] row histogram (zero between calls), per chunk: max, sum, count
     tokens: object       # i32[B, N]
     parents: object      # i32[B, N]
     depths: object       # i32[B, N]
@@ -395,8 +397,8 @@ def tree_buffers(zeros, B, L, K, N, V):
     if K > TOPK_MAX or N > NODE_MAX or L > DEPTH_MAX or K > V:
         raise ValueError(f"tree_buffers: K {K} > min(V {V}, {TOPK_MAX}), N {N} > {NODE_MAX} or L {L} > {DEPTH_MAX}")
     i32, C = np.int32, topk_chunks(V, K)
-    return TreeBuffers(zeros((B, L, K), i32), zeros((B, L, K), np.float32), zeros((B, L, C, K), np.uint64),
-                       zeros((B, L, C, 2), np.float32), zeros((B, N), i32), zeros((B, N), i32),
+    return TreeBuffers(zeros((B, L, K), i32), zeros((B, L, K), np.float32), zeros((B, L, C, topk_cap(K)), np.uint64),
+                       zeros((B, L, TOPK_STAT + 3 * C), np.float32), zeros((B, N), i32), zeros((B, N), i32),
                        zeros((B, N), i32), zeros((B, N), i32), zeros((B, N, -(-N // 32)), np.uint32),
                        zeros(B, i32), zeros(B * N, i32), zeros(B * N, i32), zeros(B * N, i32),
                        zeros((B, L + 1), i32), zeros(B, i32), zeros(B, i32), zeros((B, L + 2), i32),
@@ -406,13 +408,13 @@ def tree_buffers(zeros, B, L, K, N, V):
 def tree_topk(logits, tb: TreeBuffers):
     """top_logprobs for every (sequence, depth): logits f32[B, L, V] -> tb.ids i32[B, L, K], tb.lp f32[B, L, K]."""
     B, L, V = logits.shape
-    C, K = tb.cand.shape[2], tb.cand.shape[3]
-    if tb.ids.shape != (B, L, K) or C != topk_chunks(V, K):
+    C, K = tb.cand.shape[2], tb.ids.shape[2]
+    if tb.ids.shape != (B, L, K) or C != topk_chunks(V, K) or tb.cstats.shape[2] != TOPK_STAT + 3 * C:
         raise ValueError(f"tree_topk: logits {logits.shape} do not match buffers ids {tb.ids.shape}, "
                          f"{C} chunks (made for another vocabulary?)")
     if B and L:
         part, merge = topk_smem(V, K)
-        launch_smem(topk_part_kernel, (C, L, B), TOPK_THREADS, part, (logits, tb.cand, tb.cstats))
+        launch_smem(topk_part_kernel, (C, L, B), TOPK_THREADS, part, (logits, np.int32(K), tb.cand, tb.cstats))
         launch_smem(topk_merge_kernel, (L, B), TOPK_THREADS, merge, (logits, tb.cand, tb.cstats, tb.ids, tb.lp))
 
 

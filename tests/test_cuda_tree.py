@@ -57,20 +57,25 @@ def check_build(env, L=3, K=3, budgets=(9, 5, 0, 1), quantized=True, seed=0, pea
         assert_tree(got, b, build_tree(bonus[b], *lists[b], budgets[b]), lengths[b], seq_ids[b])
 
 
-def check_topk(env, B=2, L=3, V=40, K=6, seed=1):
+def check_topk(env, B=2, L=3, V=40, K=6, seed=1, calls=2):
+    """tree_topk == top_logprobs: exact ties, a rounded row (many ties), a row whose first half is one value above
+    all others (the best K are the lowest ids of a huge tie: chunk lists overflow, the exact slow path); called
+    twice on fresh logits (the row histogram must be left zeroed)."""
     from kernels.tree import tree_buffers, tree_topk
     rng = np.random.default_rng(seed)
-    logits = rng.normal(size=(B, L, V)).astype(np.float32)
-    logits[0, 1, [5, 9, 11]] = 3.0                                                 # exact ties: lower id first
-    logits[-1, -1, :] = np.round(logits[-1, -1, :])                                # many ties
     tb = tree_buffers(env.zeros, B, L, K, 1, V)
-    tb.ids, tb.lp = env.dev(np.full((B, L, K), -1, np.int32)), env.dev(np.full((B, L, K), np.nan, np.float32))
-    tree_topk(env.dev(logits), tb)
-    ids, lp = env.host(tb.ids), env.host(tb.lp)
-    for b in range(B):
-        want_ids, want_lp = top_logprobs(logits[b], K)
-        assert (ids[b] == want_ids).all(), f"seq {b} ids"
-        np.testing.assert_allclose(lp[b], want_lp, atol=2e-5, rtol=0)
+    for _ in range(calls):
+        logits = rng.normal(size=(B, L, V)).astype(np.float32)
+        logits[0, 1, [5, 9, 11]] = 3.0                                             # exact ties: lower id first
+        logits[-1, 0, :V // 2] = 7.0                                               # a huge tie on top
+        logits[-1, -1, :] = np.round(logits[-1, -1, :])                            # many ties
+        tb.ids, tb.lp = env.dev(np.full((B, L, K), -1, np.int32)), env.dev(np.full((B, L, K), np.nan, np.float32))
+        tree_topk(env.dev(logits), tb)
+        ids, lp = env.host(tb.ids), env.host(tb.lp)
+        for b in range(B):
+            want_ids, want_lp = top_logprobs(logits[b], K)
+            assert (ids[b] == want_ids).all(), f"seq {b} ids"
+            np.testing.assert_allclose(lp[b], want_lp, atol=2e-5, rtol=0)
 
 
 def check_draft_pipeline(env, B=2, L=3, V=30, budgets=(7, 4), seed=2):
@@ -213,8 +218,8 @@ def test_gpu_walk_commit():
 # --- PTX for sm_90 (the build kernel sums scores in float64 on purpose, as the reference does) ---------------------
 
 SIGS = {
-    "topk_part_kernel": "void(float32[:,:,::1], uint64[:,:,:,::1], float32[:,:,:,::1])",
-    "topk_merge_kernel": "void(float32[:,:,::1], uint64[:,:,:,::1], float32[:,:,:,::1], int32[:,:,::1], "
+    "topk_part_kernel": "void(float32[:,:,::1], int32, uint64[:,:,:,::1], float32[:,:,::1])",
+    "topk_merge_kernel": "void(float32[:,:,::1], uint64[:,:,:,::1], float32[:,:,::1], int32[:,:,::1], "
                          "float32[:,:,::1])",
     "build_kernel": "void(int32[:,:,::1], float32[:,:,::1], int32[::1], int32[::1], int32[::1], int32[::1], "
                     "int32[:,::1], int32[:,::1], int32[:,::1], int32[:,::1], uint32[:,:,::1], int32[::1], "

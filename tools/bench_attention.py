@@ -4,7 +4,7 @@ the per-round tree work (top-K, build, sampling, walk, commit, feature gather) i
 
 Every timing replays a CUDA graph of `reps` launches (numba launches captured on a CuPy stream), so Python launch
 overhead is not measured. `run(results, copy_bw_gbs)` is called by tools/bench_kernels.py; alone:
-    python -m tools.bench_attention [--out bench.json] [--quick]
+    python -m tools.bench_attention [--out bench.json] [--quick] [--only mla|tree|prefill|drafter]
 """
 import argparse
 import json
@@ -189,6 +189,14 @@ def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5):
     from kernels.sample import sample
     from kernels.tree import tree_buffers, tree_build, tree_commit, tree_topk, tree_walk
     cp = _cp()
+
+    def topk_first_stage(logits, tb):
+        """tree_topk's first launch alone (the per-chunk histograms and candidate lists)."""
+        from kernels.attention import launch_smem
+        from kernels.topk import TOPK_THREADS, topk_part_kernel, topk_smem
+        B, L, V = logits.shape
+        launch_smem(topk_part_kernel, (tb.cand.shape[2], L, B), TOPK_THREADS, topk_smem(V, tb.ids.shape[2])[0],
+                    (logits, np.int32(tb.ids.shape[2]), tb.cand, tb.cstats))
     rows = []
     for Bud in budgets:
         keep = Keep()
@@ -214,6 +222,7 @@ def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5):
             "sample_T1_rows": lambda: sample(target_logits, 1.0, 7, tb.sample_seq, tb.sample_pos, tb.post),
             "walk": lambda: tree_walk(tb, lengths, bonus),          # advances lengths: cache has room
             "commit": lambda: tree_commit(tb, cache, hidden, feats, feat_pos),
+            "topk_part": lambda: topk_first_stage(draft_logits, tb),   # last: leaves the row histogram dirty
         }
         row = dict(budget=Bud, batch=batch, depths=L, vocab=V, layers=K2_LAYERS)
         for name, fn in stages.items():
@@ -230,9 +239,9 @@ def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5):
     return rows
 
 
-def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None):
-    """Fill results['attention'] with every table above (called by tools/bench_kernels.py); on_table(results)
-    after each table (to save partial results)."""
+def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None, only=None):
+    """Fill results['attention'] with every table above, or the one named `only` (called by
+    tools/bench_kernels.py); on_table(results) after each table (to save partial results)."""
     t0 = time.time()
     ctxs = [1024, 4096] if quick else [1024, 4096, 16384, 65536]
     res = results.setdefault("attention", {})
@@ -242,6 +251,8 @@ def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None):
                      ("tree", lambda: bench_tree([16, 64, 255] if quick else [16, 32, 64, 128, 255])),
                      ("prefill", lambda: bench_prefill()),
                      ("drafter", lambda: bench_drafter(drafter_cases(quick), copy_bw_gbs))]:
+        if only and name != only:
+            continue
         try:
             res[name] = fn()
         except Exception as e:                   # noqa: BLE001 (keep the other tables)
@@ -273,6 +284,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=["mla", "tree", "prefill", "drafter"], default=None)
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
@@ -280,7 +292,7 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
-    run({}, bw, quick=args.quick, on_table=save)
+    run({}, bw, quick=args.quick, on_table=save, only=args.only)
 
 
 if __name__ == "__main__":
