@@ -1,5 +1,6 @@
 """One process, every GPU of a host: a rank per device (its shard of the target, its own op table and
-communicator) and a pool that runs the same function on every rank, each from its own thread.
+communicator) and a pool that runs the same function on every rank, each from its own thread (rank 0: the
+caller's).
 
 Why a thread per device: collectives of several GPUs issued from one thread can deadlock, so each device's eager
 ops, its graph capture and its graph launches come from its own thread (CuPy releases the GIL while a graph
@@ -112,7 +113,7 @@ class Ranks:
     def __init__(self, devices, comms, use_device: bool):
         self.devices, self.comms, self.use_device = list(devices), comms, use_device
         self.targets, self.drafters = [], []
-        self._pool = ThreadPoolExecutor(len(self.devices), thread_name_prefix="rank")
+        self._pool = ThreadPoolExecutor(max(len(self.devices) - 1, 1), thread_name_prefix="rank")
 
     @property
     def size(self) -> int:
@@ -126,24 +127,31 @@ class Ranks:
             return fn(r)
 
     def run(self, fn) -> list:
-        """[fn(rank) for every rank], all at once, each on its own thread with its device current. An exception on
-        one rank aborts the others' pending host-side collectives and is raised here."""
+        """[fn(rank) for every rank], all at once, each on its own thread with its device current: rank 0 on the
+        calling thread (always the same one: the engine's), the others on the pool's. An exception on one rank
+        aborts the others' pending host-side collectives and is raised here."""
         def call(r):
             try:
                 return self._on_device(r, fn)
-            except BaseException:
+            except BaseException as e:
                 for c in self.comms:
                     getattr(c, "abort", lambda: None)()
-                raise
-        futures = [self._pool.submit(call, r) for r in range(self.size)]
-        errors = [e for e in (f.exception() for f in futures) if e is not None]
+                return _Failed(e)
+        futures = [self._pool.submit(call, r) for r in range(1, self.size)]
+        answers = [call(0)] + [f.result() for f in futures]
+        errors = [a.error for a in answers if isinstance(a, _Failed)]
         if errors:                                   # the cause, not another rank's broken collective
             raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
-        return [f.result() for f in futures]
+        return answers
 
     def each(self, fn) -> list:
         """[fn(rank) for every rank], one after the other on this thread (loading: one shard in host memory at once)."""
         return [self._on_device(r, fn) for r in range(self.size)]
+
+
+class _Failed:
+    def __init__(self, error):
+        self.error = error
 
 
 def rank_ops(backend: str, comm):
