@@ -9,7 +9,6 @@ Run: python -m tools.train.simulate weights/default/target weights/default/draft
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import time
 
@@ -17,41 +16,20 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from numbaengine import ddtree
 from tools.train.corpus import PROMPTS_FILE
 from tools.train.export import load_drafter, load_target
 
 
-def build_tree(logp: np.ndarray, budget: int) -> tuple[list, list, list]:
-    """Best-first tree of `budget` nodes from per-depth log-probs f32[L, V]: (tokens, parents, depths), root 0."""
-    k = min(budget, logp.shape[1])
-    top = np.argsort(-logp, axis=1, kind="stable")[:, :k]                  # [L, K]
-    top_lp = np.take_along_axis(logp, top, 1)
-    tokens, parents, depths = [-1], [-1], [0]
-    heap = [(-top_lp[0, 0], (0,), 0, 1, 0)]                                # (-score, ranks, parent, depth, rank)
-    while heap and len(tokens) <= budget:
-        neg, ranks, parent, depth, rank = heapq.heappop(heap)
-        node = len(tokens)
-        tokens.append(int(top[depth - 1, rank]))
-        parents.append(parent)
-        depths.append(depth)
-        base = -neg - top_lp[depth - 1, rank]
-        if rank + 1 < k:
-            heapq.heappush(heap, (-(base + top_lp[depth - 1, rank + 1]), ranks[:-1] + (rank + 1,), parent, depth,
-                                  rank + 1))
-        if depth < logp.shape[0]:
-            heapq.heappush(heap, (neg - top_lp[depth, 0], ranks + (0,), node, depth + 1, 0))
-    return tokens, parents, depths
-
-
-def walk(tokens, parents, future) -> int:
-    """Number of drafted nodes accepted when the target's next tokens are `future`."""
-    children: dict = {}
-    for n in range(1, len(tokens)):
-        children.setdefault(parents[n], {})[tokens[n]] = n
-    cur, acc = 0, 0
-    while acc < len(future) and future[acc] in children.get(cur, {}):
-        cur, acc = children[cur][future[acc]], acc + 1
-    return acc
+def accepted(mode, bonus, logp, future) -> int:
+    """Drafted tokens accepted by a greedy target whose next tokens are `future`: the engine's tree for the
+    round (numbaengine/ddtree.py draft_tree; DFlash = the argmax chain) walked with each node's target token
+    (a node at depth d would be followed by future[d] if its path matches)."""
+    budget = len(logp) if mode == "dflash" else int(mode[6:])
+    tree = ddtree.draft_tree("dflash" if mode == "dflash" else "ddtree", bonus, logp, budget)
+    post = np.array([future[d] if d < len(future) else -1 for d in tree.depths], np.int32)
+    path, _ = ddtree.walk(tree, post)
+    return len(path) - 1
 
 
 @torch.no_grad()
@@ -87,11 +65,7 @@ def simulate(target, drafter, prompt: list, n_new: int, budgets) -> dict:
         while j < n_new:
             logp = draft_logp(drafter, target, feats, len(prompt) + j, g[j])
             future = g[j + 1:j + lb]
-            if mode == "dflash":
-                drafts = logp.argmax(1)
-                a = int(np.cumprod(drafts[:len(future)] == np.asarray(future)).sum())
-            else:
-                a = walk(*build_tree(logp, int(mode[6:]))[:2], future)
+            a = accepted(mode, g[j], logp, future)
             out.append(a + 1)
             j += a + 1
     return taus
