@@ -1,11 +1,10 @@
-"""numba.cuda attention kernels (MLA absorbed decode/verify/prefill, generic GQA attention, sampling) against their
-reference ops: on the simulator (a child process, tiny shapes) and on a GPU (K2 shapes, marked gpu); plus a PTX
-compile check for sm_90 with no float64 instructions in the hot kernels."""
+"""numba.cuda attention kernels (generic GQA attention, the drafter's kv_attention, sampling; MLA has its own
+module, test_cuda_mla.py) against their reference ops: on the simulator (a child process, tiny shapes) and on a GPU
+(K2 shapes, marked gpu); plus a PTX compile check for sm_90 with no float64 instructions in the hot kernels."""
 import numpy as np
 import pytest
 
 from cudasim import Env, f64_lines, ptx_or_skip, simulator_test, worst
-from weights.dtypes import bf16_to_f32, f32_to_bf16
 
 BF16_NAN = np.uint16(0x7FC0)
 
@@ -24,27 +23,6 @@ def pack_vis(vis, T):
     bits = np.zeros((T, 32 * W), np.uint8)
     bits[:len(vis), :len(vis)] = vis
     return np.packbits(bits, axis=1, bitorder="little").view("<u4").astype(np.uint32)
-
-
-def check_mla(env, B=2, T=3, h=4, D=96, r=64, lengths=(37, 20), ntok=(3, 2), split=16, causal=False, seed=0):
-    from kernels.mla import mla_attention, mla_attention_ref, mla_work
-    rng = np.random.default_rng(seed)
-    lengths, ntok = np.array(lengths, np.int32), np.array(ntok, np.int32)
-    cap = int((lengths + ntok).max()) + 5
-    q = bf16_to_f32(f32_to_bf16(rng.normal(size=(B, T, h, D)).astype(np.float32)))   # the kernel's bf16 q
-    cache = f32_to_bf16(rng.normal(size=(B, cap, D)).astype(np.float32))
-    for b in range(B):
-        cache[b, lengths[b] + ntok[b]:] = BF16_NAN                                    # never read
-    mask = None if causal else np.stack([pack_vis(random_tree_vis(rng, n), T) for n in ntok])
-    scale = float(D) ** -0.5
-    want = mla_attention_ref(q, cache, lengths, ntok, mask, scale, np.empty((B, T, h, r), np.float32))
-    out = env.dev(np.full((B, T, h, r), np.nan, np.float32))
-    work = mla_work(env.zeros, B, T, h, r, cap, split) if split else None
-    mla_attention(env.dev(q), env.dev(cache), env.dev(lengths), env.dev(ntok),
-                  None if causal else env.dev(mask), scale, out, work)
-    got = env.host(out)
-    assert np.isfinite(got).all(), "non-finite output"
-    assert np.abs(got - want).max() <= 8e-3 * max(1.0, np.abs(want).max()), worst(got, want)
 
 
 def check_attention(env, n=5, h=4, hk=2, d=24, dv=16, S=37, masked=True, split=True, seed=1):
@@ -114,13 +92,6 @@ def check_sample(env, n=3, V=700, temperatures=(0, 0.7, 1.0), seed=2):
 
 
 SIM_CASES = {
-    "mla_tree_splits": lambda env: check_mla(env),
-    "mla_tree_one_split": lambda env: check_mla(env, split=None, seed=3),
-    "mla_decode_budget0": lambda env: check_mla(env, T=1, ntok=(1, 1), lengths=(40, 17), seed=4),
-    "mla_prefill_causal": lambda env: check_mla(env, B=1, T=5, h=2, lengths=(10,), ntok=(5,), causal=True, seed=5),
-    "mla_two_row_tiles": lambda env: check_mla(env, B=1, T=5, h=4, lengths=(20,), ntok=(4,), split=32, seed=6),
-    "mla_decode_8_column_warps": lambda env: check_mla(env, B=1, T=1, h=4, D=160, r=128, lengths=(33,), ntok=(1,),
-                                                       split=32, seed=9),
     "attention_masked_splits": lambda env: check_attention(env),
     "attention_gqa_nomask": lambda env: check_attention(env, masked=False, split=False, seed=7),
     "sample": lambda env: check_sample(env),
@@ -137,23 +108,6 @@ test_simulator = simulator_test(__name__)
 
 
 # --- GPU (K2 shapes) ----------------------------------------------------------------------------------------------
-
-K2 = dict(D=576, r=512)
-GPU_MLA = {
-    "decode_h64": dict(B=2, T=1, h=64, lengths=(1000, 4000), ntok=(1, 1), split=512),
-    "decode_h8_one_split": dict(B=2, T=1, h=8, lengths=(900, 300), ntok=(1, 1), split=None),
-    "tree16_h64": dict(B=2, T=17, h=64, lengths=(700, 1500), ntok=(17, 9), split=256),
-    "tree1_h8": dict(B=2, T=2, h=8, lengths=(513, 40), ntok=(2, 1), split=256),
-    "tree255_h8": dict(B=2, T=256, h=8, lengths=(300, 900), ntok=(256, 100), split=256),
-    "prefill_causal_h8": dict(B=1, T=64, h=8, lengths=(100,), ntok=(64,), split=None, causal=True),
-}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", sorted(GPU_MLA))
-def test_gpu_mla(case):
-    check_mla(Env(gpu=True), **K2, **GPU_MLA[case])
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [False, True])

@@ -95,6 +95,10 @@ GPU_CASES = {
     "tree17_h64": dict(B=2, T=17, h=64, lengths=(1200, 300), ntok=(17, 5), work="auto"),
     "tree65_h8": dict(B=2, T=65, h=8, lengths=(2000, 100), ntok=(65, 40), work="auto"),
     "tree17_h8_one_split": dict(B=2, T=17, h=8, lengths=(700, 1), ntok=(17, 17), work="none"),
+    "decode_h64_split512": dict(B=2, T=1, h=64, lengths=(1000, 4000), ntok=(1, 1), work=512),
+    "tree16_h64_split256": dict(B=2, T=17, h=64, lengths=(700, 1500), ntok=(17, 9), work=256),
+    "tree255_h8": dict(B=2, T=256, h=8, lengths=(300, 900), ntok=(256, 100), work=256),
+    "prefill_causal_h8": dict(B=1, T=64, h=8, lengths=(100,), ntok=(64,), causal=True),
 }
 
 
