@@ -17,14 +17,18 @@ from numbaengine.tokenizer import load_tokenizer
 from weights.shards import Checkpoint
 
 
-def check_weights_fit(ops, dirs, n_devices):
+def check_weights_fit(ops, dirs, devices=None):
     """A clear error before uploading weights that cannot fit: their file bytes per device against the free
-    memory of the current device (FP8 checkpoints need twice that: they become bf16 at load)."""
-    need = sum(f.stat().st_size for d in dirs for f in Path(d).glob("*.safetensors")) / n_devices
-    free = ops.xp.cuda.runtime.memGetInfo()[0]
-    if need > 0.95 * free:
-        raise MemoryError(f"memory: the weights need at least {need / 2**30:.1f} GiB per GPU but {free / 2**30:.1f} "
-                          f"GiB are free: shard over more devices (devices=[...]) or free the GPU")
+    memory of each device (None: the current one; FP8 checkpoints need twice that: they become bf16 at load)."""
+    need = sum(f.stat().st_size for d in dirs for f in Path(d).glob("*.safetensors")) / len(devices or [0])
+    cuda = ops.xp.cuda
+    for device in devices or [None]:
+        with cuda.Device(device) if device is not None else contextlib.nullcontext():
+            free = cuda.runtime.memGetInfo()[0]
+        if need > 0.95 * free:
+            raise MemoryError(f"memory: the weights need at least {need / 2**30:.1f} GiB per GPU but "
+                              f"{free / 2**30:.1f} GiB are free{'' if device is None else f' on GPU {device}'}: "
+                              "shard over more devices (devices=[...]) or free the GPU")
 
 
 class Engine:
@@ -51,7 +55,7 @@ class Engine:
             devices = check_devices(devices, ops.name)
         n = 1 if devices is None else len(devices)
         if ops.name == "cuda":
-            check_weights_fit(ops, [model_dir] + ([Path(draft_dir)] if draft_dir is not None else []), max(n, 1))
+            check_weights_fit(ops, [model_dir] + ([Path(draft_dir)] if draft_dir is not None else []), devices)
         if devices is not None and ops.name != "numpy":
             from numbaengine.devices import load_ranks
             ranks = load_ranks(cfg, model_dir, draft_dir, ops.name, devices, cache_dtype)

@@ -186,3 +186,27 @@ def test_gpu_more_devices_than_present_is_a_clear_error():
     with pytest.raises(ValueError, match=f"GPU {n}") as e:
         Engine.load(DEFAULT / "target", backend="cuda", devices=list(range(n + 1)))
     assert "\n" not in str(e.value)
+
+
+def test_weights_that_cannot_fit_name_the_gpu(tmp_path):
+    """check_weights_fit asks every listed GPU for its free memory (a stand-in for CuPy's runtime here)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from numbaengine.engine import check_weights_fit
+    (tmp_path / "model.safetensors").write_bytes(bytes(4096))             # 2048 bytes per GPU over two
+    free, current = {0: 10**6, 1: 10**6}, [0]
+
+    @contextlib.contextmanager
+    def device(d):
+        saved, current[0] = current[0], d
+        yield
+        current[0] = saved
+    cuda = SimpleNamespace(Device=device, runtime=SimpleNamespace(memGetInfo=lambda: (free[current[0]], 2 * 10**6)))
+    ops = SimpleNamespace(xp=SimpleNamespace(cuda=cuda))
+    check_weights_fit(ops, [tmp_path], [0, 1])
+    free[1] = 1000
+    with pytest.raises(MemoryError, match="on GPU 1") as e:
+        check_weights_fit(ops, [tmp_path], [0, 1])
+    assert "\n" not in str(e.value)
+    check_weights_fit(ops, [tmp_path], None)                                 # the current GPU (0) alone
