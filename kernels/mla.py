@@ -84,22 +84,6 @@ if not SIM:
             return sig, codegen
         return ldsm
 
-    @intrinsic
-    def _cp_async(typingctx, sary, sidx, gary, gidx, nbytes):
-        """cp.async.cg of 16 bytes: flat element gidx of a contiguous global array -> uint16 element sidx of a 1-D
-        shared array; nbytes = 0 reads nothing and writes zeros (rows past the split)."""
-        sig = types.void(sary, sidx, gary, gidx, nbytes)
-
-        def codegen(context, builder, sig, args):
-            sa = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            ga = _address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
-            nb = context.cast(builder, args[4], sig.args[4], types.uint32)
-            i64, i32 = ir.IntType(64), ir.IntType(32)
-            fn = ir.FunctionType(ir.VoidType(), [i32, i64, i32])
-            asm = "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [$0], [ga], 16, $2; }"
-            builder.call(ir.InlineAsm(fn, asm, "r,l,r,~{memory}", side_effect=True), [sa, ga, nb])
-        return sig, codegen
-
     def _make_cp_op(asm):
         @intrinsic
         def op(typingctx):
@@ -221,10 +205,6 @@ if not SIM:
         return _cvt_pair(hi, lo)
 
     @cuda.jit(device=True, inline="always")
-    def _from_bf16(u):
-        return libdevice.int_as_float(int32(uint32(u) << uint32(16)))
-
-    @cuda.jit(device=True, inline="always")
     def _frag_a(sm, base, stride, r0, c0):
         """A fragment of the 16x16 tile at (r0, c0) of a row-major tile sm[base + r*stride + c] (one ldmatrix.x4)."""
         lane = cuda.threadIdx.x & 31
@@ -245,9 +225,6 @@ else:
     # Simulator twins: each lane reads exactly the registers ldmatrix would hand it; cp.async copies at once.
     def _to_bf16(x):
         return f32_to_bf16(np.array([x], np.float32))[0]
-
-    def _from_bf16(u):
-        return bf16_to_f32(np.array([u], np.uint16))[0]
 
     def _pack2(lo, hi):
         return np.uint32(int(_to_bf16(np.float32(lo))) | (int(_to_bf16(np.float32(hi))) << 16))
@@ -286,9 +263,6 @@ else:
 
     def _ex2(x):
         return np.float32(np.exp2(np.float32(x)))
-
-    def _cp_async(sm, sidx, arr, gidx, nbytes):
-        sm[sidx:sidx + 8] = np.array(ld16(arr, gidx) if nbytes else (0, 0, 0, 0), np.uint32).view(np.uint16)
 
     def _cp_commit():
         pass
