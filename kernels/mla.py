@@ -84,22 +84,6 @@ if not SIM:
             return sig, codegen
         return ldsm
 
-    @intrinsic
-    def _cp_async(typingctx, sary, sidx, gary, gidx, nbytes):
-        """cp.async.cg of 16 bytes: flat element gidx of a contiguous global array -> uint16 element sidx of a 1-D
-        shared array; nbytes = 0 reads nothing and writes zeros (rows past the split)."""
-        sig = types.void(sary, sidx, gary, gidx, nbytes)
-
-        def codegen(context, builder, sig, args):
-            sa = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            ga = _address(context, builder, sig.args[2], args[2], args[3], sig.args[3])
-            nb = context.cast(builder, args[4], sig.args[4], types.uint32)
-            i64, i32 = ir.IntType(64), ir.IntType(32)
-            fn = ir.FunctionType(ir.VoidType(), [i32, i64, i32])
-            asm = "{ .reg .u64 ga; cvta.to.global.u64 ga, $1; cp.async.cg.shared.global [$0], [ga], 16, $2; }"
-            builder.call(ir.InlineAsm(fn, asm, "r,l,r,~{memory}", side_effect=True), [sa, ga, nb])
-        return sig, codegen
-
     def _make_cp_op(asm):
         @intrinsic
         def op(typingctx):
@@ -110,6 +94,50 @@ if not SIM:
         return op
 
     _cp_commit = _make_cp_op("cp.async.commit_group;")
+
+    @intrinsic
+    def _slot_addr(typingctx, sary, sidx):
+        """32-bit shared-window address of uint16 element sidx of a 1-D shared array (a ring slot's start)."""
+        sig = types.uint32(sary, sidx)
+
+        def codegen(context, builder, sig, args):
+            return _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        return sig, codegen
+
+    @intrinsic
+    def _row_addr(typingctx, gary, gidx):
+        """Generic byte address of flat element gidx of a contiguous global array."""
+        sig = types.uint64(gary, gidx)
+
+        def codegen(context, builder, sig, args):
+            return _address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        return sig, codegen
+
+    def _make_cp_piece(d8, npieces):
+        """cp.async of 16-byte piece idx (< npieces) of a tile of rows of d8 pieces: global gptr + 16*idx -> shared
+        slot + 16*(idx + idx // d8) (rows padded by 16 bytes); rows idx // d8 >= nvalid read nothing (zeros) from
+        gsafe. All 32-bit index math in one PTX block."""
+        asm = ("{ .reg .u32 kr, so, sz; .reg .u64 ga, off; .reg .pred ok, in;"
+               f" div.u32 kr, $2, {d8}; setp.lt.u32 in, $2, {npieces}; setp.lt.s32 ok, kr, $3;"
+               " add.u32 so, $2, kr; shl.b32 so, so, 4; add.u32 so, so, $0;"
+               " mul.wide.u32 off, $2, 16; add.u64 ga, $1, off; selp.b64 ga, ga, $4, ok; selp.u32 sz, 16, 0, ok;"
+               " cvta.to.global.u64 ga, ga; @in cp.async.cg.shared.global [so], [ga], 16, sz; }")
+
+        @intrinsic
+        def cp_piece(typingctx, sary, slot, gary, gptr, gsafe, idx, nvalid):
+            sig = types.void(sary, slot, gary, gptr, gsafe, idx, nvalid)
+
+            def codegen(context, builder, sig, args):
+                i32, i64 = ir.IntType(32), ir.IntType(64)
+                vals = [context.cast(builder, args[1], sig.args[1], types.uint32),
+                        context.cast(builder, args[3], sig.args[3], types.uint64),
+                        context.cast(builder, args[5], sig.args[5], types.uint32),
+                        context.cast(builder, args[6], sig.args[6], types.int32),
+                        context.cast(builder, args[4], sig.args[4], types.uint64)]
+                fn = ir.FunctionType(ir.VoidType(), [i32, i64, i32, i32, i64])
+                builder.call(ir.InlineAsm(fn, asm, "r,l,r,r,l,~{memory}", side_effect=True), vals)
+            return sig, codegen
+        return cp_piece
 
     @intrinsic
     def _opaque0(typingctx):
@@ -177,10 +205,6 @@ if not SIM:
         return _cvt_pair(hi, lo)
 
     @cuda.jit(device=True, inline="always")
-    def _from_bf16(u):
-        return libdevice.int_as_float(int32(uint32(u) << uint32(16)))
-
-    @cuda.jit(device=True, inline="always")
     def _frag_a(sm, base, stride, r0, c0):
         """A fragment of the 16x16 tile at (r0, c0) of a row-major tile sm[base + r*stride + c] (one ldmatrix.x4)."""
         lane = cuda.threadIdx.x & 31
@@ -201,9 +225,6 @@ else:
     # Simulator twins: each lane reads exactly the registers ldmatrix would hand it; cp.async copies at once.
     def _to_bf16(x):
         return f32_to_bf16(np.array([x], np.float32))[0]
-
-    def _from_bf16(u):
-        return bf16_to_f32(np.array([u], np.uint16))[0]
 
     def _pack2(lo, hi):
         return np.uint32(int(_to_bf16(np.float32(lo))) | (int(_to_bf16(np.float32(hi))) << 16))
@@ -243,11 +264,23 @@ else:
     def _ex2(x):
         return np.float32(np.exp2(np.float32(x)))
 
-    def _cp_async(sm, sidx, arr, gidx, nbytes):
-        sm[sidx:sidx + 8] = np.array(ld16(arr, gidx) if nbytes else (0, 0, 0, 0), np.uint32).view(np.uint16)
-
     def _cp_commit():
         pass
+
+    def _slot_addr(sm, sidx):
+        return sidx
+
+    def _row_addr(arr, gidx):
+        return gidx
+
+    def _make_cp_piece(d8, npieces):
+        def cp_piece(sm, slot, arr, gptr, gsafe, idx, nvalid):
+            if idx < npieces:
+                kr = idx // d8
+                o = slot + 8 * (idx + kr)
+                sm[o:o + 8] = np.array(ld16(arr, gptr + 8 * idx) if kr < nvalid else (0, 0, 0, 0),
+                                       np.uint32).view(np.uint16)
+        return cp_piece
 
     def _cp_wait(n):
         return _cp_commit
@@ -331,7 +364,6 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
     VW = min(4, CPT)
     NCH = CPT // VW
     LOG_TPR = TPR.bit_length() - 1
-    PA, PB = THREADS // D8, THREADS % D8              # a thread's next cache piece: PA rows and PB pieces further
     PPT = -(-(NK * D8) // THREADS)                    # 16-byte pieces per thread and tile
     RED = 3 * MT                                      # f32 offsets: stats (max, sum, alpha), then S partials
     U0 = 2 * (RED + KGS * MT * NKP)                   # uint16 offsets: Q tile, P tile, cache ring
@@ -346,22 +378,17 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
     assert VW in (2, 4) and CPT % VW == 0 and NK % 16 == 0
     cp_wait_ring, cp_wait_all = _cp_wait(stages - 2), _cp_wait(0)
 
+    cp_piece = _make_cp_piece(D8, NK * D8)
+
     @cuda.jit(device=True, inline="always")
-    def load_tile(usm, cache, row0, kr0, pc0, j0, hi, stage):
+    def load_tile(usm, cache, row0, j0, hi, stage, tid):
         """cp.async of cache rows j0..j0+NK-1 (flat row row0 + j of the cache) into ring slot `stage`, rows >= hi
-        as zeros. This thread's pieces: (kr0, pc0), then PA rows and PB pieces on (no division in the loop)."""
-        kr, pc = kr0, pc0
+        as zeros: pieces tid + p*THREADS of the tile (flat 16-byte pieces, 32-bit index math in PTX)."""
+        slot = _slot_addr(usm, KB + stage * KSTAGE)
+        gptr = _row_addr(cache, (row0 + j0) * D)
+        gsafe = _row_addr(cache, row0 * D)
         for p in range(PPT):
-            if kr < NK:
-                j = j0 + kr
-                ok = j < hi
-                _cp_async(usm, uint32(KB + stage * KSTAGE + kr * DP + 8 * pc), cache,
-                          (row0 + (j if ok else 0)) * D + 8 * pc, uint32(16) if ok else uint32(0))
-            pc += PB
-            kr += PA
-            if pc >= D8:
-                pc -= D8
-                kr += 1
+            cp_piece(usm, slot, cache, gptr, gsafe, tid + p * THREADS, hi - j0)
         _cp_commit()
 
     @kernel(max_registers=min(255, 65536 // THREADS // 8 * 8))   # the block fits the register file
@@ -392,9 +419,8 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
                 ml_part[b, s, mt * MT + tid, 1] = float32(0)
             return
         row0 = b * cache.shape[1]
-        kr0, pc0 = tid // D8, tid % D8
         for p in range(stages - 1):                   # the ring's first tiles in flight
-            load_tile(usm, cache, row0, kr0, pc0, lo + p * NK, hi, p)
+            load_tile(usm, cache, row0, lo + p * NK, hi, p, tid)
         for p0 in range(0, QPT, QG):                  # q tile: QG 16-byte loads in flight, then bf16 pairs
             for p in range(QG):
                 idx = tid + (p0 + p) * THREADS
@@ -428,7 +454,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
             z = _opaque0()                            # addresses below: base + z + constant, made in the loop
             cp_wait_ring()
             cuda.syncthreads()                        # tile i landed; step i-1 done with its slot
-            load_tile(usm, cache, row0, kr0, pc0, c0 + (stages - 1) * NK, hi, (i + stages - 1) % stages)
+            load_tile(usm, cache, row0, c0 + (stages - 1) * NK, hi, (i + stages - 1) % stages, tid)
             KO = KB + (i % stages) * KSTAGE + z
             QO, PZ, RZ = U0 + z, PO + z, RED + z
             if gj < KGS:                              # S partial over k32 steps [gj*KPW, ...)
