@@ -10,16 +10,19 @@ candidates overflow (many equal values) take an exact radix select over the row 
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
-from kernels.attention import shfl_xor
-from kernels.device import SIM, block_argmax, kernel, launch
+from kernels.attention import shfl_xor  # noqa: F401 (re-exported)
+from kernels.attention import launch_smem
+from kernels.device import SIM, as_f32, block_argmax, kernel, launch, ld16
 
-TOPK_THREADS = 64 if SIM else 512
+TOPK_THREADS = 64 if SIM else 512       # topk_merge_kernel's block
 TOPK_WARPS = TOPK_THREADS // 32
+PART_THREADS = 64 if SIM else 256       # topk_part_kernel's block
+PART_IDS = 32                           # ids per thread of topk_part_kernel, in registers (8 groups of 4)
+TOPK_SPAN = PART_IDS * PART_THREADS     # vocabulary ids per chunk (one topk_part_kernel block)
 TOPK_MAX = 1024                 # largest K (candidates per depth)
-TOPK_CHUNKS = 32                # vocabulary chunks per row at most (blocks of the first stage)
-TOPK_SPAN = 1024 if SIM else 4096  # vocabulary ids per chunk at least
+TOPK_CHUNKS = 64                # vocabulary chunks per row at most (V <= TOPK_CHUNKS * TOPK_SPAN)
 
 BIG = 2 ** 31 - 1
 NEG_INF = float32(-np.inf)
@@ -66,12 +69,17 @@ else:
 
 
 @cuda.jit(device=True, inline="always")
+def order_key32(x):
+    """uint32 key of value x, larger key = larger value; -0.0 and +0.0 equal, as in numpy."""
+    u = f32_bits(x + float32(0))
+    return ~u if (u & uint32(0x80000000)) != uint32(0) else u | uint32(0x80000000)
+
+
+@cuda.jit(device=True, inline="always")
 def order_key(x, v):
     """Unique uint64 key of (value x, index v): larger key = earlier in this module's order (larger value, then
     lower index); -0.0 and +0.0 rank equal, as in numpy."""
-    u = f32_bits(x + float32(0))
-    u = ~u if (u & uint32(0x80000000)) != uint32(0) else u | uint32(0x80000000)
-    return (uint64(u) << uint64(32)) | uint64(uint32(0xFFFFFFFF) - uint32(v))
+    return (uint64(order_key32(x)) << uint64(32)) | uint64(uint32(0xFFFFFFFF) - uint32(v))
 
 
 @cuda.jit(device=True, inline="always")
@@ -159,6 +167,8 @@ TOPK_BIN_SHIFT = 52             # bin of an order_key = key >> 52
 TOPK_CAP = 4096                 # candidates a row's merge sorts in shared memory (8 B each)
 TOPK_STAT = TOPK_BINS           # cstats row: TOPK_BINS histogram counts, then per chunk (max, sum exp, count)
 _PRE = TOPK_CHUNKS + 2
+_PER = TOPK_BINS // TOPK_THREADS       # histogram bins per thread of topk_merge_kernel
+_PART_PER = TOPK_BINS // PART_THREADS  # and of topk_part_kernel
 
 
 def topk_cap(K):
@@ -195,6 +205,10 @@ if SIM:
     def _append(counter, pred):
         """Simulator twin of _append: one atomic per taking thread."""
         return cuda.atomic.add(counter, 0, 1) if pred else 0
+
+    def _append_n(counter, n):
+        """Simulator twin of _append_n: one atomic per thread."""
+        return cuda.atomic.add(counter, 0, n)
 
 
 @cuda.jit(device=True, inline="always")
@@ -251,23 +265,48 @@ def _append_gpu(counter, pred):
     return base + int32(cuda.popc(bits & ((uint32(1) << uint32(lane)) - uint32(1))))
 
 
+@cuda.jit(device=True, inline="always")
+def _append_n_gpu(counter, n):
+    """Slot of this lane's first of n items in a shared list whose length is counter[0] (int32): a warp prefix
+    sum, one atomic per warp; every lane of the warp must call it."""
+    lane = int32(cuda.laneid)
+    x = n
+    for off in (1, 2, 4, 8, 16):
+        y = cuda.shfl_sync(0xFFFFFFFF, x, max(lane - off, 0))
+        if lane >= off:
+            x += y
+    base = int32(0)
+    if lane == 31:
+        base = cuda.atomic.add(counter, 0, x)
+    return cuda.shfl_sync(0xFFFFFFFF, base, 31) + x - n
+
+
 if not SIM:
-    _block_reduce, _block_scan, _append = _block_reduce_gpu, _block_scan_gpu, _append_gpu
+    _block_reduce, _block_scan, _append, _append_n = _block_reduce_gpu, _block_scan_gpu, _append_gpu, _append_n_gpu
 
 
 @cuda.jit(device=True, inline="always")
 def _bin(x):
     """Histogram bin of value x: the top 12 bits of its order key (larger bin = larger value)."""
-    return int32(order_key(x, 0) >> uint64(TOPK_BIN_SHIFT))
+    return int32(order_key32(x) >> uint32(20))
 
 
 @cuda.jit(device=True, inline="always")
-def _threshold_bin(hist, kq, wsum, ctl):
+def _bin_floor(tb):
+    """The least value of bin tb: x >= it exactly when _bin(x) >= tb (x not NaN); -inf for the bins of -inf."""
+    key = uint32(tb) << uint32(20)
+    if tb < 8:
+        return NEG_INF
+    return bits_f32(key & uint32(0x7FFFFFFF)) if (key & uint32(0x80000000)) != uint32(0) else bits_f32(~key)
+
+
+@cuda.jit(device=True, inline="always")
+def _threshold_bin(hist, kq, wsum, ctl, per):
     """(bin, above, inside) for counts hist[0:TOPK_BINS] (any number type): the highest bin such that the bins
-    from it up hold >= kq items, the items above it and in it; (TOPK_BINS, 0, 0) for kq = 0. Thread t scans a
-    run of bins from the top, then a block scan; ctl: int32[3] shared. Every thread must call it (barriers)."""
-    t, nt = cuda.threadIdx.x, cuda.blockDim.x
-    per = TOPK_BINS // nt
+    from it up hold >= kq items, the items above it and in it; (TOPK_BINS, 0, 0) for kq = 0. Thread t scans
+    `per` = TOPK_BINS / blockDim bins from the top, then a block scan; ctl: int32[3] shared. Every thread must
+    call it (barriers inside)."""
+    t = cuda.threadIdx.x
     top = TOPK_BINS - 1 - t * per
     s = int32(0)
     for j in range(per):
@@ -356,60 +395,74 @@ def _bitonic_desc(sk, n):
         k *= 2
 
 
-@kernel(launch_bounds=TOPK_THREADS)
+@cuda.jit(device=True, inline="always")
+def _part_off(j):
+    """Offset of topk_part_kernel's register j from the thread's first id (4 consecutive ids per group)."""
+    return int32(4 * (j >> 2) * PART_THREADS + (j & 3))
+
+
+@kernel(launch_bounds=(PART_THREADS, 3))
 def topk_part_kernel(logits, k, cand, ws):
-    """Block per (chunk c, depth d, sequence b), blockDim TOPK_THREADS, over the chunk's ids of logits f32[B, L, V]
-    (staged in dynamic shared memory, 4 B per id): the chunk's max and sum of exp(x - max); a shared histogram of
-    the 12-bit value bins; the chunk's threshold bin t_c (its best min(k, n) sit at or above it); the counts of
-    bins >= t_c added to the row histogram ws[b, d, 0:TOPK_BINS] (f32 counts, exact); the order_keys of the ids
-    at or above t_c to cand u64[B, L, C, cap] (unordered). ws[b, d, TOPK_STAT + 3c + (0, 1, 2)] = max, sum,
-    candidates (-1: more than cap, the row takes the slow path). Bytes: the chunk once, ~(2k + bin) keys out."""
-    c, d, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-    t, nt = cuda.threadIdx.x, cuda.blockDim.x
-    V, C, cap = logits.shape[2], cand.shape[2], cand.shape[3]
-    sv = cuda.shared.array(0, float32)
+    """Block per (chunk c, depth d, sequence b), PART_THREADS threads, over the TOPK_SPAN ids from c*TOPK_SPAN of
+    logits f32[B, L, V] (C-contiguous), PART_IDS per thread in registers (16-byte loads when V % 4 == 0): the
+    chunk's max and sum of exp(x - max); a shared histogram of the 12-bit value bins; the chunk's threshold bin
+    t_c (its best min(k, n) ids sit at or above it); the counts of the bins >= t_c added to the row's histogram
+    ws[b, d, 0:TOPK_BINS] (f32 counts, exact); the order_keys of the ids at or above t_c to cand u64[B, L, C, cap]
+    (unordered). ws[b, d, TOPK_STAT + 3c + (0, 1, 2)] = max, sum, candidates (-1: more than cap, the row takes
+    the slow path). Bytes: the chunk once, a few hundred atomics, ~(k + one bin) keys out."""
+    c, d, b = int32(cuda.blockIdx.x), int32(cuda.blockIdx.y), int32(cuda.blockIdx.z)
+    t, nt = int32(cuda.threadIdx.x), PART_THREADS
+    L, V, cap = int32(logits.shape[1]), int32(logits.shape[2]), int32(cand.shape[3])
     hist = cuda.shared.array(TOPK_BINS, int32)
-    red = cuda.shared.array(TOPK_WARPS, float32)
-    wsum = cuda.shared.array(TOPK_WARPS, int32)
+    red = cuda.shared.array(32, float32)
+    wsum = cuda.shared.array(32, int32)
     ctl = cuda.shared.array(3, int32)
     cnt = cuda.shared.array(1, int32)
-    span = (V + C - 1) // C
-    lo = c * span
-    n = max(min(lo + span, V) - lo, 0)
-    for i in range(t, TOPK_BINS, nt):
-        hist[i] = 0
+    lo = c * int32(TOPK_SPAN)
+    nv = min(V - lo, int32(TOPK_SPAN)) - 4 * t      # this thread's id j is valid when _part_off(j) < nv
+    for j in range(_PART_PER):
+        hist[t + j * nt] = 0
     if t == 0:
         cnt[0] = 0
-    m = float32(-math.inf)
-    xs = cuda.local.array(4, float32)
-    for i0 in range(t, n, 4 * nt):                   # four loads in flight per thread
-        for u in range(4):
-            if i0 + u * nt < n:
-                xs[u] = logits[b, d, lo + i0 + u * nt]
-        for u in range(4):
-            if i0 + u * nt < n:
-                sv[i0 + u * nt] = xs[u]
-                m = max(m, xs[u])
+    xs = cuda.local.array(PART_IDS, float32)      # id lo + 4t + _part_off(j)
+    for g in range(PART_IDS // 4):                # every load in flight first
+        o = int32(4 * g * nt)
+        if (V & 3) == 0 and o < nv:
+            w0, w1, w2, w3 = ld16(logits, int64(b * L + d) * V + (lo + 4 * t + o))
+            xs[4 * g], xs[4 * g + 1], xs[4 * g + 2], xs[4 * g + 3] = as_f32(w0), as_f32(w1), as_f32(w2), as_f32(w3)
+        else:
+            for e in range(4):
+                xs[4 * g + e] = logits[b, d, lo + 4 * t + o + e] if o + e < nv else NEG_INF
+    cuda.syncthreads()                            # the histogram is zeroed
+    m = NEG_INF
+    for j in range(PART_IDS):
+        if _part_off(j) < nv:
+            m = max(m, xs[j])
+            cuda.atomic.add(hist, _bin(xs[j]), 1)
     m = _block_reduce(red, m, True)
     sx = float32(0)
-    for i in range(t, n, nt):
-        x = sv[i]
-        sx += math.exp(x - m)
-        cuda.atomic.add(hist, _bin(x), 1)
-    sx = _block_reduce(red, sx, False)               # barriers: the histogram is complete
-    tc, above, inside = _threshold_bin(hist, min(k, n), wsum, ctl)
-    for i in range(tc + t, TOPK_BINS, nt):
+    for j in range(PART_IDS):
+        if xs[j] > NEG_INF:                       # ids past the row are -inf
+            sx += math.exp(xs[j] - m)
+    sx = _block_reduce(red, sx, False)            # barriers: the histogram is complete
+    tc, above, inside = _threshold_bin(hist, min(k, nv + 4 * t), wsum, ctl, _PART_PER)
+    for j in range(_PART_PER):
+        i = t + j * nt
         h = hist[i]
-        if h > 0:
+        if i >= tc and h > 0:
             cuda.atomic.add(ws, (b, d, i), float32(h))
     count = above + inside
     if count <= cap:
-        for base in range(0, n, nt):                 # uniform trip count per warp (warp-aggregated appends)
-            i = base + t
-            take = i < n and _bin(sv[min(i, n - 1)]) >= tc
-            slot = _append(cnt, take)
-            if take:
-                cand[b, d, c, slot] = order_key(sv[i], lo + i)
+        floor = _bin_floor(tc)
+        mask = uint32(0)
+        for j in range(PART_IDS):
+            if _part_off(j) < nv and xs[j] >= floor:
+                mask |= uint32(1) << uint32(j)
+        slot = _append_n(cnt, int32(cuda.popc(mask)))
+        for j in range(PART_IDS):
+            if (mask >> uint32(j)) & uint32(1) != uint32(0):
+                cand[b, d, c, slot] = order_key(xs[j], lo + 4 * t + _part_off(j))
+                slot += 1
     if t == 0:
         ws[b, d, TOPK_STAT + 3 * c] = m
         ws[b, d, TOPK_STAT + 3 * c + 1] = sx
@@ -418,16 +471,18 @@ def topk_part_kernel(logits, k, cand, ws):
 
 @kernel(launch_bounds=TOPK_THREADS)
 def topk_merge_kernel(logits, cand, ws, ids, lp):
-    """Block per (depth d, sequence b): the row's threshold bin t* from the histogram (t* >= every chunk's t_c,
-    so the chunk lists hold every id at or above t*; the histogram is zeroed after), the ids at or above t* from
-    the chunk lists into shared memory (dynamic: TOPK_CAP keys), a bitonic sort, the best K to ids i32[B, L, K]
-    in top_logprobs' order with log-probs logit - logsumexp (from the chunks' stats) to lp f32[B, L, K]. Slow
-    exact path (a chunk overflowed or more than TOPK_CAP ids at or above t*): radix passes over the row's logits
-    below t*'s prefix, then the same sort of the K winners."""
+    """Block per (depth d, sequence b): the row's threshold bin t* from its histogram (staged in shared memory,
+    zeroed in global memory for the next call; t* >= every chunk's t_c, so the chunk lists hold every id at or
+    above t*), the ids at or above t* from the chunk lists into shared memory (dynamic: TOPK_CAP keys), a
+    bitonic sort, the best K to ids i32[B, L, K] in top_logprobs' order with log-probs logit - logsumexp (from
+    the chunks' stats) to lp f32[B, L, K]. Slow exact path (a chunk overflowed or more than TOPK_CAP ids at or
+    above t*): radix passes over the row's logits under t*'s prefix, then the same sort of the K winners.
+    Bytes: the histogram (16 KB) and the chunk lists (~C * (K + bin) keys)."""
     d, b = cuda.blockIdx.x, cuda.blockIdx.y
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     V, C, K = logits.shape[2], cand.shape[2], ids.shape[2]
     sk = cuda.shared.array(0, uint64)
+    sh = cuda.shared.array(0, int32)                 # the same bytes: the row histogram before the candidates
     red = cuda.shared.array(TOPK_WARPS, float32)
     wsum = cuda.shared.array(TOPK_WARPS, int32)
     ctl = cuda.shared.array(3, int32)
@@ -435,46 +490,50 @@ def topk_merge_kernel(logits, cand, ws, ids, lp):
     hist = cuda.shared.array(256, int32)
     pre = cuda.shared.array(_PRE, int32)             # chunk list offsets, then the fast-path flag
     cnt = cuda.shared.array(1, int32)
-    mx = float32(-math.inf)
-    for c in range(t, C, nt):
-        mx = max(mx, ws[b, d, TOPK_STAT + 3 * c])
-    mx = _block_reduce(red, mx, True)
-    tot = float32(0)
-    for c in range(t, C, nt):
-        s = ws[b, d, TOPK_STAT + 3 * c + 1]
-        if s > float32(0):
-            tot += s * math.exp(ws[b, d, TOPK_STAT + 3 * c] - mx)
-    lse = mx + math.log(_block_reduce(red, tot, False))
-    tb, above, inside = _threshold_bin(ws[b, d], K, wsum, ctl)
-    for i in range(t, TOPK_BINS, nt):                # consumed: ready for the next call
-        ws[b, d, i] = float32(0)
+    hv = cuda.local.array(_PER, float32)
+    for j in range(_PER):                            # every load in flight, then the stores
+        hv[j] = ws[b, d, t + j * nt]
+    for j in range(_PER):
+        sh[t + j * nt] = int32(hv[j])
+        ws[b, d, t + j * nt] = float32(0)            # consumed: ready for the next call
+    mc, sc = float32(-math.inf), float32(0)
+    if t < C:                                        # chunk t's stats
+        mc, sc = ws[b, d, TOPK_STAT + 3 * t], ws[b, d, TOPK_STAT + 3 * t + 1]
+        pre[t] = int32(ws[b, d, TOPK_STAT + 3 * t + 2])
+    if t == 0:
+        cnt[0] = 0
+    mx = _block_reduce(red, mc, True)                # barriers: sh and pre are complete
+    lse = mx + math.log(_block_reduce(red, sc * math.exp(mc - mx) if sc > float32(0) else float32(0), False))
+    tb, above, inside = _threshold_bin(sh, K, wsum, ctl, _PER)
     n = above + inside
     if t == 0:
         ok = n <= TOPK_CAP
         acc = int32(0)
         for c in range(C):
+            kc = pre[c]
             pre[c] = acc
-            kc = int32(ws[b, d, TOPK_STAT + 3 * c + 2])
             ok = ok and kc >= 0
             acc += max(kc, 0)
         pre[C] = acc
         pre[C + 1] = 1 if ok else 0
-        cnt[0] = 0
     cuda.syncthreads()
+    ks = cuda.local.array(4, uint64)
     if pre[C + 1] != 0:
         total = pre[C]
-        for base in range(0, total, nt):             # uniform trip count per warp (warp-aggregated appends)
-            i = base + t
-            key = uint64(0)
-            if i < total:
-                c = 0
-                while pre[c + 1] <= i:
-                    c += 1
-                key = cand[b, d, c, i - pre[c]]
-            take = i < total and int32(key >> uint64(TOPK_BIN_SHIFT)) >= tb
-            slot = _append(cnt, take)
-            if take and slot < TOPK_CAP:
-                sk[slot] = key
+        for base in range(0, total, 4 * nt):         # uniform trip count per warp (warp-aggregated appends)
+            for u in range(4):                       # four loads in flight per thread
+                i = base + u * nt + t
+                ks[u] = uint64(0)
+                if i < total:
+                    c = 0
+                    while pre[c + 1] <= i:
+                        c += 1
+                    ks[u] = cand[b, d, c, i - pre[c]]
+            for u in range(4):
+                take = base + u * nt + t < total and int32(ks[u] >> uint64(TOPK_BIN_SHIFT)) >= tb
+                slot = _append(cnt, take)
+                if take and slot < TOPK_CAP:
+                    sk[slot] = ks[u]
     else:
         row = logits[b, d]
         prefix, pmask = _radix_select(row, V, uint64(tb) << uint64(TOPK_BIN_SHIFT),
@@ -496,16 +555,18 @@ def topk_merge_kernel(logits, cand, ws, ids, lp):
 
 
 def topk_chunks(V, K):
-    """Vocabulary chunks per row: up to TOPK_CHUNKS of >= TOPK_SPAN ids."""
-    return max(1, min(TOPK_CHUNKS, V // TOPK_SPAN))
+    """Vocabulary chunks per row (blocks of topk_part_kernel per row): TOPK_SPAN ids each."""
+    if V > TOPK_CHUNKS * TOPK_SPAN:
+        raise ValueError(f"DDTree top-K: vocabulary {V} > {TOPK_CHUNKS * TOPK_SPAN}")
+    return -(-V // TOPK_SPAN)
 
 
-TOPK_STATIC = (4 * TOPK_BINS + 8 * TOPK_WARPS + 64, 1024 + 8 * TOPK_WARPS + 4 * TOPK_CHUNKS + 128)
-
-
-def topk_smem(V, K):
-    """Dynamic shared memory bytes of (topk_part_kernel, topk_merge_kernel). Static plus dynamic above 48 KB
-    needs the opt-in, which launch_smem makes for dynamic sizes above 48 KB: such sizes are rounded up to it."""
-    C = topk_chunks(V, K)
-    return tuple(b if b + s <= 48 * 1024 else max(b, 48 * 1024 + 8)
-                 for b, s in zip((4 * (-(-V // C)), 8 * TOPK_CAP), TOPK_STATIC))
+def topk_launch(logits, cand, ws, ids, lp, merge=True):
+    """DDTree's per-depth top-K: logits f32[B, L, V] -> ids i32[B, L, K], lp f32[B, L, K] (top_logprobs), with the
+    workspaces cand u64[B, L, C, topk_cap(K)] and ws f32[B, L, TOPK_STAT + 3C] (zero histogram between calls);
+    merge=False: the first launch alone (benchmarks; leaves the histogram dirty)."""
+    B, L, V = logits.shape
+    K = ids.shape[2]
+    launch(topk_part_kernel, (cand.shape[2], L, B), PART_THREADS, logits, np.int32(K), cand, ws)
+    if merge:
+        launch_smem(topk_merge_kernel, (L, B), TOPK_THREADS, 8 * TOPK_CAP, (logits, cand, ws, ids, lp))

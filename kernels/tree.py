@@ -22,13 +22,10 @@ from kernels.sample import SAMPLE_CHUNKS
 from kernels.topk import (
     TOPK_MAX,
     TOPK_STAT,
-    TOPK_THREADS,
     shfl_idx,
     topk_cap,
     topk_chunks,
-    topk_merge_kernel,
-    topk_part_kernel,
-    topk_smem,
+    topk_launch,
 )
 
 NODE_MAX = 1025                 # largest tree: MAX_BUDGET 1024 drafted nodes + the root
@@ -413,9 +410,7 @@ def tree_topk(logits, tb: TreeBuffers):
         raise ValueError(f"tree_topk: logits {logits.shape} do not match buffers ids {tb.ids.shape}, "
                          f"{C} chunks (made for another vocabulary?)")
     if B and L:
-        part, merge = topk_smem(V, K)
-        launch_smem(topk_part_kernel, (C, L, B), TOPK_THREADS, part, (logits, np.int32(K), tb.cand, tb.cstats))
-        launch_smem(topk_merge_kernel, (L, B), TOPK_THREADS, merge, (logits, tb.cand, tb.cstats, tb.ids, tb.lp))
+        topk_launch(logits, tb.cand, tb.cstats, tb.ids, tb.lp)
 
 
 def build_smem(L, K, N):

@@ -192,11 +192,8 @@ def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5):
 
     def topk_first_stage(logits, tb):
         """tree_topk's first launch alone (the per-chunk histograms and candidate lists)."""
-        from kernels.attention import launch_smem
-        from kernels.topk import TOPK_THREADS, topk_part_kernel, topk_smem
-        B, L, V = logits.shape
-        launch_smem(topk_part_kernel, (tb.cand.shape[2], L, B), TOPK_THREADS, topk_smem(V, tb.ids.shape[2])[0],
-                    (logits, np.int32(tb.ids.shape[2]), tb.cand, tb.cstats))
+        from kernels.topk import topk_launch
+        topk_launch(logits, tb.cand, tb.cstats, tb.ids, tb.lp, merge=False)
     rows = []
     for Bud in budgets:
         keep = Keep()
