@@ -27,10 +27,79 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
+from kernels.attention import launch_smem
 from kernels.device import (F0, SIM, as_f32, bf16_hi, bf16_lo, device, int4_pair, kernel, launch, ld16, ld16_pf,
                             ld4, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
 from kernels.memo import memo_f32
 from weights.dtypes import bf16_to_f32
+
+
+# ------------------------------------------------------------------------------- cp.async ring (weights -> shared)
+if SIM:
+    def cp_async16(ring, ri, w, wi):
+        """Simulator: the 16 bytes land at once."""
+        ring[ri], ring[ri + 1], ring[ri + 2], ring[ri + 3] = ld16(w, wi)
+
+    def lds16(ring, ri):
+        return ring[ri], ring[ri + 1], ring[ri + 2], ring[ri + 3]
+
+    def cp_commit():
+        pass
+
+    def _cp_wait(n):
+        return cp_commit
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    from kernels.device import _address as _elem_address
+
+    _SHARED32 = "{ .reg .u64 sa64; .reg .u32 sa; cvta.to.shared.u64 sa64, $%d; cvt.u32.u64 sa, sa64; "
+
+    @intrinsic
+    def cp_async16(typingctx, ring, ri, w, wi):
+        """cp.async.cg of 16 bytes (L2 asked for the surrounding 256): word wi of the contiguous global u32 array w
+        -> word ri of the shared u32 array ring (both 16-byte aligned)."""
+        sig = types.void(ring, ri, w, wi)
+
+        def codegen(ctx, b, sig, args):
+            sa = _elem_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+            ga = _elem_address(ctx, b, sig.args[2], args[2], args[3], sig.args[3])
+            i64 = ir.IntType(64)
+            asm = (_SHARED32 % 0 + ".reg .u64 ga; cvta.to.global.u64 ga, $1; "
+                   "cp.async.cg.shared.global.L2::256B [sa], [ga], 16; }")
+            b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, i64]), asm, "l,l,~{memory}",
+                                side_effect=True), [sa, ga])
+        return sig, codegen
+
+    @intrinsic
+    def lds16(typingctx, ring, ri):
+        """Four u32 words at word ri of a shared u32 array: one ld.shared.v4 (ordered after the cp.async waits)."""
+        sig = types.UniTuple(types.uint32, 4)(ring, ri)
+
+        def codegen(ctx, b, sig, args):
+            sa = _elem_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+            i32 = ir.IntType(32)
+            fn = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ir.IntType(64)])
+            asm = _SHARED32 % 4 + "ld.shared.v4.u32 {$0,$1,$2,$3}, [sa]; }"
+            r = b.call(ir.InlineAsm(fn, asm, "=r,=r,=r,=r,l,~{memory}", side_effect=True), [sa])
+            return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, k) for k in range(4)])
+        return sig, codegen
+
+    def _cp_op(asm):
+        @intrinsic
+        def op(typingctx):
+            def codegen(ctx, b, sig, args):
+                b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), asm, "~{memory}", side_effect=True), [])
+            return types.void(), codegen
+        return op
+
+    cp_commit = _cp_op("cp.async.commit_group;")
+
+    def _cp_wait(n):
+        """cp.async.wait_group n: all but this thread's n most recent groups have landed."""
+        return _cp_op(f"cp.async.wait_group {n};")
 
 
 def gemm_ref(x, w, out):
@@ -87,6 +156,40 @@ def prep_b(x, xb, xs=XS_DEFAULT, perm=0):
 
 
 # ------------------------------------------------------------------------------------------------ the warp step
+def _build_bf16_mma(T, R, XS, BF):
+    """Device function: the mma work of one bf16 k-step on weight fragments already in registers.
+    qa u32[8R]: qa[4h .. 4h+3] = the lane's 16 bytes of row g (h = 2r) or g+8 (h = 2r+1) of row tile r, columns
+    32s + 8t .. +8. B read as in `_build_step`."""
+    @device
+    def mma_step(qa, xb, s, t, half, boff, acc):
+        xw = cuda.local.array(8, uint32)
+        for tt in range(T):
+            if BF:
+                f0, f1, f2, f3 = ld16(xb, boff[tt] + s * 32 + t * 8)
+                f4, f5, f6, f7 = ld16(xb, boff[tt] + s * 32 + t * 8 + 4)
+                if XS == 2:
+                    xw[0], xw[4] = split_bf16x2(as_f32(f0), as_f32(f1))
+                    xw[1], xw[5] = split_bf16x2(as_f32(f2), as_f32(f3))
+                    xw[2], xw[6] = split_bf16x2(as_f32(f4), as_f32(f5))
+                    xw[3], xw[7] = split_bf16x2(as_f32(f6), as_f32(f7))
+                else:
+                    xw[0], xw[1] = pack_bf16x2(as_f32(f0), as_f32(f1)), pack_bf16x2(as_f32(f2), as_f32(f3))
+                    xw[2], xw[3] = pack_bf16x2(as_f32(f4), as_f32(f5)), pack_bf16x2(as_f32(f6), as_f32(f7))
+            for p in range(XS):
+                if BF:
+                    x0, x1, x2, x3 = xw[4 * p], xw[4 * p + 1], xw[4 * p + 2], xw[4 * p + 3]
+                else:
+                    x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + s * 16 + t * 4)
+                for r in range(R):
+                    i = (r * T + tt) * 4
+                    c0, c1, c2, c3 = mma_bf16(qa[8 * r], qa[8 * r + 4], qa[8 * r + 1], qa[8 * r + 5], x0, x1,
+                                              acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
+                    c0, c1, c2, c3 = mma_bf16(qa[8 * r + 2], qa[8 * r + 6], qa[8 * r + 3], qa[8 * r + 7], x2, x3,
+                                              c0, c1, c2, c3)
+                    acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = c0, c1, c2, c3
+    return mma_step
+
+
 def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
     """Device function: one k-step of one warp over R weight tiles x T token tiles, accumulating into acc.
 
@@ -98,39 +201,14 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
     NQ, NQ4, NDA, ND = 8 * R, 2 * R * G, 8 * R, 4 * R
     lda = ld16_pf if PF else ld16
     if fmt == BF16:
+        mma_step = _cached(_build_bf16_mma, T, R, XS, BF)
+
         @device
         def step(w, sc, xb, s, t, half, aoff, soff, boff, acc):
             qa = cuda.local.array(NQ, uint32)
-            xw = cuda.local.array(8, uint32)
-            for r in range(R):
-                a0, a1, a2, a3 = lda(w, aoff[2 * r] + s * 16 + t * 4)
-                b0, b1, b2, b3 = lda(w, aoff[2 * r + 1] + s * 16 + t * 4)
-                qa[8 * r], qa[8 * r + 1], qa[8 * r + 2], qa[8 * r + 3] = a0, a1, a2, a3
-                qa[8 * r + 4], qa[8 * r + 5], qa[8 * r + 6], qa[8 * r + 7] = b0, b1, b2, b3
-            for tt in range(T):
-                if BF:
-                    f0, f1, f2, f3 = ld16(xb, boff[tt] + s * 32 + t * 8)
-                    f4, f5, f6, f7 = ld16(xb, boff[tt] + s * 32 + t * 8 + 4)
-                    if XS == 2:
-                        xw[0], xw[4] = split_bf16x2(as_f32(f0), as_f32(f1))
-                        xw[1], xw[5] = split_bf16x2(as_f32(f2), as_f32(f3))
-                        xw[2], xw[6] = split_bf16x2(as_f32(f4), as_f32(f5))
-                        xw[3], xw[7] = split_bf16x2(as_f32(f6), as_f32(f7))
-                    else:
-                        xw[0], xw[1] = pack_bf16x2(as_f32(f0), as_f32(f1)), pack_bf16x2(as_f32(f2), as_f32(f3))
-                        xw[2], xw[3] = pack_bf16x2(as_f32(f4), as_f32(f5)), pack_bf16x2(as_f32(f6), as_f32(f7))
-                for p in range(XS):
-                    if BF:
-                        x0, x1, x2, x3 = xw[4 * p], xw[4 * p + 1], xw[4 * p + 2], xw[4 * p + 3]
-                    else:
-                        x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + s * 16 + t * 4)
-                    for r in range(R):
-                        i = (r * T + tt) * 4
-                        c0, c1, c2, c3 = mma_bf16(qa[8 * r], qa[8 * r + 4], qa[8 * r + 1], qa[8 * r + 5], x0, x1,
-                                                  acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
-                        c0, c1, c2, c3 = mma_bf16(qa[8 * r + 2], qa[8 * r + 6], qa[8 * r + 3], qa[8 * r + 7], x2, x3,
-                                                  c0, c1, c2, c3)
-                        acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = c0, c1, c2, c3
+            for h in range(2 * R):
+                qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = lda(w, aoff[h] + s * 16 + t * 4)
+            mma_step(qa, xb, s, t, half, boff, acc)
         return step
 
     @device
@@ -197,6 +275,51 @@ def _build_mainloop(fmt, T, R, XS, G, U, PF=0, BF=0):
     return mainloop
 
 
+RING_CHUNK = 128    # u32 words of one ring chunk: 32 lanes x 16 bytes
+
+
+def ring_words(R, S, warps):
+    """Shared u32 words of the cp.async rings of a block: per warp S stages of 2R chunks."""
+    return warps * S * 2 * R * RING_CHUNK
+
+
+def _build_ring_mainloop(T, R, XS, S, BF=0):
+    """Device function: steps [s0, s1) of one warp (bf16 weights) through an S-stage cp.async ring in dynamic
+    shared memory: the weights of the next S-1 steps are in flight while the tensor cores work on this one. Each lane
+    copies and later reads its own 16-byte chunks (no barrier); warp w owns words [w, w+1) * S*2R*RING_CHUNK.
+    Same signature and arithmetic as `_build_mainloop` (sc, soff unused)."""
+    mma_step = _cached(_build_bf16_mma, T, R, XS, BF)
+    NA, NQ = 2 * R, 8 * R
+    cp_wait = _cp_wait(S - 1)
+
+    @device
+    def issue(ring, rb, slot, w, s, t, aoff):
+        for h in range(NA):
+            cp_async16(ring, rb + (slot * NA + h) * RING_CHUNK, w, aoff[h] + s * 16 + t * 4)
+
+    @device
+    def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, acc):
+        ring = cuda.shared.array(0, uint32)
+        rb = (cuda.threadIdx.x // 32) * S * NA * RING_CHUNK + lane_id() * 4
+        qa = cuda.local.array(NQ, uint32)
+        for p in range(S - 1):                      # the ring's first S-1 steps in flight
+            if s0 + p < s1:
+                issue(ring, rb, p, w, s0 + p, t, aoff)
+            cp_commit()
+        slot = 0
+        for s in range(s0, s1):
+            nxt = slot - 1 if slot > 0 else S - 1   # the slot step s-1 used: step s+S-1 goes there
+            if s + S - 1 < s1:
+                issue(ring, rb, nxt, w, s + S - 1, t, aoff)
+            cp_commit()                             # (empty groups past the end keep the count uniform)
+            cp_wait()                               # step s has landed
+            for h in range(NA):
+                qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = lds16(ring, rb + (slot * NA + h) * RING_CHUNK)
+            mma_step(qa, xb, s, t, half, boff, acc)
+            slot = slot + 1 if slot < S - 1 else 0
+    return mainloop
+
+
 # --------------------------------------------------------------------------------------------------- kernels
 @device
 def _split_range(piece, pieces, steps):
@@ -231,8 +354,9 @@ def _build_block_reduce(R, T):
     return block_reduce
 
 
-def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None):
-    mainloop = _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, BF)
+def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0):
+    mainloop = (_cached(_build_ring_mainloop, T, R, XS, S, BF) if S
+                else _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, BF))
     block_reduce = _cached(_build_block_reduce, R, T)
     NACC, NA = R * T * 4, 2 * R
 
@@ -241,7 +365,8 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None):
         """out f32[m, n] (or part f32[splits, m, n] when gridDim.y > 1) = x @ W^T over this block's k range.
         xb: u32 flat [m, XS, k/2] (BF=0) or f32 flat [m, k] (BF=1); w: u32 flat [n, k/2].
         FR=1 with splits: the last block of a row range to finish (counter sync[blockIdx.x], left at 0) adds the
-        splits' partials in order into out (no reduce launch). Launch: grid (ceil(n/16/(nwr*R)), splits),
+        splits' partials in order into out (no reduce launch). S > 0: weights through per-warp cp.async rings
+        (dynamic shared memory, ring_words(R, S, nwr*nwk) words). Launch: grid (ceil(n/16/(nwr*R)), splits),
         block 32*nwr*nwk (<= 256). Moves n*k*2 bytes of weights (plus x through L1/L2, 2*splits*m*n*4 of partials)."""
         lane = lane_id()
         g, t = lane // 4, lane % 4
@@ -333,6 +458,7 @@ def _build_reduce():
 
 
 # ---------------------------------------------------------------------------------------------------- launcher
+RING_STAGES = 4                # unmeasured
 LAUNCH_BOUND_BYTES = 4 << 20   # weights this small take less time to read (~1 us) than a launch: one launch per GEMM
 
 
@@ -349,6 +475,7 @@ class GemmConfig:
     BF: int = 1        # 1: read f32 x in the GEMM (no B prep launch) when x is contiguous
     MB: int = 0        # > 0: launch bounds asking ptxas to fit MB blocks per SM (caps registers)
     FR: int = 1        # 1: the k-split partials are added by the last block of each row range (needs ws.sync)
+    S: int = 0         # >= 2: weights stream through an S-stage cp.async ring per warp (U, PF unused); 0: registers
 
 
 @dataclass
@@ -378,7 +505,8 @@ def gemm_config(m, n, k, target_warps=4096):
     # reading f32 x in the kernel saves a launch (wins at one token tile) but costs conversions per tile (loses above);
     # small weights are launch-bound at any T: one launch, x read in the GEMM, k-split reduce by the last block
     one_launch = T == 1 or n * k * 2 <= LAUNCH_BOUND_BYTES
-    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(one_launch), MB=2 if T > 1 else 0, FR=int(one_launch))
+    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(one_launch), MB=2 if T > 1 else 0, FR=int(one_launch),
+                      S=RING_STAGES)
 
 
 def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):
@@ -420,12 +548,16 @@ def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
         raise ValueError(f"gemm: {cfg} has more than {MAX_WARPS} warps per block")
     threads = 32 * cfg.WR * cfg.WK
     kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, int(fused), int(nsync > 0),
-                   (threads, cfg.MB) if cfg.MB else None)
+                   (threads, cfg.MB) if cfg.MB else None, cfg.S)
     grid = (math.ceil(n / 16 / (cfg.WR * cfg.R)), cfg.SB)
     part = ws.part[:npart].reshape(cfg.SB, m, n) if npart else ws.part[:1].reshape(1, 1, 1)
     sync = (ws.sync[:nsync],) if nsync else ()
-    launch(kern, grid, threads, xb, _words(w), out, part, *sync, int32(m), int32(n), int32(k),
-           int32(cfg.WR), int32(cfg.WK))
+    args = (xb, _words(w), out, part, *sync, int32(m), int32(n), int32(k), int32(cfg.WR), int32(cfg.WK))
+    smem = 4 * ring_words(cfg.R, cfg.S, cfg.WR * cfg.WK) if cfg.S else 0
+    if smem > 48 * 1024 and not SIM:
+        launch_smem(kern, grid, threads, smem, args)
+    else:
+        launch(kern, grid, threads, *args, shmem=smem)
     if cfg.SB > 1 and not nsync:
         launch(_cached(_build_reduce), math.ceil(m * n / 256), 256, part, out, int32(cfg.SB), int32(m), int32(n))
     return out

@@ -19,9 +19,9 @@ import numpy as np
 
 H, I, E, TOPK, GROUP = 7168, 2048, 384, 8, 32
 NS = (1, 4, 9, 17, 33, 65)
-K2_GEMMS = {"q_a": (1536, 7168), "q_b": (12288, 1536), "kv_a": (576, 7168), "kv_b": (32768, 512),
-            "o": (7168, 8192), "shared_gate_up": (4096, 7168), "shared_down": (7168, 2048),
-            "lm_head": (163840, 7168)}
+K2_GEMMS = {"lm_head": (163840, 7168), "q_kv_a": (2112, 7168), "o": (7168, 8192), "shared_gate_up": (4096, 7168),
+            "shared_down": (7168, 2048), "q_b": (12288, 1536), "kv_b": (32768, 512), "q_a": (1536, 7168),
+            "kv_a": (576, 7168)}      # q_a and kv_a are stacked into q_kv_a at load
 
 
 # variants of the default cuts tried at the target sizes (overrides of ExpertConfig / GemmConfig fields)
@@ -30,8 +30,9 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
                                                                                min_blocks=2)),
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
-GEMM_VARIANTS = {"u2": ((1, 17), dict(U=2)), "fused_reduce": ((17, 33), dict(FR=1)), "bf": ((17, 33), dict(BF=1)),
-                 "no_bounds": ((17, 33), dict(MB=0)), "xs1": ((1, 17, 33), dict(xs=1))}
+GEMM_MS = (1, 17, 33, 65)
+GEMM_VARIANTS = {"reg": (GEMM_MS, dict(S=0)), "s3": (GEMM_MS, dict(S=3)), "r1s6": ((17, 33, 65), dict(R=1, S=6)),
+                 "r1s8": ((1,), dict(R=1, S=8)), "fr": ((17, 33, 65), dict(FR=1))}
 HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
 HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured yet)
 
@@ -193,8 +194,8 @@ def bench_moe(cp, cuda, results, copy_bw, quick):
 
 # -------------------------------------------------------------------------------------------------------- dense
 def bench_gemm(cp, cuda, results, copy_bw, quick):
-    """Each K2 shape: the default cut and the variants at their token counts, then every m with the best (by mean
-    % of copy over the variant's token counts, against the default's at the same ones); then the per-head GEMMs."""
+    """Each K2 shape at GEMM_MS tokens: the default cut and the variants at their token counts (the best per m is
+    reported); then the per-head GEMMs."""
     from kernels.gemm import GemmWorkspace, gemm, gemm_config, gemm_workspace_words
     dv = cuda.as_cuda_array
     rows = results.setdefault("gemm", [])
@@ -219,19 +220,16 @@ def bench_gemm(cp, cuda, results, copy_bw, quick):
 
     for name, (n, k) in K2_GEMMS.items():
         w = dv(rand_bf16(cp, (n, k), 0.02))
-        base = {m: run(name, w, m, n, k, "default", {}) for m in (1, 17, 33)}
-        best = {m: ("default", {}, pct) for m, pct in base.items()}
+        best = {m: ("default", run(name, w, m, n, k, "default", {})) for m in GEMM_MS}
         for tag, (ms, over) in ({} if quick else GEMM_VARIANTS).items():
             for m in ms:
                 pct = run(name, w, m, n, k, tag, over)
-                if pct > best[m][2]:
-                    best[m] = (tag, over, pct)
+                if pct > best[m][1]:
+                    best[m] = (tag, pct)
         results.setdefault("gemm_best", {})[name] = {m: b[0] for m, b in best.items()}
-        for m in NS:
-            tag, over, _ = best[min(best, key=lambda mm: abs(mm - m))]
-            run(name, w, m, n, k, "best", over)
+        print(f"gemm {name:>15} best: " + ", ".join(f"m={m} {t} {p:.1f}%" for m, (t, p) in best.items()), flush=True)
         del w
-    bench_head_gemm(cp, cuda, results, copy_bw, quick)
+    bench_head_gemm(cp, cuda, results, copy_bw, True)     # head variants: not this session's
 
 
 def bench_head_gemm(cp, cuda, results, copy_bw, quick):
@@ -265,8 +263,6 @@ def summary(results):
         lines.append(f"MoE INT4 n={r['n']:2d}: {r['pct_copy']:5.1f}% of copy{goal}")
     best = {}
     for r in results.get("gemm", []):
-        if r["tag"] != "best":
-            continue
         key = (r["name"], r["m"])
         best[key] = max(best.get(key, 0.0), r["pct_copy"])
     for (name, m), pct in sorted(best.items()):
