@@ -110,6 +110,7 @@ def gemm_ref(x, w, out):
 
 BF16, INT4 = 0, 1
 XS_DEFAULT = 2
+RING_CHUNK = 128    # u32 words of one warp-wide 16-byte-per-lane chunk (a ring slot row, a tiled B fragment)
 _CACHE = {}
 
 
@@ -122,17 +123,23 @@ def _cached(builder, *key):
 
 
 # ---------------------------------------------------------------------------------------------------------- B prep
-def _build_prep(xs, perm):
+def _build_prep(xs, perm, tiled=0):
     @kernel()
     def prep(x, xb, m, kdim):
-        """x f32[m, k] (any strides) -> xb u32 flat [m, xs, k/2] (bf16 pairs; perm=1: INT4 column order).
-        Launch: grid (ceil(k/8/256), m), block 256; moves m*k*4 bytes in, m*k*2*xs out."""
+        """x f32[m, k] (any strides) -> xb u32 flat [m, xs, k/2] (bf16 pairs; perm=1: INT4 column order), or
+        (tiled=1) the mma B fragments in warp order: word ((s*ceil(m/8) + row//8)*xs + p)*128 + 4*lane + q with
+        lane = 4*(row%8) + t holds part p of columns 32s + 8t + 2q, +1 (rows past m repeat row m-1).
+        Launch: grid (ceil(k/8/256), m or ceil(m/8)*8 when tiled), block 256; moves m*k*4 bytes in, m*k*2*xs out."""
         row = cuda.blockIdx.y
         blk = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if blk >= kdim // 8:
             return
         half = kdim // 2
-        base = row * xs * half + blk * 4
+        base, pstride = row * xs * half + blk * 4, half
+        if tiled:
+            base = ((blk // 4 * ((m + 7) // 8) + row // 8) * xs) * RING_CHUNK + (4 * (row % 8) + blk % 4) * 4
+            pstride = RING_CHUNK
+            row = min(row, m - 1)
         k0 = blk * 8
         for q in range(4):
             if perm:
@@ -143,28 +150,33 @@ def _build_prep(xs, perm):
             if xs == 2:
                 hi, lo = split_bf16x2(v0, v1)
                 xb[base + q] = hi
-                xb[base + half + q] = lo
+                xb[base + pstride + q] = lo
             else:
                 xb[base + q] = pack_bf16x2(v0, v1)
     return prep
 
 
-def prep_b(x, xb, xs=XS_DEFAULT, perm=0):
-    """x f32[m, k] -> xb (uint32 flat, >= m*xs*k/2 words): the B operand of the mma GEMMs."""
+def prep_b(x, xb, xs=XS_DEFAULT, perm=0, tiled=0):
+    """x f32[m, k] -> xb (uint32 flat, >= m*xs*k/2 words; tiled: ceil(m/8)*8*xs*k/2): the B operand of the mma
+    GEMMs."""
     m, k = x.shape
-    launch(_cached(_build_prep, xs, perm), (math.ceil(k / 8 / 256), m), 256, x, xb, int32(m), int32(k))
+    rows = math.ceil(m / 8) * 8 if tiled else m
+    launch(_cached(_build_prep, xs, perm, tiled), (math.ceil(k / 8 / 256), rows), 256, x, xb, int32(m), int32(k))
 
 
 # ------------------------------------------------------------------------------------------------ the warp step
 def _build_bf16_mma(T, R, XS, BF):
     """Device function: the mma work of one bf16 k-step on weight fragments already in registers.
     qa u32[8R]: qa[4h .. 4h+3] = the lane's 16 bytes of row g (h = 2r) or g+8 (h = 2r+1) of row tile r, columns
-    32s + 8t .. +8. B read as in `_build_step`."""
+    32s + 8t .. +8. B read as in `_build_step`, or (BF=2) from the tiled layout of `prep_b`: the lane's B words of
+    (step s, tile tt, part p) at boff[tt] + s*T*XS*128 + p*128 (one warp load = 512 contiguous bytes)."""
+    SSTR = T * XS * RING_CHUNK
+
     @device
     def mma_step(qa, xb, s, t, half, boff, acc):
         xw = cuda.local.array(8, uint32)
         for tt in range(T):
-            if BF:
+            if BF == 1:
                 f0, f1, f2, f3 = ld16(xb, boff[tt] + s * 32 + t * 8)
                 f4, f5, f6, f7 = ld16(xb, boff[tt] + s * 32 + t * 8 + 4)
                 if XS == 2:
@@ -176,8 +188,10 @@ def _build_bf16_mma(T, R, XS, BF):
                     xw[0], xw[1] = pack_bf16x2(as_f32(f0), as_f32(f1)), pack_bf16x2(as_f32(f2), as_f32(f3))
                     xw[2], xw[3] = pack_bf16x2(as_f32(f4), as_f32(f5)), pack_bf16x2(as_f32(f6), as_f32(f7))
             for p in range(XS):
-                if BF:
+                if BF == 1:
                     x0, x1, x2, x3 = xw[4 * p], xw[4 * p + 1], xw[4 * p + 2], xw[4 * p + 3]
+                elif BF == 2:
+                    x0, x1, x2, x3 = ld16(xb, boff[tt] + s * SSTR + p * RING_CHUNK)
                 else:
                     x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + s * 16 + t * 4)
                 for r in range(R):
@@ -275,9 +289,6 @@ def _build_mainloop(fmt, T, R, XS, G, U, PF=0, BF=0):
     return mainloop
 
 
-RING_CHUNK = 128    # u32 words of one ring chunk: 32 lanes x 16 bytes
-
-
 def ring_words(R, S, warps):
     """Shared u32 words of the cp.async rings of a block: per warp S stages of 2R chunks."""
     return warps * S * 2 * R * RING_CHUNK
@@ -330,16 +341,21 @@ def _split_range(piece, pieces, steps):
 MAX_WARPS = 8          # warps per block of the mma kernels (the in-block k-split reduction is sized for it)
 
 
-def _build_block_reduce(R, T):
+def _build_block_reduce(R, T, DYN=0):
     """Device function: the wk warps of a block that share row tiles add their acc in order wk = 0..nwk-1; the
-    total ends in the wk == 0 warp. All threads of the block must call it."""
+    total ends in the wk == 0 warp. All threads of the block must call it. DYN=1: the exchange goes through the
+    dynamic shared memory (red_bytes; it may alias the cp.async rings: a barrier first)."""
     NACC = R * T * 4
     NRED = (MAX_WARPS - 1) * NACC * 32
 
     @device
     def block_reduce(acc, wr, wk, nwr, nwk, lane):
         if nwk > 1:
-            red = cuda.shared.array(NRED, float32)
+            if DYN:
+                red = cuda.shared.array(0, float32)
+                cuda.syncthreads()
+            else:
+                red = cuda.shared.array(NRED, float32)
             if wk > 0:
                 base = ((wk - 1) * nwr + wr) * NACC * 32 + lane
                 for i in range(NACC):
@@ -354,19 +370,25 @@ def _build_block_reduce(R, T):
     return block_reduce
 
 
+def red_bytes(R, T, WR, WK):
+    """Shared bytes of the in-block k-split exchange of `_build_block_reduce`."""
+    return 4 * (WK - 1) * WR * R * T * 4 * 32
+
+
 def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0):
     mainloop = (_cached(_build_ring_mainloop, T, R, XS, S, BF) if S
                 else _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, BF))
-    block_reduce = _cached(_build_block_reduce, R, T)
+    block_reduce = _cached(_build_block_reduce, R, T, 1)
     NACC, NA = R * T * 4, 2 * R
 
     @device
     def body(xb, w, out, part, sync, m, n, kdim, nwr, nwk):
         """out f32[m, n] (or part f32[splits, m, n] when gridDim.y > 1) = x @ W^T over this block's k range.
-        xb: u32 flat [m, XS, k/2] (BF=0) or f32 flat [m, k] (BF=1); w: u32 flat [n, k/2].
+        xb: f32 flat [m, k] (BF=1) or u32 tiled (BF=2, `prep_b` tiled=1); w: u32 flat [n, k/2].
         FR=1 with splits: the last block of a row range to finish (counter sync[blockIdx.x], left at 0) adds the
         splits' partials in order into out (no reduce launch). S > 0: weights through per-warp cp.async rings
-        (dynamic shared memory, ring_words(R, S, nwr*nwk) words). Launch: grid (ceil(n/16/(nwr*R)), splits),
+        (dynamic shared memory, ring_words(R, S, nwr*nwk) words; the in-block k-split exchange reuses it: gemm_smem
+        bytes in all). Launch: grid (ceil(n/16/(nwr*R)), splits),
         block 32*nwr*nwk (<= 256). Moves n*k*2 bytes of weights (plus x through L1/L2, 2*splits*m*n*4 of partials)."""
         lane = lane_id()
         g, t = lane // 4, lane % 4
@@ -384,7 +406,7 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0):
             aoff[2 * r] = min(row, n - 1) * half
             aoff[2 * r + 1] = min(row + 8, n - 1) * half
         for tt in range(T):
-            boff[tt] = min(tt * 8 + g, m - 1) * (kdim if BF else XS * half)
+            boff[tt] = tt * XS * RING_CHUNK + lane * 4 if BF == 2 else min(tt * 8 + g, m - 1) * (kdim if BF else XS * half)
         for i in range(NACC):
             acc[i] = F0
         mainloop(w, w, xb, s0, s1, t, half, aoff, aoff, boff, acc)
@@ -510,15 +532,20 @@ def gemm_config(m, n, k, target_warps=4096):
 
 
 def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):
-    """(xb words, part floats) a call needs."""
+    """(xb words, part floats) a call needs (xb: the tiled B operand, token rows padded to 8)."""
     cfg = cfg or gemm_config(m, n, k)
-    return m * xs * k // 2, (cfg.SB * m * n if cfg.SB > 1 else 0)
+    return math.ceil(m / 8) * 8 * xs * k // 2, (cfg.SB * m * n if cfg.SB > 1 else 0)
 
 
 def gemm_sync_words(m, n, k, cfg=None):
     """Counters (u32, zeroed once by the caller) a call with a fused k-split reduce needs: one per row range."""
     cfg = cfg or gemm_config(m, n, k)
     return math.ceil(n / 16 / (cfg.WR * cfg.R)) if cfg.SB > 1 and cfg.FR else 0
+
+
+def gemm_smem(T, cfg):
+    """Dynamic shared bytes of the GEMM kernel: the cp.async rings, or the in-block k-split exchange if larger."""
+    return max(4 * ring_words(cfg.R, cfg.S, cfg.WR * cfg.WK) if cfg.S else 0, red_bytes(cfg.R, T, cfg.WR, cfg.WK))
 
 
 def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
@@ -543,19 +570,19 @@ def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
         xb = x.reshape(m * k)
     else:
         xb = ws.xb[:nxb]
-        prep_b(x, xb, xs, 0)
+        prep_b(x, xb, xs, 0, tiled=1)
     if cfg.WR * cfg.WK > MAX_WARPS:
         raise ValueError(f"gemm: {cfg} has more than {MAX_WARPS} warps per block")
     threads = 32 * cfg.WR * cfg.WK
-    kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, int(fused), int(nsync > 0),
+    kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, 1 if fused else 2, int(nsync > 0),
                    (threads, cfg.MB) if cfg.MB else None, cfg.S)
     grid = (math.ceil(n / 16 / (cfg.WR * cfg.R)), cfg.SB)
     part = ws.part[:npart].reshape(cfg.SB, m, n) if npart else ws.part[:1].reshape(1, 1, 1)
     sync = (ws.sync[:nsync],) if nsync else ()
     args = (xb, _words(w), out, part, *sync, int32(m), int32(n), int32(k), int32(cfg.WR), int32(cfg.WK))
-    smem = 4 * ring_words(cfg.R, cfg.S, cfg.WR * cfg.WK) if cfg.S else 0
-    if smem > 48 * 1024 and not SIM:
-        launch_smem(kern, grid, threads, smem, args)
+    smem = gemm_smem(T, cfg)
+    if smem > 44 * 1024 and not SIM:      # (above 48 KB less the static bytes: the limit must be raised first)
+        launch_smem(kern, grid, threads, max(smem, 48 * 1024 + 16), args)
     else:
         launch(kern, grid, threads, *args, shmem=smem)
     if cfg.SB > 1 and not nsync:

@@ -31,8 +31,9 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
 GEMM_MS = (1, 17, 33, 65)
-GEMM_VARIANTS = {"reg": (GEMM_MS, dict(S=0)), "s3": (GEMM_MS, dict(S=3)), "r1s6": ((17, 33, 65), dict(R=1, S=6)),
-                 "r1s8": ((1,), dict(R=1, S=8)), "fr": ((17, 33, 65), dict(FR=1))}
+GEMM_VARIANTS = {"reg": (GEMM_MS, dict(S=0)), "r3": ((17,), dict(R=3)), "s2": ((17, 33, 65), dict(S=2)),
+                 "fr": ((17, 33, 65), dict(FR=1)), "r1s8": ((1,), dict(R=1, S=8))}
+GEMM_DEFAULT_ONLY = ("q_a", "kv_a")     # stacked into q_kv_a: the default cut only
 HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
 HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured yet)
 
@@ -199,7 +200,7 @@ def bench_gemm(cp, cuda, results, copy_bw, quick):
     from kernels.gemm import GemmWorkspace, gemm, gemm_config, gemm_workspace_words
     dv = cuda.as_cuda_array
     rows = results.setdefault("gemm", [])
-    ws = GemmWorkspace(dv(cp.zeros(max(NS) * 2 * 8192 // 2, cp.uint32)), dv(cp.zeros(64 * max(NS) * 32768, cp.float32)),
+    ws = GemmWorkspace(dv(cp.zeros(-(-max(NS) // 8) * 8 * 2 * 8192 // 2, cp.uint32)), dv(cp.zeros(64 * max(NS) * 32768, cp.float32)),
                        dv(cp.zeros(1 << 14, cp.uint32)))
 
     def run(name, w, m, n, k, tag, over):
@@ -221,7 +222,7 @@ def bench_gemm(cp, cuda, results, copy_bw, quick):
     for name, (n, k) in K2_GEMMS.items():
         w = dv(rand_bf16(cp, (n, k), 0.02))
         best = {m: ("default", run(name, w, m, n, k, "default", {})) for m in GEMM_MS}
-        for tag, (ms, over) in ({} if quick else GEMM_VARIANTS).items():
+        for tag, (ms, over) in ({} if quick or name in GEMM_DEFAULT_ONLY else GEMM_VARIANTS).items():
             for m in ms:
                 pct = run(name, w, m, n, k, tag, over)
                 if pct > best[m][1]:
@@ -288,11 +289,12 @@ def profile(case):
         di, dw = dv(cp.asarray(idx)), dv(cp.asarray(wts))
         for _ in range(3):
             moe(x, di, dw, ex, out, ws)
-    else:
-        n, k = K2_GEMMS["lm_head"] if case == "lm_head" else K2_GEMMS["q_b"]
+    else:                # "<K2_GEMMS name>[:m]"
+        name, _, m = case.partition(":")
+        (n, k), m = K2_GEMMS[name], int(m or 1)
         w = dv(rand_bf16(cp, (n, k), 0.02))
         ws = GemmWorkspace(dv(cp.zeros(1 << 20, cp.uint32)), dv(cp.zeros(1 << 24, cp.float32)))
-        x, out = dv(cp.random.standard_normal((1, k), dtype=cp.float32)), dv(cp.zeros((1, n), cp.float32))
+        x, out = dv(cp.random.standard_normal((m, k), dtype=cp.float32)), dv(cp.zeros((m, n), cp.float32))
         for _ in range(3):
             gemm(x, w, out, ws)
     cp.cuda.runtime.deviceSynchronize()
@@ -303,7 +305,7 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--quick", action="store_true", help="default cuts only")
     ap.add_argument("--only", choices=("moe", "gemm", "attention"), action="append")
-    ap.add_argument("--profile", choices=("moe", "lm_head", "q_b"), help="run one case for a profiler, then exit")
+    ap.add_argument("--profile", help="run one case for a profiler, then exit: moe or a GEMM name[:m] (lm_head:33)")
     args = ap.parse_args(argv)
     if args.profile:
         return profile(args.profile)
