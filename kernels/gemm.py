@@ -169,7 +169,8 @@ def _build_bf16_mma(T, R, XS, BF):
     """Device function: the mma work of one bf16 k-step on weight fragments already in registers.
     qa u32[8R]: qa[4h .. 4h+3] = the lane's 16 bytes of row g (h = 2r) or g+8 (h = 2r+1) of row tile r, columns
     32s + 8t .. +8. B read as in `_build_step`, or (BF=2) from the tiled layout of `prep_b`: the lane's B words of
-    (step s, tile tt, part p) at boff[tt] + s*T*XS*128 + p*128 (one warp load = 512 contiguous bytes)."""
+    (step s, tile tt, part p) at boff[tt] + s*T*XS*128 + p*128 (one warp load = 512 contiguous bytes), or (BF=3) the
+    same fragments from a shared ring slot at boff[tt] + p*128."""
     SSTR = T * XS * RING_CHUNK
 
     @device
@@ -192,6 +193,8 @@ def _build_bf16_mma(T, R, XS, BF):
                     x0, x1, x2, x3 = xw[4 * p], xw[4 * p + 1], xw[4 * p + 2], xw[4 * p + 3]
                 elif BF == 2:
                     x0, x1, x2, x3 = ld16(xb, boff[tt] + s * SSTR + p * RING_CHUNK)
+                elif BF == 3:
+                    x0, x1, x2, x3 = lds16(xb, boff[tt] + p * RING_CHUNK)
                 else:
                     x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + s * 16 + t * 4)
                 for r in range(R):
@@ -289,44 +292,55 @@ def _build_mainloop(fmt, T, R, XS, G, U, PF=0, BF=0):
     return mainloop
 
 
-def ring_words(R, S, warps):
-    """Shared u32 words of the cp.async rings of a block: per warp S stages of 2R chunks."""
-    return warps * S * 2 * R * RING_CHUNK
+def ring_words(R, S, warps, nb=0):
+    """Shared u32 words of the cp.async rings of a block: per warp S stages of 2R weight chunks (+ nb B chunks)."""
+    return warps * S * (2 * R + nb) * RING_CHUNK
 
 
-def _build_ring_mainloop(T, R, XS, S, BF=0):
+def _build_ring_mainloop(T, R, XS, S, BF=0, RB=0):
     """Device function: steps [s0, s1) of one warp (bf16 weights) through an S-stage cp.async ring in dynamic
     shared memory: the weights of the next S-1 steps are in flight while the tensor cores work on this one. Each lane
-    copies and later reads its own 16-byte chunks (no barrier); warp w owns words [w, w+1) * S*2R*RING_CHUNK.
-    Same signature and arithmetic as `_build_mainloop` (sc, soff unused)."""
-    mma_step = _cached(_build_bf16_mma, T, R, XS, BF)
-    NA, NQ = 2 * R, 8 * R
+    copies and later reads its own 16-byte chunks (no barrier); warp w owns words [w, w+1) * S*NCH*RING_CHUNK.
+    RB=1 (B tiled, BF=2): the step's T*XS B fragments ride in the same ring slot after the 2R weight chunks (every
+    global load of a step is then issued S-1 steps ahead). Same signature and arithmetic as `_build_mainloop`."""
+    mma_step = _cached(_build_bf16_mma, T, R, XS, 3 if RB else BF)
+    NA, NQ, NB = 2 * R, 8 * R, T * XS * RB
+    NCH, SSTR = NA + NB, T * XS * RING_CHUNK
     cp_wait = _cp_wait(S - 1)
 
     @device
-    def issue(ring, rb, slot, w, s, t, aoff):
+    def issue(ring, rb, slot, w, xb, s, t, lane, aoff):
         for h in range(NA):
-            cp_async16(ring, rb + (slot * NA + h) * RING_CHUNK, w, aoff[h] + s * 16 + t * 4)
+            cp_async16(ring, rb + (slot * NCH + h) * RING_CHUNK, w, aoff[h] + s * 16 + t * 4)
+        for j in range(NB):
+            cp_async16(ring, rb + (slot * NCH + NA + j) * RING_CHUNK, xb, s * SSTR + j * RING_CHUNK + lane * 4)
 
     @device
     def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, acc):
         ring = cuda.shared.array(0, uint32)
-        rb = (cuda.threadIdx.x // 32) * S * NA * RING_CHUNK + lane_id() * 4
+        lane = lane_id()
+        rb = (cuda.threadIdx.x // 32) * S * NCH * RING_CHUNK + lane * 4
         qa = cuda.local.array(NQ, uint32)
+        bsm = cuda.local.array(T, int32)
         for p in range(S - 1):                      # the ring's first S-1 steps in flight
             if s0 + p < s1:
-                issue(ring, rb, p, w, s0 + p, t, aoff)
+                issue(ring, rb, p, w, xb, s0 + p, t, lane, aoff)
             cp_commit()
         slot = 0
         for s in range(s0, s1):
             nxt = slot - 1 if slot > 0 else S - 1   # the slot step s-1 used: step s+S-1 goes there
             if s + S - 1 < s1:
-                issue(ring, rb, nxt, w, s + S - 1, t, aoff)
+                issue(ring, rb, nxt, w, xb, s + S - 1, t, lane, aoff)
             cp_commit()                             # (empty groups past the end keep the count uniform)
             cp_wait()                               # step s has landed
             for h in range(NA):
-                qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = lds16(ring, rb + (slot * NA + h) * RING_CHUNK)
-            mma_step(qa, xb, s, t, half, boff, acc)
+                qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = lds16(ring, rb + (slot * NCH + h) * RING_CHUNK)
+            if RB:
+                for tt in range(T):
+                    bsm[tt] = rb + (slot * NCH + NA + tt * XS) * RING_CHUNK
+                mma_step(qa, ring, s, t, half, bsm, acc)
+            else:
+                mma_step(qa, xb, s, t, half, boff, acc)
             slot = slot + 1 if slot < S - 1 else 0
     return mainloop
 
@@ -375,8 +389,8 @@ def red_bytes(R, T, WR, WK):
     return 4 * (WK - 1) * WR * R * T * 4 * 32
 
 
-def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0):
-    mainloop = (_cached(_build_ring_mainloop, T, R, XS, S, BF) if S
+def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
+    mainloop = (_cached(_build_ring_mainloop, T, R, XS, S, BF, RB) if S
                 else _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, BF))
     block_reduce = _cached(_build_block_reduce, R, T, 1)
     NACC, NA = R * T * 4, 2 * R
@@ -480,7 +494,8 @@ def _build_reduce():
 
 
 # ---------------------------------------------------------------------------------------------------- launcher
-RING_STAGES = 4                # unmeasured
+SMEM_MAX = 227 * 1024 - 64     # dynamic shared bytes a block may ask for on sm_90 (less the static bytes)
+RING_STAGES = 4    # cp.async ring depth at one token tile without a k split (lm_head m=1: 89.9% -> 94.2% of copy)
 LAUNCH_BOUND_BYTES = 4 << 20   # weights this small take less time to read (~1 us) than a launch: one launch per GEMM
 
 
@@ -498,6 +513,7 @@ class GemmConfig:
     MB: int = 0        # > 0: launch bounds asking ptxas to fit MB blocks per SM (caps registers)
     FR: int = 1        # 1: the k-split partials are added by the last block of each row range (needs ws.sync)
     S: int = 0         # >= 2: weights stream through an S-stage cp.async ring per warp (U, PF unused); 0: registers
+    RB: int = 0        # 1 (with S, prepared B): the B fragments ride in the ring too
 
 
 @dataclass
@@ -527,8 +543,14 @@ def gemm_config(m, n, k, target_warps=4096):
     # reading f32 x in the kernel saves a launch (wins at one token tile) but costs conversions per tile (loses above);
     # small weights are launch-bound at any T: one launch, x read in the GEMM, k-split reduce by the last block
     one_launch = T == 1 or n * k * 2 <= LAUNCH_BOUND_BYTES
+    if T == 1:
+        S, RB = (RING_STAGES if pieces == 1 else 0), 0
+    else:
+        S, RB = (0, 0) if one_launch else (2, 1)
+        while S > 2 and 4 * ring_words(R, S, wr * wk, T * XS_DEFAULT) > SMEM_MAX:
+            S -= 1
     return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(one_launch), MB=2 if T > 1 else 0, FR=int(one_launch),
-                      S=RING_STAGES)
+                      S=S, RB=RB)
 
 
 def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):
@@ -543,9 +565,11 @@ def gemm_sync_words(m, n, k, cfg=None):
     return math.ceil(n / 16 / (cfg.WR * cfg.R)) if cfg.SB > 1 and cfg.FR else 0
 
 
-def gemm_smem(T, cfg):
-    """Dynamic shared bytes of the GEMM kernel: the cp.async rings, or the in-block k-split exchange if larger."""
-    return max(4 * ring_words(cfg.R, cfg.S, cfg.WR * cfg.WK) if cfg.S else 0, red_bytes(cfg.R, T, cfg.WR, cfg.WK))
+def gemm_smem(T, cfg, nb=0):
+    """Dynamic shared bytes of the GEMM kernel: the cp.async rings (nb B chunks per stage), or the in-block k-split
+    exchange if larger."""
+    ring = 4 * ring_words(cfg.R, cfg.S, cfg.WR * cfg.WK, nb) if cfg.S else 0
+    return max(ring, red_bytes(cfg.R, T, cfg.WR, cfg.WK))
 
 
 def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
@@ -574,13 +598,16 @@ def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
     if cfg.WR * cfg.WK > MAX_WARPS:
         raise ValueError(f"gemm: {cfg} has more than {MAX_WARPS} warps per block")
     threads = 32 * cfg.WR * cfg.WK
+    rb = int(bool(cfg.S and cfg.RB and not fused))
     kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, 1 if fused else 2, int(nsync > 0),
-                   (threads, cfg.MB) if cfg.MB else None, cfg.S)
+                   (threads, cfg.MB) if cfg.MB else None, cfg.S, rb)
     grid = (math.ceil(n / 16 / (cfg.WR * cfg.R)), cfg.SB)
     part = ws.part[:npart].reshape(cfg.SB, m, n) if npart else ws.part[:1].reshape(1, 1, 1)
     sync = (ws.sync[:nsync],) if nsync else ()
     args = (xb, _words(w), out, part, *sync, int32(m), int32(n), int32(k), int32(cfg.WR), int32(cfg.WK))
-    smem = gemm_smem(T, cfg)
+    smem = gemm_smem(T, cfg, xs * T * rb)
+    if smem > SMEM_MAX:
+        raise ValueError(f"gemm: {cfg} needs {smem} bytes of shared memory (> {SMEM_MAX})")
     if smem > 44 * 1024 and not SIM:      # (above 48 KB less the static bytes: the limit must be raised first)
         launch_smem(kern, grid, threads, max(smem, 48 * 1024 + 16), args)
     else:

@@ -31,8 +31,8 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
 GEMM_MS = (1, 17, 33, 65)
-GEMM_VARIANTS = {"reg": (GEMM_MS, dict(S=0)), "r3": ((17,), dict(R=3)), "s2": ((17, 33, 65), dict(S=2)),
-                 "fr": ((17, 33, 65), dict(FR=1)), "r1s8": ((1,), dict(R=1, S=8))}
+GEMM_VARIANTS = {"reg": (GEMM_MS, dict(S=0, RB=0)), "rb3": ((17, 33, 65), dict(S=3, RB=1)),
+                 "rb3w4": ((17, 33), dict(S=3, RB=1, WR=4)), "rb2w4": ((17, 33, 65), dict(S=2, RB=1, WR=4))}
 GEMM_DEFAULT_ONLY = ("q_a", "kv_a")     # stacked into q_kv_a: the default cut only
 HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
 HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured yet)
@@ -197,10 +197,11 @@ def bench_moe(cp, cuda, results, copy_bw, quick):
 def bench_gemm(cp, cuda, results, copy_bw, quick):
     """Each K2 shape at GEMM_MS tokens: the default cut and the variants at their token counts (the best per m is
     reported); then the per-head GEMMs."""
-    from kernels.gemm import GemmWorkspace, gemm, gemm_config, gemm_workspace_words
+    from kernels.gemm import SMEM_MAX, GemmWorkspace, gemm, gemm_config, gemm_smem, gemm_workspace_words
     dv = cuda.as_cuda_array
     rows = results.setdefault("gemm", [])
-    ws = GemmWorkspace(dv(cp.zeros(-(-max(NS) // 8) * 8 * 2 * 8192 // 2, cp.uint32)), dv(cp.zeros(64 * max(NS) * 32768, cp.float32)),
+    xb_words = -(-max(NS) // 8) * 8 * 2 * 8192 // 2        # tiled B: token rows padded to 8
+    ws = GemmWorkspace(dv(cp.zeros(xb_words, cp.uint32)), dv(cp.zeros(64 * max(NS) * 32768, cp.float32)),
                        dv(cp.zeros(1 << 14, cp.uint32)))
 
     def run(name, w, m, n, k, tag, over):
@@ -208,7 +209,9 @@ def bench_gemm(cp, cuda, results, copy_bw, quick):
         nbytes, xs = n * k * 2, over.get("xs", 2)
         cfg = replace(gemm_config(m, n, k), **{f: v for f, v in over.items() if f != "xs"})
         need = gemm_workspace_words(m, n, k, xs, cfg)
-        if need[0] > ws.xb.size or need[1] > ws.part.size:
+        T = -(-m // 8)
+        if (need[0] > ws.xb.size or need[1] > ws.part.size or cfg.WR * cfg.WK > 8
+                or gemm_smem(T, cfg, xs * T * cfg.RB) > SMEM_MAX):
             return 0.0
         g_ms, e_ms = timed(cp, lambda: gemm(x, w, out, ws, xs=xs, cfg=cfg), reps_for(nbytes))
         row = dict(op="gemm", name=name, tag=tag, m=m, n=n, k=k, xs=xs, cfg=cfg.__dict__, bytes=nbytes,
