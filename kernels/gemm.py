@@ -513,7 +513,7 @@ class GemmConfig:
     MB: int = 0        # > 0: launch bounds asking ptxas to fit MB blocks per SM (caps registers)
     FR: int = 1        # 1: the k-split partials are added by the last block of each row range (needs ws.sync)
     S: int = 0         # >= 2: weights stream through an S-stage cp.async ring per warp (U, PF unused); 0: registers
-    RB: int = 0        # 1 (with S, prepared B): the B fragments ride in the ring too
+    RB: int = 0        # 1 (with S, prepared B): the B fragments ride in the ring too (not measured yet)
 
 
 @dataclass
@@ -531,7 +531,11 @@ def gemm_config(m, n, k, target_warps=4096):
     lost up to 55% on all but kv_a); above one tile, 256-thread blocks capped at 128 registers (MB=2: uncapped lost
     12-30% except on kv_a and lm_head at T=3) and the k-split reduce as its own launch (the in-GEMM last-block
     reduce lost 1-7 us there, within 0.7 us at T=1); U=4 at T=1 with a k split (+0.2-5.6 points of copy), U=1 at
-    T=3 (2-19% faster; lost up to 19% at T=5)."""
+    T=3 (2-19% faster; lost up to 19% at T=5).
+    cp.async weight ring (S=4) only at one token tile without a k split, measured on the H200 (tools/bench_kernels.py,
+    % of copy, ring vs registers): lm_head m=1 94.2 vs 89.9; with a k split it lost 13-27 points at m=1 (o 59.4 vs
+    75.9, q_b 49.5 vs 76.3, kv_b 51.0 vs 73.2, shared_down 44.2 vs 65.6); above one tile it lost up to 10 points
+    (lm_head m=33 31.9 vs 41.8) and won at most 1.5 (m=65). B fragments through the ring too (RB=1): not measured."""
     tiles, steps = math.ceil(n / 16), k // 32
     pieces = max(1, min(target_warps // tiles, steps // 4, 64))
     wk = next(w for w in (8, 4, 2, 1) if pieces >= 2 * w or w == 1)
@@ -543,14 +547,9 @@ def gemm_config(m, n, k, target_warps=4096):
     # reading f32 x in the kernel saves a launch (wins at one token tile) but costs conversions per tile (loses above);
     # small weights are launch-bound at any T: one launch, x read in the GEMM, k-split reduce by the last block
     one_launch = T == 1 or n * k * 2 <= LAUNCH_BOUND_BYTES
-    if T == 1:
-        S, RB = (RING_STAGES if pieces == 1 else 0), 0
-    else:
-        S, RB = (0, 0) if one_launch else (2, 1)
-        while S > 2 and 4 * ring_words(R, S, wr * wk, T * XS_DEFAULT) > SMEM_MAX:
-            S -= 1
+    S = RING_STAGES if T == 1 and pieces == 1 else 0
     return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(one_launch), MB=2 if T > 1 else 0, FR=int(one_launch),
-                      S=S, RB=RB)
+                      S=S)
 
 
 def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):

@@ -31,8 +31,8 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
 GEMM_MS = (1, 17, 33, 65)
-GEMM_VARIANTS = {"reg": (GEMM_MS, dict(S=0, RB=0)), "rb3": ((17, 33, 65), dict(S=3, RB=1)),
-                 "rb3w4": ((17, 33), dict(S=3, RB=1, WR=4)), "rb2w4": ((17, 33, 65), dict(S=2, RB=1, WR=4))}
+GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "rb2": ((17, 33, 65), dict(S=2, RB=1)),
+                 "rb3": ((17, 33), dict(S=3, RB=1)), "rb2w4": ((17, 33, 65), dict(S=2, RB=1, WR=4))}
 GEMM_DEFAULT_ONLY = ("q_a", "kv_a")     # stacked into q_kv_a: the default cut only
 HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
 HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured yet)
