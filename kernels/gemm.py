@@ -27,10 +27,79 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
+from kernels.attention import launch_smem
 from kernels.device import (F0, SIM, as_f32, bf16_hi, bf16_lo, device, int4_pair, kernel, launch, ld16, ld16_pf,
                             ld4, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
 from kernels.memo import memo_f32
 from weights.dtypes import bf16_to_f32
+
+
+# ------------------------------------------------------------------------------- cp.async ring (weights -> shared)
+if SIM:
+    def cp_async16(ring, ri, w, wi):
+        """Simulator: the 16 bytes land at once."""
+        ring[ri], ring[ri + 1], ring[ri + 2], ring[ri + 3] = ld16(w, wi)
+
+    def lds16(ring, ri):
+        return ring[ri], ring[ri + 1], ring[ri + 2], ring[ri + 3]
+
+    def cp_commit():
+        pass
+
+    def _cp_wait(n):
+        return cp_commit
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    from kernels.device import _address as _elem_address
+
+    _SHARED32 = "{ .reg .u64 sa64; .reg .u32 sa; cvta.to.shared.u64 sa64, $%d; cvt.u32.u64 sa, sa64; "
+
+    @intrinsic
+    def cp_async16(typingctx, ring, ri, w, wi):
+        """cp.async.cg of 16 bytes (L2 asked for the surrounding 256): word wi of the contiguous global u32 array w
+        -> word ri of the shared u32 array ring (both 16-byte aligned)."""
+        sig = types.void(ring, ri, w, wi)
+
+        def codegen(ctx, b, sig, args):
+            sa = _elem_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+            ga = _elem_address(ctx, b, sig.args[2], args[2], args[3], sig.args[3])
+            i64 = ir.IntType(64)
+            asm = (_SHARED32 % 0 + ".reg .u64 ga; cvta.to.global.u64 ga, $1; "
+                   "cp.async.cg.shared.global.L2::256B [sa], [ga], 16; }")
+            b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, i64]), asm, "l,l,~{memory}",
+                                side_effect=True), [sa, ga])
+        return sig, codegen
+
+    @intrinsic
+    def lds16(typingctx, ring, ri):
+        """Four u32 words at word ri of a shared u32 array: one ld.shared.v4 (ordered after the cp.async waits)."""
+        sig = types.UniTuple(types.uint32, 4)(ring, ri)
+
+        def codegen(ctx, b, sig, args):
+            sa = _elem_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+            i32 = ir.IntType(32)
+            fn = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ir.IntType(64)])
+            asm = _SHARED32 % 4 + "ld.shared.v4.u32 {$0,$1,$2,$3}, [sa]; }"
+            r = b.call(ir.InlineAsm(fn, asm, "=r,=r,=r,=r,l,~{memory}", side_effect=True), [sa])
+            return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, k) for k in range(4)])
+        return sig, codegen
+
+    def _cp_op(asm):
+        @intrinsic
+        def op(typingctx):
+            def codegen(ctx, b, sig, args):
+                b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), asm, "~{memory}", side_effect=True), [])
+            return types.void(), codegen
+        return op
+
+    cp_commit = _cp_op("cp.async.commit_group;")
+
+    def _cp_wait(n):
+        """cp.async.wait_group n: all but this thread's n most recent groups have landed."""
+        return _cp_op(f"cp.async.wait_group {n};")
 
 
 def gemm_ref(x, w, out):
@@ -41,6 +110,7 @@ def gemm_ref(x, w, out):
 
 BF16, INT4 = 0, 1
 XS_DEFAULT = 2
+RING_CHUNK = 128    # u32 words of one warp-wide 16-byte-per-lane chunk (a ring slot row, a tiled B fragment)
 _CACHE = {}
 
 
@@ -53,17 +123,23 @@ def _cached(builder, *key):
 
 
 # ---------------------------------------------------------------------------------------------------------- B prep
-def _build_prep(xs, perm):
+def _build_prep(xs, perm, tiled=0):
     @kernel()
     def prep(x, xb, m, kdim):
-        """x f32[m, k] (any strides) -> xb u32 flat [m, xs, k/2] (bf16 pairs; perm=1: INT4 column order).
-        Launch: grid (ceil(k/8/256), m), block 256; moves m*k*4 bytes in, m*k*2*xs out."""
+        """x f32[m, k] (any strides) -> xb u32 flat [m, xs, k/2] (bf16 pairs; perm=1: INT4 column order), or
+        (tiled=1) the mma B fragments in warp order: word ((s*ceil(m/8) + row//8)*xs + p)*128 + 4*lane + q with
+        lane = 4*(row%8) + t holds part p of columns 32s + 8t + 2q, +1 (rows past m repeat row m-1).
+        Launch: grid (ceil(k/8/256), m or ceil(m/8)*8 when tiled), block 256; moves m*k*4 bytes in, m*k*2*xs out."""
         row = cuda.blockIdx.y
         blk = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if blk >= kdim // 8:
             return
         half = kdim // 2
-        base = row * xs * half + blk * 4
+        base, pstride = row * xs * half + blk * 4, half
+        if tiled:
+            base = ((blk // 4 * ((m + 7) // 8) + row // 8) * xs) * RING_CHUNK + (4 * (row % 8) + blk % 4) * 4
+            pstride = RING_CHUNK
+            row = min(row, m - 1)
         k0 = blk * 8
         for q in range(4):
             if perm:
@@ -74,19 +150,63 @@ def _build_prep(xs, perm):
             if xs == 2:
                 hi, lo = split_bf16x2(v0, v1)
                 xb[base + q] = hi
-                xb[base + half + q] = lo
+                xb[base + pstride + q] = lo
             else:
                 xb[base + q] = pack_bf16x2(v0, v1)
     return prep
 
 
-def prep_b(x, xb, xs=XS_DEFAULT, perm=0):
-    """x f32[m, k] -> xb (uint32 flat, >= m*xs*k/2 words): the B operand of the mma GEMMs."""
+def prep_b(x, xb, xs=XS_DEFAULT, perm=0, tiled=0):
+    """x f32[m, k] -> xb (uint32 flat, >= m*xs*k/2 words; tiled: ceil(m/8)*8*xs*k/2): the B operand of the mma
+    GEMMs."""
     m, k = x.shape
-    launch(_cached(_build_prep, xs, perm), (math.ceil(k / 8 / 256), m), 256, x, xb, int32(m), int32(k))
+    rows = math.ceil(m / 8) * 8 if tiled else m
+    launch(_cached(_build_prep, xs, perm, tiled), (math.ceil(k / 8 / 256), rows), 256, x, xb, int32(m), int32(k))
 
 
 # ------------------------------------------------------------------------------------------------ the warp step
+def _build_bf16_mma(T, R, XS, BF):
+    """Device function: the mma work of one bf16 k-step on weight fragments already in registers.
+    qa u32[8R]: qa[4h .. 4h+3] = the lane's 16 bytes of row g (h = 2r) or g+8 (h = 2r+1) of row tile r, columns
+    32s + 8t .. +8. B read as in `_build_step`, or (BF=2) from the tiled layout of `prep_b`: the lane's B words of
+    (step s, tile tt, part p) at boff[tt] + s*T*XS*128 + p*128 (one warp load = 512 contiguous bytes), or (BF=3) the
+    same fragments from a shared ring slot at boff[tt] + p*128."""
+    SSTR = T * XS * RING_CHUNK
+
+    @device
+    def mma_step(qa, xb, s, t, half, boff, acc):
+        xw = cuda.local.array(8, uint32)
+        for tt in range(T):
+            if BF == 1:
+                f0, f1, f2, f3 = ld16(xb, boff[tt] + s * 32 + t * 8)
+                f4, f5, f6, f7 = ld16(xb, boff[tt] + s * 32 + t * 8 + 4)
+                if XS == 2:
+                    xw[0], xw[4] = split_bf16x2(as_f32(f0), as_f32(f1))
+                    xw[1], xw[5] = split_bf16x2(as_f32(f2), as_f32(f3))
+                    xw[2], xw[6] = split_bf16x2(as_f32(f4), as_f32(f5))
+                    xw[3], xw[7] = split_bf16x2(as_f32(f6), as_f32(f7))
+                else:
+                    xw[0], xw[1] = pack_bf16x2(as_f32(f0), as_f32(f1)), pack_bf16x2(as_f32(f2), as_f32(f3))
+                    xw[2], xw[3] = pack_bf16x2(as_f32(f4), as_f32(f5)), pack_bf16x2(as_f32(f6), as_f32(f7))
+            for p in range(XS):
+                if BF == 1:
+                    x0, x1, x2, x3 = xw[4 * p], xw[4 * p + 1], xw[4 * p + 2], xw[4 * p + 3]
+                elif BF == 2:
+                    x0, x1, x2, x3 = ld16(xb, boff[tt] + s * SSTR + p * RING_CHUNK)
+                elif BF == 3:
+                    x0, x1, x2, x3 = lds16(xb, boff[tt] + p * RING_CHUNK)
+                else:
+                    x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + s * 16 + t * 4)
+                for r in range(R):
+                    i = (r * T + tt) * 4
+                    c0, c1, c2, c3 = mma_bf16(qa[8 * r], qa[8 * r + 4], qa[8 * r + 1], qa[8 * r + 5], x0, x1,
+                                              acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
+                    c0, c1, c2, c3 = mma_bf16(qa[8 * r + 2], qa[8 * r + 6], qa[8 * r + 3], qa[8 * r + 7], x2, x3,
+                                              c0, c1, c2, c3)
+                    acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = c0, c1, c2, c3
+    return mma_step
+
+
 def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
     """Device function: one k-step of one warp over R weight tiles x T token tiles, accumulating into acc.
 
@@ -98,39 +218,14 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
     NQ, NQ4, NDA, ND = 8 * R, 2 * R * G, 8 * R, 4 * R
     lda = ld16_pf if PF else ld16
     if fmt == BF16:
+        mma_step = _cached(_build_bf16_mma, T, R, XS, BF)
+
         @device
         def step(w, sc, xb, s, t, half, aoff, soff, boff, acc):
             qa = cuda.local.array(NQ, uint32)
-            xw = cuda.local.array(8, uint32)
-            for r in range(R):
-                a0, a1, a2, a3 = lda(w, aoff[2 * r] + s * 16 + t * 4)
-                b0, b1, b2, b3 = lda(w, aoff[2 * r + 1] + s * 16 + t * 4)
-                qa[8 * r], qa[8 * r + 1], qa[8 * r + 2], qa[8 * r + 3] = a0, a1, a2, a3
-                qa[8 * r + 4], qa[8 * r + 5], qa[8 * r + 6], qa[8 * r + 7] = b0, b1, b2, b3
-            for tt in range(T):
-                if BF:
-                    f0, f1, f2, f3 = ld16(xb, boff[tt] + s * 32 + t * 8)
-                    f4, f5, f6, f7 = ld16(xb, boff[tt] + s * 32 + t * 8 + 4)
-                    if XS == 2:
-                        xw[0], xw[4] = split_bf16x2(as_f32(f0), as_f32(f1))
-                        xw[1], xw[5] = split_bf16x2(as_f32(f2), as_f32(f3))
-                        xw[2], xw[6] = split_bf16x2(as_f32(f4), as_f32(f5))
-                        xw[3], xw[7] = split_bf16x2(as_f32(f6), as_f32(f7))
-                    else:
-                        xw[0], xw[1] = pack_bf16x2(as_f32(f0), as_f32(f1)), pack_bf16x2(as_f32(f2), as_f32(f3))
-                        xw[2], xw[3] = pack_bf16x2(as_f32(f4), as_f32(f5)), pack_bf16x2(as_f32(f6), as_f32(f7))
-                for p in range(XS):
-                    if BF:
-                        x0, x1, x2, x3 = xw[4 * p], xw[4 * p + 1], xw[4 * p + 2], xw[4 * p + 3]
-                    else:
-                        x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + s * 16 + t * 4)
-                    for r in range(R):
-                        i = (r * T + tt) * 4
-                        c0, c1, c2, c3 = mma_bf16(qa[8 * r], qa[8 * r + 4], qa[8 * r + 1], qa[8 * r + 5], x0, x1,
-                                                  acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
-                        c0, c1, c2, c3 = mma_bf16(qa[8 * r + 2], qa[8 * r + 6], qa[8 * r + 3], qa[8 * r + 7], x2, x3,
-                                                  c0, c1, c2, c3)
-                        acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = c0, c1, c2, c3
+            for h in range(2 * R):
+                qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = lda(w, aoff[h] + s * 16 + t * 4)
+            mma_step(qa, xb, s, t, half, boff, acc)
         return step
 
     @device
@@ -197,6 +292,59 @@ def _build_mainloop(fmt, T, R, XS, G, U, PF=0, BF=0):
     return mainloop
 
 
+def ring_words(R, S, warps, nb=0):
+    """Shared u32 words of the cp.async rings of a block: per warp S stages of 2R weight chunks (+ nb B chunks)."""
+    return warps * S * (2 * R + nb) * RING_CHUNK
+
+
+def _build_ring_mainloop(T, R, XS, S, BF=0, RB=0):
+    """Device function: steps [s0, s1) of one warp (bf16 weights) through an S-stage cp.async ring in dynamic
+    shared memory: the weights of the next S-1 steps are in flight while the tensor cores work on this one. Each lane
+    copies and later reads its own 16-byte chunks (no barrier); warp w owns words [w, w+1) * S*NCH*RING_CHUNK.
+    RB=1 (B tiled, BF=2): the step's T*XS B fragments ride in the same ring slot after the 2R weight chunks (every
+    global load of a step is then issued S-1 steps ahead). Same signature and arithmetic as `_build_mainloop`."""
+    mma_step = _cached(_build_bf16_mma, T, R, XS, 3 if RB else BF)
+    NA, NQ, NB = 2 * R, 8 * R, T * XS * RB
+    NCH, SSTR = NA + NB, T * XS * RING_CHUNK
+    cp_wait = _cp_wait(S - 1)
+
+    @device
+    def issue(ring, rb, slot, w, xb, s, t, lane, aoff):
+        for h in range(NA):
+            cp_async16(ring, rb + (slot * NCH + h) * RING_CHUNK, w, aoff[h] + s * 16 + t * 4)
+        for j in range(NB):
+            cp_async16(ring, rb + (slot * NCH + NA + j) * RING_CHUNK, xb, s * SSTR + j * RING_CHUNK + lane * 4)
+
+    @device
+    def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, acc):
+        ring = cuda.shared.array(0, uint32)
+        lane = lane_id()
+        rb = (cuda.threadIdx.x // 32) * S * NCH * RING_CHUNK + lane * 4
+        qa = cuda.local.array(NQ, uint32)
+        bsm = cuda.local.array(T, int32)
+        for p in range(S - 1):                      # the ring's first S-1 steps in flight
+            if s0 + p < s1:
+                issue(ring, rb, p, w, xb, s0 + p, t, lane, aoff)
+            cp_commit()
+        slot = 0
+        for s in range(s0, s1):
+            nxt = slot - 1 if slot > 0 else S - 1   # the slot step s-1 used: step s+S-1 goes there
+            if s + S - 1 < s1:
+                issue(ring, rb, nxt, w, xb, s + S - 1, t, lane, aoff)
+            cp_commit()                             # (empty groups past the end keep the count uniform)
+            cp_wait()                               # step s has landed
+            for h in range(NA):
+                qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = lds16(ring, rb + (slot * NCH + h) * RING_CHUNK)
+            if RB:
+                for tt in range(T):
+                    bsm[tt] = rb + (slot * NCH + NA + tt * XS) * RING_CHUNK
+                mma_step(qa, ring, s, t, half, bsm, acc)
+            else:
+                mma_step(qa, xb, s, t, half, boff, acc)
+            slot = slot + 1 if slot < S - 1 else 0
+    return mainloop
+
+
 # --------------------------------------------------------------------------------------------------- kernels
 @device
 def _split_range(piece, pieces, steps):
@@ -207,16 +355,21 @@ def _split_range(piece, pieces, steps):
 MAX_WARPS = 8          # warps per block of the mma kernels (the in-block k-split reduction is sized for it)
 
 
-def _build_block_reduce(R, T):
+def _build_block_reduce(R, T, DYN=0):
     """Device function: the wk warps of a block that share row tiles add their acc in order wk = 0..nwk-1; the
-    total ends in the wk == 0 warp. All threads of the block must call it."""
+    total ends in the wk == 0 warp. All threads of the block must call it. DYN=1: the exchange goes through the
+    dynamic shared memory (red_bytes; it may alias the cp.async rings: a barrier first)."""
     NACC = R * T * 4
     NRED = (MAX_WARPS - 1) * NACC * 32
 
     @device
     def block_reduce(acc, wr, wk, nwr, nwk, lane):
         if nwk > 1:
-            red = cuda.shared.array(NRED, float32)
+            if DYN:
+                red = cuda.shared.array(0, float32)
+                cuda.syncthreads()
+            else:
+                red = cuda.shared.array(NRED, float32)
             if wk > 0:
                 base = ((wk - 1) * nwr + wr) * NACC * 32 + lane
                 for i in range(NACC):
@@ -231,17 +384,25 @@ def _build_block_reduce(R, T):
     return block_reduce
 
 
-def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None):
-    mainloop = _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, BF)
-    block_reduce = _cached(_build_block_reduce, R, T)
+def red_bytes(R, T, WR, WK):
+    """Shared bytes of the in-block k-split exchange of `_build_block_reduce`."""
+    return 4 * (WK - 1) * WR * R * T * 4 * 32
+
+
+def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
+    mainloop = (_cached(_build_ring_mainloop, T, R, XS, S, BF, RB) if S
+                else _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, BF))
+    block_reduce = _cached(_build_block_reduce, R, T, 1)
     NACC, NA = R * T * 4, 2 * R
 
     @device
     def body(xb, w, out, part, sync, m, n, kdim, nwr, nwk):
         """out f32[m, n] (or part f32[splits, m, n] when gridDim.y > 1) = x @ W^T over this block's k range.
-        xb: u32 flat [m, XS, k/2] (BF=0) or f32 flat [m, k] (BF=1); w: u32 flat [n, k/2].
+        xb: f32 flat [m, k] (BF=1) or u32 tiled (BF=2, `prep_b` tiled=1); w: u32 flat [n, k/2].
         FR=1 with splits: the last block of a row range to finish (counter sync[blockIdx.x], left at 0) adds the
-        splits' partials in order into out (no reduce launch). Launch: grid (ceil(n/16/(nwr*R)), splits),
+        splits' partials in order into out (no reduce launch). S > 0: weights through per-warp cp.async rings
+        (dynamic shared memory, ring_words(R, S, nwr*nwk) words; the in-block k-split exchange reuses it: gemm_smem
+        bytes in all). Launch: grid (ceil(n/16/(nwr*R)), splits),
         block 32*nwr*nwk (<= 256). Moves n*k*2 bytes of weights (plus x through L1/L2, 2*splits*m*n*4 of partials)."""
         lane = lane_id()
         g, t = lane // 4, lane % 4
@@ -259,7 +420,7 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None):
             aoff[2 * r] = min(row, n - 1) * half
             aoff[2 * r + 1] = min(row + 8, n - 1) * half
         for tt in range(T):
-            boff[tt] = min(tt * 8 + g, m - 1) * (kdim if BF else XS * half)
+            boff[tt] = tt * XS * RING_CHUNK + lane * 4 if BF == 2 else min(tt * 8 + g, m - 1) * (kdim if BF else XS * half)
         for i in range(NACC):
             acc[i] = F0
         mainloop(w, w, xb, s0, s1, t, half, aoff, aoff, boff, acc)
@@ -333,6 +494,10 @@ def _build_reduce():
 
 
 # ---------------------------------------------------------------------------------------------------- launcher
+SMEM_MAX = 227 * 1024 - 64     # dynamic shared bytes a block may ask for on sm_90 (less the static bytes)
+RING_STAGES = 4    # cp.async ring depth at one token tile without a k split (lm_head m=1: 89.9% -> 94.2% of copy)
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     """How one GEMM is cut. split = WK * SB k-pieces (chosen from n, k only: batch invariance);
@@ -346,6 +511,8 @@ class GemmConfig:
     BF: int = 1        # 1: read f32 x in the GEMM (no B prep launch) when x is contiguous
     MB: int = 0        # > 0: launch bounds asking ptxas to fit MB blocks per SM (caps registers)
     FR: int = 1        # 1: the k-split partials are added by the last block of each row range (needs ws.sync)
+    S: int = 0         # >= 2: weights stream through an S-stage cp.async ring per warp (U, PF unused); 0: registers
+    RB: int = 0        # 1 (with S, prepared B): the B fragments ride in the ring too (not measured yet)
 
 
 @dataclass
@@ -363,7 +530,11 @@ def gemm_config(m, n, k, target_warps=4096):
     lost up to 55% on all but kv_a); above one tile, 256-thread blocks capped at 128 registers (MB=2: uncapped lost
     12-30% except on kv_a and lm_head at T=3) and the k-split reduce as its own launch (the in-GEMM last-block
     reduce lost 1-7 us there, within 0.7 us at T=1); U=4 at T=1 with a k split (+0.2-5.6 points of copy), U=1 at
-    T=3 (2-19% faster; lost up to 19% at T=5)."""
+    T=3 (2-19% faster; lost up to 19% at T=5).
+    cp.async weight ring (S=4) only at one token tile without a k split, measured on the H200 (tools/bench_kernels.py,
+    % of copy, ring vs registers): lm_head m=1 94.2 vs 89.9; with a k split it lost 13-27 points at m=1 (o 59.4 vs
+    75.9, q_b 49.5 vs 76.3, kv_b 51.0 vs 73.2, shared_down 44.2 vs 65.6); above one tile it lost up to 10 points
+    (lm_head m=33 31.9 vs 41.8) and won at most 1.5 (m=65). B fragments through the ring too (RB=1): not measured."""
     tiles, steps = math.ceil(n / 16), k // 32
     pieces = max(1, min(target_warps // tiles, steps // 4, 64))
     wk = next(w for w in (8, 4, 2, 1) if pieces >= 2 * w or w == 1)
@@ -376,19 +547,27 @@ def gemm_config(m, n, k, target_warps=4096):
     # also on small weights: doing so with the last-block reduce at T > 1 for weights under 4 MB took the default
     # pair's DDTree-16 round from 1.12 to 1.54 ms on the H200, verify 0.78 -> 1.03 ms, although it saved 2 launches
     # per GEMM)
-    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2 if T > 1 else 0, FR=int(T == 1))
+    S = RING_STAGES if T == 1 and pieces == 1 else 0
+    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2 if T > 1 else 0, FR=int(T == 1), S=S)
 
 
 def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):
-    """(xb words, part floats) a call needs."""
+    """(xb words, part floats) a call needs (xb: the tiled B operand, token rows padded to 8)."""
     cfg = cfg or gemm_config(m, n, k)
-    return m * xs * k // 2, (cfg.SB * m * n if cfg.SB > 1 else 0)
+    return math.ceil(m / 8) * 8 * xs * k // 2, (cfg.SB * m * n if cfg.SB > 1 else 0)
 
 
 def gemm_sync_words(m, n, k, cfg=None):
     """Counters (u32, zeroed once by the caller) a call with a fused k-split reduce needs: one per row range."""
     cfg = cfg or gemm_config(m, n, k)
     return math.ceil(n / 16 / (cfg.WR * cfg.R)) if cfg.SB > 1 and cfg.FR else 0
+
+
+def gemm_smem(T, cfg, nb=0):
+    """Dynamic shared bytes of the GEMM kernel: the cp.async rings (nb B chunks per stage), or the in-block k-split
+    exchange if larger."""
+    ring = 4 * ring_words(cfg.R, cfg.S, cfg.WR * cfg.WK, nb) if cfg.S else 0
+    return max(ring, red_bytes(cfg.R, T, cfg.WR, cfg.WK))
 
 
 def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
@@ -413,17 +592,24 @@ def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
         xb = x.reshape(m * k)
     else:
         xb = ws.xb[:nxb]
-        prep_b(x, xb, xs, 0)
+        prep_b(x, xb, xs, 0, tiled=1)
     if cfg.WR * cfg.WK > MAX_WARPS:
         raise ValueError(f"gemm: {cfg} has more than {MAX_WARPS} warps per block")
     threads = 32 * cfg.WR * cfg.WK
-    kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, int(fused), int(nsync > 0),
-                   (threads, cfg.MB) if cfg.MB else None)
+    rb = int(bool(cfg.S and cfg.RB and not fused))
+    kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, 1 if fused else 2, int(nsync > 0),
+                   (threads, cfg.MB) if cfg.MB else None, cfg.S, rb)
     grid = (math.ceil(n / 16 / (cfg.WR * cfg.R)), cfg.SB)
     part = ws.part[:npart].reshape(cfg.SB, m, n) if npart else ws.part[:1].reshape(1, 1, 1)
     sync = (ws.sync[:nsync],) if nsync else ()
-    launch(kern, grid, threads, xb, _words(w), out, part, *sync, int32(m), int32(n), int32(k),
-           int32(cfg.WR), int32(cfg.WK))
+    args = (xb, _words(w), out, part, *sync, int32(m), int32(n), int32(k), int32(cfg.WR), int32(cfg.WK))
+    smem = gemm_smem(T, cfg, xs * T * rb)
+    if smem > SMEM_MAX:
+        raise ValueError(f"gemm: {cfg} needs {smem} bytes of shared memory (> {SMEM_MAX})")
+    if smem > 44 * 1024 and not SIM:      # (above 48 KB less the static bytes: the limit must be raised first)
+        launch_smem(kern, grid, threads, max(smem, 48 * 1024 + 16), args)
+    else:
+        launch(kern, grid, threads, *args, shmem=smem)
     if cfg.SB > 1 and not nsync:
         launch(_cached(_build_reduce), math.ceil(m * n / 256), 256, part, out, int32(cfg.SB), int32(m), int32(n))
     return out

@@ -40,6 +40,17 @@ SIM_CASES = {
                                                                     GemmConfig(R=1, WR=1, WK=2, SB=3, MB=0)),
     "gemm_fused_reduce_prep": lambda env: check_gemm_fused_reduce(env, 5, 48, 128,
                                                                   GemmConfig(R=2, WR=1, WK=1, SB=2, BF=0)),
+    "gemm_ring_wraps_2tiles": lambda env: C.check_gemm(env, 9, 40, 256, 2, GemmConfig(R=1, WR=1, WK=1, SB=1, S=3)),
+    "gemm_ring_fewer_steps_than_stages": lambda env: C.check_gemm(env, 3, 32, 64, 2,
+                                                                   GemmConfig(R=2, WR=1, WK=1, SB=1, S=4)),
+    "gemm_ring_fused_reduce_split": lambda env: check_gemm_fused_reduce(env, 5, 48, 320,
+                                                                        GemmConfig(R=2, WR=1, WK=2, SB=2, S=2)),
+    "gemm_ring_prep_2warp_rows": lambda env: C.check_gemm(env, 9, 80, 160, 2,
+                                                          GemmConfig(R=1, WR=2, WK=1, SB=1, BF=0, S=2)),
+    "gemm_ring_b_in_ring_wraps": lambda env: C.check_gemm(env, 9, 40, 256, 2,
+                                                          GemmConfig(R=1, WR=1, WK=1, SB=1, BF=0, S=3, RB=1)),
+    "gemm_ring_b_in_ring_split_fused": lambda env: check_gemm_fused_reduce(env, 17, 32, 320, GemmConfig(
+        R=2, WR=1, WK=2, SB=2, BF=0, S=2, RB=1)),
     "rmsnorm": lambda env: C.check_norm(env, 3, 100, False),
     "add_rmsnorm": lambda env: C.check_norm(env, 3, 100, True),
     "rmsnorm_strided_in_place": C.check_norm_strided,
@@ -50,9 +61,11 @@ SIM_CASES = {
 }
 
 
-@pytest.mark.parametrize("T,R,BF", [(1, 2, 1), (3, 2, 0), (5, 2, 1)])
-def test_ptx_gemm_fused_reduce(T, R, BF):
-    """The GEMM with the in-kernel k-split reduce compiles for sm_90: no float64, accumulators in registers."""
+@pytest.mark.parametrize("T,R,BF,S,RB", [(1, 2, 1, 0, 0), (3, 2, 2, 0, 0), (5, 2, 1, 0, 0), (1, 2, 1, 4, 0),
+                                         (3, 2, 2, 4, 0), (9, 1, 2, 3, 0), (3, 2, 2, 3, 1), (9, 1, 2, 2, 1)])
+def test_ptx_gemm_fused_reduce(T, R, BF, S, RB):
+    """The GEMM with the in-kernel k-split reduce (and the cp.async ring when S) compiles for sm_90: no float64,
+    accumulators and weight fragments in registers."""
     import re
 
     import numba.cuda.dispatcher as dispatcher
@@ -69,21 +82,38 @@ def test_ptx_gemm_fused_reduce(T, R, BF):
         dispatcher.get_current_device = Device
     try:
         u32, f32 = ty.uint32[::1], ty.float32
-        sig = ((f32[::1] if BF else u32), u32, f32[:, :], f32[:, :, :], u32) + (ty.int32,) * 5
-        ptx = ptx_or_skip(_build_gemm(T, R, 2, 2, 1, BF, 1, (256, 2)).py_func, sig)
+        sig = ((f32[::1] if BF == 1 else u32), u32, f32[:, :], f32[:, :, :], u32) + (ty.int32,) * 5
+        ptx = ptx_or_skip(_build_gemm(T, R, 2, 2, 1, BF, 1, (256, 2), S, RB).py_func, sig)
     finally:
         dispatcher.get_current_device = real
     assert not f64_lines(ptx), "float64 instructions:\n" + "\n".join(f64_lines(ptx)[:5])
     assert "mma.sync.aligned.m16n8k16" in ptx and "atom.global.add.u32" in ptx
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory"
+    assert ("cp.async.cg.shared.global" in ptx and "ld.shared.v4" in ptx) == bool(S)
 
 
 test_simulator = simulator_test(__name__)
 
 
 # --- GPU (K2 shapes) ----------------------------------------------------------------------------------------------
-K2_GEMMS = {"q_a": (1536, 7168), "q_b": (12288, 1536), "kv_a": (576, 7168), "kv_b": (32768, 512),
+K2_GEMMS = {"q_a": (1536, 7168), "q_b": (12288, 1536), "kv_a": (576, 7168), "q_kv_a": (2112, 7168), "kv_b": (32768, 512),
             "o": (7168, 8192), "shared_gate_up": (4096, 7168), "shared_down": (7168, 2048)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 17, 33, 65])
+@pytest.mark.parametrize("over", [dict(S=0, RB=0), dict(S=4, RB=0), dict(S=3, RB=1), dict(S=2, RB=1),
+                                  dict(S=3, RB=1, WR=4)], ids=str)
+def test_gpu_gemm_cuts(over, m):
+    """The cuts tools/bench_kernels.py tries, on q_kv_a and shared_down (k split in and across blocks) and kv_b."""
+    from dataclasses import replace
+
+    from kernels.gemm import SMEM_MAX, gemm_config, gemm_smem
+    for name in ("q_kv_a", "shared_down", "kv_b"):
+        n, k = K2_GEMMS[name]
+        cfg = replace(gemm_config(m, n, k), **over)
+        if cfg.WR * cfg.WK <= 8 and gemm_smem(-(-m // 8), cfg, 2 * -(-m // 8) * cfg.RB) <= SMEM_MAX:
+            C.check_gemm(Env(gpu=True), m, n, k, 2, cfg)
 
 
 @pytest.mark.gpu

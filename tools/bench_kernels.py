@@ -19,9 +19,9 @@ import numpy as np
 
 H, I, E, TOPK, GROUP = 7168, 2048, 384, 8, 32
 NS = (1, 4, 9, 17, 33, 65)
-K2_GEMMS = {"q_a": (1536, 7168), "q_b": (12288, 1536), "kv_a": (576, 7168), "kv_b": (32768, 512),
-            "o": (7168, 8192), "shared_gate_up": (4096, 7168), "shared_down": (7168, 2048),
-            "lm_head": (163840, 7168)}
+K2_GEMMS = {"lm_head": (163840, 7168), "q_kv_a": (2112, 7168), "o": (7168, 8192), "shared_gate_up": (4096, 7168),
+            "shared_down": (7168, 2048), "q_b": (12288, 1536), "kv_b": (32768, 512), "q_a": (1536, 7168),
+            "kv_a": (576, 7168)}      # q_a and kv_a are stacked into q_kv_a at load
 
 
 # variants of the default cuts tried at the target sizes (overrides of ExpertConfig / GemmConfig fields)
@@ -30,8 +30,10 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
                                                                                min_blocks=2)),
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
-GEMM_VARIANTS = {"u2": ((1, 17), dict(U=2)), "fused_reduce": ((17, 33), dict(FR=1)), "bf": ((17, 33), dict(BF=1)),
-                 "no_bounds": ((17, 33), dict(MB=0)), "xs1": ((1, 17, 33), dict(xs=1))}
+GEMM_MS = (1, 17, 33, 65)
+GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "rb2": ((17, 33, 65), dict(S=2, RB=1)),
+                 "rb3": ((17, 33), dict(S=3, RB=1)), "rb2w4": ((17, 33, 65), dict(S=2, RB=1, WR=4))}
+GEMM_DEFAULT_ONLY = ("q_a", "kv_a")     # stacked into q_kv_a: the default cut only
 HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
 HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured yet)
 
@@ -193,12 +195,13 @@ def bench_moe(cp, cuda, results, copy_bw, quick):
 
 # -------------------------------------------------------------------------------------------------------- dense
 def bench_gemm(cp, cuda, results, copy_bw, quick):
-    """Each K2 shape: the default cut and the variants at their token counts, then every m with the best (by mean
-    % of copy over the variant's token counts, against the default's at the same ones); then the per-head GEMMs."""
-    from kernels.gemm import GemmWorkspace, gemm, gemm_config, gemm_workspace_words
+    """Each K2 shape at GEMM_MS tokens: the default cut and the variants at their token counts (the best per m is
+    reported); then the per-head GEMMs."""
+    from kernels.gemm import SMEM_MAX, GemmWorkspace, gemm, gemm_config, gemm_smem, gemm_workspace_words
     dv = cuda.as_cuda_array
     rows = results.setdefault("gemm", [])
-    ws = GemmWorkspace(dv(cp.zeros(max(NS) * 2 * 8192 // 2, cp.uint32)), dv(cp.zeros(64 * max(NS) * 32768, cp.float32)),
+    xb_words = -(-max(NS) // 8) * 8 * 2 * 8192 // 2        # tiled B: token rows padded to 8
+    ws = GemmWorkspace(dv(cp.zeros(xb_words, cp.uint32)), dv(cp.zeros(64 * max(NS) * 32768, cp.float32)),
                        dv(cp.zeros(1 << 14, cp.uint32)))
 
     def run(name, w, m, n, k, tag, over):
@@ -206,7 +209,9 @@ def bench_gemm(cp, cuda, results, copy_bw, quick):
         nbytes, xs = n * k * 2, over.get("xs", 2)
         cfg = replace(gemm_config(m, n, k), **{f: v for f, v in over.items() if f != "xs"})
         need = gemm_workspace_words(m, n, k, xs, cfg)
-        if need[0] > ws.xb.size or need[1] > ws.part.size:
+        T = -(-m // 8)
+        if (need[0] > ws.xb.size or need[1] > ws.part.size or cfg.WR * cfg.WK > 8
+                or gemm_smem(T, cfg, xs * T * cfg.RB) > SMEM_MAX):
             return 0.0
         g_ms, e_ms = timed(cp, lambda: gemm(x, w, out, ws, xs=xs, cfg=cfg), reps_for(nbytes))
         row = dict(op="gemm", name=name, tag=tag, m=m, n=n, k=k, xs=xs, cfg=cfg.__dict__, bytes=nbytes,
@@ -219,19 +224,16 @@ def bench_gemm(cp, cuda, results, copy_bw, quick):
 
     for name, (n, k) in K2_GEMMS.items():
         w = dv(rand_bf16(cp, (n, k), 0.02))
-        base = {m: run(name, w, m, n, k, "default", {}) for m in (1, 17, 33)}
-        best = {m: ("default", {}, pct) for m, pct in base.items()}
-        for tag, (ms, over) in ({} if quick else GEMM_VARIANTS).items():
+        best = {m: ("default", run(name, w, m, n, k, "default", {})) for m in GEMM_MS}
+        for tag, (ms, over) in ({} if quick or name in GEMM_DEFAULT_ONLY else GEMM_VARIANTS).items():
             for m in ms:
                 pct = run(name, w, m, n, k, tag, over)
-                if pct > best[m][2]:
-                    best[m] = (tag, over, pct)
+                if pct > best[m][1]:
+                    best[m] = (tag, pct)
         results.setdefault("gemm_best", {})[name] = {m: b[0] for m, b in best.items()}
-        for m in NS:
-            tag, over, _ = best[min(best, key=lambda mm: abs(mm - m))]
-            run(name, w, m, n, k, "best", over)
+        print(f"gemm {name:>15} best: " + ", ".join(f"m={m} {t} {p:.1f}%" for m, (t, p) in best.items()), flush=True)
         del w
-    bench_head_gemm(cp, cuda, results, copy_bw, quick)
+    bench_head_gemm(cp, cuda, results, copy_bw, True)     # head variants: not this session's
 
 
 def bench_head_gemm(cp, cuda, results, copy_bw, quick):
@@ -265,8 +267,6 @@ def summary(results):
         lines.append(f"MoE INT4 n={r['n']:2d}: {r['pct_copy']:5.1f}% of copy{goal}")
     best = {}
     for r in results.get("gemm", []):
-        if r["tag"] != "best":
-            continue
         key = (r["name"], r["m"])
         best[key] = max(best.get(key, 0.0), r["pct_copy"])
     for (name, m), pct in sorted(best.items()):
@@ -292,11 +292,12 @@ def profile(case):
         di, dw = dv(cp.asarray(idx)), dv(cp.asarray(wts))
         for _ in range(3):
             moe(x, di, dw, ex, out, ws)
-    else:
-        n, k = K2_GEMMS["lm_head"] if case == "lm_head" else K2_GEMMS["q_b"]
+    else:                # "<K2_GEMMS name>[:m]"
+        name, _, m = case.partition(":")
+        (n, k), m = K2_GEMMS[name], int(m or 1)
         w = dv(rand_bf16(cp, (n, k), 0.02))
         ws = GemmWorkspace(dv(cp.zeros(1 << 20, cp.uint32)), dv(cp.zeros(1 << 24, cp.float32)))
-        x, out = dv(cp.random.standard_normal((1, k), dtype=cp.float32)), dv(cp.zeros((1, n), cp.float32))
+        x, out = dv(cp.random.standard_normal((m, k), dtype=cp.float32)), dv(cp.zeros((m, n), cp.float32))
         for _ in range(3):
             gemm(x, w, out, ws)
     cp.cuda.runtime.deviceSynchronize()
@@ -307,7 +308,7 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--quick", action="store_true", help="default cuts only")
     ap.add_argument("--only", choices=("moe", "gemm", "attention"), action="append")
-    ap.add_argument("--profile", choices=("moe", "lm_head", "q_b"), help="run one case for a profiler, then exit")
+    ap.add_argument("--profile", help="run one case for a profiler, then exit: moe or a GEMM name[:m] (lm_head:33)")
     args = ap.parse_args(argv)
     if args.profile:
         return profile(args.profile)
