@@ -84,7 +84,7 @@ class DeviceRounds:
         self.graph = None
         self.rounds = 0
         self.gpu_s = 0.0                             # device time of the rounds (CUDA events around each)
-        self.parked, self._parked_idx = set(), None  # finished slots (see retire)
+        self.parked, self._parked_idx, self._uploaded = set(), None, frozenset()  # finished slots (see retire)
         self._events = (ops.xp.cuda.Event(), ops.xp.cuda.Event()) if self.stream is not None else None
 
     # --- prefill (eager, one sequence) -----------------------------------------------------------------------------
@@ -115,6 +115,9 @@ class DeviceRounds:
         """Finished slots keep running inside the graph: they are parked at an empty context before every round
         so they never outgrow their rows (their output is ignored)."""
         self.parked.update(slots)
+        if self.parked == self._uploaded:            # unchanged (most rounds): no upload
+            return
+        self._uploaded = frozenset(self.parked)
         self._parked_idx = self.ops.asarray(np.array(sorted(self.parked), np.int32)) if self.parked else None
 
     def _park(self):
@@ -246,7 +249,7 @@ class Replicated:
         return self._agree(self.ranks.run(lambda r: self.devs[r].step()), "round")
 
     def retire(self, slots):
-        if slots:                                    # (most rounds retire nothing: no thread round trip)
+        if slots:                                    # retire([]) changes nothing: spare the thread round trip
             self.ranks.run(lambda r: self.devs[r].retire(slots))
 
     def __getattr__(self, name):                     # shape, tb, graph, gpu_s, kernel_nodes, ...: rank 0's

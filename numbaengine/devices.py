@@ -98,6 +98,8 @@ def all_gather_cols(comm, part, out, buf):
     """Vocabulary-parallel gather: every rank's part f32[m, v] side by side -> out f32[m, size * v]
     (buf f32[size, m, v] is the collective's buffer)."""
     m, v = part.shape
+    if not out.flags.c_contiguous:      # a reshape of a strided view would be a copy: the result would be lost
+        raise ValueError(f"all_gather: out must be C-contiguous, got strides {out.strides}")
     if out.shape != (m, comm.size * v) or buf.shape != (comm.size, m, v):
         raise ValueError(f"all_gather: part {part.shape}, out {out.shape}, buffer {buf.shape} do not fit "
                          f"{comm.size} ranks")

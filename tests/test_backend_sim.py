@@ -188,7 +188,7 @@ def test_sim_needs_the_simulator():
     """In this process numba was imported without NUMBA_ENABLE_CUDASIM: a one-line error, not a crash later."""
     from numbaengine.backends import get_ops
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        pytest.skip("running under the simulator")
+        pytest.skip("this checks the error without the simulator: run pytest without NUMBA_ENABLE_CUDASIM=1")
     with pytest.raises(ValueError, match="NUMBA_ENABLE_CUDASIM=1") as e:
         get_ops("sim")
     assert "\n" not in str(e.value)
@@ -204,7 +204,8 @@ def test_cuda_without_gpu_is_a_clear_error():
 
     from numbaengine.backends import get_ops
     if cuda.is_available():
-        pytest.skip("a GPU is present")
+        pytest.skip("this checks the error on a machine without a GPU (CI runs it); with a GPU, the gpu tests "
+                    "cover the cuda backend")
     with pytest.raises((ImportError, ValueError), match="backend 'cuda'") as e:
         get_ops("cuda")
     assert "\n" not in str(e.value)

@@ -5,6 +5,7 @@ import pytest
 
 import cuda_cases as C
 from cudasim import Env, simulator_test
+from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
 from kernels.gemm import GemmConfig
 
 
@@ -68,24 +69,13 @@ def test_ptx_gemm_fused_reduce(T, R, BF, S, RB):
     accumulators and weight fragments in registers."""
     import re
 
-    import numba.cuda.dispatcher as dispatcher
-    from numba import cuda
     from numba import types as ty
 
     from cudasim import f64_lines, ptx_or_skip
     from kernels.gemm import _build_gemm
-
-    class Device:     # device functions compile for the current device: without a GPU, say sm_90
-        compute_capability = (9, 0)
-    real = dispatcher.get_current_device
-    if not cuda.is_available():
-        dispatcher.get_current_device = Device
-    try:
-        u32, f32 = ty.uint32[::1], ty.float32
-        sig = ((f32[::1] if BF == 1 else u32), u32, f32[:, :], f32[:, :, :], u32) + (ty.int32,) * 5
-        ptx = ptx_or_skip(_build_gemm(T, R, 2, 2, 1, BF, 1, (256, 2), S, RB).py_func, sig)
-    finally:
-        dispatcher.get_current_device = real
+    u32, f32 = ty.uint32[::1], ty.float32
+    sig = ((f32[::1] if BF == 1 else u32), u32, f32[:, :], f32[:, :, :], u32) + (ty.int32,) * 5
+    ptx = ptx_or_skip(_build_gemm(T, R, 2, 2, 1, BF, 1, (256, 2), S, RB).py_func, sig)
     assert not f64_lines(ptx), "float64 instructions:\n" + "\n".join(f64_lines(ptx)[:5])
     assert "mma.sync.aligned.m16n8k16" in ptx and "atom.global.add.u32" in ptx
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory"

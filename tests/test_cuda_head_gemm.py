@@ -6,6 +6,7 @@ import pytest
 
 from cuda_cases import assert_close, poisoned, rand_bf16
 from cudasim import Env, f64_lines, ptx_or_skip, simulator_test
+from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
 from kernels.gemm import HeadGemmConfig
 from weights.dtypes import bf16_to_f32
 
@@ -50,27 +51,16 @@ def test_ptx_head_gemm():
     """Every default cut's kernel compiles for sm_90 without float64 and with the accumulators in registers."""
     import re
 
-    import numba.cuda.dispatcher as dispatcher
-    from numba import cuda
     from numba import types as ty
 
     from kernels.gemm import XS_DEFAULT, _build_head_gemm, head_gemm_config
-
-    class Device:     # device functions compile for the current device: without a GPU, say sm_90
-        compute_capability = (9, 0)
-    real = dispatcher.get_current_device
-    if not cuda.is_available():
-        dispatcher.get_current_device = Device
-    try:
-        sig = (ty.float32[:, :, :], ty.uint32[::1], ty.float32[:, :, :]) + (ty.int32,) * 7
-        cuts = {(c.T, c.R, c.U, c.PF) for n in (1, 9, 17, 33) for c in [head_gemm_config(n, 64, 512, 128)]}
-        for T, R, U, PF in sorted(cuts):
-            ptx = ptx_or_skip(_build_head_gemm(T, R, XS_DEFAULT, U, PF).py_func, sig)
-            assert not f64_lines(ptx), f"T={T} R={R}: float64 instructions:\n" + "\n".join(f64_lines(ptx)[:5])
-            assert "mma.sync.aligned.m16n8k16" in ptx
-            assert not re.search(r"\b(ld|st)\.local", ptx), f"T={T} R={R}: local memory"
-    finally:
-        dispatcher.get_current_device = real
+    sig = (ty.float32[:, :, :], ty.uint32[::1], ty.float32[:, :, :]) + (ty.int32,) * 7
+    cuts = {(c.T, c.R, c.U, c.PF) for n in (1, 9, 17, 33) for c in [head_gemm_config(n, 64, 512, 128)]}
+    for T, R, U, PF in sorted(cuts):
+        ptx = ptx_or_skip(_build_head_gemm(T, R, XS_DEFAULT, U, PF).py_func, sig)
+        assert not f64_lines(ptx), f"T={T} R={R}: float64 instructions:\n" + "\n".join(f64_lines(ptx)[:5])
+        assert "mma.sync.aligned.m16n8k16" in ptx
+        assert not re.search(r"\b(ld|st)\.local", ptx), f"T={T} R={R}: local memory"
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------------

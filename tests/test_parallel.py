@@ -81,6 +81,8 @@ def test_thread_comm_collectives():
     outs = ranks.run(lambda r: all_gather_cols(comms[r], xs[r], np.full((4, 15), np.nan, np.float32),
                                                np.empty((n, 4, 5), np.float32)))
     assert all(np.array_equal(o, np.concatenate(xs, axis=1)) for o in outs)
+    with pytest.raises(ValueError, match="C-contiguous"):            # a strided out would silently get nothing
+        all_gather_cols(ThreadComm.make(1)[0], xs[0], np.empty((4, 10), np.float32)[:, :5], np.empty((1, 4, 5)))
 
 
 def test_rank_error_reaches_the_caller():

@@ -17,6 +17,6 @@ i=0
 IFS=';' read -ra sets <<< "${E2E:-}"
 for args in "${sets[@]}"; do
   i=$((i + 1))
-  timeout "${E2E_TIMEOUT:-300}" python3 -m tools.bench $args --out "$OUT/bench_$i.json" 2>&1 | grep -v "^{" || rc=1
+  timeout "${E2E_TIMEOUT:-300}" python3 -m tools.bench $args --out "$OUT/bench_$i.json" 2>&1 | sed "/^{/d" || rc=1
 done
 exit $rc
