@@ -111,6 +111,7 @@ if SIM:
         return a[i:i + 4 // a.itemsize].view(np.uint32)[0]
 
     ld16_pf = ld16
+    ld4_l2 = ld4
 
     def as_f32(u):
         return np.float32(_bits_f32(u))
@@ -177,11 +178,12 @@ else:
         size = ctx.get_abi_sizeof(ctx.get_data_type(aty.dtype))
         return b.add(b.ptrtoint(a.data, i64), b.mul(idx, ir.Constant(i64, size)))
 
-    def _make_load(words, hint=""):
+    def _make_load(words, hint="", space=".nc"):
+        ordered = space != ".nc"     # not reorderable across barriers/fences: it reads data this kernel writes
         regs = ",".join(f"${k}" for k in range(words))
         vec = f".v{words}" if words > 1 else ""
-        asm = (f"ld.global.nc{hint}{vec}.u32 {{{regs}}}, [${words}];" if words > 1
-               else f"ld.global.nc{hint}.u32 $0, [$1];")
+        asm = (f"ld.global{space}{hint}{vec}.u32 {{{regs}}}, [${words}];" if words > 1
+               else f"ld.global{space}{hint}.u32 $0, [$1];")
         cons = ",".join(["=r"] * words) + ",l"
 
         @intrinsic
@@ -196,9 +198,9 @@ else:
                 i32 = ir.IntType(32)
                 if words == 1:
                     fn = ir.FunctionType(i32, [ir.IntType(64)])
-                    return b.call(ir.InlineAsm(fn, asm, cons), [addr])
+                    return b.call(ir.InlineAsm(fn, asm, cons, side_effect=ordered), [addr])
                 fn = ir.FunctionType(ir.LiteralStructType([i32] * words), [ir.IntType(64)])
-                r = b.call(ir.InlineAsm(fn, asm, cons), [addr])
+                r = b.call(ir.InlineAsm(fn, asm, cons, side_effect=ordered), [addr])
                 return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, k) for k in range(words)])
             return sig, codegen
         return load
@@ -208,6 +210,7 @@ else:
     ld8 = _make_load(2)
     ld4 = _make_load(1)
     ld16_pf = _make_load(4, ".L2::256B")    # same, asking L2 to fetch the surrounding 256 bytes
+    ld4_l2 = _make_load(1, space=".cg")     # one word cached at L2 only: sees other blocks' writes of this kernel
 
     def _asm_op(name, asm, cons, argtys, retty):
         """An intrinsic around one inline-PTX instruction; arguments are cast to `argtys` first."""

@@ -29,7 +29,7 @@ from numba import cuda, float32, int32, uint32
 
 from kernels.attention import launch_smem
 from kernels.device import (F0, SIM, as_f32, bf16_hi, bf16_lo, device, int4_pair, kernel, launch, ld16, ld16_pf,
-                            ld4, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
+                            ld4, ld4_l2, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
 from kernels.memo import memo_f32
 from weights.dtypes import bf16_to_f32
 
@@ -456,8 +456,8 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
 @device
 def last_split_reduce(part, out, sync, m, n, rows):
     """The last of the gridDim.y blocks of row range blockIdx.x to get here adds part[:, :, range] in split order
-    into out and resets the counter. Partials are read with atomics (at L2: the other blocks' writes, no stale L1).
-    All threads of the block must call it."""
+    into out (bitwise what reduce_k gives) and resets the counter. Partials are read at L2 (ld.global.cg: the other
+    blocks' writes, no stale L1), four splits in flight per element. All threads of the block must call it."""
     last = cuda.shared.array(1, int32)
     cuda.threadfence()
     cuda.syncthreads()
@@ -466,13 +466,21 @@ def last_split_reduce(part, out, sync, m, n, rows):
     cuda.syncthreads()
     if last[0]:
         cuda.threadfence()
-        row0 = cuda.blockIdx.x * rows
+        row0, nsb, plane = cuda.blockIdx.x * rows, cuda.gridDim.y, m * n
         for idx in range(cuda.threadIdx.x, m * rows, cuda.blockDim.x):
             tok, row = idx // rows, row0 + idx % rows
             if row < n:
-                v = cuda.atomic.add(part, (0, tok, row), F0)
-                for s in range(1, cuda.gridDim.y):
-                    v += cuda.atomic.add(part, (s, tok, row), F0)
+                i = tok * n + row
+                v = as_f32(ld4_l2(part, i))
+                s = 1
+                while s + 4 <= nsb:
+                    p0, p1 = ld4_l2(part, s * plane + i), ld4_l2(part, (s + 1) * plane + i)
+                    p2, p3 = ld4_l2(part, (s + 2) * plane + i), ld4_l2(part, (s + 3) * plane + i)
+                    v = (((v + as_f32(p0)) + as_f32(p1)) + as_f32(p2)) + as_f32(p3)
+                    s += 4
+                while s < nsb:
+                    v += as_f32(ld4_l2(part, s * plane + i))
+                    s += 1
                 out[tok, row] = v
         if cuda.threadIdx.x == 0:
             sync[cuda.blockIdx.x] = uint32(0)

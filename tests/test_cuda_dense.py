@@ -37,8 +37,8 @@ SIM_CASES = {
     "gemm_prep_launch_split": lambda env: C.check_gemm(env, 5, 32, 64, 2, GemmConfig(R=1, WR=1, WK=2, SB=2, BF=0)),
     "gemm_1token_tile_past_end_u_tail": lambda env: C.check_gemm(env, 1, 16, 128, 2,
                                                                   GemmConfig(R=2, WR=1, WK=1, SB=1, U=3)),
-    "gemm_fused_reduce_2tiles": lambda env: check_gemm_fused_reduce(env, 9, 40, 96,
-                                                                    GemmConfig(R=1, WR=1, WK=2, SB=3, MB=0)),
+    "gemm_fused_reduce_2tiles_6splits": lambda env: check_gemm_fused_reduce(env, 9, 40, 224,
+                                                                            GemmConfig(R=1, WR=1, WK=1, SB=6, MB=0)),
     "gemm_fused_reduce_prep": lambda env: check_gemm_fused_reduce(env, 5, 48, 128,
                                                                   GemmConfig(R=2, WR=1, WK=1, SB=2, BF=0)),
     "gemm_ring_wraps_2tiles": lambda env: C.check_gemm(env, 9, 40, 256, 2, GemmConfig(R=1, WR=1, WK=1, SB=1, S=3)),
@@ -123,6 +123,28 @@ def test_gpu_gemm_fused_reduce(name, m):
     from kernels.gemm import gemm_config
     n, k = K2_GEMMS[name]
     check_gemm_fused_reduce(Env(gpu=True), m, n, k, replace(gemm_config(m, n, k), FR=1), calls=3)
+
+
+# the shipped pair's projections (target and drafter): small weights, where launches cost more than bytes
+PAIR_GEMMS = {"q_kv_a": (352, 384), "q_b": (576, 192), "o": (384, 384), "gate_up": (2048, 384), "down": (384, 1024),
+              "shared_gate_up": (512, 384), "shared_down": (384, 256), "lm_head": (4096, 384), "d_kv": (128, 384)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [9, 17, 33, 48])
+@pytest.mark.parametrize("over", [dict(BF=1), dict(FR=1), dict(BF=1, FR=1), dict(SB=1), dict(BF=1, SB=1)], ids=str)
+def test_gpu_gemm_small_weights_cuts(over, m):
+    """Above one token tile on the pair's shapes: f32 x read in the GEMM (BF=1), last-block k-split reduce (FR=1),
+    no k split (SB=1)."""
+    from dataclasses import replace
+
+    from kernels.gemm import gemm_config
+    for name, (n, k) in PAIR_GEMMS.items():
+        cfg = replace(gemm_config(m, n, k), **over)
+        if cfg.FR and cfg.SB > 1:
+            check_gemm_fused_reduce(Env(gpu=True), m, n, k, cfg, calls=3)
+        else:
+            C.check_gemm(Env(gpu=True), m, n, k, 2, cfg)
 
 
 @pytest.mark.gpu
