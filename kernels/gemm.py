@@ -503,6 +503,7 @@ def _build_reduce():
 
 # ---------------------------------------------------------------------------------------------------- launcher
 SMEM_MAX = 227 * 1024 - 64     # dynamic shared bytes a block may ask for on sm_90 (less the static bytes)
+SMALL_WEIGHTS = 4 << 20    # bytes: below, a GEMM streams its weights in about a launch's time (gemm_config)
 RING_STAGES = 4    # cp.async ring depth at one token tile without a k split (lm_head m=1: 89.9% -> 94.2% of copy)
 
 
@@ -532,7 +533,7 @@ class GemmWorkspace:
     sync: object = None
 
 
-def gemm_config(m, n, k, target_warps=4096):
+def gemm_config(m, n, k, target_warps=4096, small=None):
     """Default cut: enough k-pieces that about `target_warps` warps stream weights (n, k decide the k split).
     Per token tiles T, from tools/bench_kernels.py on the H200 (K2 shapes, m = 1, 17, 33): R=2 up to T=5 (R=1
     lost up to 55% on all but kv_a); above one tile, 256-thread blocks capped at 128 registers (MB=2: uncapped lost
@@ -556,6 +557,15 @@ def gemm_config(m, n, k, target_warps=4096):
     # pair's DDTree-16 round from 1.12 to 1.54 ms on the H200, verify 0.78 -> 1.03 ms, although it saved 2 launches
     # per GEMM)
     S = RING_STAGES if T == 1 and pieces == 1 else 0
+    if 2 * n * k < (SMALL_WEIGHTS if small is None else small):
+        # latency-bound: one launch, f32 x read in the GEMM, the k split only inside a block (up to 8 warps along k,
+        # >= 2 steps each; pieces from k alone, so every T sums in the same order). Measured on the default pair
+        # (tools/bench_gemm_rules.py, H200): AR round 0.560 -> 0.507 ms, DDTree-16 1.120 -> 0.961 ms; prep launches
+        # kept (BF=0) or the last-block reduce (FR=1) at T > 1 lost: 1.07 -> 1.46 ms (one block reads m*rows*splits
+        # partials serially), no split across blocks but one warp along k: 1.14 ms.
+        wk = next(w for w in (8, 4, 2, 1) if steps >= 2 * w or w == 1)
+        return GemmConfig(R=R, WR=max(1, min(MAX_WARPS // wk, math.ceil(tiles / R))), WK=wk, SB=1, U=U, BF=1,
+                          MB=2 if T > 1 else 0, FR=0, S=0)
     return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2 if T > 1 else 0, FR=int(T == 1), S=S)
 
 

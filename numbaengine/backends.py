@@ -6,7 +6,8 @@ An op table holds
   glue     embed, cache_write, cache_read, visibility, all_reduce
   math     rmsnorm, add_rmsnorm, gemm, head_gemm, rope, attention, kv_attention, latent_attention, silu_mul, router,
            moe, sample
-  facts    name, cache_dtypes (latent cache storage it supports), max_shards (devices one table drives)
+  facts    name, cache_dtypes (latent cache storage it supports), max_shards (devices one table drives),
+           prefill_form (MLA form of prompt forwards: naive on the reference, absorbed on the kernels)
 `numpy` is the reference (kernels/*_ref, fresh arrays everywhere). `sim` and `cuda` run the numba.cuda kernels on
 the CUDA simulator or a GPU (numbaengine/ops_cuda.py).
 """
@@ -80,7 +81,7 @@ def copy_ref(src, dst):
 
 
 NUMPY = SimpleNamespace(
-    name="numpy", cache_dtypes=("bf16", "float32"), max_shards=1 << 16,
+    name="numpy", cache_dtypes=("bf16", "float32"), max_shards=1 << 16, prefill_form="naive",
     asarray=np.asarray, to_host=np.asarray, empty=np.empty, zeros=np.zeros,
     scratch=lambda role, shape, dtype=np.float32: np.empty(shape, dtype), copy=copy_ref, upload=lambda w: w,
     embed=embed_ref, cache_write=cache_write_ref, cache_read=cache_read_ref, visibility=visibility_ref,

@@ -67,7 +67,8 @@ class Engine:
         return cls(cfg, target, drafter, load_tokenizer(model_dir), ops.name, max_context)
 
     def forward_logits(self, token_ids) -> np.ndarray:
-        """Logits f32[T, vocab] of every position of `token_ids` from one prefill (naive MLA) on a fresh cache."""
+        """Logits f32[T, vocab] of every position of `token_ids` from one prefill (the backend's prefill_form MLA) on
+        a fresh cache."""
         tokens = np.asarray(token_ids, np.int32)
         if tokens.ndim != 1 or len(tokens) == 0:
             raise ValueError("token_ids: expected a non-empty 1-D list of token ids")
@@ -75,7 +76,7 @@ class Engine:
             raise ValueError(f"token_ids: ids must be in [0, {self.cfg.vocab_size})")
         def prefill(target):
             cache = target.new_cache(len(tokens))
-            logits, _ = target.forward(tokens, np.arange(len(tokens), dtype=np.int32), cache, form="naive")
+            logits, _ = target.forward(tokens, np.arange(len(tokens), dtype=np.int32), cache, form=target.ops.prefill_form)
             return target.ops.to_host(logits)
         if self.ranks is not None:               # every rank runs it (collectives); all hold the same logits
             return self.ranks.run(lambda r: prefill(self.ranks.targets[r]))[0]

@@ -125,12 +125,12 @@ def tree_width(mode, budget, drafter):
 
 
 def prefill(index, ids, target, drafter, ops, p: Params, max_len) -> Seq:
-    """Target over the prompt (naive MLA); the drafter context gets the prompt features; bonus = sample at the
-    last position."""
+    """Target over the prompt (MLA in ops.prefill_form); the drafter context gets the prompt features; bonus = sample
+    at the last position."""
     tokens, positions = np.asarray(ids, np.int32), np.arange(len(ids), dtype=np.int32)
     cache = target.new_cache(max_len)
     layers = drafter.layer_ids if drafter is not None else ()
-    logits, hidden = target.forward(tokens, positions, cache, None, hidden_layers=layers, form="naive")
+    logits, hidden = target.forward(tokens, positions, cache, None, hidden_layers=layers, form=ops.prefill_form)
     cache.commit(positions)
     ctx = None
     if drafter is not None:

@@ -34,6 +34,7 @@ SIM_CASES = {
     "gemm_2tiles_split_in_and_across_blocks": lambda env: C.check_gemm(env, 9, 40, 96, 2,
                                                                         GemmConfig(R=1, WR=1, WK=2, SB=2)),
     "gemm_bf16_activations_default_cut": lambda env: C.check_gemm(env, 3, 32, 64, 1),
+    "gemm_small_weights_default_cut_3tiles": lambda env: C.check_gemm(env, 17, 32, 128, 2),
     "gemm_prep_launch_split": lambda env: C.check_gemm(env, 5, 32, 64, 2, GemmConfig(R=1, WR=1, WK=2, SB=2, BF=0)),
     "gemm_1token_tile_past_end_u_tail": lambda env: C.check_gemm(env, 1, 16, 128, 2,
                                                                   GemmConfig(R=2, WR=1, WK=1, SB=1, U=3)),
@@ -131,16 +132,18 @@ PAIR_GEMMS = {"q_kv_a": (352, 384), "q_b": (576, 192), "o": (384, 384), "gate_up
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [9, 17, 33, 48])
-@pytest.mark.parametrize("over", [dict(BF=1), dict(FR=1), dict(BF=1, FR=1), dict(SB=1), dict(BF=1, SB=1)], ids=str)
+@pytest.mark.parametrize("m", [1, 9, 17, 33, 48])
+@pytest.mark.parametrize("over", [dict(), dict(BF=0), dict(WK=1, WR=8), dict(WK=1, SB=3, FR=1), dict(WK=2, SB=2)],
+                         ids=str)
 def test_gpu_gemm_small_weights_cuts(over, m):
-    """Above one token tile on the pair's shapes: f32 x read in the GEMM (BF=1), last-block k-split reduce (FR=1),
-    no k split (SB=1)."""
+    """On the pair's shapes: the small-weights cut of gemm_config (one launch, k split inside a block) and its
+    neighbours (prep launch, one warp along k, k split across blocks with the last-block or the launched reduce)."""
     from dataclasses import replace
 
     from kernels.gemm import gemm_config
     for name, (n, k) in PAIR_GEMMS.items():
         cfg = replace(gemm_config(m, n, k), **over)
+        cfg = replace(cfg, WR=min(cfg.WR, 8 // cfg.WK))
         if cfg.FR and cfg.SB > 1:
             check_gemm_fused_reduce(Env(gpu=True), m, n, k, cfg, calls=3)
         else:

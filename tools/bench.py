@@ -149,6 +149,30 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp):
     return row
 
 
+def prefill_times(engine, tokens, cp, reps=3) -> dict:
+    """Milliseconds of one eager prompt forward of `tokens` random ids (batch 1, fresh cache, all layers, lm_head
+    included) in each MLA form; the engine prefills in engine.target.ops.prefill_form."""
+    if engine.ranks is not None:
+        return {}
+    target = engine.target
+    ids = np.random.default_rng(0).integers(0, engine.cfg.vocab_size, tokens).astype(np.int32)
+    out = {}
+    for form in ("naive", "absorbed"):
+        cache = target.new_cache(tokens)
+        ms = []
+        for _ in range(reps + 1):                                            # the first call compiles
+            cache.length = 0
+            cp.cuda.Device().synchronize()
+            t0 = time.perf_counter()
+            target.forward(ids, np.arange(tokens, dtype=np.int32), cache, form=form)
+            cp.cuda.Device().synchronize()
+            ms.append((time.perf_counter() - t0) * 1e3)
+        out[f"{form}_ms"] = min(ms[1:])
+    print(f"prefill {tokens} tokens: naive {out['naive_ms']:.1f} ms, absorbed {out['absorbed_ms']:.1f} ms "
+          f"(engine: {target.ops.prefill_form})", flush=True)
+    return dict(tokens=tokens, engine_form=target.ops.prefill_form, **out)
+
+
 def synth_k2(layers: int, where: Path):
     """A K2.6-shaped target (full width, `layers` layers: one dense, the rest MoE with 384 random INT4 experts)
     and a 1-layer DFlash drafter for it, written to `where`."""
@@ -190,6 +214,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--max-rows", type=int, default=1200, help="skip cases with batch * (budget + 1) above this")
     ap.add_argument("--max-context", type=int, default=2048)
+    ap.add_argument("--prefill", type=int, default=0, metavar="TOKENS", help="also time a prompt forward this long")
     ap.add_argument("--devices", help="comma-separated GPU ids: one rank per GPU over NCCL (default: GPU 0 alone)")
     ap.add_argument("--out", default="bench.json")
     args = ap.parse_args(argv)
@@ -220,7 +245,8 @@ def main(argv=None):
                     continue
                 row["copy_gbs"] = copy_bw
                 rows.append(row)
-    result = dict(copy_gbs=copy_bw, model=str(args.model if not args.synth_k2 else f"synthetic K2.6 x{args.synth_k2}"),
+    prefill = prefill_times(engine, args.prefill, cp) if args.prefill else {}
+    result = dict(copy_gbs=copy_bw, prefill=prefill, model=str(args.model if not args.synth_k2 else f"synthetic K2.6 x{args.synth_k2}"),
                   layers=engine.cfg.num_hidden_layers, rows=rows, date=time.strftime("%Y-%m-%d"), devices=devices,
                   gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode())
     if args.synth_k2:
