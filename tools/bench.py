@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from numbaengine.tokenizer import IdTokenizer
+from tools.acceptance import DEFAULT_PROMPTS, load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\nclass Config:", "    for i in range(len(items)):\n        if",
-           "# Parse the command line\nimport argparse\n", "def main():\n    args = parse_args()\n", "class Node:\n"]
+PROMPTS = load_prompts(DEFAULT_PROMPTS, 8)      # held-out stdlib code the pair was not trained on
 PHASES = ("draft", "build", "verify", "walk", "commit")
 
 
@@ -112,37 +112,46 @@ def phase_times(cp, dev, reps=20) -> dict:
     return acc
 
 
-def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp):
-    prompts = (PROMPTS * math.ceil(batch / len(PROMPTS)))[:batch]
+def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp, prompts=None):
+    """One (mode, budget, batch) row. `prompts` (default: the shipped pair's held-out prompts) are decoded in
+    len(prompts) // batch consecutive batches (at least one), so tau and tokens/s average over several prompts;
+    synthetic checkpoints get random ids (their drafter is random: tau ~ 1)."""
     if isinstance(engine.tokenizer, IdTokenizer):                            # synthetic checkpoints: token ids
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, engine.cfg.vocab_size, 8 + 3 * (i % 5)).tolist() for i in range(batch)]
+    prompts = prompts or PROMPTS
+    groups = [[prompts[(g * batch + j) % len(prompts)] for j in range(batch)]
+              for g in range(max(1, len(prompts) // batch))]
     kw = dict(mode=mode, budget=budget, stop=[])
-    engine.generate_batch(prompts, 8, **kw)                                  # compile, size buffers, capture
+    engine.generate_batch(groups[0], 8, **kw)                                # compile, size buffers, capture
     dev = next(iter(engine.rounds_cache.values()))
     devs = getattr(dev, "devs", [dev])                                       # one DeviceRounds per GPU
     gpu0 = [d.gpu_s for d in devs]
     t0 = time.perf_counter()
-    res = engine.generate_batch(prompts, new_tokens, **kw)
+    res, stats = [], []
+    for group in groups:
+        out = engine.generate_batch(group, new_tokens, **kw)
+        res += out
+        stats.append(dict(out[0].stats, rounds=max(r.stats["rounds"] for r in out)))   # batch times, its rounds
     wall = time.perf_counter() - t0
-    st = res[0].stats
-    rounds = st["rounds"]
-    round_ms = st["phase_s"]["round"] / rounds * 1e3
-    gpu_ms = st["phase_s"]["gpu"] / rounds * 1e3
+    rounds = sum(st["rounds"] for st in stats)
+    round_ms = sum(st["phase_s"]["round"] for st in stats) / rounds * 1e3
+    gpu_ms = sum(st["phase_s"]["gpu"] for st in stats) / rounds * 1e3
+    decode_s = sum(st["decode_s"] for st in stats)
     new = sum(len(r.tokens) for r in res)
     mean_len = int(np.mean([r.stats["prompt_tokens"] + len(r.tokens) / 2 for r in res]))
     floor = round_floor(engine, dev, batch * (dev.tb.tokens.shape[1]), mean_len)
     floor_b = sum(floor.values())
     phases = (dev.ranks.run(lambda r: phase_times(cp, devs[r]))[0] if len(devs) > 1 else phase_times(cp, devs[0]))
-    row = dict(mode=mode, budget=budget, batch=batch, new_tokens=new, wall_s=wall,
-               tokens_per_s=new / st["decode_s"], tau=float(np.mean([r.stats["tau_mean"] for r in res])),
+    row = dict(mode=mode, budget=budget, batch=batch, prompts=len(res), new_tokens=new, wall_s=wall,
+               tokens_per_s=new / decode_s, tau=float(np.mean([r.stats["tau_mean"] for r in res])),
                rounds=rounds, round_ms=round_ms, gpu_ms=gpu_ms, host_pct=100 * (1 - gpu_ms / round_ms),
                floor_mb=floor_b / 1e6, floor_parts_mb={k: v / 1e6 for k, v in floor.items()},
                floor_gbs=floor_b / (gpu_ms / 1e3) / 1e9,
                floor_pct=100 * floor_b / (gpu_ms / 1e3) / 1e9 / copy_bw,
                phase_ms=phases, graph_kernels=len(dev.kernel_nodes()),
                gpu_ms_per_device=[(d.gpu_s - g) / rounds * 1e3 for d, g in zip(devs, gpu0)])
-    print(f"{mode:7s} B{budget:<4d} x{batch:<4d} {row['tokens_per_s']:9.1f} tok/s  tau {row['tau']:5.2f}  "
+    print(f"{mode:7s} B{budget:<4d} x{batch:<4d} p{len(res):<4d} {row['tokens_per_s']:9.1f} tok/s  tau {row['tau']:5.2f}  "
           f"round {round_ms:7.3f} ms  gpu {gpu_ms:7.3f} ms  host {row['host_pct']:5.1f}%  floor "
           f"{row['floor_mb']:8.1f} MB = {row['floor_pct']:5.1f}% of copy  "
           + " ".join(f"{k} {v:.3f}" for k, v in phases.items()), flush=True)
