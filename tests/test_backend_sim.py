@@ -1,6 +1,6 @@
 """Rung 6 of the correctness ladder: the kernel backend end to end equals the numpy backend. On the CUDA simulator
 (backend `sim`, a child process, tiny shapes) and on a GPU (backend `cuda`, marked gpu): prefill logits
-(Engine.forward_logits, naive MLA), greedy autoregressive decoding (Engine.generate, absorbed MLA, sampling kernel,
+(Engine.forward_logits: absorbed MLA over the prompt on the kernels, naive on the reference), greedy autoregressive decoding (Engine.generate, absorbed MLA, sampling kernel,
 cache commit) and a tree verify (absorbed MLA with a packed tree mask, hidden features).
 
 Tolerance: |logits - reference| <= 1e-2 * max |reference| (hidden features likewise). The kernels round on
@@ -80,7 +80,7 @@ def assert_close(name, got, ref, where):
 
 
 def check_prefill(backend, dims="tiny", n=5):
-    """Engine.forward_logits of fresh random tokens (one naive-MLA prefill)."""
+    """Engine.forward_logits of fresh random tokens (one prefill in each backend's prefill_form)."""
     ref, dev = engines(backend, dims)
     seed = int(np.random.SeedSequence().entropy % 2**31)
     tokens = np.random.default_rng(seed).integers(0, ref.cfg.vocab_size, n)

@@ -1,0 +1,95 @@
+"""Where a round's GPU time goes, kernel by kernel: one round launched eagerly with a CUDA event pair around every
+numba kernel launch, grouped by phase and kernel. On the lent GPU:
+
+    python -m tools.profile_round --mode ddtree --budget 16 --out profile.json
+    python -m tools.profile_round --synth-k2 2 --mode ddtree --budget 16
+
+Event pairs time each kernel alone (eager launches leave gaps between kernels that graph replay does not), so the
+sum is the round's kernel time without launch gaps; CuPy's own kernels (copies, fills) are not in the table. The
+round runs on the engine's device buffers; lengths and bonus tokens are restored afterwards.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import tempfile
+from pathlib import Path
+
+from tools.bench import PROMPTS, ROOT, synth_k2
+
+
+def profile(cp, dev) -> list:
+    """[(phase, kernel, launches, total ms)] of one eager round of DeviceRounds `dev`, slowest first."""
+    from numba.cuda.dispatcher import _LaunchConfiguration
+    records, phase = [], ["-"]
+    launch = _LaunchConfiguration.__call__
+
+    def timed(cfg, *args):
+        s = cp.cuda.get_current_stream()
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(s)
+        out = launch(cfg, *args)
+        b.record(s)
+        records.append((phase[0], getattr(cfg.dispatcher.py_func, "__name__", "?"), a, b))
+        return out
+
+    saved = [a.copy() for a in (dev.lengths, dev.bonus)]
+    _LaunchConfiguration.__call__ = timed
+    try:
+        with dev.stream:
+            dev.round(lambda p: phase.__setitem__(0, p))
+    finally:
+        _LaunchConfiguration.__call__ = launch
+    dev.stream.synchronize()
+    dev.lengths[...], dev.bonus[...] = saved
+    dev.stream.synchronize()
+    table = collections.defaultdict(lambda: [0, 0.0])
+    for ph, name, a, b in records:
+        table[ph, name][0] += 1
+        table[ph, name][1] += cp.cuda.get_elapsed_time(a, b)
+    return sorted(((ph, name, n, ms) for (ph, name), (n, ms) in table.items()), key=lambda r: -r[3])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(ROOT / "weights/default/target"))
+    ap.add_argument("--draft", default=str(ROOT / "weights/default/draft"))
+    ap.add_argument("--synth-k2", type=int, metavar="LAYERS")
+    ap.add_argument("--mode", default="ddtree")
+    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--out", default="profile.json")
+    args = ap.parse_args(argv)
+    import cupy as cp
+
+    from numbaengine import Engine
+    model, draft, tmp = Path(args.model), Path(args.draft), None
+    if args.synth_k2:
+        tmp = tempfile.TemporaryDirectory(prefix="k2_")
+        model, draft = synth_k2(args.synth_k2, Path(tmp.name))
+    engine = Engine.load(model, draft, backend="cuda", max_context=args.max_context)
+    prompts = [(PROMPTS * args.batch)[i] for i in range(args.batch)]
+    if args.synth_k2:
+        prompts = [[1, 2, 3, 4, 5, 6, 7, 8]] * args.batch
+    engine.generate_batch(prompts, 8, mode=args.mode, budget=args.budget, stop=[])   # compile, size, capture
+    dev = next(iter(engine.rounds_cache.values()))
+    profile(cp, dev)                                                   # warm the event path once
+    rows = profile(cp, dev)
+    total = sum(r[3] for r in rows)
+    by_phase = collections.Counter()
+    for ph, _, _, ms in rows:
+        by_phase[ph] += ms
+    print(f"{args.mode} budget {args.budget} batch {args.batch}: {sum(r[2] for r in rows)} launches, "
+          f"{total:.3f} ms of kernel time; by phase: " + ", ".join(f"{k} {v:.3f}" for k, v in by_phase.items()))
+    for ph, name, n, ms in rows:
+        print(f"{ph:7s} {name:32s} x{n:<4d} {ms * 1e3:9.1f} us  {100 * ms / total:5.1f}%")
+    name = f"synthetic K2.6 x{args.synth_k2}" if args.synth_k2 else str(model)
+    out = dict(mode=args.mode, budget=args.budget, batch=args.batch, model=name, total_ms=total,
+               by_phase=dict(by_phase), rows=[dict(phase=p, kernel=k, launches=n, ms=ms) for p, k, n, ms in rows])
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
