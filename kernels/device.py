@@ -164,6 +164,12 @@ if SIM:
     def lane_id():
         return threading.current_thread().thread_id % 32
 
+    def cp_commit():
+        """Simulator: cp.async copies land at once, so groups and waits are no-ops."""
+
+    def cp_wait(n):
+        return cp_commit
+
 else:
     from llvmlite import ir
     from numba import types
@@ -211,6 +217,21 @@ else:
     ld4 = _make_load(1)
     ld16_pf = _make_load(4, ".L2::256B")    # same, asking L2 to fetch the surrounding 256 bytes
     ld4_l2 = _make_load(1, space=".cg")     # one word cached at L2 only: sees other blocks' writes of this kernel
+
+    def _barrier_op(asm):
+        """A no-argument PTX statement that orders memory (side effect, memory clobber)."""
+        @intrinsic
+        def op(typingctx):
+            def codegen(ctx, b, sig, args):
+                b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), asm, "~{memory}", side_effect=True), [])
+            return types.void(), codegen
+        return op
+
+    cp_commit = _barrier_op("cp.async.commit_group;")
+
+    def cp_wait(n):
+        """cp.async.wait_group n: all but this thread's n most recent groups have landed."""
+        return _barrier_op(f"cp.async.wait_group {n};")
 
     def _asm_op(name, asm, cons, argtys, retty):
         """An intrinsic around one inline-PTX instruction; arguments are cast to `argtys` first."""

@@ -28,8 +28,8 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from kernels.attention import launch_smem
-from kernels.device import (F0, SIM, as_f32, bf16_hi, bf16_lo, device, int4_pair, kernel, launch, ld16, ld16_pf,
-                            ld4, ld4_l2, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
+from kernels.device import (F0, SIM, as_f32, bf16_hi, bf16_lo, cp_commit, cp_wait, device, int4_pair, kernel, launch,
+                            ld16, ld16_pf, ld4, ld4_l2, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
 from kernels.memo import memo_f32
 from weights.dtypes import bf16_to_f32
 
@@ -42,12 +42,6 @@ if SIM:
 
     def lds16(ring, ri):
         return ring[ri], ring[ri + 1], ring[ri + 2], ring[ri + 3]
-
-    def cp_commit():
-        pass
-
-    def _cp_wait(n):
-        return cp_commit
 else:
     from llvmlite import ir
     from numba import types
@@ -86,20 +80,6 @@ else:
             r = b.call(ir.InlineAsm(fn, asm, "=r,=r,=r,=r,l,~{memory}", side_effect=True), [sa])
             return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, k) for k in range(4)])
         return sig, codegen
-
-    def _cp_op(asm):
-        @intrinsic
-        def op(typingctx):
-            def codegen(ctx, b, sig, args):
-                b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), asm, "~{memory}", side_effect=True), [])
-            return types.void(), codegen
-        return op
-
-    cp_commit = _cp_op("cp.async.commit_group;")
-
-    def _cp_wait(n):
-        """cp.async.wait_group n: all but this thread's n most recent groups have landed."""
-        return _cp_op(f"cp.async.wait_group {n};")
 
 
 def gemm_ref(x, w, out):
@@ -306,7 +286,7 @@ def _build_ring_mainloop(T, R, XS, S, BF=0, RB=0):
     mma_step = _cached(_build_bf16_mma, T, R, XS, 3 if RB else BF)
     NA, NQ, NB = 2 * R, 8 * R, T * XS * RB
     NCH, SSTR = NA + NB, T * XS * RING_CHUNK
-    cp_wait = _cp_wait(S - 1)
+    wait_ring = cp_wait(S - 1)
 
     @device
     def issue(ring, rb, slot, w, xb, s, t, lane, aoff):
@@ -332,7 +312,7 @@ def _build_ring_mainloop(T, R, XS, S, BF=0, RB=0):
             if s + S - 1 < s1:
                 issue(ring, rb, nxt, w, xb, s + S - 1, t, lane, aoff)
             cp_commit()                             # (empty groups past the end keep the count uniform)
-            cp_wait()                               # step s has landed
+            wait_ring()                             # step s has landed
             for h in range(NA):
                 qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = lds16(ring, rb + (slot * NCH + h) * RING_CHUNK)
             if RB:

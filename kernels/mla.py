@@ -46,7 +46,7 @@ import math  # noqa: E402
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
 from kernels.attention import NEG_INF, attention_ref, launch_smem, placeholder, shfl_xor  # noqa: E402
-from kernels.device import SIM, as_f32, current_stream, kernel, ld4, ld16, mma_bf16  # noqa: E402
+from kernels.device import SIM, as_f32, cp_commit, cp_wait, current_stream, kernel, ld4, ld16, mma_bf16  # noqa: E402
 
 if not SIM:
     from llvmlite import ir
@@ -83,17 +83,6 @@ if not SIM:
                 return context.make_tuple(builder, sig.return_type, [builder.extract_value(r, k) for k in range(4)])
             return sig, codegen
         return ldsm
-
-    def _make_cp_op(asm):
-        @intrinsic
-        def op(typingctx):
-            def codegen(context, builder, sig, args):
-                fn = ir.FunctionType(ir.VoidType(), [])
-                builder.call(ir.InlineAsm(fn, asm, "~{memory}", side_effect=True), [])
-            return types.void(), codegen
-        return op
-
-    _cp_commit = _make_cp_op("cp.async.commit_group;")
 
     @intrinsic
     def _slot_addr(typingctx, sary, sidx):
@@ -147,10 +136,6 @@ if not SIM:
             i32 = ir.IntType(32)
             return builder.call(ir.InlineAsm(ir.FunctionType(i32, []), "mov.u32 $0, 0;", "=r", side_effect=True), [])
         return types.int32(), codegen
-
-    def _cp_wait(n):
-        """cp.async.wait_group n: all but this thread's n most recent groups have landed."""
-        return _make_cp_op(f"cp.async.wait_group {n};")
 
     _ldsm, _ldsm_t = _make_ldsm(False), _make_ldsm(True)
 
@@ -264,9 +249,6 @@ else:
     def _ex2(x):
         return np.float32(np.exp2(np.float32(x)))
 
-    def _cp_commit():
-        pass
-
     def _slot_addr(sm, sidx):
         return sidx
 
@@ -281,9 +263,6 @@ else:
                 sm[o:o + 8] = np.array(ld16(arr, gptr + 8 * idx) if kr < nvalid else (0, 0, 0, 0),
                                        np.uint32).view(np.uint16)
         return cp_piece
-
-    def _cp_wait(n):
-        return _cp_commit
 
     def _opaque0():
         return 0
@@ -376,7 +355,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
     QG = min(QPT, 8)                                  # q loads in flight per thread
     ACC, SACC, AFR, QV = 4 * PM * NTP, SMW * NK // 2, max(4 * PM, 8 * SMW), 4 * QG   # local (register) arrays
     assert VW in (2, 4) and CPT % VW == 0 and NK % 16 == 0
-    cp_wait_ring, cp_wait_all = _cp_wait(stages - 2), _cp_wait(0)
+    cp_wait_ring, cp_wait_all = cp_wait(stages - 2), cp_wait(0)
 
     cp_piece = _make_cp_piece(D8, NK * D8)
 
@@ -389,7 +368,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
         gsafe = _row_addr(cache, row0 * D)
         for p in range(PPT):
             cp_piece(usm, slot, cache, gptr, gsafe, tid + p * THREADS, hi - j0)
-        _cp_commit()
+        cp_commit()
 
     @kernel(max_registers=min(255, 65536 // THREADS // 8 * 8))   # the block fits the register file
     def mla_attention_kernel(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part):
