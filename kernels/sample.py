@@ -49,7 +49,7 @@ import math  # noqa: E402
 from numba import cuda, float32, int32, uint32, uint64  # noqa: E402
 
 from kernels.attention import shfl_xor  # noqa: E402
-from kernels.device import SIM, current_stream  # noqa: E402
+from kernels.device import SIM, block_argmax, current_stream  # noqa: E402
 from kernels.topk import key_index, order_key  # noqa: E402
 
 SAMPLE_THREADS = 512            # sample_kernel: one block per row
@@ -142,28 +142,6 @@ def _scan(logits, i, lo, hi, temperature, greedy, hkey):
     return bv, bi
 
 
-@cuda.jit(device=True, inline="always")
-def _block_best(bv, bi):
-    """(value, index) of the block's largest bv, lowest index among equals (blockDim a multiple of 32, <= 1024);
-    every thread gets it. Barriers inside."""
-    shv = cuda.shared.array(32, float32)
-    shi = cuda.shared.array(32, int32)
-    t = cuda.threadIdx.x
-    for off in (16, 8, 4, 2, 1):
-        ov, oi = shfl_xor(bv, int32(off)), shfl_xor(bi, int32(off))
-        if ov > bv or (ov == bv and oi < bi):
-            bv, bi = ov, oi
-    if t % 32 == 0:
-        shv[t // 32], shi[t // 32] = bv, bi
-    cuda.syncthreads()
-    bv, bi = shv[0], shi[0]
-    for j in range(1, cuda.blockDim.x // 32):
-        if shv[j] > bv or (shv[j] == bv and shi[j] < bi):
-            bv, bi = shv[j], shi[j]
-    cuda.syncthreads()
-    return bv, bi
-
-
 @cuda.jit
 def sample_kernel(logits, temperature, greedy, seed, seq, pos, out):
     """Block per row, SAMPLE_THREADS threads strided over the vocabulary: argmax of logits (greedy) or of
@@ -171,7 +149,7 @@ def sample_kernel(logits, temperature, greedy, seed, seq, pos, out):
     i, t = cuda.blockIdx.x, cuda.threadIdx.x
     V = logits.shape[1]
     bv, bi = _scan(logits, i, 0, V, temperature, greedy, row_key(seed, seq[i], pos[i]))
-    bv, bi = _block_best(bv, bi)
+    bv, bi = block_argmax(bv, bi)
     if t == 0:
         out[i] = bi if bi < V else int32(0)
 
@@ -185,7 +163,7 @@ def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, best):
     span = (V + C - 1) // C
     hi = min(c * span + span, V)
     bv, bi = _scan(logits, i, c * span, hi, temperature, greedy, row_key(seed, seq[i], pos[i]))
-    bv, bi = _block_best(bv, bi)
+    bv, bi = block_argmax(bv, bi)
     if t == 0:
         best[i, c] = order_key(bv, bi)
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from cudasim import Env, f64_lines, ptx_or_skip, simulator_test
+from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
 from kernels.mla import mask_bits
 from numbaengine.ddtree import build_tree, draft_tree, top_logprobs, walk
 
