@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from cudasim import Env, f64_lines, ptx_or_skip, simulator_test, worst
+from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
 
 BF16_NAN = np.uint16(0x7FC0)
 

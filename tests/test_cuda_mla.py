@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cudasim import Env, f64_lines, ptx_or_skip, simulator_test, worst
+from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
 from test_cuda_attention import BF16_NAN, pack_vis, random_tree_vis
 from weights.dtypes import bf16_to_f32, f32_to_bf16
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the lent GPU: a chosen set of GPU tests and end-to-end benches in one call (what a session re-measures).
 #   GPU_TESTS="tests/test_parallel.py tests/test_device_round.py" E2E="--modes ar,ddtree --budgets 16" bash tools/gpu_quick.sh
-# E2E may hold several bench argument sets separated by ';'. Logs and JSON go to $OUT.
+# E2E (tools/bench.py) and PROFILE (tools/profile_round.py) may hold several argument sets separated by ';'.
+# Logs and JSON go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -18,5 +19,11 @@ IFS=';' read -ra sets <<< "${E2E:-}"
 for args in "${sets[@]}"; do
   i=$((i + 1))
   timeout "${E2E_TIMEOUT:-300}" python3 -m tools.bench $args --out "$OUT/bench_$i.json" 2>&1 | sed "/^{/d" || rc=1
+done
+i=0
+IFS=';' read -ra sets <<< "${PROFILE:-}"
+for args in "${sets[@]}"; do
+  i=$((i + 1))
+  timeout "${E2E_TIMEOUT:-300}" python3 -m tools.profile_round $args --out "$OUT/profile_$i.json" 2>&1 || rc=1
 done
 exit $rc
