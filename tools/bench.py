@@ -4,10 +4,12 @@ phase, and each round's HBM byte floor against the copy bandwidth measured in th
     python -m tools.bench --out bench.json                              (the shipped pair)
     python -m tools.bench --synth-k2 2 --modes ar,ddtree --budgets 16   (a K2.6-shaped checkpoint made here)
 
-Rounds are CUDA-graph replays (numbaengine/device_round.py). `gpu ms` is the device time of a round (events around
-the graph launch), `host %` the rest of the wall time per round (launch, the out_tokens read, Python). Phase times
-come from the round captured as one graph per phase, each replayed between events (GPU time only). Byte floor of a round = weights read once (attention, dense and shared MLPs, lm_head for verify and for the
-draft, the drafter) + routed experts touched (the expected number of distinct experts for the round's tokens under
+The shipped pair decodes its 8 held-out prompts (tools/train/heldout.json) per case, in consecutive batches, so
+tau and tokens/s are averages over prompts (tau varies 1.7-6.1 between them at budget 16). Rounds are CUDA-graph
+replays (numbaengine/device_round.py). `gpu ms` is the device time of a round (events around the graph launch),
+`host %` the rest of the wall time per round (launch, the out_tokens read, Python). Phase times come from the round
+captured as one graph per phase, each replayed between events (GPU time only). Byte floor of a round = weights
+read once (attention, dense and shared MLPs, lm_head for verify and for the draft, the drafter) + routed experts touched (the expected number of distinct experts for the round's tokens under
 uniform random routing: synthetic checkpoints route about uniformly; a trained one does not) + latent cache and
 drafter context rows. `floor %` = floor bytes / copy bandwidth / gpu time. The 61-layer, 8-GPU line is a
 PROJECTION from per-layer times measured here, not a measurement.
