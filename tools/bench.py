@@ -9,9 +9,9 @@ tau and tokens/s are averages over prompts (tau varies 1.7-6.1 between them at b
 replays (numbaengine/device_round.py). `gpu ms` is the device time of a round (events around the graph launch),
 `host %` the rest of the wall time per round (launch, the out_tokens read, Python). Phase times come from the round
 captured as one graph per phase, each replayed between events (GPU time only). Byte floor of a round = weights
-read once (attention, dense and shared MLPs, lm_head for verify and for the draft, the drafter) + routed experts touched (the expected number of distinct experts for the round's tokens under
-uniform random routing: synthetic checkpoints route about uniformly; a trained one does not) + latent cache and
-drafter context rows. `floor %` = floor bytes / copy bandwidth / gpu time. The 61-layer, 8-GPU line is a
+read once (attention, dense and shared MLPs, lm_head for verify and for the draft, the drafter) + routed experts
+touched (the expected number of distinct experts for the round's tokens under uniform random routing: synthetic
+checkpoints route about uniformly; a trained one does not) + latent cache and drafter context rows. `floor %` = floor bytes / copy bandwidth / gpu time. The 61-layer, 8-GPU line is a
 PROJECTION from per-layer times measured here, not a measurement.
 """
 from __future__ import annotations
