@@ -400,7 +400,8 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
             aoff[2 * r] = min(row, n - 1) * half
             aoff[2 * r + 1] = min(row + 8, n - 1) * half
         for tt in range(T):
-            boff[tt] = tt * XS * RING_CHUNK + lane * 4 if BF == 2 else min(tt * 8 + g, m - 1) * (kdim if BF else XS * half)
+            boff[tt] = (tt * XS * RING_CHUNK + lane * 4 if BF == 2
+                        else min(tt * 8 + g, m - 1) * (kdim if BF else XS * half))
         for i in range(NACC):
             acc[i] = F0
         mainloop(w, w, xb, s0, s1, t, half, aoff, aoff, boff, acc)
@@ -539,10 +540,11 @@ def gemm_config(m, n, k, target_warps=4096, small=None):
     S = RING_STAGES if T == 1 and pieces == 1 else 0
     if 2 * n * k < (SMALL_WEIGHTS if small is None else small):
         # latency-bound: one launch, f32 x read in the GEMM, the k split only inside a block (up to 8 warps along k,
-        # >= 2 steps each; pieces from k alone, so every T sums in the same order). Measured on the default pair
-        # (tools/bench_gemm_rules.py, H200): AR round 0.560 -> 0.507 ms, DDTree-16 1.120 -> 0.961 ms; prep launches
-        # kept (BF=0) or the last-block reduce (FR=1) at T > 1 lost: 1.07 -> 1.46 ms (one block reads m*rows*splits
-        # partials serially), no split across blocks but one warp along k: 1.14 ms.
+        # >= 2 steps each; pieces from k alone, so every T sums in the same order). H200, default pair, round GPU ms
+        # of DDTree-16 (python -m tools.bench_gemm_rules; all these rounds are launch-bound at 0.6-0.9% of the byte
+        # floor): the cut for large weights 1.07, this cut 0.93 (AR 0.54 -> 0.48); this cut keeping the prep launch
+        # (BF=0) 0.99; the large cut with the last-block reduce (FR=1) at T > 1 1.46 (one block reads
+        # m*rows*splits partials); the large cut without a split across blocks (one warp along k) 1.14.
         wk = next(w for w in (8, 4, 2, 1) if steps >= 2 * w or w == 1)
         return GemmConfig(R=R, WR=max(1, min(MAX_WARPS // wk, math.ceil(tiles / R))), WK=wk, SB=1, U=U, BF=1,
                           MB=2 if T > 1 else 0, FR=0, S=0)

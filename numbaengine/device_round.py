@@ -90,15 +90,16 @@ class DeviceRounds:
     # --- prefill (eager, one sequence) -----------------------------------------------------------------------------
 
     def prefill(self, b, ids, seq_index) -> int:
-        """Prompt ids of slot b through the target (ops.prefill_form MLA) into its cache rows, its features into the drafter
-        context; the first token is sampled at the last position. Returns it (one host read)."""
+        """Prompt ids of slot b through the target (MLA in ops.prefill_form) into its cache rows, its features into the
+        drafter context; the first token is sampled at the last position. Returns it (one host read)."""
         ops, T = self.base_target.ops, len(ids)
         self.parked.discard(b)
         self.retire([])
         tokens, positions = np.asarray(ids, np.int32), np.arange(T, dtype=np.int32)
         with self._on_stream():
             cache = LatentCache([rows[b] for rows in self.rows], 0)
-            logits, hidden = self.base_target.forward(tokens, positions, cache, None, self.layer_ids, form=ops.prefill_form)
+            logits, hidden = self.base_target.forward(tokens, positions, cache, None, self.layer_ids,
+                                                      form=ops.prefill_form)
             start = ops.asarray(np.zeros(1, np.int32))
             if self.drafter is not None:
                 feats = ops.asarray(hidden.transpose(1, 0, 2).reshape(1, T, -1))     # [1, T, F*H]

@@ -76,7 +76,8 @@ class Engine:
             raise ValueError(f"token_ids: ids must be in [0, {self.cfg.vocab_size})")
         def prefill(target):
             cache = target.new_cache(len(tokens))
-            logits, _ = target.forward(tokens, np.arange(len(tokens), dtype=np.int32), cache, form=target.ops.prefill_form)
+            logits, _ = target.forward(tokens, np.arange(len(tokens), dtype=np.int32), cache,
+                                       form=target.ops.prefill_form)
             return target.ops.to_host(logits)
         if self.ranks is not None:               # every rank runs it (collectives); all hold the same logits
             return self.ranks.run(lambda r: prefill(self.ranks.targets[r]))[0]

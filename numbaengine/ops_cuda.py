@@ -108,8 +108,10 @@ class KernelOps:
     """Op table over the numba.cuda kernels. `xp` is numpy (simulator) or cupy (GPU)."""
     cache_dtypes = ("bf16",)     # the MLA kernel reads a bf16 latent cache
     max_shards = 1               # one shard per table: several devices are several ranks (numbaengine/devices.py)
-    prefill_form = "absorbed"    # causal MLA kernel over the latent rows (H200, 1024 tokens x 64 heads: 1.47 ms vs
-                                 # 22.5 ms naive; and no per-head K/V of the whole prompt in memory)
+    prefill_form = "absorbed"    # causal MLA kernel over the latent rows, no per-head K/V of the prompt in memory.
+                                 # H200: attention alone 1.47 vs 22.5 ms naive (1024 tokens, 64 heads; bench_attention
+                                 # --only prefill); whole eager prompt forward, 1024 tokens (bench.py --prefill 1024):
+                                 # pair 264 -> 203 ms, K2.6 x 2 layers 144 -> 111 ms (launch-bound, far from the floor)
 
     def __init__(self, name, xp, poison=False, trim_warps=False, comm=None):
         self.name, self.xp, self.poison, self.trim_warps = name, xp, poison, trim_warps

@@ -114,7 +114,8 @@ def ptx_or_skip(pyfunc, sig):
     """PTX for sm_90 from a kernel's Python function; skips when NVVM/NVRTC are not installed."""
     import pytest
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        pytest.skip("the simulator has no compiler")
+        pytest.skip("PTX checks need numba's compiler: run pytest without NUMBA_ENABLE_CUDASIM=1 (simulator cases run "
+                    "in their own child process anyway)")
     from numba import cuda
     try:
         ptx, _ = cuda.compile_ptx(pyfunc, sig, cc=(9, 0))

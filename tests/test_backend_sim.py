@@ -1,6 +1,7 @@
 """Rung 6 of the correctness ladder: the kernel backend end to end equals the numpy backend. On the CUDA simulator
 (backend `sim`, a child process, tiny shapes) and on a GPU (backend `cuda`, marked gpu): prefill logits
-(Engine.forward_logits: absorbed MLA over the prompt on the kernels, naive on the reference), greedy autoregressive decoding (Engine.generate, absorbed MLA, sampling kernel,
+(Engine.forward_logits: absorbed MLA over the prompt on the kernels, naive on the reference), greedy
+autoregressive decoding (Engine.generate, absorbed MLA, sampling kernel,
 cache commit) and a tree verify (absorbed MLA with a packed tree mask, hidden features).
 
 Tolerance: |logits - reference| <= 1e-2 * max |reference| (hidden features likewise). The kernels round on

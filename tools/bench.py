@@ -11,15 +11,15 @@ replays (numbaengine/device_round.py). `gpu ms` is the device time of a round (e
 captured as one graph per phase, each replayed between events (GPU time only). Byte floor of a round = weights
 read once (attention, dense and shared MLPs, lm_head for verify and for the draft, the drafter) + routed experts
 touched (the expected number of distinct experts for the round's tokens under uniform random routing: synthetic
-checkpoints route about uniformly; a trained one does not) + latent cache and drafter context rows. `floor %` = floor bytes / copy bandwidth / gpu time. The 61-layer, 8-GPU line is a
-PROJECTION from per-layer times measured here, not a measurement.
+checkpoints route about uniformly; a trained one does not) + latent cache and drafter context rows. `floor %` =
+floor bytes / copy bandwidth / gpu time. The 61-layer, 8-GPU line is a PROJECTION from per-layer times measured
+here, not a measurement.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -114,14 +114,14 @@ def phase_times(cp, dev, reps=20) -> dict:
     return acc
 
 
-def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp, prompts=None):
-    """One (mode, budget, batch) row. `prompts` (default: the shipped pair's held-out prompts) are decoded in
-    len(prompts) // batch consecutive batches (at least one), so tau and tokens/s average over several prompts;
-    synthetic checkpoints get random ids (their drafter is random: tau ~ 1)."""
+def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp):
+    """One (mode, budget, batch) row. The held-out PROMPTS are decoded in len(PROMPTS) // batch consecutive
+    batches (at least one), so tau and tokens/s average over several prompts; synthetic checkpoints get random ids
+    (their drafter is random: tau ~ 1)."""
+    prompts = PROMPTS
     if isinstance(engine.tokenizer, IdTokenizer):                            # synthetic checkpoints: token ids
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, engine.cfg.vocab_size, 8 + 3 * (i % 5)).tolist() for i in range(batch)]
-    prompts = prompts or PROMPTS
     groups = [[prompts[(g * batch + j) % len(prompts)] for j in range(batch)]
               for g in range(max(1, len(prompts) // batch))]
     kw = dict(mode=mode, budget=budget, stop=[])
@@ -153,8 +153,8 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp, prompts=None)
                floor_pct=100 * floor_b / (gpu_ms / 1e3) / 1e9 / copy_bw,
                phase_ms=phases, graph_kernels=len(dev.kernel_nodes()),
                gpu_ms_per_device=[(d.gpu_s - g) / rounds * 1e3 for d, g in zip(devs, gpu0)])
-    print(f"{mode:7s} B{budget:<4d} x{batch:<4d} p{len(res):<4d} {row['tokens_per_s']:9.1f} tok/s  tau {row['tau']:5.2f}  "
-          f"round {round_ms:7.3f} ms  gpu {gpu_ms:7.3f} ms  host {row['host_pct']:5.1f}%  floor "
+    print(f"{mode:7s} B{budget:<4d} x{batch:<4d} p{len(res):<4d} {row['tokens_per_s']:9.1f} tok/s  "
+          f"tau {row['tau']:5.2f}  round {round_ms:7.3f} ms  gpu {gpu_ms:7.3f} ms  host {row['host_pct']:5.1f}%  floor "
           f"{row['floor_mb']:8.1f} MB = {row['floor_pct']:5.1f}% of copy  "
           + " ".join(f"{k} {v:.3f}" for k, v in phases.items()), flush=True)
     return row
@@ -171,8 +171,7 @@ def prefill_times(engine, tokens, cp, reps=3) -> dict:
     for form in ("naive", "absorbed"):
         cache = target.new_cache(tokens)
         ms = []
-        for _ in range(reps + 1):                                            # the first call compiles
-            cache.length = 0
+        for _ in range(reps + 1):                 # the first call compiles; forward does not commit rows
             cp.cuda.Device().synchronize()
             t0 = time.perf_counter()
             target.forward(ids, np.arange(tokens, dtype=np.int32), cache, form=form)
@@ -257,7 +256,8 @@ def main(argv=None):
                 row["copy_gbs"] = copy_bw
                 rows.append(row)
     prefill = prefill_times(engine, args.prefill, cp) if args.prefill else {}
-    result = dict(copy_gbs=copy_bw, prefill=prefill, model=str(args.model if not args.synth_k2 else f"synthetic K2.6 x{args.synth_k2}"),
+    name = f"synthetic K2.6 x{args.synth_k2}" if args.synth_k2 else str(args.model)
+    result = dict(copy_gbs=copy_bw, prefill=prefill, model=name,
                   layers=engine.cfg.num_hidden_layers, rows=rows, date=time.strftime("%Y-%m-%d"), devices=devices,
                   gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode())
     if args.synth_k2:

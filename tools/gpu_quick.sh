@@ -10,20 +10,19 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 rc=0
 if [ -n "${GPU_TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -q -rf -n "${GPU_TEST_WORKERS:-8}" $GPU_TESTS \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -v -rf -n "${GPU_TEST_WORKERS:-8}" $GPU_TESTS \
     > "$OUT/pytest_gpu.log" 2>&1 || rc=1
-  tail -8 "$OUT/pytest_gpu.log"
+  grep -E "FAILED|ERROR" "$OUT/pytest_gpu.log" | head -20      # -v: a run killed by its timeout still names them
+  tail -3 "$OUT/pytest_gpu.log"
 fi
-i=0
-IFS=';' read -ra sets <<< "${E2E:-}"
-for args in "${sets[@]}"; do
-  i=$((i + 1))
-  timeout "${E2E_TIMEOUT:-300}" python3 -m tools.bench $args --out "$OUT/bench_$i.json" 2>&1 | sed "/^{/d" || rc=1
-done
-i=0
-IFS=';' read -ra sets <<< "${PROFILE:-}"
-for args in "${sets[@]}"; do
-  i=$((i + 1))
-  timeout "${E2E_TIMEOUT:-300}" python3 -m tools.profile_round $args --out "$OUT/profile_$i.json" 2>&1 || rc=1
-done
+run_sets() {   # run_sets MODULE PREFIX "ARGS1;ARGS2;...": one run of python -m MODULE per argument set
+  local module=$1 prefix=$2 i=0 args sets
+  IFS=';' read -ra sets <<< "$3"
+  for args in "${sets[@]}"; do
+    i=$((i + 1))
+    timeout "${E2E_TIMEOUT:-300}" python3 -m "$module" $args --out "$OUT/${prefix}_$i.json" 2>&1 | sed "/^{/d" || rc=1
+  done
+}
+run_sets tools.bench bench "${E2E:-}"
+run_sets tools.profile_round profile "${PROFILE:-}"
 exit $rc

@@ -70,7 +70,7 @@ def main(argv=None):
         tmp = tempfile.TemporaryDirectory(prefix="k2_")
         model, draft = synth_k2(args.synth_k2, Path(tmp.name))
     engine = Engine.load(model, draft, backend="cuda", max_context=args.max_context)
-    prompts = [(PROMPTS * args.batch)[i] for i in range(args.batch)]
+    prompts = (PROMPTS * args.batch)[:args.batch]
     if args.synth_k2:
         prompts = [[1, 2, 3, 4, 5, 6, 7, 8]] * args.batch
     engine.generate_batch(prompts, 8, mode=args.mode, budget=args.budget, stop=[])   # compile, size, capture
