@@ -174,14 +174,15 @@ def _build_router_logits(TT):
     @kernel()
     def router_logits(x, wg, logits, n, hdim, n_exp):
         """logits f32[n, E] = x f32[n, H] @ bf16(wg)^T in float32 (CUDA cores: near-ties must not flip).
-        One warp per expert, lanes over 8-column chunks, TT tokens per pass. Launch: grid ceil(E/8), block 256.
-        Moves E*H*2 bytes of gate weights (x through L1/L2)."""
+        One warp per expert, lanes over 8-column chunks, TT tokens per pass; block row y takes passes y, y + ny, ...
+        Launch: grid (ceil(E/8), ny), block 256. Moves E*H*2 bytes of gate weights from HBM (the ny block rows
+        share them through L2; x through L1/L2)."""
         e = cuda.blockIdx.x * (cuda.blockDim.x // 32) + cuda.threadIdx.x // 32
         lane = lane_id()
         if e >= n_exp:
             return
         wrow = e * (hdim // 2)
-        for t0 in range(0, n, TT):
+        for t0 in range(cuda.blockIdx.y * TT, n, TT * cuda.gridDim.y):
             acc = cuda.local.array(TT, float32)
             for j in range(TT):
                 acc[j] = F0
@@ -267,8 +268,11 @@ def _build_router_select():
     return router_select
 
 
-def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws, tokens_per_pass=4):
-    """GPU router_ref: x f32[n, H] (contiguous), w_gate u16[E, H], bias f32[E] -> idx_out i32[n, k], w_out f32[n, k]."""
+def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws, tokens_per_pass=4,
+           token_blocks=None):
+    """GPU router_ref: x f32[n, H] (contiguous), w_gate u16[E, H], bias f32[E] -> idx_out i32[n, k], w_out f32[n, k].
+    The logits' passes of tokens_per_pass tokens spread over token_blocks block rows (default: as many as fill two
+    blocks per SM: a tree's 17 rows on the pair's 16 experts were 5 serial passes in 2 blocks)."""
     n, h = x.shape
     e = w_gate.shape[0]
     if e > MAX_E or e % n_group or h % 8 or idx_out.shape != (n, top_k) or w_out.shape != (n, top_k):
@@ -277,7 +281,10 @@ def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_
     if n > ws.n_max:
         raise ValueError(f"router: {n} tokens > workspace n_max {ws.n_max}")
     logits = ws.logits[:n]
-    launch(_cached(_build_router_logits, tokens_per_pass), math.ceil(e / 8), 256,
+    passes, eblocks = math.ceil(n / tokens_per_pass), math.ceil(e / 8)
+    if token_blocks is None:
+        token_blocks = min(passes, max(1, 2 * _sm_count() // eblocks))
+    launch(_cached(_build_router_logits, tokens_per_pass), (eblocks, max(1, token_blocks)), 256,
            x.reshape(n * h), _words(w_gate), logits, int32(n), int32(h), int32(e))
     launch(_cached(_build_router_select), n, 32 * math.ceil(e / 32), logits, bias, idx_out, w_out, int32(e),
            int32(top_k), int32(n_group), int32(topk_group), int32(bool(norm_topk)), float32(scaling))

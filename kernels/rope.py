@@ -49,10 +49,23 @@ def rope_ref(x, pos, inv_freq, out, interleaved, attn_factor=1.0):
     return out
 
 
+def qk_norm_rope_ref(qk, nq, q_w, k_w, eps, pos, inv_freq, interleaved, q_out, k_out):
+    """Per-head RMSNorm then RoPE of the query and key heads of one stacked projection (Qwen3 q_norm/k_norm, the
+    DFlash drafter): qk f32[n, nq + nk, d] (any strides), heads < nq normalized with q_w u16[d], the others with
+    k_w, all roped at pos i32[n] -> q_out f32[n, nq, d], k_out f32[n, nk, d]."""
+    from kernels.norm import rmsnorm_ref
+    d = qk.shape[-1]
+    for heads, w, out in ((qk[:, :nq], q_w, q_out), (qk[:, nq:], k_w, k_out)):
+        if heads.shape[1]:
+            normed = rmsnorm_ref(heads.reshape(-1, d), w, eps, np.empty((heads.size // d, d), np.float32))
+            rope_ref(normed.reshape(heads.shape), pos, inv_freq, out, interleaved)
+    return q_out, k_out
+
+
 # ---------------------------------------------------------------------------------------------------- numba.cuda
 from numba import cuda, float32, int32  # noqa: E402
 
-from kernels.device import kernel, launch  # noqa: E402
+from kernels.device import SIM, bf16_f32, kernel, launch, lane_id, warp_sum  # noqa: E402
 
 _KERNELS = {}
 
@@ -86,3 +99,57 @@ def rope(x, pos, inv_freq, out, interleaved, attn_factor=1.0):
     launch(_KERNELS[key], max(1, math.ceil(n * nh * d / 2 / 256)), 256, x, pos, inv_freq, out, float32(attn_factor),
            int32(n), int32(nh), int32(d // 2))
     return out
+
+
+def _build_qk(interleaved):
+    @kernel()
+    def qk_norm_rope_k(qk, nq, q_w, k_w, eps, pos, inv_freq, q_out, k_out, half):
+        """One block per token, a warp per head (looping when heads outnumber warps), lanes over rotated pairs:
+        sum of squares -> 1/rms -> weight -> rotation. Moves n*(nq+nk)*d*4 bytes in and out."""
+        tok, lane = cuda.blockIdx.x, lane_id()
+        d = 2 * half
+        for h in range(cuda.threadIdx.x // 32, qk.shape[1], cuda.blockDim.x // 32):
+            ss = float32(0)
+            for i in range(lane, half, 32):
+                ia, ib = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+                a, b = qk[tok, h, ia], qk[tok, h, ib]
+                ss += a * a + b * b
+            den = math.sqrt(warp_sum(ss) / float32(d) + eps)
+            for i in range(lane, half, 32):
+                ia, ib = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+                if h < nq:
+                    a, b = qk[tok, h, ia] / den * bf16_f32(q_w[ia]), qk[tok, h, ib] / den * bf16_f32(q_w[ib])
+                else:
+                    a, b = qk[tok, h, ia] / den * bf16_f32(k_w[ia]), qk[tok, h, ib] / den * bf16_f32(k_w[ib])
+                ang = float32(pos[tok]) * inv_freq[i]
+                c, s = math.cos(ang), math.sin(ang)
+                if h < nq:
+                    q_out[tok, h, ia] = a * c - b * s
+                    q_out[tok, h, ib] = b * c + a * s
+                else:
+                    k_out[tok, h - nq, ia] = a * c - b * s
+                    k_out[tok, h - nq, ib] = b * c + a * s
+    return qk_norm_rope_k
+
+
+def qk_norm_rope(qk, nq, q_w, k_w, eps, pos, inv_freq, interleaved, q_out, k_out):
+    """GPU qk_norm_rope_ref in one launch (was two norms and two ropes): qk f32[n, nq + nk, d] (any strides, e.g.
+    the q|k heads of a stacked q|k|v projection) -> q_out f32[n, nq, d], k_out f32[n, nk, d] (q_out may be None
+    when nq is 0). Launch: grid n, block a warp per head (<= 8 warps; one under the simulator)."""
+    n, heads, d = qk.shape
+    nk = heads - nq
+    bad = (n == 0 or d % 2 or tuple(pos.shape) != (n,) or tuple(inv_freq.shape) != (d // 2,)
+           or tuple(q_w.shape) != (d,) or tuple(k_w.shape) != (d,) or tuple(k_out.shape) != (n, nk, d)
+           or (nq and (q_out is None or tuple(q_out.shape) != (n, nq, d))))
+    if bad:
+        raise ValueError(f"qk_norm_rope: qk {qk.shape} with {nq} query heads, pos {pos.shape}, inv_freq "
+                         f"{inv_freq.shape}, norms {q_w.shape}/{k_w.shape}, outputs "
+                         f"{None if q_out is None else q_out.shape}/{k_out.shape}")
+    q_out = k_out if q_out is None else q_out          # nq == 0: a placeholder the kernel never writes
+    key = ("qk", bool(interleaved))
+    if key not in _KERNELS:
+        _KERNELS[key] = _build_qk(key[1])
+    warps = 1 if SIM else min(heads, 8)
+    launch(_KERNELS[key], n, 32 * warps, qk, int32(nq), q_w, k_w, float32(eps), pos, inv_freq, q_out, k_out,
+           int32(d // 2))
+    return q_out, k_out

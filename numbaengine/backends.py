@@ -4,8 +4,8 @@ An op table holds
   arrays   asarray, to_host, empty, zeros (fresh arrays), scratch(role, shape, dtype) (an intermediate the table may
            reuse across calls), copy(src, dst), upload(weights) (checkpoint records -> the backend's form)
   glue     embed, cache_write, cache_read, visibility, all_reduce
-  math     rmsnorm, add_rmsnorm, gemm, head_gemm, rope, attention, kv_attention, latent_attention, silu_mul, router,
-           moe, sample
+  math     rmsnorm, add_rmsnorm, gemm, head_gemm, rope, qk_norm_rope, attention, kv_attention, latent_attention,
+           silu_mul, router, moe, sample
   facts    name, cache_dtypes (latent cache storage it supports), max_shards (devices one table drives),
            prefill_form (MLA form of prompt forwards: naive on the reference, absorbed on the kernels)
 `numpy` is the reference (kernels/*_ref, fresh arrays everywhere). `sim` and `cuda` run the numba.cuda kernels on
@@ -21,7 +21,7 @@ from kernels.gemm import gemm_ref
 from kernels.mla import head_gemm_ref
 from kernels.moe import moe_ref, router_ref
 from kernels.norm import add_rmsnorm_ref, rmsnorm_ref
-from kernels.rope import rope_ref
+from kernels.rope import qk_norm_rope_ref, rope_ref
 from kernels.sample import sample_ref
 from weights.dtypes import bf16_to_f32, f32_to_bf16
 
@@ -88,7 +88,8 @@ NUMPY = SimpleNamespace(
     all_reduce=all_reduce_ref,
     rmsnorm=rmsnorm_ref, add_rmsnorm=add_rmsnorm_ref, gemm=gemm_ref,
     head_gemm=lambda x, w, out: head_gemm_ref(x, w, out, True),
-    rope=rope_ref, attention=attention_ref, kv_attention=kv_attention_ref, latent_attention=latent_attention_ref, silu_mul=silu_mul_ref,
+    rope=rope_ref, qk_norm_rope=qk_norm_rope_ref, attention=attention_ref, kv_attention=kv_attention_ref,
+    latent_attention=latent_attention_ref, silu_mul=silu_mul_ref,
     router=router_ref, moe=moe_shared_ref, sample=sample_ref,
 )
 

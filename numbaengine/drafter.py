@@ -120,14 +120,13 @@ def _layer_ids(dflash, n_target, n_draft):
 class DraftLayer:
     ln1: np.ndarray          # u16[H] input_layernorm
     ln2: np.ndarray          # u16[H] post_attention_layernorm
-    q: np.ndarray            # u16[nh*d, H]
-    k: np.ndarray            # u16[nkv*d, H]
-    v: np.ndarray            # u16[nkv*d, H]
+    qkv: np.ndarray          # u16[(nh + 2 nkv)*d, H] q_proj, k_proj, v_proj stacked: one GEMM for the block
     o: np.ndarray            # u16[H, nh*d]
     q_norm: np.ndarray       # u16[d]
     k_norm: np.ndarray       # u16[d]
     gate_up: np.ndarray      # u16[2I, H] gate stacked over up
     down: np.ndarray         # u16[H, I]
+    kv: np.ndarray = None    # u16[2 nkv*d, H] a view of qkv's k|v rows (context rows need no queries)
 
 
 @dataclass
@@ -188,12 +187,14 @@ class Drafter:
         for i in range(c.num_hidden_layers):
             p = f"layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
-            self.layers.append(ops.upload(DraftLayer(
+            layer = ops.upload(DraftLayer(
                 get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight"),
-                get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight"),
+                np.concatenate([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]),
                 get(a + "o_proj.weight"), get(a + "q_norm.weight"), get(a + "k_norm.weight"),
                 np.concatenate([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]),
-                get(m + "down_proj.weight"))))
+                get(m + "down_proj.weight")))
+            layer.kv = layer.qkv[c.num_attention_heads * c.head_dim:]
+            self.layers.append(layer)
 
     # --- context ---------------------------------------------------------------------------------------------------
 
@@ -223,7 +224,7 @@ class Drafter:
         f = ops.gemm(feats, self.fc, ops.scratch("d.f", (n, self.cfg.hidden_size)))
         ops.rmsnorm(f, self.hidden_norm, self.cfg.rms_norm_eps, f)                     # [n, H]
         for i, layer in enumerate(self.layers):
-            yield i, self._keys(f, layer, positions), self._values(f, layer)
+            yield (i,) + self._qkv(f, layer, layer.kv, positions)[1:]
 
     # --- the block forward -----------------------------------------------------------------------------------------
 
@@ -256,10 +257,7 @@ class Drafter:
         x = ops.scratch("d.x", h.shape)
         ops.rmsnorm(h, self.layers[0].ln1, c.rms_norm_eps, x)
         for i, layer in enumerate(self.layers):
-            q = self._heads(ops.gemm(x, layer.q, ops.scratch("d.q", (n, c.num_attention_heads * c.head_dim))),
-                            layer.q_norm)
-            ops.rope(q, positions, self.inv_freq, q, False)                            # [n, nh, d]
-            o = attend(i, q, self._keys(x, layer, positions), self._values(x, layer))
+            o = attend(i, *self._qkv(x, layer, layer.qkv, positions))
             a = ops.gemm(o.reshape(n, -1), layer.o, ops.scratch("d.attn", h.shape))
             ops.add_rmsnorm(a, h, layer.ln2, c.rms_norm_eps, x)                        # h += a; x = norm(h)
             m = self._mlp(x, layer)
@@ -269,23 +267,18 @@ class Drafter:
                 h += m
         return h
 
-    def _keys(self, x, layer, positions):
-        """k_norm(k_proj(x)) roped at positions: x f32[n, H] -> f32[n, nkv, d]."""
-        c = self.cfg
-        k = self.ops.gemm(x, layer.k, self.ops.scratch("d.k", (len(x), c.num_key_value_heads * c.head_dim)))
-        k = self._heads(k, layer.k_norm)
-        return self.ops.rope(k, positions, self.inv_freq, k, False)
-
-    def _values(self, x, layer):
-        c = self.cfg
-        v = self.ops.gemm(x, layer.v, self.ops.scratch("d.v", (len(x), c.num_key_value_heads * c.head_dim)))
-        return v.reshape(len(x), c.num_key_value_heads, c.head_dim)
-
-    def _heads(self, y, norm_w):
-        """Split f32[n, h*d] into heads and RMS-normalize each head in place: -> f32[n, h, d]."""
-        d = self.cfg.head_dim
-        flat = y.reshape(-1, d)
-        return self.ops.rmsnorm(flat, norm_w, self.cfg.rms_norm_eps, flat).reshape(len(y), -1, d)
+    def _qkv(self, x, layer, w, positions):
+        """x f32[n, H] through the stacked projection w (layer.qkv, or layer.kv for keys and values alone), head
+        norms and RoPE at positions -> q f32[n, nh, d] (None for kv), k f32[n, nkv, d], v f32[n, nkv, d] (a view
+        of the projection)."""
+        c, ops, n, d = self.cfg, self.ops, len(x), self.cfg.head_dim
+        heads = ops.gemm(x, w, ops.scratch("d.qkv", (n, len(w)))).reshape(n, -1, d)  # [n, (nh +) 2 nkv, d]
+        nq, nkv = heads.shape[1] - 2 * c.num_key_value_heads, c.num_key_value_heads
+        q = ops.scratch("d.q", (n, nq, d)) if nq else None
+        k = ops.scratch("d.k", (n, nkv, d))
+        ops.qk_norm_rope(heads[:, :nq + nkv], nq, layer.q_norm, layer.k_norm, c.rms_norm_eps, positions, self.inv_freq,
+                         False, q, k)
+        return q, k, heads[:, nq + nkv:]
 
     def _mlp(self, x, layer):
         ops, n, I2 = self.ops, len(x), len(layer.gate_up)

@@ -28,7 +28,7 @@ from kernels.gemm import (GemmWorkspace, gemm, gemm_config, gemm_sync_words, gem
 from kernels.mla import mla_attention, mla_work
 from kernels.moe import MAX_SLOTS, Experts, device_experts, moe, moe_workspace, router
 from kernels.norm import add_rmsnorm, rmsnorm
-from kernels.rope import rope
+from kernels.rope import qk_norm_rope, rope
 from kernels.sample import sample
 from numbaengine.backends import visibility_ref
 
@@ -233,6 +233,7 @@ class KernelOps:
     rmsnorm = staticmethod(rmsnorm)
     add_rmsnorm = staticmethod(add_rmsnorm)
     rope = staticmethod(rope)
+    qk_norm_rope = staticmethod(qk_norm_rope)
     silu_mul = staticmethod(silu_mul)
 
     def gemm(self, x, w, out):

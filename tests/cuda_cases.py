@@ -102,6 +102,27 @@ def check_rope(env, n, heads, nope, rope_dim, interleaved, seed=0):
     assert_close(f"rope n={n} interleaved={interleaved}", env.host(dq), ref, 2e-5)
 
 
+def check_qk_norm_rope(env, n, nq, nk, d, interleaved, seed=0):
+    """Head norms + rope of the q|k heads of a stacked q|k|v row (a strided view); nq = 0: keys alone."""
+    from kernels.rope import qk_norm_rope, qk_norm_rope_ref, rope_inv_freq
+    rng = np.random.default_rng(seed)
+    qkv = (rng.standard_normal((n, nq + 2 * nk, d)) * 3).astype(np.float32)
+    q_w, k_w = rand_bf16(rng, d), rand_bf16(rng, d)
+    pos = rng.integers(0, 100_000, n).astype(np.int32)
+    inv, _ = rope_inv_freq(d, 1e6)
+    q_out = poisoned(env, (n, nq, d), np.float32) if nq else None
+    k_out = poisoned(env, (n, nk, d), np.float32)
+    dqkv = env.dev(qkv)
+    qk_norm_rope(dqkv[:, :nq + nk], nq, env.dev(q_w), env.dev(k_w), 1e-6, env.dev(pos), env.dev(inv), interleaved,
+                 q_out, k_out)
+    rq, rk = np.empty((n, nq, d), np.float32), np.empty((n, nk, d), np.float32)
+    qk_norm_rope_ref(qkv[:, :nq + nk], nq, q_w, k_w, 1e-6, pos, inv, interleaved, rq, rk)
+    if nq:
+        assert_close(f"qk_norm_rope q nq={nq}", env.host(q_out), rq, 2e-5)
+    assert_close(f"qk_norm_rope k nq={nq} nk={nk}", env.host(k_out), rk, 2e-5)
+    assert_close("qk_norm_rope leaves its input", env.host(dqkv), qkv, 0)
+
+
 def check_argmax_topk(env, n, vocab, k, seed=0):
     from kernels.topk import argmax, argmax_ref, topk, topk_ref
     rng = np.random.default_rng(seed)
@@ -177,9 +198,9 @@ def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, s
     assert_close(f"moe n={n} {mode} xs={xs} int4={int4}", env.host(out), ref, 1e-4 if xs == 2 else 2e-2)
 
 
-def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0):
+def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_per_pass=4, token_blocks=None):
     """Router vs router_ref; a tie in the choice may pick a different expert only when the two choices are
-    within float rounding of each other."""
+    within float rounding of each other. token_blocks: the logits' block rows (None: the default rule)."""
     from kernels.moe import moe_workspace, router, router_ref
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, hidden)).astype(np.float32)
@@ -187,7 +208,8 @@ def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0):
     bias = (rng.standard_normal(n_exp) * 0.02).astype(np.float32)
     ws = moe_workspace(n, k, 64, 64, n_exp, lambda shape, dtype: poisoned(env, shape, dtype))
     ii, ww = poisoned(env, (n, k), np.int32), poisoned(env, (n, k), np.float32)
-    router(env.dev(x), env.dev(wg), env.dev(bias), k, n_group, topk_group, True, 2.827, ii, ww, ws)
+    router(env.dev(x), env.dev(wg), env.dev(bias), k, n_group, topk_group, True, 2.827, ii, ww, ws, tokens_per_pass,
+           token_blocks)
     ri, rw = router_ref(x, wg, bias, k, n_group, topk_group, True, 2.827, np.empty((n, k), np.int32),
                         np.empty((n, k), np.float32))
     gi, gw = env.host(ii), env.host(ww)

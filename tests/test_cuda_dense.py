@@ -59,6 +59,8 @@ SIM_CASES = {
     "silu_mul": lambda env: C.check_silu_mul(env, 2, 70),
     "rope_interleaved": lambda env: C.check_rope(env, 3, 2, 8, 8, True),
     "rope_rotate_half": lambda env: C.check_rope(env, 3, 2, 8, 8, False),
+    "qk_norm_rope_stacked": lambda env: C.check_qk_norm_rope(env, 2, 3, 1, 8, False),
+    "qk_norm_rope_keys_only_interleaved": lambda env: C.check_qk_norm_rope(env, 2, 0, 2, 70, True),
     "argmax_topk": lambda env: C.check_argmax_topk(env, 2, 300, 4),
 }
 
@@ -181,6 +183,14 @@ def test_gpu_silu_mul():
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_gpu_rope(interleaved):
     C.check_rope(Env(gpu=True), 33, 64, 128, 64, interleaved)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nq,nk", [(6, 2), (0, 2), (32, 4), (12, 20)])
+def test_gpu_qk_norm_rope(nq, nk):
+    """The drafter's fused head norms + rope: the pair's 6+2 heads, keys alone (context rows), more heads than
+    warps (32+4), d = 128."""
+    C.check_qk_norm_rope(Env(gpu=True), 17, nq, nk, 128 if nq > 6 else 64, False)
 
 
 @pytest.mark.gpu

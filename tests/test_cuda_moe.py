@@ -18,6 +18,8 @@ SIM_CASES = {
                                                               held=(4, 2), shared=True),
     "router_one_group": lambda env: C.check_router(env, 3, 64, 16, 4, 1, 1),
     "router_grouped": lambda env: C.check_router(env, 3, 64, 16, 4, 4, 2),
+    "router_passes_over_2_block_rows": lambda env: C.check_router(env, 7, 64, 16, 2, 1, 1, tokens_per_pass=2,
+                                                                  token_blocks=2),
 }
 
 
@@ -50,3 +52,9 @@ def test_gpu_moe_bf16_experts():
 @pytest.mark.parametrize("n,n_group,topk_group", [(1, 1, 1), (65, 1, 1), (17, 8, 4)])
 def test_gpu_router(n, n_group, topk_group):
     C.check_router(Env(gpu=True), n, 7168, 384, 8, n_group, topk_group)
+
+
+@pytest.mark.gpu
+def test_gpu_router_pair_tree_rows():
+    """The shipped pair's router on a budget-16 tree: 17 rows over 16 experts (passes spread over block rows)."""
+    C.check_router(Env(gpu=True), 17, 384, 16, 2, 1, 1)

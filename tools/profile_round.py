@@ -4,9 +4,11 @@ numba kernel launch, grouped by phase and kernel. On the lent GPU:
     python -m tools.profile_round --mode ddtree --budget 16 --out profile.json
     python -m tools.profile_round --synth-k2 2 --mode ddtree --budget 16
 
-Event pairs time each kernel alone (eager launches leave gaps between kernels that graph replay does not), so the
-sum is the round's kernel time without launch gaps; CuPy's own kernels (copies, fills) are not in the table. The
-round runs on the engine's device buffers; lengths and bonus tokens are restored afterwards.
+Each timed launch waits behind a short sleeping kernel, so the host's launch cost lands inside the sleep and the
+event pair times the kernel alone (eager launches leave gaps between kernels that graph replay does not; without
+the sleep each pair would time the launch overhead instead). The sum is the round's kernel time without launch
+gaps; CuPy's own kernels (copies, fills) are not in the table. --each lists every launch in order with its grid.
+The round runs on the engine's device buffers; lengths and bonus tokens are restored afterwards.
 """
 from __future__ import annotations
 
@@ -19,19 +21,37 @@ from pathlib import Path
 from tools.bench import PROMPTS, ROOT, synth_k2
 
 
-def profile(cp, dev) -> list:
-    """[(phase, kernel, launches, total ms)] of one eager round of DeviceRounds `dev`, slowest first."""
+HOLD_NS = 200_000       # the sleep ahead of each timed launch: longer than one eager launch takes on the host
+
+
+def _hold_kernel():
+    from numba import cuda
+
+    @cuda.jit
+    def hold(ns):
+        for _ in range(ns // 20_000):
+            cuda.nanosleep(20_000)
+    return hold
+
+
+def profile(cp, dev) -> tuple:
+    """One eager round of DeviceRounds `dev`: ([(phase, kernel, launches, total ms)] slowest first,
+    [(phase, kernel, grid, block, ms)] in launch order)."""
     from numba.cuda.dispatcher import _LaunchConfiguration
-    records, phase = [], ["-"]
+
+    from kernels.device import current_stream
+    records, phase, hold = [], ["-"], _hold_kernel()
     launch = _LaunchConfiguration.__call__
 
     def timed(cfg, *args):
         s = cp.cuda.get_current_stream()
         a, b = cp.cuda.Event(), cp.cuda.Event()
+        launch(hold[1, 1, current_stream()], HOLD_NS)   # the GPU sleeps while the host enqueues pair + kernel
         a.record(s)
         out = launch(cfg, *args)
         b.record(s)
-        records.append((phase[0], getattr(cfg.dispatcher.py_func, "__name__", "?"), a, b))
+        records.append((phase[0], getattr(cfg.dispatcher.py_func, "__name__", "?"), tuple(cfg.griddim),
+                        tuple(cfg.blockdim), a, b))
         return out
 
     saved = [a.copy() for a in (dev.lengths, dev.bonus)]
@@ -44,11 +64,12 @@ def profile(cp, dev) -> list:
     dev.stream.synchronize()
     dev.lengths[...], dev.bonus[...] = saved
     dev.stream.synchronize()
+    each = [(ph, name, grid, block, cp.cuda.get_elapsed_time(a, b)) for ph, name, grid, block, a, b in records]
     table = collections.defaultdict(lambda: [0, 0.0])
-    for ph, name, a, b in records:
+    for ph, name, _, _, ms in each:
         table[ph, name][0] += 1
-        table[ph, name][1] += cp.cuda.get_elapsed_time(a, b)
-    return sorted(((ph, name, n, ms) for (ph, name), (n, ms) in table.items()), key=lambda r: -r[3])
+        table[ph, name][1] += ms
+    return sorted(((ph, name, n, ms) for (ph, name), (n, ms) in table.items()), key=lambda r: -r[3]), each
 
 
 def main(argv=None):
@@ -60,6 +81,7 @@ def main(argv=None):
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--each", action="store_true", help="also list every launch in order")
     ap.add_argument("--out", default="profile.json")
     args = ap.parse_args(argv)
     import cupy as cp
@@ -76,7 +98,7 @@ def main(argv=None):
     engine.generate_batch(prompts, 8, mode=args.mode, budget=args.budget, stop=[])   # compile, size, capture
     dev = next(iter(engine.rounds_cache.values()))
     profile(cp, dev)                                                   # warm the event path once
-    rows = profile(cp, dev)
+    rows, each = profile(cp, dev)
     total = sum(r[3] for r in rows)
     by_phase = collections.Counter()
     for ph, _, _, ms in rows:
@@ -85,9 +107,12 @@ def main(argv=None):
           f"{total:.3f} ms of kernel time; by phase: " + ", ".join(f"{k} {v:.3f}" for k, v in by_phase.items()))
     for ph, name, n, ms in rows:
         print(f"{ph:7s} {name:32s} x{n:<4d} {ms * 1e3:9.1f} us  {100 * ms / total:5.1f}%")
+    for ph, name, grid, block, ms in each if args.each else ():
+        print(f"  {ph:7s} {name:32s} grid {str(grid):14s} block {str(block):12s} {ms * 1e3:7.1f} us")
     name = f"synthetic K2.6 x{args.synth_k2}" if args.synth_k2 else str(model)
     out = dict(mode=args.mode, budget=args.budget, batch=args.batch, model=name, total_ms=total,
-               by_phase=dict(by_phase), rows=[dict(phase=p, kernel=k, launches=n, ms=ms) for p, k, n, ms in rows])
+               by_phase=dict(by_phase), rows=[dict(phase=p, kernel=k, launches=n, ms=ms) for p, k, n, ms in rows],
+               each=[dict(phase=p, kernel=k, grid=g, block=b, ms=ms) for p, k, g, b, ms in each])
     Path(args.out).write_text(json.dumps(out, indent=1))
 
 
