@@ -43,8 +43,8 @@ class DeviceRounds:
     """Static device state of `batch` sequences and the round over it.
 
     Device state per sequence b: latent cache rows (one array u16[layers, B, cap, D]), lengths[b] = committed
-    rows = position of the bonus token, bonus[b], budgets[b], and with a drafter its context K/V per layer
-    f32[B, cap, nkv, d]. cap = max_len + room for one round's uncommitted rows."""
+    rows = position of the bonus token, bonus[b], budgets[b], and with a drafter its context K|V per layer
+    f32[B, cap, 2 nkv, d] (key heads, then value heads). cap = max_len + room for one round's uncommitted rows."""
 
     def __init__(self, target, drafter, shape: Shape, graphs=True):
         if shape.mode not in MODES:
@@ -70,9 +70,11 @@ class DeviceRounds:
         self.hidden = ops.zeros((F, B * N, H), np.float32)
         if self.drafter is not None:
             dc = self.drafter.cfg
-            ctx = (B, self.cap, dc.num_key_value_heads, dc.head_dim)
-            self.ctx_k = [ops.zeros(ctx, np.float32) for _ in range(dc.num_hidden_layers)]
-            self.ctx_v = [ops.zeros(ctx, np.float32) for _ in range(dc.num_hidden_layers)]
+            nkv = dc.num_key_value_heads
+            self.ctx_kv = [ops.zeros((B, self.cap, 2 * nkv, dc.head_dim), np.float32)
+                           for _ in range(dc.num_hidden_layers)]              # per row: nkv key heads, nkv values
+            self.ctx_k = [kv[:, :, :nkv] for kv in self.ctx_kv]
+            self.ctx_v = [kv[:, :, nkv:] for kv in self.ctx_kv]
             self.block_tokens = ops.zeros((B, self.Lb), np.int32)
             self.block_pos = ops.zeros(B * self.Lb, np.int32)
             self.kv_len = ops.zeros(B, np.int32)
@@ -181,9 +183,8 @@ class DeviceRounds:
         ops.block_inputs(self.bonus, self.lengths, d.mask_id, self.block_tokens, self.block_pos, self.kv_len)
         h = self.target.embed(self.block_tokens.reshape(-1), ops.scratch("d.h", (B * Lb, d.cfg.hidden_size)))
 
-        def attend(i, q, k, v):        # block keys go right after the committed context, then attend to it all
-            ops.write_rows(k, self.ctx_k[i], self.lengths)
-            ops.write_rows(v, self.ctx_v[i], self.lengths)
+        def attend(i, q, kv):          # block keys go right after the committed context, then attend to it all
+            ops.write_rows(kv, self.ctx_kv[i], self.lengths)
             o = ops.scratch("d.o", (B, Lb, nh, hd))
             return ops.kv_attention(q.reshape(B, Lb, nh, hd), self.ctx_k[i], self.ctx_v[i], self.kv_len, d.scale,
                                     o).reshape(B * Lb, nh, hd)
@@ -198,9 +199,8 @@ class DeviceRounds:
         """Drafter context rows start[b].. of `slots` from target features feats f32[b, P, F*H] at positions
         i32[b*P] (rows past a sequence's tau land beyond its length and are overwritten later)."""
         nb, P, FH = feats.shape
-        for i, k, v in drafter.context_kv(feats.reshape(nb * P, FH), positions):
-            drafter.ops.write_rows(k, self.ctx_k[i][slots], start)
-            drafter.ops.write_rows(v, self.ctx_v[i][slots], start)
+        for i, kv in drafter.context_kv(feats.reshape(nb * P, FH), positions):
+            drafter.ops.write_rows(kv, self.ctx_kv[i][slots], start)
 
     # --- graphs ------------------------------------------------------------------------------------------------------
 

@@ -212,19 +212,20 @@ class Drafter:
             raise ValueError(f"drafter context: {ctx.length + n} tokens exceed its {len(ctx.k[0])} rows")
         feats = np.ascontiguousarray(hidden.transpose(1, 0, 2)).reshape(n, F * H)      # [n, F*H]
         rows = slice(ctx.length, ctx.length + n)
-        for i, k, v in self.context_kv(feats, positions):
-            ctx.k[i][rows], ctx.v[i][rows] = k, v
+        nkv = self.cfg.num_key_value_heads
+        for i, kv in self.context_kv(feats, positions):
+            ctx.k[i][rows], ctx.v[i][rows] = kv[:, :nkv], kv[:, nkv:]
         ctx.length += n
 
     def context_kv(self, feats, positions):
         """Per layer i, the context keys and values of committed tokens: feats f32[n, F*H] (concatenated target
-        features) at positions i32[n] -> (i, k_norm(k_proj(f)) roped f32[n, nkv, d], v_proj(f) f32[n, nkv, d])
-        with f = hidden_norm(fc(feats)). Yields views of scratch: use each before the next."""
+        features) at positions i32[n] -> (i, kv f32[n, 2 nkv, d]): heads [0, nkv) k_norm(k_proj(f)) roped, then
+        v_proj(f), with f = hidden_norm(fc(feats)). Yields views of scratch: use each before the next."""
         ops, n = self.ops, len(feats)
         f = ops.gemm(feats, self.fc, ops.scratch("d.f", (n, self.cfg.hidden_size)))
         ops.rmsnorm(f, self.hidden_norm, self.cfg.rms_norm_eps, f)                     # [n, H]
         for i, layer in enumerate(self.layers):
-            yield (i,) + self._qkv(f, layer, layer.kv, positions)[1:]
+            yield i, self._qkv(f, layer, layer.kv, positions)[1]
 
     # --- the block forward -----------------------------------------------------------------------------------------
 
@@ -236,9 +237,10 @@ class Drafter:
         tokens[0] = bonus
         positions = np.arange(start, start + Lb, dtype=np.int32)
 
-        def attend(i, q, k, v):          # the block sees the committed context and itself, no mask
-            keys = np.concatenate([ctx.k[i][:ctx.length], k])                          # [S+Lb, nkv, d]
-            vals = np.concatenate([ctx.v[i][:ctx.length], v])
+        def attend(i, q, kv):            # the block sees the committed context and itself, no mask
+            nkv = c.num_key_value_heads
+            keys = np.concatenate([ctx.k[i][:ctx.length], kv[:, :nkv]])                # [S+Lb, nkv, d]
+            vals = np.concatenate([ctx.v[i][:ctx.length], kv[:, nkv:]])
             return ops.attention(q, keys, vals, None, self.scale, np.empty_like(q))   # [Lb, nh, d]
 
         h = self.block(self.target.embed(tokens, ops.scratch("d.h", (Lb, c.hidden_size))), positions, attend)
@@ -251,8 +253,8 @@ class Drafter:
 
     def block(self, h, positions, attend):
         """The drafter layers over block rows h f32[n, H] (updated in place and returned) at positions i32[n].
-        attend(i, q f32[n, nh, d], k f32[n, nkv, d], v f32[n, nkv, d]) -> f32[n, nh, d] is layer i's attention
-        of the block over its context plus the block's own keys and values (k, v)."""
+        attend(i, q f32[n, nh, d], kv f32[n, 2 nkv, d]) -> f32[n, nh, d] is layer i's attention of the block over
+        its context plus the block's own keys (kv heads [0, nkv)) and values (the rest)."""
         c, ops, n = self.cfg, self.ops, len(h)
         x = ops.scratch("d.x", h.shape)
         ops.rmsnorm(h, self.layers[0].ln1, c.rms_norm_eps, x)
@@ -269,16 +271,15 @@ class Drafter:
 
     def _qkv(self, x, layer, w, positions):
         """x f32[n, H] through the stacked projection w (layer.qkv, or layer.kv for keys and values alone), head
-        norms and RoPE at positions -> q f32[n, nh, d] (None for kv), k f32[n, nkv, d], v f32[n, nkv, d] (a view
-        of the projection)."""
+        norms and RoPE at positions (keys in place) -> q f32[n, nh, d] (None for kv), kv f32[n, 2 nkv, d] (keys,
+        then values: one row write puts both into a context)."""
         c, ops, n, d = self.cfg, self.ops, len(x), self.cfg.head_dim
         heads = ops.gemm(x, w, ops.scratch("d.qkv", (n, len(w)))).reshape(n, -1, d)  # [n, (nh +) 2 nkv, d]
         nq, nkv = heads.shape[1] - 2 * c.num_key_value_heads, c.num_key_value_heads
         q = ops.scratch("d.q", (n, nq, d)) if nq else None
-        k = ops.scratch("d.k", (n, nkv, d))
         ops.qk_norm_rope(heads[:, :nq + nkv], nq, layer.q_norm, layer.k_norm, c.rms_norm_eps, positions, self.inv_freq,
-                         False, q, k)
-        return q, k, heads[:, nq + nkv:]
+                         False, q, heads[:, nq:nq + nkv])
+        return q, heads[:, nq:]
 
     def _mlp(self, x, layer):
         ops, n, I2 = self.ops, len(x), len(layer.gate_up)

@@ -16,12 +16,13 @@ import argparse
 import collections
 import json
 import tempfile
+import time
 from pathlib import Path
 
 from tools.bench import PROMPTS, ROOT, synth_k2
 
-
-HOLD_NS = 200_000       # the sleep ahead of each timed launch: longer than one eager launch takes on the host
+HOLD_NS = 2_000_000     # the sleep ahead of each timed launch: longer than one eager launch takes on the host
+                        # (200 us was not: numba's launch of a kernel with 15 array arguments took longer)
 
 
 def _hold_kernel():
@@ -40,16 +41,18 @@ def profile(cp, dev) -> tuple:
     from numba.cuda.dispatcher import _LaunchConfiguration
 
     from kernels.device import current_stream
-    records, phase, hold = [], ["-"], _hold_kernel()
+    records, phase, hold, host = [], ["-"], _hold_kernel(), [0.0]
     launch = _LaunchConfiguration.__call__
 
     def timed(cfg, *args):
         s = cp.cuda.get_current_stream()
         a, b = cp.cuda.Event(), cp.cuda.Event()
         launch(hold[1, 1, current_stream()], HOLD_NS)   # the GPU sleeps while the host enqueues pair + kernel
+        t0 = time.perf_counter()
         a.record(s)
         out = launch(cfg, *args)
         b.record(s)
+        host[0] = max(host[0], time.perf_counter() - t0)
         records.append((phase[0], getattr(cfg.dispatcher.py_func, "__name__", "?"), tuple(cfg.griddim),
                         tuple(cfg.blockdim), a, b))
         return out
@@ -64,6 +67,9 @@ def profile(cp, dev) -> tuple:
     dev.stream.synchronize()
     dev.lengths[...], dev.bonus[...] = saved
     dev.stream.synchronize()
+    if host[0] > 0.8 * HOLD_NS / 1e9:
+        raise RuntimeError(f"profile: an eager launch took {host[0] * 1e6:.0f} us on the host, near the "
+                           f"{HOLD_NS / 1e3:.0f} us sleep ahead of it: its events would time the host; raise HOLD_NS")
     each = [(ph, name, grid, block, cp.cuda.get_elapsed_time(a, b)) for ph, name, grid, block, a, b in records]
     table = collections.defaultdict(lambda: [0, 0.0])
     for ph, name, _, _, ms in each:
