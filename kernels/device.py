@@ -74,6 +74,19 @@ def _unwrap(arr):
     return getattr(item, "_ary", item)
 
 
+def _flat(arr):
+    """Elements from a kernel argument's first one on, as the GPU's pointer arithmetic sees them: a view of the
+    memory the array spans (a strided view's element offsets, computed from its strides, index it as on the GPU;
+    reshape(-1) would copy it and index the copy)."""
+    a = _unwrap(arr)
+    if a.flags.c_contiguous or a.size == 0:
+        return a.reshape(-1)
+    if min(a.strides) < 0:
+        raise ValueError("simulator loads: negative strides are not supported")
+    span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.strides)) // a.itemsize
+    return np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,))
+
+
 def _bits_f32(u):
     return np.array(u, dtype=np.uint32).view(np.float32)[()]
 
@@ -96,18 +109,18 @@ def _pair_f32(u):
 
 if SIM:
     def ld16(arr, i):
-        """Four uint32 words from element i of a contiguous array (16 bytes, 16-byte aligned)."""
-        a = _unwrap(arr).reshape(-1)
+        """Four uint32 words from element i of an array (16 bytes, 16-byte aligned; see _flat for views)."""
+        a = _flat(arr)
         w = a[i:i + 16 // a.itemsize].view(np.uint32)
         return w[0], w[1], w[2], w[3]
 
     def ld8(arr, i):
-        a = _unwrap(arr).reshape(-1)
+        a = _flat(arr)
         w = a[i:i + 8 // a.itemsize].view(np.uint32)
         return w[0], w[1]
 
     def ld4(arr, i):
-        a = _unwrap(arr).reshape(-1)
+        a = _flat(arr)
         return a[i:i + 4 // a.itemsize].view(np.uint32)[0]
 
     ld16_pf = ld16

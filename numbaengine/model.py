@@ -131,8 +131,9 @@ class Target:
         nh, nope, rope, r = len(w.w_uk), cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank  # nh: held here
         ql = cfg.q_lora_rank
         qkv = ops.gemm(x, w.q_kv_a, ops.scratch("q_kv_a", (T, ql + r + rope)))  # q_a and kv_a read x once
-        cq, kv = qkv[:, :ql], qkv[:, ql:]                                      # kv becomes the latent row
-        ops.rmsnorm(cq, w.q_a_norm, LATENT_NORM_EPS, cq)
+        kv = qkv[:, ql:]                                                       # kv becomes the latent row
+        cq = ops.rmsnorm(qkv[:, :ql], w.q_a_norm, LATENT_NORM_EPS, ops.scratch("q_a", (T, ql)))  # contiguous:
+        # the q_b GEMM reads it in place (a strided x above one row costs the GEMM a packing launch)
         q = ops.gemm(cq, w.q_b, ops.scratch("q", (T, nh * (nope + rope)))).reshape(T, nh, nope + rope)
         ops.rmsnorm(kv[:, :r], w.kv_a_norm, LATENT_NORM_EPS, kv[:, :r])
         ops.rope(kv[:, None, r:], pos, self.inv_freq, kv[:, None, r:], True, self.rope_factor)
