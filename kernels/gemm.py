@@ -380,15 +380,19 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
         """out f32[m, n] (or part f32[splits, m, n] when gridDim.y > 1) = x @ W^T over this block's k range.
         xb: f32 flat [m, k] (BF=1) or u32 tiled (BF=2, `prep_b` tiled=1); w: u32 flat [n, k/2].
         FR=1 with splits: the last block of a row range to finish (counter sync[blockIdx.x], left at 0) adds the
-        splits' partials in order into out (no reduce launch). S > 0: weights through per-warp cp.async rings
-        (dynamic shared memory, ring_words(R, S, nwr*nwk) words; the in-block k-split exchange reuses it: gemm_smem
-        bytes in all). Launch: grid (ceil(n/16/(nwr*R)), splits),
-        block 32*nwr*nwk (<= 256). Moves n*k*2 bytes of weights (plus x through L1/L2, 2*splits*m*n*4 of partials)."""
+        splits' partials in order into out (no reduce launch). gridDim.z > 1 (BF=1, S=0, FR=0 only): blocks of 8T
+        token rows, so x of any height is one launch (each row block reads the weights again: from L2 when they
+        fit). S > 0: weights through per-warp cp.async rings (dynamic shared memory, ring_words(R, S, nwr*nwk)
+        words; the in-block k-split exchange reuses it: gemm_smem bytes in all). Launch: grid (ceil(n/16/(nwr*R)),
+        splits, row blocks), block 32*nwr*nwk (<= 256). Moves n*k*2 bytes of weights per row block (plus x through
+        L1/L2, 2*splits*m*n*4 of partials)."""
         lane = lane_id()
         g, t = lane // 4, lane % 4
         warp = cuda.threadIdx.x // 32
         wr, wk = warp % nwr, warp // nwr
         tile0 = (cuda.blockIdx.x * nwr + wr) * R
+        r0 = cuda.blockIdx.z * 8 * T                 # this block's token rows: [r0, r0 + mb)
+        mb = min(m - r0, 8 * T)
         sb, nsb = cuda.blockIdx.y, cuda.gridDim.y
         half = kdim // 2
         s0, s1 = _split_range(sb * nwk + wk, nsb * nwk, kdim // 32)
@@ -401,7 +405,7 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
             aoff[2 * r + 1] = min(row + 8, n - 1) * half
         for tt in range(T):
             boff[tt] = (tt * XS * RING_CHUNK + lane * 4 if BF == 2
-                        else min(tt * 8 + g, m - 1) * (kdim if BF else XS * half))
+                        else (r0 + min(tt * 8 + g, mb - 1)) * (kdim if BF else XS * half))
         for i in range(NACC):
             acc[i] = F0
         mainloop(w, w, xb, s0, s1, t, half, aoff, aoff, boff, acc)
@@ -413,11 +417,11 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
                     for e in range(4):
                         row = (tile0 + r) * 16 + g + 8 * (e // 2)
                         tok = tt * 8 + 2 * t + e % 2
-                        if row < n and tok < m:
+                        if row < n and tok < mb:
                             if nsb == 1:
-                                out[tok, row] = acc[i + e]
+                                out[r0 + tok, row] = acc[i + e]
                             else:
-                                part[sb, tok, row] = acc[i + e]
+                                part[sb, r0 + tok, row] = acc[i + e]
         if FR and nsb > 1:
             last_split_reduce(part, out, sync, m, n, nwr * R * 16)
 
@@ -484,6 +488,7 @@ def _build_reduce():
 
 # ---------------------------------------------------------------------------------------------------- launcher
 SMEM_MAX = 227 * 1024 - 64     # dynamic shared bytes a block may ask for on sm_90 (less the static bytes)
+TILES_MAX = 8      # token tiles (8 rows each) one GEMM block holds; taller x runs as grid-z row blocks
 SMALL_WEIGHTS = 4 << 20    # bytes: below, a GEMM streams its weights in about a launch's time (gemm_config)
 RING_STAGES = 4    # cp.async ring depth at one token tile without a k split (lm_head m=1: 89.9% -> 94.2% of copy)
 
@@ -529,7 +534,7 @@ def gemm_config(m, n, k, target_warps=4096, small=None):
     pieces = max(1, min(target_warps // tiles, steps // 4, 64))
     wk = next(w for w in (8, 4, 2, 1) if pieces >= 2 * w or w == 1)
     sb = max(1, pieces // wk)
-    T = math.ceil(m / 8)
+    T = min(math.ceil(m / 8), TILES_MAX)
     R = 2 if T <= 5 else 1
     wr = max(1, 8 // wk)
     U = (4 if sb > 1 else 2) if T == 1 else (1 if T == 3 else 2)
@@ -552,9 +557,11 @@ def gemm_config(m, n, k, target_warps=4096, small=None):
 
 
 def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):
-    """(xb words, part floats) a call needs (xb: the tiled B operand, token rows padded to 8)."""
+    """(xb words, part floats) a call needs (xb: the tiled B operand, token rows padded to 8; none for x taller than
+    one block, which the GEMM reads itself)."""
     cfg = cfg or gemm_config(m, n, k)
-    return math.ceil(m / 8) * 8 * xs * k // 2, (cfg.SB * m * n if cfg.SB > 1 else 0)
+    xb = math.ceil(m / 8) * 8 * xs * k // 2 if m <= 8 * TILES_MAX else 0
+    return xb, (cfg.SB * m * n if cfg.SB > 1 else 0)
 
 
 def gemm_sync_words(m, n, k, cfg=None):
@@ -586,8 +593,12 @@ def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
     nsync = gemm_sync_words(m, n, k, cfg) if ws.sync is not None else 0
     if nsync and ws.sync.size < nsync:
         raise ValueError(f"gemm: sync counters too few ({ws.sync.size} < {nsync})")
-    T = math.ceil(m / 8)
-    fused = cfg.BF and _contiguous(x)
+    T = min(math.ceil(m / 8), TILES_MAX)
+    zb = math.ceil(m / (8 * T))                  # row blocks (grid z) of x taller than 8 * TILES_MAX rows
+    fused = cfg.BF and contiguous(x)
+    if zb > 1 and not (fused and not cfg.S and not nsync):
+        raise ValueError(f"gemm: x of {m} rows (> {8 * TILES_MAX}) needs contiguous f32 x, BF=1, S=0 and no fused "
+                         f"reduce (got {cfg}, contiguous={contiguous(x)})")
     if fused:
         xb = x.reshape(m * k)
     else:
@@ -599,7 +610,7 @@ def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
     rb = int(bool(cfg.S and cfg.RB and not fused))
     kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, 1 if fused else 2, int(nsync > 0),
                    (threads, cfg.MB) if cfg.MB else None, cfg.S, rb)
-    grid = (math.ceil(n / 16 / (cfg.WR * cfg.R)), cfg.SB)
+    grid = (math.ceil(n / 16 / (cfg.WR * cfg.R)), cfg.SB, zb)
     part = ws.part[:npart].reshape(cfg.SB, m, n) if npart else ws.part[:1].reshape(1, 1, 1)
     sync = (ws.sync[:nsync],) if nsync else ()
     args = (xb, _words(w), out, part, *sync, int32(m), int32(n), int32(k), int32(cfg.WR), int32(cfg.WK))
@@ -615,7 +626,7 @@ def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
     return out
 
 
-def _contiguous(a):
+def contiguous(a):
     """C-contiguous (numpy or numba device array)."""
     flags = getattr(a, "flags", None)
     return bool(flags["C_CONTIGUOUS"]) if flags is not None else a.is_c_contiguous()

@@ -23,8 +23,8 @@ from numba import cuda, int32, uint16, uint32
 from kernels.act import silu_mul
 from kernels.attention import attention, kv_attention, kv_attention_work
 from kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
-from kernels.gemm import (GemmWorkspace, gemm, gemm_config, gemm_sync_words, gemm_workspace_words, head_gemm,
-                          head_gemm_workspace_words)
+from kernels.gemm import (TILES_MAX, GemmWorkspace, contiguous, gemm, gemm_config, gemm_sync_words,
+                          gemm_workspace_words, head_gemm, head_gemm_workspace_words)
 from kernels.mla import mla_attention, mla_work
 from kernels.moe import MAX_SLOTS, Experts, device_experts, moe, moe_workspace, router
 from kernels.norm import add_rmsnorm, rmsnorm
@@ -33,7 +33,8 @@ from kernels.sample import sample
 from numbaengine.backends import visibility_ref
 
 
-GEMM_ROWS = 64               # tallest x one dense GEMM launch takes (its shared-memory activation tile)
+GEMM_ROWS = 8 * TILES_MAX    # token rows of one GEMM block; taller x runs as several row blocks of one launch
+TALL_PART_BYTES = 64 << 20   # k-split partials a tall GEMM may use (else a launch per row block, partials reused)
 MLA_ONE_SPLIT = 512          # caches up to this many rows run one split per sequence (no merge pass)
 MLA_SPLIT_ROWS = 256         # more query rows per sequence (a prompt) fill the GPU with row tiles: no split scratch
 
@@ -237,18 +238,22 @@ class KernelOps:
     silu_mul = staticmethod(silu_mul)
 
     def gemm(self, x, w, out):
-        """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T (mma GEMM; k % 32 == 0). Taller x (a batch of trees)
-        runs in blocks of GEMM_ROWS rows, each reading the weights again."""
+        """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T (mma GEMM; k % 32 == 0). x taller than GEMM_ROWS (a
+        batch of trees, a prompt) is one launch over blocks of GEMM_ROWS rows (each block reads the weights again:
+        from L2 when they fit) when x is contiguous and the k-split partials stay under TALL_PART_BYTES; else a
+        launch per block."""
         (m, k), n = x.shape, w.shape[0]
-        if m > GEMM_ROWS:
-            for r in range(0, m, GEMM_ROWS):
-                self.gemm(x[r:r + GEMM_ROWS], w, out[r:r + GEMM_ROWS])
-            return out
         if self.trim_warps:      # simulator time: few k-pieces, no warps without rows
             cfg = gemm_config(m, n, k, target_warps=64)
             cfg = dataclasses.replace(cfg, WR=max(1, min(cfg.WR, math.ceil(n / 16 / cfg.R))))
         else:
             cfg = gemm_config(m, n, k)
+        if m > GEMM_ROWS:
+            if not (contiguous(x) and (cfg.SB == 1 or 4 * cfg.SB * m * n <= TALL_PART_BYTES)):
+                for r in range(0, m, GEMM_ROWS):
+                    self.gemm(x[r:r + GEMM_ROWS], w, out[r:r + GEMM_ROWS])
+                return out
+            cfg = dataclasses.replace(cfg, BF=1, FR=0, S=0)
         nxb, npart = gemm_workspace_words(m, n, k, cfg=cfg)
         nsync = gemm_sync_words(m, n, k, cfg)
         if self._gemm_sync is None or self._gemm_sync.size < nsync:    # never poisoned: every call leaves it zero

@@ -30,11 +30,31 @@ def check_gemm_fused_reduce(env, m, n, k, cfg=None, calls=2, seed=0):
         C.assert_close(f"gemm fused reduce m={m} n={n} k={k} call {call}", env.host(out), ref, 2e-5, scale)
         assert not env.host(ws.sync).any(), "k-split counters not left at zero"
 
+def check_ops_gemm_tall(env, m=100, n=48, k=64):
+    """KernelOps.gemm on x taller than one block: contiguous x (one launch, row blocks) and a strided view (a
+    launch per block) against gemm_ref."""
+    from kernels.gemm import gemm_ref
+    from numbaengine.ops_cuda import sim_ops
+    ops = sim_ops()
+    rng = np.random.default_rng(3)
+    wide = rng.standard_normal((m, k + 32)).astype(np.float32)
+    w = C.rand_bf16(rng, n, k)
+    for x in (np.ascontiguousarray(wide[:, :k]), wide[:, :k]):
+        out = C.poisoned(env, (m, n), np.float32)
+        ops.gemm(x, w, out)
+        ref = gemm_ref(x, w, np.empty((m, n), np.float32))
+        C.assert_close(f"ops.gemm m={m} contiguous={x.flags.c_contiguous}", env.host(out), ref, 2e-5,
+                       (np.abs(x) @ np.abs(C.bf16_to_f32(w)).T).max())
+
+
 SIM_CASES = {
     "gemm_2tiles_split_in_and_across_blocks": lambda env: C.check_gemm(env, 9, 40, 96, 2,
                                                                         GemmConfig(R=1, WR=1, WK=2, SB=2)),
     "gemm_bf16_activations_default_cut": lambda env: C.check_gemm(env, 3, 32, 64, 1),
     "gemm_small_weights_default_cut_3tiles": lambda env: C.check_gemm(env, 17, 32, 128, 2),
+    "gemm_tall_x_3_row_blocks": lambda env: C.check_gemm(env, 137, 32, 64, 2, GemmConfig(R=1, WR=1, WK=1, SB=1)),
+    "gemm_tall_x_split_reduce": lambda env: C.check_gemm(env, 70, 16, 128, 2, GemmConfig(R=1, WR=1, WK=1, SB=2, FR=0)),
+    "ops_gemm_tall_one_launch_and_strided_blocks": lambda env: check_ops_gemm_tall(env),
     "gemm_prep_launch_split": lambda env: C.check_gemm(env, 5, 32, 64, 2, GemmConfig(R=1, WR=1, WK=2, SB=2, BF=0)),
     "gemm_1token_tile_past_end_u_tail": lambda env: C.check_gemm(env, 1, 16, 128, 2,
                                                                   GemmConfig(R=2, WR=1, WK=1, SB=1, U=3)),
@@ -131,6 +151,15 @@ def test_gpu_gemm_fused_reduce(name, m):
 # the shipped pair's projections (target and drafter): small weights, where launches cost more than bytes
 PAIR_GEMMS = {"q_kv_a": (352, 384), "q_b": (576, 192), "o": (384, 384), "gate_up": (2048, 384), "down": (384, 1024),
               "shared_gate_up": (512, 384), "shared_down": (384, 256), "lm_head": (4096, 384), "d_kv": (128, 384)}
+
+
+def test_gemm_tall_x_needs_the_fused_cut():
+    """x taller than one GEMM block is read by the GEMM itself: a cut that would prep it is a clear error."""
+    from kernels.gemm import GemmWorkspace, gemm
+    x, w = np.zeros((65, 64), np.float32), np.zeros((16, 64), np.uint16)
+    ws = GemmWorkspace(np.zeros(1, np.uint32), np.zeros(1, np.float32))
+    with pytest.raises(ValueError, match="65 rows .* needs contiguous f32 x, BF=1"):
+        gemm(x, w, np.zeros((65, 16), np.float32), ws, cfg=GemmConfig(R=1, WR=1, WK=1, SB=1, BF=0))
 
 
 @pytest.mark.gpu
