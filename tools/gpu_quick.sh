@@ -8,9 +8,13 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
+# The NumPy references of the GPU tests multiply small matrices: OpenBLAS's one thread per core (16-128 here) spins
+# against the other test workers (suspected cause of a two-device test that sat 250 s in the reference decode).
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-4}
 rc=0
 if [ -n "${GPU_TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -v -rf -n "${GPU_TEST_WORKERS:-8}" $GPU_TESTS \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m gpu -v -rf -o faulthandler_timeout=$((${TEST_TIMEOUT:-300} - 30)) \
+    -n "${GPU_TEST_WORKERS:-8}" $GPU_TESTS \
     > "$OUT/pytest_gpu.log" 2>&1 || rc=1
   grep -E "FAILED|ERROR" "$OUT/pytest_gpu.log" | head -20      # -v: a run killed by its timeout still names them
   tail -3 "$OUT/pytest_gpu.log"
