@@ -488,7 +488,8 @@ def _build_reduce():
 
 # ---------------------------------------------------------------------------------------------------- launcher
 SMEM_MAX = 227 * 1024 - 64     # dynamic shared bytes a block may ask for on sm_90 (less the static bytes)
-TILES_MAX = 8      # token tiles (8 rows each) one GEMM block holds; taller x runs as grid-z row blocks
+TILES_MAX = 8      # token tiles (8 rows each) of one GEMM row block; taller x runs as grid-z row blocks
+TILES_ONE_BLOCK = 9   # most token tiles one block takes when x cannot run as row blocks (m = 65: the GPU tests)
 SMALL_WEIGHTS = 4 << 20    # bytes: below, a GEMM streams its weights in about a launch's time (gemm_config)
 RING_STAGES = 4    # cp.async ring depth at one token tile without a k split (lm_head m=1: 89.9% -> 94.2% of copy)
 
@@ -560,7 +561,7 @@ def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):
     """(xb words, part floats) a call needs (xb: the tiled B operand, token rows padded to 8; none for x taller than
     one block, which the GEMM reads itself)."""
     cfg = cfg or gemm_config(m, n, k)
-    xb = math.ceil(m / 8) * 8 * xs * k // 2 if m <= 8 * TILES_MAX else 0
+    xb = math.ceil(m / 8) * 8 * xs * k // 2 if m <= 8 * TILES_ONE_BLOCK else 0
     return xb, (cfg.SB * m * n if cfg.SB > 1 else 0)
 
 
@@ -593,12 +594,13 @@ def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
     nsync = gemm_sync_words(m, n, k, cfg) if ws.sync is not None else 0
     if nsync and ws.sync.size < nsync:
         raise ValueError(f"gemm: sync counters too few ({ws.sync.size} < {nsync})")
-    T = min(math.ceil(m / 8), TILES_MAX)
-    zb = math.ceil(m / (8 * T))                  # row blocks (grid z) of x taller than 8 * TILES_MAX rows
+    T, zb = math.ceil(m / 8), 1
     fused = cfg.BF and contiguous(x)
-    if zb > 1 and not (fused and not cfg.S and not nsync):
-        raise ValueError(f"gemm: x of {m} rows (> {8 * TILES_MAX}) needs contiguous f32 x, BF=1, S=0 and no fused "
-                         f"reduce (got {cfg}, contiguous={contiguous(x)})")
+    if T > TILES_MAX and fused and not cfg.S and not nsync:
+        T, zb = TILES_MAX, math.ceil(m / (8 * TILES_MAX))      # row blocks (grid z) of TILES_MAX token tiles
+    elif T > TILES_ONE_BLOCK:
+        raise ValueError(f"gemm: x of {m} rows (> {8 * TILES_ONE_BLOCK}) needs contiguous f32 x, BF=1, S=0 and no "
+                         f"fused reduce (got {cfg}, contiguous={contiguous(x)})")
     if fused:
         xb = x.reshape(m * k)
     else:

@@ -54,6 +54,8 @@ SIM_CASES = {
     "gemm_small_weights_default_cut_3tiles": lambda env: C.check_gemm(env, 17, 32, 128, 2),
     "gemm_tall_x_3_row_blocks": lambda env: C.check_gemm(env, 137, 32, 64, 2, GemmConfig(R=1, WR=1, WK=1, SB=1)),
     "gemm_tall_x_split_reduce": lambda env: C.check_gemm(env, 70, 16, 128, 2, GemmConfig(R=1, WR=1, WK=1, SB=2, FR=0)),
+    "gemm_65_rows_prepped_in_one_block": lambda env: C.check_gemm(env, 65, 16, 64, 2,
+                                                                   GemmConfig(R=1, WR=1, WK=1, SB=1, BF=0)),
     "ops_gemm_tall_one_launch_and_strided_blocks": lambda env: check_ops_gemm_tall(env),
     "gemm_prep_launch_split": lambda env: C.check_gemm(env, 5, 32, 64, 2, GemmConfig(R=1, WR=1, WK=2, SB=2, BF=0)),
     "gemm_1token_tile_past_end_u_tail": lambda env: C.check_gemm(env, 1, 16, 128, 2,
@@ -154,12 +156,13 @@ PAIR_GEMMS = {"q_kv_a": (352, 384), "q_b": (576, 192), "o": (384, 384), "gate_up
 
 
 def test_gemm_tall_x_needs_the_fused_cut():
-    """x taller than one GEMM block is read by the GEMM itself: a cut that would prep it is a clear error."""
+    """x taller than one GEMM block (72 rows) is read by the GEMM itself: a cut that would prep it is a clear
+    error."""
     from kernels.gemm import GemmWorkspace, gemm
-    x, w = np.zeros((65, 64), np.float32), np.zeros((16, 64), np.uint16)
+    x, w = np.zeros((73, 64), np.float32), np.zeros((16, 64), np.uint16)
     ws = GemmWorkspace(np.zeros(1, np.uint32), np.zeros(1, np.float32))
-    with pytest.raises(ValueError, match="65 rows .* needs contiguous f32 x, BF=1"):
-        gemm(x, w, np.zeros((65, 16), np.float32), ws, cfg=GemmConfig(R=1, WR=1, WK=1, SB=1, BF=0))
+    with pytest.raises(ValueError, match="73 rows .* needs contiguous f32 x, BF=1"):
+        gemm(x, w, np.zeros((73, 16), np.float32), ws, cfg=GemmConfig(R=1, WR=1, WK=1, SB=1, BF=0))
 
 
 @pytest.mark.gpu
