@@ -18,7 +18,7 @@ SIM_CASES = {
                                                               held=(4, 2), shared=True),
     "router_one_group": lambda env: C.check_router(env, 3, 64, 16, 4, 1, 1),
     "router_grouped": lambda env: C.check_router(env, 3, 64, 16, 4, 4, 2),
-    "router_passes_over_2_block_rows": lambda env: C.check_router(env, 7, 64, 16, 2, 1, 1, tokens_per_pass=2,
+    "router_passes_over_2_block_rows": lambda env: C.check_router(env, 5, 64, 16, 2, 1, 1, tokens_per_pass=2,
                                                                   token_blocks=2),
 }
 
