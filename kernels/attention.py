@@ -389,7 +389,8 @@ _KV_KERNELS = {}
 
 def kv_geometry(M, d, dv):
     """(wm, wn, pf, threads, smem bytes) for M = n*g query rows per kv head: wm warps down the rows (16 each, a
-    row tile of 16*wm <= 64 rows), wn warps across the dv output columns, pf 16-byte loads per thread and step (K then V)."""
+    row tile of 16*wm <= 64 rows), wn warps across the dv output columns, pf 16-byte loads per thread and step (K
+    then V)."""
     wm = min(4, -(-M // 16))
     wn = max(1, min(dv // 16, 8 // wm))
     while dv % (16 * wn):

@@ -115,7 +115,8 @@ def _attn(cfg, read: Reader, p: str) -> Attn:
     per_head = kv_b.reshape(h, nope + v, r)
     q_kv_a = np.concatenate([read.linear(p + "q_a_proj"), read.linear(p + "kv_a_proj_with_mqa")])
     return Attn(q_kv_a, read(p + "q_a_layernorm.weight"), read.linear(p + "q_b_proj"),
-                read(p + "kv_a_layernorm.weight"), kv_b, per_head[:, :nope].transpose(0, 2, 1), per_head[:, nope:], read.linear(p + "o_proj"))
+                read(p + "kv_a_layernorm.weight"), kv_b, per_head[:, :nope].transpose(0, 2, 1), per_head[:, nope:],
+                read.linear(p + "o_proj"))
 
 
 def _experts(cfg, read: Reader, p: str) -> Experts:
@@ -136,7 +137,8 @@ def _experts(cfg, read: Reader, p: str) -> Experts:
     down_scale = np.stack([part(e, "down_proj", "weight_scale") for e in E])
     for e in E:
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            _check_weight_shape(part(e, proj, "weight_shape"), read.specs[f"{p}{e}.{proj}.weight_packed"][0], p, e, proj)
+            _check_weight_shape(part(e, proj, "weight_shape"), read.specs[f"{p}{e}.{proj}.weight_packed"][0], p, e,
+                                proj)
     return Experts(gate_up, down, gate_up_scale, down_scale, cfg.quant.group_size, offset=E.start)
 
 

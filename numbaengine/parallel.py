@@ -2,8 +2,9 @@
 
 Attention is split by heads (q_b and kv_b by rows, o_proj by columns; q_a, kv_a (stacked into one GEMM at load)
 and the norms replicated), routed experts by expert id, the router replicated, dense layer 0 and the shared expert
-by their intermediate columns, and lm_head by vocabulary. Each device then holds a partial sum after attention and after the MLP/MoE block: one
-all-reduce each per layer. The embedding is replicated (every device embeds its own copy of the tokens).
+by their intermediate columns, and lm_head by vocabulary. Each device then holds a partial sum after attention and
+after the MLP/MoE block: one all-reduce each per layer. The embedding is replicated (every device embeds its
+own copy of the tokens).
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def check_divisible(cfg, n: int) -> None:
     if n < 1:
         raise ValueError(f"devices: need at least one device, got {n}")
     sizes = dict(num_attention_heads=cfg.num_attention_heads, n_routed_experts=cfg.n_routed_experts,
-                 vocab_size=cfg.vocab_size, moe_intermediate_size=cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1))
+                 vocab_size=cfg.vocab_size,
+                 moe_intermediate_size=cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1))
     if cfg.first_k_dense_replace:
         sizes["intermediate_size"] = cfg.intermediate_size
     for field, size in sizes.items():
