@@ -57,37 +57,57 @@ def run_cases(cases: dict) -> dict:
 _CHILDREN = {}               # module -> [(Popen, stdout file, stderr file)], started by start()
 
 
+CASE_SECONDS = 3.0           # a simulator case's assumed CPU time where its module's SIM_COST does not say
+_CORE_LOAD = {}              # core -> seconds of simulator cases pinned to it so far
+
+
+def _lpt(items, bins):
+    """Longest first onto the least loaded bin: items [(seconds, x)], bins {key: seconds} (updated) ->
+    [(key, x)]."""
+    out = []
+    for sec, x in sorted(items, key=lambda it: -it[0]):
+        key = min(bins, key=bins.get)
+        bins[key] += sec
+        out.append((key, x))
+    return out
+
+
 def start(modules) -> None:
     """Start the simulator children of test modules in the background (conftest does it right after collection,
     so they overlap with each other and with the CPU tests). A module may set SIM_PARTS = n to spread its cases
-    over n children. Each child is pinned to one core: the simulator's Python threads fight for the GIL when
-    spread over several (measured: 440 s unpinned, 95 s pinned for test_backend_sim's first cases)."""
+    over n children and SIM_COST = {case: CPU seconds} (measured; CASE_SECONDS otherwise): cases are dealt onto
+    the parts, and all children onto the cores, longest first onto the least loaded (the longest child is the
+    suite's critical path; dealing round-robin put 435 of 583 s on one core of two). Each child is pinned to one
+    core: the simulator's Python threads fight for the GIL when spread over several (measured: 440 s unpinned,
+    95 s pinned for test_backend_sim's first cases)."""
     import importlib
-    import itertools
     import tempfile
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [None]
-    cpu = itertools.cycle(cores)
+    for core in cores:
+        _CORE_LOAD.setdefault(core, 0.0)
+    chunks = []
     for module in modules:
         if module in _CHILDREN:
             continue
         m = importlib.import_module(module)
-        parts = max(1, getattr(m, "SIM_PARTS", 1))
-        names = list(m.SIM_CASES)
+        cost = getattr(m, "SIM_COST", {})
+        parts = {k: 0.0 for k in range(max(1, getattr(m, "SIM_PARTS", 1)))}
+        dealt = {k: [] for k in parts}
+        for k, name in _lpt([(cost.get(n, CASE_SECONDS), n) for n in m.SIM_CASES], parts):
+            dealt[k].append(name)
+        chunks += [(parts[k], (module, names, parts[k])) for k, names in dealt.items() if names]
         _CHILDREN[module] = []
-        for k in range(parts):
-            chunk = names[k::parts]
-            if not chunk:
-                continue
-            core = next(cpu)
-            pin = f"import os; os.sched_setaffinity(0, {{{core}}}); " if core is not None else ""
-            code = (f"{pin}import sys, json, warnings; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
-                    f"warnings.simplefilter('ignore'); import cudasim, {module} as m; "
-                    f"cases = {{k: m.SIM_CASES[k] for k in {chunk!r}}}; "
-                    f"print({MARK!r} + json.dumps(cudasim.run_cases(cases)))")
-            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-            env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-            p = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=out, stderr=err, text=True)
-            _CHILDREN[module].append((p, out, err))
+    for core, (module, chunk, seconds) in _lpt(chunks, {c: _CORE_LOAD[c] for c in cores}):
+        _CORE_LOAD[core] += seconds
+        pin = f"import os; os.sched_setaffinity(0, {{{core}}}); " if core is not None else ""
+        code = (f"{pin}import sys, json, warnings; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
+                f"warnings.simplefilter('ignore'); import cudasim, {module} as m; "
+                f"cases = {{k: m.SIM_CASES[k] for k in {chunk!r}}}; "
+                f"print({MARK!r} + json.dumps(cudasim.run_cases(cases)))")
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+        p = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=out, stderr=err, text=True)
+        _CHILDREN[module].append((p, out, err))
 
 
 def simulate(module: str, timeout=1500) -> dict:

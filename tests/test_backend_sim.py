@@ -167,6 +167,8 @@ def check_ranks_one_device(backend, dims="tiny"):
 
 
 SIM_PARTS = 3
+SIM_COST = {"batch_ddtree": 175, "sampled_ddtree": 63, "dflash": 58, "ranks_one_device": 52, "greedy_ar": 36,
+            "tree_verify": 27, "prefill_logits": 17}    # CPU seconds of each case on one core (2026-11-29)
 SIM_CASES = {
     "prefill_logits": lambda env: check_prefill("sim", n=3),
     "greedy_ar": lambda env: check_greedy("sim", prompt_len=1),
