@@ -4,10 +4,12 @@ numba kernel launch, grouped by phase and kernel. On the lent GPU:
     python -m tools.profile_round --mode ddtree --budget 16 --out profile.json
     python -m tools.profile_round --synth-k2 2 --mode ddtree --budget 16
 
-Each timed launch waits behind a short sleeping kernel, so the host's launch cost lands inside the sleep and the
-event pair times the kernel alone (eager launches leave gaps between kernels that graph replay does not; without
-the sleep each pair would time the launch overhead instead). The sum is the round's kernel time without launch
-gaps; CuPy's own kernels (copies, fills) are not in the table. --each lists every launch in order with its grid.
+Each timed launch waits behind a 2 ms sleeping kernel, so the host's launch cost lands inside the sleep and the
+event pair times the kernel alone (without the sleep each pair timed numba's eager launch cost: 100-500 us).
+Kernels so timed run one at a time from an idle GPU: about 1.5-2x what the same kernel costs as a node of the
+captured round (H200, pair: 1.48 ms summed vs a 0.80 ms DDTree-16 round), so compare rows with each other (ar
+against ddtree), not with round times. CuPy's own kernels (copies, fills) are not in the table. --each lists every
+launch in order with its grid.
 The round runs on the engine's device buffers; lengths and bonus tokens are restored afterwards.
 """
 from __future__ import annotations
