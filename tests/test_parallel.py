@@ -1,4 +1,5 @@
 """The multi-device layout on CPU: a simulated n-device target equals the unsharded one; the plan covers every tensor."""
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +182,14 @@ def test_gpu_devices_0_equals_single_gpu(mode, budget):
     assert outs[0] == outs[1]
 
 
+@functools.lru_cache(maxsize=1)
+def _two_device_pair():
+    """The numpy reference and the pair on devices [0, 1], loaded once for both modes (NCCL setup and the
+    weight upload are the slow part; the reference is numpy alone, no single-GPU engine beside it)."""
+    return (Engine.load(DEFAULT / "target", DEFAULT / "draft", backend="numpy"),
+            Engine.load(DEFAULT / "target", DEFAULT / "draft", backend="cuda", devices=[0, 1], max_context=512))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,budget", [("ddtree", 16), ("ar", 0)])
 def test_gpu_two_devices_match_the_reference(mode, budget):
@@ -190,12 +199,11 @@ def test_gpu_two_devices_match_the_reference(mode, budget):
     import cupy as cp
     if cp.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs (device kind nvidia-h200-x2); one GPU runs test_gpu_devices_0_equals_single_gpu")
-    from test_device_round import assert_reference_tokens, engines
-    ref = engines()[0]
-    engine = Engine.load(DEFAULT / "target", DEFAULT / "draft", backend="cuda", devices=[0, 1], max_context=512)
+    from test_device_round import assert_reference_tokens
+    ref, engine = _two_device_pair()
     prompts = ["def fibonacci(n):", "import os\n", "class Node:\n    def"]
-    got = engine.generate_batch(prompts, 40, mode=mode, budget=budget, stop=[])
-    want = ref.generate_batch(prompts, 40, mode=mode, budget=budget, stop=[])
+    got = engine.generate_batch(prompts, 32, mode=mode, budget=budget, stop=[])
+    want = ref.generate_batch(prompts, 32, mode=mode, budget=budget, stop=[])
     for p, g, w in zip(prompts, got, want):
         assert_reference_tokens(ref, p, g.tokens, w.tokens, f"{mode} budget {budget} on devices [0, 1]")
     if mode == "ddtree":
