@@ -12,9 +12,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
 
-from kernels.gemm import gemm_config
+from kernels.gemm import MAX_WARPS, SMALL_WEIGHTS, gemm_config
 from tools.bench import ROOT, copy_bandwidth, run_case
 
 
@@ -23,8 +24,20 @@ def big(**over):
     return lambda m, n, k, target_warps=4096: dataclasses.replace(gemm_config(m, n, k, target_warps, small=0), **over)
 
 
+def small_r1(min_tiles):
+    """The small-weights cut with one row tile per warp (about twice the blocks, half the work per warp) from
+    `min_tiles` token tiles up: a tree's 17 rows (3 tiles) run the pair's GEMMs in 5-12 blocks (not measured yet)."""
+    def rule(m, n, k, target_warps=4096, small=None):
+        cfg = gemm_config(m, n, k, target_warps, small)
+        if 2 * n * k >= (SMALL_WEIGHTS if small is None else small) or math.ceil(m / 8) < min_tiles:
+            return cfg
+        return dataclasses.replace(cfg, R=1, WR=max(1, min(MAX_WARPS // cfg.WK, math.ceil(n / 16))))
+    return rule
+
+
 RULES = {"base": gemm_config, "small_prep": lambda *a, **kw: dataclasses.replace(gemm_config(*a, **kw), BF=0),
-         "big": big(), "big_read_x": big(BF=1), "big_last_block_reduce": big(FR=1)}
+         "big": big(), "big_read_x": big(BF=1), "big_last_block_reduce": big(FR=1),
+         "small_r1_from_2_tiles": small_r1(2), "small_r1": small_r1(1)}
 CHECKS = [("ar", 0, 1), ("ddtree", 16, 1), ("dflash", 0, 3)]
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\nclass ", "    for i in range(len(items)):\n        if"]
 
