@@ -112,7 +112,8 @@ class KernelOps:
     prefill_form = "absorbed"    # causal MLA kernel over the latent rows, no per-head K/V of the prompt in memory.
                                  # H200: attention alone 1.47 vs 22.5 ms naive (1024 tokens, 64 heads; bench_attention
                                  # --only prefill); whole eager prompt forward, 1024 tokens (bench.py --prefill 1024):
-                                 # pair 264 -> 203 ms, K2.6 x 2 layers 144 -> 111 ms (launch-bound, far from the floor)
+                                 # pair naive 59.2 ms vs absorbed 26.9 ms (session 5; 0.03% of its byte floor:
+                                 # launch-bound), K2.6 x 2 layers 144 -> 111 ms (session 4, 2.6% of its floor)
 
     def __init__(self, name, xp, poison=False, trim_warps=False, comm=None):
         self.name, self.xp, self.poison, self.trim_warps = name, xp, poison, trim_warps
