@@ -41,7 +41,7 @@ import math  # noqa: E402
 
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
-from kernels.device import SIM, as_u32, current_stream, launch  # noqa: E402,F401
+from kernels.device import SIM, as_f32, as_u32, current_stream, kernel, launch, ld4, ld16  # noqa: E402,F401
 
 if SIM:
     from kernels.device import shfl_xor  # noqa: E402,F401
@@ -51,13 +51,13 @@ else:
         """device.shfl_xor inlined in numba IR (compile_ptx of NVVM-inlined device functions needs a GPU)."""
         return cuda.shfl_xor_sync(0xFFFFFFFF, value, mask)
 NEG_INF = float32(-math.inf)
+LOG2E = float32(1 / math.log(2))   # split maxes are stored in log2 units (merge_splits uses exp2)
 ATT_THREADS = 128          # threads per block
 ATT_ROWS = 8               # query rows (query, head) per block
 ATT_KEYS = 16              # keys staged in shared memory per step: ATT_ROWS * ATT_KEYS == ATT_THREADS
 ATT_DMAX = 256             # largest q/k and v head dim
 ATT_KPAD = ATT_DMAX + 1       # padded key rows: no bank conflicts across keys
 ATT_ACC = ATT_ROWS * ATT_DMAX // ATT_THREADS
-MERGE_THREADS = 128
 
 
 @cuda.jit
@@ -161,34 +161,68 @@ def attention_split_kernel(q, k, v, kv_len, has_len, vis, has_vis, scale, split,
                     y = y / stat[1, pr] if stat[1, pr] > float32(0) else float32(0)
                 o_part[b, s, row, c] = y
                 if c == 0 and not normalize:
-                    ml_part[b, s, row, 0] = stat[0, pr]
+                    ml_part[b, s, row, 0] = stat[0, pr] * LOG2E             # log2 units for merge_splits
                     ml_part[b, s, row, 1] = stat[1, pr]
             u += 1
 
 
-@cuda.jit
+MERGE_GROUPS = 8            # split groups per merge block (summed in shared memory)
+
+
+@kernel(max_registers=64)                        # up to 1024 threads per block
 def merge_splits_kernel(o_part, ml_part, out):
-    """Combine flash-decoding partials: block (row, group) of MERGE_THREADS threads over dv.
-    o_part f32[G, nsplit, rows, dv], ml_part f32[G, nsplit, rows, 2] -> out f32[G, rows, dv]; rows whose
-    splits saw no key get 0. Bytes: the partials once, the output once."""
-    row, gi = cuda.blockIdx.x, cuda.blockIdx.y
-    nsplit, dv = o_part.shape[1], o_part.shape[3]
-    m = NEG_INF
-    for s in range(nsplit):
-        m = max(m, ml_part[gi, s, row, 0])
-    den = float32(0)
-    for s in range(nsplit):
-        ms = ml_part[gi, s, row, 0]
+    """Flash-decoding merge: out[b, m] = sum_s 2^(max_s - max) o_part[b, s, m] / sum_s 2^(max_s - max) sum_s
+    (maxes in log2 units). Block (row m, sequence b) of (r/4, G) threads: thread (x, y) folds splits y, y+G, ...
+    for columns 4x..4x+3 (16-byte loads, an online max: one pass), the G partial folds meet in shared memory.
+    o_part f32[B, nsplit, M, r] and ml_part f32[B, nsplit, M, 2] contiguous (r % 4 == 0), out f32[B, M, r] (any
+    strides); rows whose splits saw no key get 0. Bytes: the partials once, the output once."""
+    m, b = cuda.blockIdx.x, cuda.blockIdx.y
+    x, y = cuda.threadIdx.x, cuda.threadIdx.y
+    G, X = cuda.blockDim.y, cuda.blockDim.x
+    nsplit, M, r = o_part.shape[1], o_part.shape[2], o_part.shape[3]
+    red = cuda.shared.array(0, float32)
+    ml0, mls = int32(2 * (b * nsplit * M + m)), int32(2 * M)      # flat ml_part[b, s, m, 0] = ml0 + s*mls
+    o0, os_ = (b * nsplit * M + m) * r + 4 * x, M * r               # flat o_part[b, s, m, 4x] = o0 + s*os_
+    mx, den = NEG_INF, float32(0)
+    y0, y1, y2, y3 = float32(0), float32(0), float32(0), float32(0)
+    for s in range(y, nsplit, G):                 # online over this thread's splits: one round trip each
+        ms, ls = as_f32(ld4(ml_part, ml0 + s * mls)), as_f32(ld4(ml_part, ml0 + s * mls + 1))
+        u0, u1, u2, u3 = ld16(o_part, o0 + s * os_)
         if ms != NEG_INF:
-            den += ml_part[gi, s, row, 1] * math.exp(ms - m)
-    inv = float32(1) / den if den > float32(0) else float32(0)
-    for c in range(cuda.threadIdx.x, dv, MERGE_THREADS):
-        y = float32(0)
-        for s in range(nsplit):
-            ms = ml_part[gi, s, row, 0]
+            mn = max(mx, ms)
+            a, wgt = math.exp2(mx - mn), math.exp2(ms - mn)
+            den = den * a + ls * wgt
+            y0, y1 = y0 * a + as_f32(u0) * wgt, y1 * a + as_f32(u1) * wgt
+            y2, y3 = y2 * a + as_f32(u2) * wgt, y3 * a + as_f32(u3) * wgt
+            mx = mn
+    if y > 0:
+        o = uint32(6 * (y * X + x))
+        red[o], red[o + 1], red[o + 2], red[o + 3], red[o + 4], red[o + 5] = y0, y1, y2, y3, den, mx
+    cuda.syncthreads()
+    if y == 0:
+        for k in range(1, G):
+            o = uint32(6 * (k * X + x))
+            ms = red[o + 5]
             if ms != NEG_INF:
-                y += o_part[gi, s, row, c] * math.exp(ms - m)
-        out[gi, row, c] = y * inv
+                mn = max(mx, ms)
+                a, wgt = math.exp2(mx - mn), math.exp2(ms - mn)
+                den = den * a + red[o + 4] * wgt
+                y0, y1 = y0 * a + red[o] * wgt, y1 * a + red[o + 1] * wgt
+                y2, y3 = y2 * a + red[o + 2] * wgt, y3 * a + red[o + 3] * wgt
+                mx = mn
+        inv = float32(1) / den if den > float32(0) else float32(0)
+        out[b, m, 4 * x], out[b, m, 4 * x + 1] = y0 * inv, y1 * inv
+        out[b, m, 4 * x + 2], out[b, m, 4 * x + 3] = y2 * inv, y3 * inv
+
+
+def merge_splits(o_part, ml_part, out):
+    """One launch of merge_splits_kernel: grid (M, B), block (r/4, min(8, nsplit)), 24 bytes of shared memory per
+    thread."""
+    B, nsplit, M, r = o_part.shape
+    if r % 4:
+        raise ValueError(f"merge_splits: value width {r} is not a multiple of 4 (16-byte partial loads)")
+    groups = min(MERGE_GROUPS, nsplit)
+    launch(merge_splits_kernel, (M, B), (r // 4, groups), o_part, ml_part, out, shmem=24 * r // 4 * groups)
 
 
 class AttnWork:
@@ -207,14 +241,14 @@ def attention_work(zeros, n, h, dv, S, target_blocks=264):
     return kv_attention_work(zeros, 1, n, h, dv, S, target_blocks, tensor_cores=False)
 
 
-def kv_attention_work(zeros, B, n, h, dv, max_keys, target_blocks=264, tensor_cores=True):
+def kv_attention_work(zeros, B, n, h, dv, max_keys, target_blocks=264, tensor_cores=True, min_split=0):
     """Scratch for `kv_attention` at up to `max_keys` keys per sequence: splits sized so that about
     `target_blocks` blocks (2 per SM of an H200) run when every sequence has max_keys keys (row tiles of 64 rows
-    for the tensor-core kernel, ATT_ROWS for the f32 one); shorter sequences leave their last splits empty
-    (neutral partials)."""
+    for the tensor-core kernel, ATT_ROWS for the f32 one), at least `min_split` keys each; shorter sequences leave
+    their last splits empty (neutral partials)."""
     rows, step = (64, KV_NK) if tensor_cores else (ATT_ROWS, ATT_KEYS)
     blocks = B * -(-n * h // rows)
-    nsplit = max(1, min(-(-target_blocks // blocks), -(-max_keys // step)))
+    nsplit = max(1, min(-(-target_blocks // blocks), -(-max_keys // max(step, min_split))))
     split = -(-(-(-max_keys // nsplit)) // step) * step
     return AttnWork(zeros, n, h, dv, max_keys, split, B)
 
@@ -281,7 +315,7 @@ def launch_attention(q, k, v, kv_len, vis, scale, out, work):
     nsplit = work.o.shape[1]
     launch(attention_split_kernel, (nsplit, tiles, B * hk), ATT_THREADS,
            q, k, v, lens, has_len, vis, has_vis, float32(scale), int32(work.split), 0, work.o, work.ml)
-    launch(merge_splits_kernel, (n * h, B), MERGE_THREADS, work.o, work.ml, rows_view(out))
+    merge_splits(work.o, work.ml, rows_view(out))
     return out
 
 
@@ -358,7 +392,7 @@ def launch_kv_tc(q, k, v, kv_len, scale, out, work):
     else:
         launch_smem(kern, (nsplit, tiles, B * hk), threads, smem, args)
     if work is not None:
-        launch(merge_splits_kernel, (n * h, B), MERGE_THREADS, work.o, work.ml, rows_view(out))
+        merge_splits(work.o, work.ml, rows_view(out))
     return out
 
 
@@ -383,7 +417,6 @@ def launch_smem(kern, grid, threads, smem, args):
 # --- tensor-core kernel for kv_attention (f32 K/V rounded to bf16 in shared memory) ----------------------------------
 
 KV_NK = 32          # keys staged per step
-LOG2E, LN2 = float32(1 / math.log(2)), float32(math.log(2))
 _KV_KERNELS = {}
 
 
@@ -592,6 +625,6 @@ def _make_kv_kernel(wm, wn, pf, D, DV):
                     o_part[b, s, row, col] = y0
                     o_part[b, s, row, col + 1] = y1
                 if not normalize and wj == 0 and tq == 0:
-                    ml_part[b, s, row, 0] = fsm[ST + r] * LN2        # back to natural-log units
+                    ml_part[b, s, row, 0] = fsm[ST + r]              # log2 units (merge_splits)
                     ml_part[b, s, row, 1] = den
     return kv_attention_kernel

@@ -551,8 +551,10 @@ def gemm_config(m, n, k, target_warps=4096, small=None):
         # floor): the cut for large weights 1.07, this cut 0.93 (AR 0.54 -> 0.48); this cut keeping the prep launch
         # (BF=0) 0.99; the large cut with the last-block reduce (FR=1) at T > 1 1.46 (one block reads
         # m*rows*splits partials); the large cut without a split across blocks (one warp along k) 1.14.
+        # One row tile per warp (R=1: twice the blocks, half the work per warp), session 6, same tool, round ms
+        # AR / DDTree-16: R=2 0.508 / 0.850, R=1 from 2 token tiles 0.513 / 0.778, R=1 always 0.489 / 0.759.
         wk = next(w for w in (8, 4, 2, 1) if steps >= 2 * w or w == 1)
-        return GemmConfig(R=R, WR=max(1, min(MAX_WARPS // wk, math.ceil(tiles / R))), WK=wk, SB=1, U=U, BF=1,
+        return GemmConfig(R=1, WR=max(1, min(MAX_WARPS // wk, tiles)), WK=wk, SB=1, U=U, BF=1,
                           MB=2 if T > 1 else 0, FR=0, S=0)
     return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2 if T > 1 else 0, FR=int(T == 1), S=S)
 

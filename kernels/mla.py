@@ -41,12 +41,11 @@ def mla_attention_ref(q, cache, lengths, ntok, mask, scale, out, work=None):
     return out
 
 
-import math  # noqa: E402
-
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
-from kernels.attention import NEG_INF, attention_ref, launch_smem, placeholder, shfl_xor  # noqa: E402
-from kernels.device import SIM, as_f32, cp_commit, cp_wait, current_stream, kernel, ld4, ld16, mma_bf16  # noqa: E402
+from kernels.attention import (LOG2E, NEG_INF, attention_ref, launch_smem, merge_splits, placeholder,  # noqa: E402
+                               shfl_xor)
+from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16, mma_bf16  # noqa: E402
 
 if not SIM:
     from llvmlite import ir
@@ -281,7 +280,6 @@ MLA_S_TILES = 1             # m16 tiles per warp in S = Q K^T (2: each K fragmen
 MLA_SMEM = 227 * 1024       # shared memory per block on sm_90
 LAZY = float32(8)           # online softmax (log2 units): the running max moves only when a row's max grows by more
 MLA_MIN_SPLIT = 64          # fewest keys per flash-decoding split
-LOG2E = float32(1 / math.log(2))
 _MLA_KERNELS = {}
 
 
@@ -573,55 +571,6 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
     return mla_attention_kernel
 
 
-MERGE_GROUPS = 8            # split groups per merge block (summed in shared memory)
-
-
-@kernel(max_registers=64)                        # up to 1024 threads per block
-def mla_merge_kernel(o_part, ml_part, out):
-    """out[b, m] = sum_s e^(max_s - max) o_part[b, s, m] / sum_s e^(max_s - max) sum_s. Block (row m, sequence b)
-    of (r/4, G) threads: thread (x, y) folds splits y, y+G, ... for columns 4x..4x+3 (16-byte loads, an online
-    max: one pass), the G partial folds meet in shared memory. o_part f32[B, nsplit, M, r], ml_part
-    f32[B, nsplit, M, 2], out f32[B, M, r]; rows whose splits saw no key get 0. Bytes: the partials once, the
-    output once."""
-    m, b = cuda.blockIdx.x, cuda.blockIdx.y
-    x, y = cuda.threadIdx.x, cuda.threadIdx.y
-    G, X = cuda.blockDim.y, cuda.blockDim.x
-    nsplit, M, r = o_part.shape[1], o_part.shape[2], o_part.shape[3]
-    red = cuda.shared.array(0, float32)
-    ml0, mls = int32(2 * (b * nsplit * M + m)), int32(2 * M)      # flat ml_part[b, s, m, 0] = ml0 + s*mls
-    o0, os_ = (b * nsplit * M + m) * r + 4 * x, M * r               # flat o_part[b, s, m, 4x] = o0 + s*os_
-    mx, den = NEG_INF, float32(0)
-    y0, y1, y2, y3 = float32(0), float32(0), float32(0), float32(0)
-    for s in range(y, nsplit, G):                 # online over this thread's splits: one round trip each
-        ms, ls = as_f32(ld4(ml_part, ml0 + s * mls)), as_f32(ld4(ml_part, ml0 + s * mls + 1))
-        u0, u1, u2, u3 = ld16(o_part, o0 + s * os_)
-        if ms != NEG_INF:
-            mn = max(mx, ms)
-            a, wgt = math.exp2(mx - mn), math.exp2(ms - mn)
-            den = den * a + ls * wgt
-            y0, y1 = y0 * a + as_f32(u0) * wgt, y1 * a + as_f32(u1) * wgt
-            y2, y3 = y2 * a + as_f32(u2) * wgt, y3 * a + as_f32(u3) * wgt
-            mx = mn
-    if y > 0:
-        o = uint32(6 * (y * X + x))
-        red[o], red[o + 1], red[o + 2], red[o + 3], red[o + 4], red[o + 5] = y0, y1, y2, y3, den, mx
-    cuda.syncthreads()
-    if y == 0:
-        for k in range(1, G):
-            o = uint32(6 * (k * X + x))
-            ms = red[o + 5]
-            if ms != NEG_INF:
-                mn = max(mx, ms)
-                a, wgt = math.exp2(mx - mn), math.exp2(ms - mn)
-                den = den * a + red[o + 4] * wgt
-                y0, y1 = y0 * a + red[o] * wgt, y1 * a + red[o + 1] * wgt
-                y2, y3 = y2 * a + red[o + 2] * wgt, y3 * a + red[o + 3] * wgt
-                mx = mn
-        inv = float32(1) / den if den > float32(0) else float32(0)
-        out[b, m, 4 * x], out[b, m, 4 * x + 1] = y0 * inv, y1 * inv
-        out[b, m, 4 * x + 2], out[b, m, 4 * x + 3] = y2 * inv, y3 * inv
-
-
 class MlaWork:
     """Flash-decoding scratch of mla_attention: cache rows per split and the partial buffers."""
 
@@ -649,7 +598,7 @@ def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132):
 
 def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     """mla_attention_ref on the GPU or the simulator (same arguments). work=None: one split per sequence,
-    normalized in place (no scratch); else an MlaWork (splits + mla_merge; read lengths/ntok on the device).
+    normalized in place (no scratch); else an MlaWork (splits + merge_splits; read lengths/ntok on the device).
     Launch: grid (row tiles, splits, B) of mla_geometry's threads and shared memory."""
     B, T, h, D = q.shape
     r = out.shape[-1]
@@ -674,7 +623,5 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     nsplit = work.o.shape[1]
     args = (q, cache, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0, work.o, work.ml)
     launch_smem(kern, (tiles, nsplit, B), threads, smem, args)
-    groups = min(MERGE_GROUPS, nsplit)
-    mla_merge_kernel[(M, B), (r // 4, groups), current_stream(), 24 * r // 4 * groups](
-        work.o, work.ml, out.reshape(B, M, r))
+    merge_splits(work.o, work.ml, out.reshape(B, M, r))
     return out

@@ -3,7 +3,8 @@
 An op table holds
   arrays   asarray, to_host, empty, zeros (fresh arrays), scratch(role, shape, dtype) (an intermediate the table may
            reuse across calls), copy(src, dst), upload(weights) (checkpoint records -> the backend's form)
-  glue     embed, cache_write, cache_read, visibility, all_reduce
+  glue     embed, cache_write, cache_read, visibility, all_reduce, branch() (ops issued in `with ops.branch() as
+           side:` may run beside the ops that follow until side.join(): a parallel branch of a captured round)
   math     rmsnorm, add_rmsnorm, gemm, head_gemm, rope, qk_norm_rope, attention, kv_attention, latent_attention,
            silu_mul, router, moe, sample
   facts    name, cache_dtypes (latent cache storage it supports), max_shards (devices one table drives),
@@ -67,8 +68,9 @@ def all_reduce_ref(parts):
     return parts[0] if len(parts) == 1 else np.sum(parts, axis=0, dtype=np.float32)
 
 
-def moe_shared_ref(x, idx, wts, experts, out, shared=None):
-    """Routed experts (moe_ref), plus the shared expert's output when given."""
+def moe_shared_ref(x, idx, wts, experts, out, shared=None, after=None):
+    """Routed experts (moe_ref), plus the shared expert's output when given (after: the branch that computed it,
+    joined before it is read; nothing to wait for here)."""
     moe_ref(x, idx, wts, experts, out)
     if shared is not None:
         out += shared
@@ -80,12 +82,25 @@ def copy_ref(src, dst):
     return dst
 
 
+class InOrder:
+    """branch() of a table that runs every op in order (the reference, the simulator): nothing to join."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def join(self):
+        pass
+
+
 NUMPY = SimpleNamespace(
     name="numpy", cache_dtypes=("bf16", "float32"), max_shards=1 << 16, prefill_form="naive",
     asarray=np.asarray, to_host=np.asarray, empty=np.empty, zeros=np.zeros,
     scratch=lambda role, shape, dtype=np.float32: np.empty(shape, dtype), copy=copy_ref, upload=lambda w: w,
     embed=embed_ref, cache_write=cache_write_ref, cache_read=cache_read_ref, visibility=visibility_ref,
-    all_reduce=all_reduce_ref,
+    all_reduce=all_reduce_ref, branch=InOrder,
     rmsnorm=rmsnorm_ref, add_rmsnorm=add_rmsnorm_ref, gemm=gemm_ref,
     head_gemm=lambda x, w, out: head_gemm_ref(x, w, out, True),
     rope=rope_ref, qk_norm_rope=qk_norm_rope_ref, attention=attention_ref, kv_attention=kv_attention_ref,

@@ -220,14 +220,38 @@ class DeviceRounds:
         graph.upload(self.stream)
         return graph
 
+    def _dot(self) -> str:
+        dot = self.graph.debug_dot_str()
+        return dot.decode() if isinstance(dot, bytes) else dot
+
     def kernel_nodes(self) -> list:
         """Kernel names in the captured round's DOT dump (numba's mangled names, CuPy's elementwise kernels)."""
         if self.graph is None:
             return []
         import re
-        dot = self.graph.debug_dot_str()
-        dot = dot.decode() if isinstance(dot, bytes) else dot
-        return re.findall(r"_Z\w+|cupy_\w+", dot)
+        return re.findall(r"_Z\w+|cupy_\w+", self._dot())
+
+    def graph_depth(self) -> int:
+        """Nodes on the longest dependency chain of the captured round: what its launch latencies add up along
+        (parallel branches, ops.branch(), make it shorter than the node count)."""
+        if self.graph is None:
+            return 0
+        import collections
+        import re
+        succ, preds = collections.defaultdict(list), collections.Counter()
+        for a, b in re.findall(r'"(\w+)" -> "(\w+)"', self._dot()):
+            succ[a].append(b)
+            preds[b] += 1
+        depth = {n: 1 for n in succ if not preds[n]}
+        ready = list(depth)
+        while ready:                                 # Kahn's order: a node's depth is final when it is ready
+            a = ready.pop()
+            for b in succ[a]:
+                depth[b] = max(depth.get(b, 1), depth[a] + 1)
+                preds[b] -= 1
+                if not preds[b]:
+                    ready.append(b)
+        return max(depth.values(), default=1)
 
     def _on_stream(self):
         import contextlib

@@ -132,21 +132,24 @@ class Target:
         ql = cfg.q_lora_rank
         qkv = ops.gemm(x, w.q_kv_a, ops.scratch("q_kv_a", (T, ql + r + rope)))  # q_a and kv_a read x once
         kv = qkv[:, ql:]                                                       # kv becomes the latent row
+        with ops.branch() as latent_done:                                      # beside the query path
+            ops.rmsnorm(kv[:, :r], w.kv_a_norm, LATENT_NORM_EPS, kv[:, :r])
+            ops.rope(kv[:, None, r:], pos, self.inv_freq, kv[:, None, r:], True, self.rope_factor)
+            ops.cache_write(rows, visible, kv)                                 # same values from every shard
         cq = ops.rmsnorm(qkv[:, :ql], w.q_a_norm, LATENT_NORM_EPS, ops.scratch("q_a", (T, ql)))  # contiguous:
         # the q_b GEMM reads it in place (a strided x above one row costs the GEMM a packing launch)
         q = ops.gemm(cq, w.q_b, ops.scratch("q", (T, nh * (nope + rope)))).reshape(T, nh, nope + rope)
-        ops.rmsnorm(kv[:, :r], w.kv_a_norm, LATENT_NORM_EPS, kv[:, :r])
-        ops.rope(kv[:, None, r:], pos, self.inv_freq, kv[:, None, r:], True, self.rope_factor)
-        ops.cache_write(rows, visible, kv)                                     # same values from every shard
         mla = self._mla_naive if form == "naive" else self._mla_absorbed
-        o = mla(w, q, pos, rows, visible)                                      # [T, nh, v]
+        o = mla(w, q, pos, rows, visible, latent_done)                         # [T, nh, v]
         return ops.gemm(o.reshape(T, -1), w.o, ops.scratch("attn.out", (T, cfg.hidden_size)))
 
-    def _mla_naive(self, w: Attn, q, pos, rows, visible):
-        """Keys and values expanded per head from the latent rows [0, S) (prefill; visible bool[T, S])."""
+    def _mla_naive(self, w: Attn, q, pos, rows, visible, latent_done):
+        """Keys and values expanded per head from the latent rows [0, S) (prefill; visible bool[T, S]), read
+        once the branch writing the new rows (latent_done) has joined."""
         cfg, ops, (T, nh, _), S = self.cfg, self.ops, q.shape, visible.shape[1]
         nope, rope, v, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         ops.rope(q[:, :, nope:], pos, self.inv_freq, q[:, :, nope:], True, self.rope_factor)
+        latent_done.join()
         latent = ops.cache_read(rows, S, ops.scratch("latent", (S, r + rope)))
         kvb = ops.gemm(latent[:, :r], w.kv_b, ops.scratch("kvb", (S, nh * (nope + v)))).reshape(S, nh, nope + v)
         k = ops.scratch("k", (S, nh, nope + rope))
@@ -155,14 +158,16 @@ class Target:
         vals = ops.copy(kvb[:, :, nope:], ops.scratch("v", (S, nh, v)))
         return ops.attention(q, k, vals, visible, cfg.softmax_scale, ops.scratch("o", (T, nh, v)))
 
-    def _mla_absorbed(self, w: Attn, q, pos, rows, visible):
+    def _mla_absorbed(self, w: Attn, q, pos, rows, visible, latent_done):
         """Attention in the latent space: q_abs = [q_nope W_UK | rope(q_pe)] per head against the cached rows
-        (decode, verify), then o = o_lat W_UV^T."""
+        (decode, verify; read once latent_done, the branch writing the new rows, has joined), then
+        o = o_lat W_UV^T."""
         cfg, ops, (T, nh, _) = self.cfg, self.ops, q.shape
         nope, v, r = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         q_abs = ops.scratch("q_abs", (T, nh, cfg.latent_dim))
         ops.head_gemm(q[:, :, :nope], w.w_uk, q_abs[:, :, :r])
         ops.rope(q[:, :, nope:], pos, self.inv_freq, q_abs[:, :, r:], True, self.rope_factor)
+        latent_done.join()
         o_lat = ops.latent_attention(q_abs, rows, visible, cfg.softmax_scale, ops.scratch("o_lat", (T, nh, r)))
         return ops.head_gemm(o_lat, w.w_uv, ops.scratch("o", (T, nh, v)))
 
@@ -172,10 +177,11 @@ class Target:
         cfg, ops, moe, T = self.cfg, self.ops, layer.moe, len(x)
         idx = ops.scratch("router.idx", (T, cfg.num_experts_per_tok), np.int32)
         wts = ops.scratch("router.wts", (T, cfg.num_experts_per_tok))
+        with ops.branch() as shared_done:                  # the shared expert beside the router and routed experts
+            shared = self._dense(moe.shared, x, "shared") if moe.shared is not None else None
         ops.router(x, moe.gate, moe.bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
                    cfg.routed_scaling_factor, idx, wts)
-        shared = self._dense(moe.shared, x, "shared") if moe.shared is not None else None
-        return ops.moe(x, idx, wts, moe.experts, ops.scratch("moe.out", x.shape), shared)
+        return ops.moe(x, idx, wts, moe.experts, ops.scratch("moe.out", x.shape), shared, after=shared_done)
 
     def _dense(self, mlp: Mlp, x, role):
         ops, T, inter = self.ops, len(x), mlp.down.shape[1]

@@ -26,17 +26,22 @@ from kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
 from kernels.gemm import (TILES_MAX, GemmWorkspace, contiguous, gemm, gemm_config, gemm_sync_words,
                           gemm_workspace_words, head_gemm, head_gemm_workspace_words)
 from kernels.mla import mla_attention, mla_work
-from kernels.moe import MAX_SLOTS, Experts, device_experts, moe, moe_workspace, router
+from kernels.moe import (MAX_SLOTS, Experts, device_experts, moe_combine, moe_plan, moe_stage, moe_workspace,
+                         router)
 from kernels.norm import add_rmsnorm, rmsnorm
 from kernels.rope import qk_norm_rope, rope
 from kernels.sample import sample
-from numbaengine.backends import visibility_ref
+from numbaengine.backends import InOrder, visibility_ref
 
 
 GEMM_ROWS = 8 * TILES_MAX    # token rows of one GEMM block; taller x runs as several row blocks of one launch
 TALL_PART_BYTES = 64 << 20   # k-split partials a tall GEMM may use (else a launch per row block, partials reused)
 MLA_ONE_SPLIT = 512          # caches up to this many rows run one split per sequence (no merge pass)
 MLA_SPLIT_ROWS = 256         # more query rows per sequence (a prompt) fill the GPU with row tiles: no split scratch
+KV_MIN_SPLIT = 128           # drafter attention: fewest keys per split, and contexts up to this run one split. H200,
+#   pair drafter, 16 queries (python -m tools.bench_attention --only splits): one split costs ~2 us per 32 keys (15 us
+#   at 128 keys, 70 at 1024); 128-key splits + merge 19-20 us at capacity 1024 and 23-31 us at 4096, where the
+#   earlier rule (splits of 32 keys: 2 blocks per SM) took 18-24 and 34-63 us
 
 
 # ----------------------------------------------------------------------------------------------- glue kernels
@@ -122,10 +127,14 @@ class KernelOps:
         self._moe_ws = {}        # (top_k, H, I, E) -> MoeWorkspace grown by n_max
         self._work = {}          # flash-decoding scratch per attention shape
         self._gemm_sync = None   # u32 k-split counters of the fused GEMM reduce (zero between calls)
+        self.branches = xp is not np   # False: branch() runs in order (tools/profile_round.py times one launch at
+        self._side = None              # a time); the second stream and its fork/join events, made on first use
 
     def fresh(self) -> "KernelOps":
         """A table over the same device with its own scratch (a captured graph owns the buffers it points at)."""
-        return KernelOps(self.name, self.xp, self.poison, self.trim_warps, self.comm)
+        table = KernelOps(self.name, self.xp, self.poison, self.trim_warps, self.comm)
+        table.branches = self.branches
+        return table
 
     # -- arrays --------------------------------------------------------------------------------------------------
     def asarray(self, a, dtype=None):
@@ -295,10 +304,11 @@ class KernelOps:
         """kv_attention_ref on the kernels: q f32[B, n, h, d] over k/v f32[B, cap, hk, d] rows [0, kv_len[b])."""
         B, n, h, _ = q.shape
         work = None
-        if self.xp is not np and k.shape[1] > MLA_ONE_SPLIT:
+        if self.xp is not np and k.shape[1] > KV_MIN_SPLIT:
             key = ("kv", B, n, h, v.shape[-1], k.shape[1])
             if key not in self._work:
-                self._work[key] = kv_attention_work(self.zeros, B, n, h, v.shape[-1], k.shape[1])
+                self._work[key] = kv_attention_work(self.zeros, B, n, h, v.shape[-1], k.shape[1],
+                                                    min_split=KV_MIN_SPLIT)
             work = self._work[key]
         return kv_attention(q, k, v, kv_len, scale, out, work)
 
@@ -307,21 +317,39 @@ class KernelOps:
         ws = SimpleNamespace(logits=self.scratch("router.logits", (n, w_gate.shape[0])), n_max=n)
         return router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws)
 
-    def moe(self, x, idx, wts, experts, out, shared=None):
-        """Routed experts (+ shared[t] when given) -> out f32[n, H], in blocks of tokens the routing plan holds."""
+    def branch(self):
+        """`with ops.branch() as side:` issues its ops on a second stream that starts after what the current
+        stream holds; they overlap with the ops issued next on the current stream until side.join() (in a captured
+        round: a parallel branch of the graph, so independent chains of short launches stop adding up)."""
+        if not self.branches:
+            return InOrder()
+        if self._side is None:     # first use is in an eager round or a prompt forward, never inside a capture
+            cp = self.xp.cuda
+            self._side = (cp.Stream(non_blocking=True), cp.Event(disable_timing=True), cp.Event(disable_timing=True))
+        return Branch(*self._side)
+
+    def moe(self, x, idx, wts, experts, out, shared=None, after=None):
+        """Routed experts (+ shared[t] when given) -> out f32[n, H], in blocks of tokens the routing plan holds.
+        after: the branch computing `shared`, joined just before the combine that reads it."""
         n, top_k = idx.shape
         rows = MAX_SLOTS // top_k
         if n > rows:
             for r in range(0, n, rows):
                 c = slice(r, r + rows)
-                self.moe(x[c], idx[c], wts[c], experts, out[c], None if shared is None else shared[c])
+                self.moe(x[c], idx[c], wts[c], experts, out[c], None if shared is None else shared[c], after)
             return out
         n_exp, two_i, _ = experts.gate_up.shape
         key = (top_k, x.shape[1], two_i // 2, n_exp)
         ws = self._moe_ws.get(key)
         if ws is None or ws.n_max < n:
             ws = self._moe_ws[key] = moe_workspace(n, top_k, x.shape[1], two_i // 2, n_exp, self._alloc)
-        return moe(x, idx, wts, experts, out, ws, shared=shared)
+        moe_plan(x, idx, experts, ws)                  # kernels.moe.moe, with the join before the combine
+        moe_stage(0, experts, wts, ws)
+        moe_stage(1, experts, wts, ws)
+        if after is not None:
+            after.join()
+        moe_combine(out, shared, ws, idx, experts)
+        return out
 
     def sample(self, logits, temperature, seed, seq, pos, out):
         """sample_ref; host seq/pos are uploaded, a host `out` is filled from the device (one sync)."""
@@ -346,6 +374,30 @@ class KernelOps:
         if "zero" not in self._work:
             self._work["zero"] = self.zeros(1, np.int32)
         return self._work["zero"]
+
+
+class Branch:
+    """A fork of the current stream onto `side` (event `fork`) and, at join(), the current stream waiting for
+    everything issued on `side` (event `done`). Events are reused: a wait binds to the latest record."""
+
+    def __init__(self, side, fork, done):
+        self.side, self.fork, self.done = side, fork, done
+
+    def __enter__(self):
+        import cupy
+        self.main = cupy.cuda.get_current_stream()
+        self.fork.record(self.main)
+        self.side.wait_event(self.fork)
+        self.side.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.side.__exit__(*exc)
+        self.done.record(self.side)
+        return False
+
+    def join(self):
+        self.main.wait_event(self.done)
 
 
 def _poison(dtype):

@@ -165,12 +165,20 @@ def test_ptx_mla(M, causal):
     ("attention_split_kernel", "void(float32[:,:,:,:], float32[:,:,:,::1], float32[:,:,:,::1], int32[::1], boolean, "
                                "boolean[:,::1], boolean, float32, int32, int32, float32[:,:,:,:], "
                                "float32[:,:,:,::1])"),
-    ("merge_splits_kernel", "void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1])"),
 ])
 def test_ptx_attention(name, sig):
     import kernels.attention as A
     ptx = ptx_or_skip(getattr(A, name).py_func, sig)
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
+
+
+def test_ptx_merge():
+    """The flash-decoding merge of all three attention kernels: f32 only, no local memory."""
+    import re
+    from kernels.attention import merge_splits_kernel
+    ptx = ptx_or_skip(merge_splits_kernel.py_func, "void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,:])")
+    assert not f64_lines(ptx), f64_lines(ptx)[:5]
+    assert not re.search(r"(ld|st)\.local", ptx), "local memory"
 
 
 @pytest.mark.parametrize("M,d,dv", [(48, 64, 64), (64, 128, 128), (16, 128, 128)])

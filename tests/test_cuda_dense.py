@@ -167,11 +167,12 @@ def test_gemm_tall_x_needs_the_fused_cut():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 9, 17, 33, 48])
-@pytest.mark.parametrize("over", [dict(), dict(BF=0), dict(WK=1, WR=8), dict(WK=1, SB=3, FR=1), dict(WK=2, SB=2)],
-                         ids=str)
+@pytest.mark.parametrize("over", [dict(), dict(R=2), dict(BF=0), dict(WK=1, WR=8), dict(WK=1, SB=3, FR=1),
+                                  dict(WK=2, SB=2)], ids=str)
 def test_gpu_gemm_small_weights_cuts(over, m):
     """On the pair's shapes: the small-weights cut of gemm_config (one launch, k split inside a block) and its
-    neighbours (prep launch, one warp along k, k split across blocks with the last-block or the launched reduce)."""
+    neighbours (two row tiles per warp, prep launch, one warp along k, k split across blocks with the last-block or
+    the launched reduce)."""
     from dataclasses import replace
 
     from kernels.gemm import gemm_config

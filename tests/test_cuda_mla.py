@@ -124,11 +124,3 @@ def test_ptx_geometries(M, D, r):
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
     assert ptx.count("mma.sync") and ptx.count("ldmatrix") and ptx.count("cp.async.cg")
     assert not re.search(r"(ld|st)\.local", ptx), "local memory"
-
-
-def test_ptx_merge():
-    import re
-    from kernels.mla import mla_merge_kernel
-    ptx = ptx_or_skip(mla_merge_kernel.py_func, "void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1])")
-    assert not f64_lines(ptx), f64_lines(ptx)[:5]
-    assert not re.search(r"(ld|st)\.local", ptx), "local memory"

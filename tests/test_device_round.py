@@ -58,18 +58,27 @@ def test_gpu_matches_numpy(mode, budget, batch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_gpu_graph_replay_equals_eager(temperature):
-    """Same round launched eagerly and replayed from the captured graph: identical tokens; the graph holds our
-    kernels and no host sync (capture would have failed)."""
+    """Same round launched eagerly and replayed from the captured graph, with and without the parallel branches
+    of ops.branch(): identical tokens; the graph holds our kernels, no host sync (capture would have failed), and
+    the branches make its longest chain shorter than its node count."""
     from numbaengine import device_round
     ref, dev = engines()
-    out = {}
-    for graphs in (False, True):
-        cache = {}
-        res = device_round.generate_batch(dev.target, dev.drafter, dev.tokenizer, PROMPTS, 40, "ddtree", 16,
-                                          temperature, 7, [], 4096, None, cache, graphs)
-        out[graphs] = [r.tokens for r in res]
-        rounds = next(iter(cache.values()))
-    assert out[True] == out[False]
+    out, depth = {}, {}
+    try:
+        for graphs, branches in ((False, False), (True, False), (False, True), (True, True)):
+            cache = {}
+            dev.target.ops.branches = branches
+            res = device_round.generate_batch(dev.target, dev.drafter, dev.tokenizer, PROMPTS, 40, "ddtree", 16,
+                                              temperature, 7, [], 4096, None, cache, graphs)
+            out[graphs, branches] = [r.tokens for r in res]
+            rounds = next(iter(cache.values()))
+            if graphs:
+                depth[branches] = (rounds.graph_depth(), len(rounds.kernel_nodes()))
+    finally:
+        dev.target.ops.branches = True
+    assert out[True, True] == out[False, True] == out[True, False] == out[False, False]
+    print("graph (depth, kernel nodes): branches", depth[True], "in order", depth[False])
+    assert depth[True][0] < depth[False][0] and depth[True][1] == depth[False][1], depth
     assert rounds.graph is not None
     names = rounds.kernel_nodes()
     print(len(names), "kernel names;", sorted(set(n[:60] for n in names))[:80])

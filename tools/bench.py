@@ -151,12 +151,12 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp):
                floor_mb=floor_b / 1e6, floor_parts_mb={k: v / 1e6 for k, v in floor.items()},
                floor_gbs=floor_b / (gpu_ms / 1e3) / 1e9,
                floor_pct=100 * floor_b / (gpu_ms / 1e3) / 1e9 / copy_bw,
-               phase_ms=phases, graph_kernels=len(dev.kernel_nodes()),
+               phase_ms=phases, graph_kernels=len(dev.kernel_nodes()), graph_depth=dev.graph_depth(),
                gpu_ms_per_device=[(d.gpu_s - g) / rounds * 1e3 for d, g in zip(devs, gpu0)])
     print(f"{mode:7s} B{budget:<4d} x{batch:<4d} p{len(res):<4d} {row['tokens_per_s']:9.1f} tok/s  "
           f"tau {row['tau']:5.2f}  round {round_ms:7.3f} ms  gpu {gpu_ms:7.3f} ms  host {row['host_pct']:5.1f}%  floor "
-          f"{row['floor_mb']:8.1f} MB = {row['floor_pct']:5.1f}% of copy  "
-          + " ".join(f"{k} {v:.3f}" for k, v in phases.items()), flush=True)
+          f"{row['floor_mb']:8.1f} MB = {row['floor_pct']:5.1f}% of copy  nodes {row['graph_kernels']} "
+          f"depth {row['graph_depth']}  " + " ".join(f"{k} {v:.3f}" for k, v in phases.items()), flush=True)
     return row
 
 

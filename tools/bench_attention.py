@@ -4,7 +4,7 @@ the per-round tree work (top-K, build, sampling, walk, commit, feature gather) i
 
 Every timing replays a CUDA graph of `reps` launches (numba launches captured on a CuPy stream), so Python launch
 overhead is not measured. `run(results, copy_bw_gbs)` is called by tools/bench_kernels.py; alone:
-    python -m tools.bench_attention [--out bench.json] [--quick] [--only mla|tree|prefill|drafter]
+    python -m tools.bench_attention [--out bench.json] [--quick] [--only mla|tree|prefill|drafter|splits]
 """
 import argparse
 import json
@@ -182,6 +182,54 @@ def drafter_cases(quick=False):
             + [("k2", c, B, True) for c in (1024, 4096, 16384) for B in (1, 8, 64)] + f32)
 
 
+PAIR_MLA = dict(h=6, D=160, r=128)
+
+
+def bench_splits(caps=(1024, 4096), lengths=(128, 256, 512, 1024, 4000), mins=(0, 128, 256, 512)):
+    """Flash-decoding split choice on the shipped pair's decode shapes, batch 1: MLA (T = 1 and 17 queries) and the
+    drafter's kv_attention (16 queries) over a cache of capacity `cap` holding `length` keys, one split (no merge
+    launch) vs splits of at least `min` keys (0: the default rule) with the merge. Microseconds, graph replays."""
+    from kernels.attention import kv_attention, kv_attention_work
+    from kernels.mla import mla_attention, mla_work
+    cp = _cp()
+    rows = []
+    for cap in caps:
+        for L in [x for x in lengths if x <= cap]:
+            keep = Keep()
+            h, D, r = PAIR_MLA["h"], PAIR_MLA["D"], PAIR_MLA["r"]
+            cache = keep.bf16((1, cap, D))
+            for T in (1, 17):
+                q, out = keep.normal((1, T, h, D)), keep.zeros((1, T, h, r), np.float32)
+                lengths_d = keep.arr(cp.full(1, L - T, np.int32))
+                ntok = keep.arr(cp.full(1, T, np.int32))
+                mask = keep.arr(cp.full((1, T, 1), 0xFFFFFFFF, np.uint32))
+                row = dict(kernel="mla", cap=cap, keys=L, queries=T)
+                for mn in mins:
+                    work = mla_work(keep.zeros, 1, T, h, r, cap, D=D)
+                    if mn and work.split < mn:
+                        work = mla_work(keep.zeros, 1, T, h, r, cap, split=mn, D=D)
+                    row[f"split{mn}_us"] = round(gpu_us(lambda: mla_attention(q, cache, lengths_d, ntok, mask, 0.1,
+                                                                              out, work))[0], 2)
+                    row[f"split{mn}_n"] = work.o.shape[1]
+                row["one_us"] = round(gpu_us(lambda: mla_attention(q, cache, lengths_d, ntok, mask, 0.1, out))[0], 2)
+                rows.append(row)
+                print("splits", row, flush=True)
+            dr = DRAFTERS["pair"]
+            q, k, v = (keep.normal((1, 16, dr["h"], dr["d"])), keep.normal((1, cap, dr["hk"], dr["d"])),
+                       keep.normal((1, cap, dr["hk"], dr["d"])))
+            kv_len, out = keep.arr(cp.full(1, L, np.int32)), keep.zeros((1, 16, dr["h"], dr["d"]), np.float32)
+            row = dict(kernel="drafter", cap=cap, keys=L, queries=16)
+            for mn in mins:
+                work = kv_attention_work(keep.zeros, 1, 16, dr["h"], dr["d"], cap, min_split=mn)
+                row[f"split{mn}_us"] = round(gpu_us(lambda: kv_attention(q, k, v, kv_len, 0.1, out, work))[0], 2)
+                row[f"split{mn}_n"] = work.o.shape[1]
+            row["one_us"] = round(gpu_us(lambda: kv_attention(q, k, v, kv_len, 0.1, out))[0], 2)
+            rows.append(row)
+            print("splits", row, flush=True)
+            del keep
+    return rows
+
+
 def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5):
     """One DDTree round's tree work for K2 shapes: per stage and in total, in microseconds (sampling through the
     split sampler with the tree's workspace; sample_T1_rows: one block per row, for comparison). The target
@@ -247,7 +295,8 @@ def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None, only=None
     for name, fn in [("mla", lambda: bench_mla(ctxs, [64, 8], [1, 17, 65], copy_bw_gbs)),
                      ("tree", lambda: bench_tree([16, 64, 255] if quick else [16, 32, 64, 128, 255])),
                      ("prefill", lambda: bench_prefill()),
-                     ("drafter", lambda: bench_drafter(drafter_cases(quick), copy_bw_gbs))]:
+                     ("drafter", lambda: bench_drafter(drafter_cases(quick), copy_bw_gbs)),
+                     ("splits", lambda: bench_splits())]:
         if only and name != only:
             continue
         try:
@@ -281,7 +330,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["mla", "tree", "prefill", "drafter"], default=None)
+    ap.add_argument("--only", choices=["mla", "tree", "prefill", "drafter", "splits"], default=None)
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)

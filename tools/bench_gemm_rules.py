@@ -24,20 +24,20 @@ def big(**over):
     return lambda m, n, k, target_warps=4096: dataclasses.replace(gemm_config(m, n, k, target_warps, small=0), **over)
 
 
-def small_r1(min_tiles):
-    """The small-weights cut with one row tile per warp (about twice the blocks, half the work per warp) from
-    `min_tiles` token tiles up: a tree's 17 rows (3 tiles) run the pair's GEMMs in 5-12 blocks (not measured yet)."""
+def small_r2(max_tiles):
+    """The small-weights cut with two row tiles per warp (half the blocks) up to `max_tiles` token tiles: the default
+    before session 6 (max_tiles 5); R=1 (the default now) won on the pair's AR and DDTree rounds at 1 and 3 tiles."""
     def rule(m, n, k, target_warps=4096, small=None):
         cfg = gemm_config(m, n, k, target_warps, small)
-        if 2 * n * k >= (SMALL_WEIGHTS if small is None else small) or math.ceil(m / 8) < min_tiles:
+        if 2 * n * k >= (SMALL_WEIGHTS if small is None else small) or math.ceil(m / 8) > max_tiles:
             return cfg
-        return dataclasses.replace(cfg, R=1, WR=max(1, min(MAX_WARPS // cfg.WK, math.ceil(n / 16))))
+        return dataclasses.replace(cfg, R=2, WR=max(1, min(MAX_WARPS // cfg.WK, math.ceil(n / 32))))
     return rule
 
 
 RULES = {"base": gemm_config, "small_prep": lambda *a, **kw: dataclasses.replace(gemm_config(*a, **kw), BF=0),
          "big": big(), "big_read_x": big(BF=1), "big_last_block_reduce": big(FR=1),
-         "small_r1_from_2_tiles": small_r1(2), "small_r1": small_r1(1)}
+         "small_r2": small_r2(5), "small_r2_at_1_tile": small_r2(1)}
 CHECKS = [("ar", 0, 1), ("ddtree", 16, 1), ("dflash", 0, 3)]
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\nclass ", "    for i in range(len(items)):\n        if"]
 

@@ -61,11 +61,13 @@ def profile(cp, dev) -> tuple:
 
     saved = [a.copy() for a in (dev.lengths, dev.bonus)]
     _LaunchConfiguration.__call__ = timed
+    branches, dev.ops.branches = dev.ops.branches, False       # one launch at a time: no parallel branches
     try:
         with dev.stream:
             dev.round(lambda p: phase.__setitem__(0, p))
     finally:
         _LaunchConfiguration.__call__ = launch
+        dev.ops.branches = branches
     dev.stream.synchronize()
     dev.lengths[...], dev.bonus[...] = saved
     dev.stream.synchronize()
