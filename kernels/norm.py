@@ -14,9 +14,12 @@ def rmsnorm_ref(x, w, eps, out):
     return out
 
 
-def add_rmsnorm_ref(x, residual, w, eps, out):
-    """residual += x (in place), then out = rmsnorm(residual): the pre-norm block boundary."""
+def add_rmsnorm_ref(x, residual, w, eps, out, res_out=None):
+    """residual += x (in place), then out = rmsnorm(residual): the pre-norm block boundary. res_out: also a copy
+    of the updated residual there (a layer's output kept as a drafter feature)."""
     residual += x
+    if res_out is not None:
+        res_out[...] = residual
     return rmsnorm_ref(residual, w, eps, out)
 
 
@@ -34,9 +37,10 @@ _KERNELS = {}
 
 def _build(add):
     @kernel()
-    def norm_k(x, res, w, eps, out, d):
-        """One block per row (NORM_THREADS threads): [residual += x;] out = v / sqrt(mean(v^2) + eps) * w.
-        Moves n*d*4 bytes in and out (twice that with the residual)."""
+    def norm_k(x, res, w, eps, out, d, res_out, keep):
+        """One block per row (NORM_THREADS threads): [residual += x; (keep) res_out = residual;]
+        out = v / sqrt(mean(v^2) + eps) * w. Moves n*d*4 bytes in and out (twice that with the residual, +n*d*4
+        with res_out)."""
         row = cuda.blockIdx.x
         ss = float32(0)
         for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
@@ -44,6 +48,8 @@ def _build(add):
             if add:
                 v += res[row, i]
                 res[row, i] = v
+                if keep:
+                    res_out[row, i] = v
             ss += v * v
         den = math.sqrt(block_sum(ss) / float32(d) + eps)
         for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):
@@ -63,14 +69,17 @@ def rmsnorm(x, w, eps, out):
     n, d = x.shape
     if w.shape != (d,) or out.shape != (n, d):
         raise ValueError(f"rmsnorm: x {x.shape}, w {w.shape}, out {out.shape} do not match")
-    launch(_kernel(False), n, NORM_THREADS, x, x, w, float32(eps), out, int32(d))
+    launch(_kernel(False), n, NORM_THREADS, x, x, w, float32(eps), out, int32(d), x, 0)
     return out
 
 
-def add_rmsnorm(x, residual, w, eps, out):
-    """GPU add_rmsnorm_ref: residual += x (in place), then out = rmsnorm(residual)."""
+def add_rmsnorm(x, residual, w, eps, out, res_out=None):
+    """GPU add_rmsnorm_ref: residual += x (in place), [res_out = residual,] then out = rmsnorm(residual)."""
     n, d = x.shape
-    if residual.shape != (n, d) or w.shape != (d,) or out.shape != (n, d):
-        raise ValueError(f"add_rmsnorm: x {x.shape}, residual {residual.shape}, w {w.shape}, out {out.shape}")
-    launch(_kernel(True), n, NORM_THREADS, x, residual, w, float32(eps), out, int32(d))
+    if (residual.shape != (n, d) or w.shape != (d,) or out.shape != (n, d)
+            or (res_out is not None and res_out.shape != (n, d))):
+        raise ValueError(f"add_rmsnorm: x {x.shape}, residual {residual.shape}, w {w.shape}, out {out.shape}, "
+                         f"res_out {None if res_out is None else res_out.shape}")
+    launch(_kernel(True), n, NORM_THREADS, x, residual, w, float32(eps), out, int32(d),
+           residual if res_out is None else res_out, int32(res_out is not None))
     return out

@@ -189,18 +189,17 @@ class DeviceRounds:
             return ops.kv_attention(q.reshape(B, Lb, nh, hd), self.ctx_k[i], self.ctx_v[i], self.kv_len, d.scale,
                                     o).reshape(B * Lb, nh, hd)
 
-        h = d.block(h, self.block_pos, attend).reshape(B, Lb, -1)
-        x = ops.copy(h[:, 1:], ops.scratch("d.slots", (B, Lb - 1, h.shape[2])))     # slots 1.. are the drafts
-        x = x.reshape(B * (Lb - 1), -1)
-        ops.rmsnorm(x, d.norm, d.cfg.rms_norm_eps, x)
-        self.target.lm_head(x, self.draft_logits.reshape(B * (Lb - 1), -1))
+        x = d.block(h, self.block_pos, attend).reshape(B, Lb, -1)[:, 1:]            # slots 1.. are the drafts
+        if B > 1:                      # rows of several blocks: contiguous for the lm_head GEMM (one row at B = 1)
+            x = ops.copy(x, ops.scratch("d.slots", x.shape))
+        self.target.lm_head(x.reshape(B * (Lb - 1), -1), self.draft_logits.reshape(B * (Lb - 1), -1))
 
     def _append(self, drafter, feats, positions, start, slots):
         """Drafter context rows start[b].. of `slots` from target features feats f32[b, P, F*H] at positions
         i32[b*P] (rows past a sequence's tau land beyond its length and are overwritten later)."""
         nb, P, FH = feats.shape
-        for i, kv in drafter.context_kv(feats.reshape(nb * P, FH), positions):
-            drafter.ops.write_rows(kv, self.ctx_kv[i][slots], start)
+        drafter.context_kv(feats.reshape(nb * P, FH), positions,
+                           lambda i, kv: drafter.ops.write_rows(kv, self.ctx_kv[i][slots], start))
 
     # --- graphs ------------------------------------------------------------------------------------------------------
 

@@ -213,19 +213,26 @@ class Drafter:
         feats = np.ascontiguousarray(hidden.transpose(1, 0, 2)).reshape(n, F * H)      # [n, F*H]
         rows = slice(ctx.length, ctx.length + n)
         nkv = self.cfg.num_key_value_heads
-        for i, kv in self.context_kv(feats, positions):
+
+        def write(i, kv):
             ctx.k[i][rows], ctx.v[i][rows] = kv[:, :nkv], kv[:, nkv:]
+        self.context_kv(feats, positions, write)
         ctx.length += n
 
-    def context_kv(self, feats, positions):
-        """Per layer i, the context keys and values of committed tokens: feats f32[n, F*H] (concatenated target
-        features) at positions i32[n] -> (i, kv f32[n, 2 nkv, d]): heads [0, nkv) k_norm(k_proj(f)) roped, then
-        v_proj(f), with f = hidden_norm(fc(feats)). Yields views of scratch: use each before the next."""
-        ops, n = self.ops, len(feats)
+    def context_kv(self, feats, positions, write):
+        """The context keys and values of committed tokens: feats f32[n, F*H] (concatenated target features) at
+        positions i32[n]; per layer i, write(i, kv f32[n, 2 nkv, d]) gets heads [0, nkv) k_norm(k_proj(f)) roped,
+        then v_proj(f), with f = hidden_norm(fc(feats)), as a view of scratch to use before it returns. The layers
+        are independent: odd ones run on a parallel branch (ops.branch()) beside the even ones."""
+        ops, n, L = self.ops, len(feats), len(self.layers)
         f = ops.gemm(feats, self.fc, ops.scratch("d.f", (n, self.cfg.hidden_size)))
         ops.rmsnorm(f, self.hidden_norm, self.cfg.rms_norm_eps, f)                     # [n, H]
-        for i, layer in enumerate(self.layers):
-            yield i, self._qkv(f, layer, layer.kv, positions)[1]
+        with ops.branch() as odd:
+            for i in range(1, L, 2):
+                write(i, self._qkv(f, self.layers[i], self.layers[i].kv, positions, "d.kv1")[1])
+        for i in range(0, L, 2):
+            write(i, self._qkv(f, self.layers[i], self.layers[i].kv, positions, "d.kv0")[1])
+        odd.join()
 
     # --- the block forward -----------------------------------------------------------------------------------------
 
@@ -243,18 +250,18 @@ class Drafter:
             vals = np.concatenate([ctx.v[i][:ctx.length], kv[:, nkv:]])
             return ops.attention(q, keys, vals, None, self.scale, np.empty_like(q))   # [Lb, nh, d]
 
-        h = self.block(self.target.embed(tokens, ops.scratch("d.h", (Lb, c.hidden_size))), positions, attend)
-        out = ops.rmsnorm(h[1:], self.norm, c.rms_norm_eps, np.empty((Lb - 1, c.hidden_size), np.float32))
-        return self.target.lm_head(out, np.empty((Lb - 1, self.vocab), np.float32))
+        x = self.block(self.target.embed(tokens, ops.scratch("d.h", (Lb, c.hidden_size))), positions, attend)
+        return self.target.lm_head(x[1:], np.empty((Lb - 1, self.vocab), np.float32))         # slots 1.. draft
 
     @property
     def scale(self):
         return self.cfg.head_dim ** -0.5
 
     def block(self, h, positions, attend):
-        """The drafter layers over block rows h f32[n, H] (updated in place and returned) at positions i32[n].
-        attend(i, q f32[n, nh, d], kv f32[n, 2 nkv, d]) -> f32[n, nh, d] is layer i's attention of the block over
-        its context plus the block's own keys (kv heads [0, nkv)) and values (the rest)."""
+        """The drafter layers over block rows h f32[n, H] (the residual stream, updated in place) at positions
+        i32[n], then the final norm -> f32[n, H] (scratch), the lm_head's input. attend(i, q f32[n, nh, d],
+        kv f32[n, 2 nkv, d]) -> f32[n, nh, d] is layer i's attention of the block over its context plus the block's
+        own keys (kv heads [0, nkv)) and values (the rest)."""
         c, ops, n = self.cfg, self.ops, len(h)
         x = ops.scratch("d.x", h.shape)
         ops.rmsnorm(h, self.layers[0].ln1, c.rms_norm_eps, x)
@@ -263,18 +270,16 @@ class Drafter:
             a = ops.gemm(o.reshape(n, -1), layer.o, ops.scratch("d.attn", h.shape))
             ops.add_rmsnorm(a, h, layer.ln2, c.rms_norm_eps, x)                        # h += a; x = norm(h)
             m = self._mlp(x, layer)
-            if i + 1 < len(self.layers):
-                ops.add_rmsnorm(m, h, self.layers[i + 1].ln1, c.rms_norm_eps, x)       # h += m; next layer's x
-            else:
-                h += m
-        return h
+            nxt = self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.norm
+            ops.add_rmsnorm(m, h, nxt, c.rms_norm_eps, x)              # h += m; next layer's x or the final norm
+        return x
 
-    def _qkv(self, x, layer, w, positions):
+    def _qkv(self, x, layer, w, positions, role="d.qkv"):
         """x f32[n, H] through the stacked projection w (layer.qkv, or layer.kv for keys and values alone), head
         norms and RoPE at positions (keys in place) -> q f32[n, nh, d] (None for kv), kv f32[n, 2 nkv, d] (keys,
-        then values: one row write puts both into a context)."""
+        then values: one row write puts both into a context), in scratch `role`."""
         c, ops, n, d = self.cfg, self.ops, len(x), self.cfg.head_dim
-        heads = ops.gemm(x, w, ops.scratch("d.qkv", (n, len(w)))).reshape(n, -1, d)  # [n, (nh +) 2 nkv, d]
+        heads = ops.gemm(x, w, ops.scratch(role, (n, len(w)))).reshape(n, -1, d)      # [n, (nh +) 2 nkv, d]
         nq, nkv = heads.shape[1] - 2 * c.num_key_value_heads, c.num_key_value_heads
         q = ops.scratch("d.q", (n, nq, d)) if nq else None
         ops.qk_norm_rope(heads[:, :nq + nkv], nq, layer.q_norm, layer.k_norm, c.rms_norm_eps, positions, self.inv_freq,

@@ -120,9 +120,8 @@ class Target:
             ops.add_rmsnorm(a, residual, layer.ln2, cfg.rms_norm_eps, h)
             m = ops.all_reduce([self._mlp(s.layers[i], h) for s in self.shards])
             nxt = self.w.layers[i + 1].ln1 if i + 1 < len(self.w.layers) else self.w.norm
-            ops.add_rmsnorm(m, residual, nxt, cfg.rms_norm_eps, h)         # residual is now layer i's output
-            if i in hidden_layers:
-                ops.copy(residual, hidden[list(hidden_layers).index(i)])
+            keep = hidden[list(hidden_layers).index(i)] if i in hidden_layers else None   # a drafter feature
+            ops.add_rmsnorm(m, residual, nxt, cfg.rms_norm_eps, h, keep)   # residual is now layer i's output
         self.lm_head(h, logits)
         return logits, hidden
 

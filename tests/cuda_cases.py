@@ -56,10 +56,12 @@ def check_norm(env, n, d, add, seed=0):
     out = poisoned(env, (n, d), np.float32)
     ref = np.empty((n, d), np.float32)
     if add:
-        dres = env.dev(res)
-        add_rmsnorm(env.dev(x), dres, env.dev(w), 1e-6, out)
+        dres, kept = env.dev(res), (poisoned(env, (n, d), np.float32) if add == "keep" else None)
+        add_rmsnorm(env.dev(x), dres, env.dev(w), 1e-6, out, kept)
         add_rmsnorm_ref(x, res, w, 1e-6, ref)
         assert_close("add_rmsnorm residual", env.host(dres), res, 1e-6)
+        if kept is not None:
+            assert_close("add_rmsnorm kept residual", env.host(kept), env.host(dres), 0)
     else:
         rmsnorm(env.dev(x), env.dev(w), 1e-6, out)
         rmsnorm_ref(x, w, 1e-6, ref)

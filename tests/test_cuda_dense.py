@@ -77,6 +77,7 @@ SIM_CASES = {
         R=2, WR=1, WK=2, SB=2, BF=0, S=2, RB=1)),
     "rmsnorm": lambda env: C.check_norm(env, 3, 100, False),
     "add_rmsnorm": lambda env: C.check_norm(env, 3, 100, True),
+    "add_rmsnorm_keep": lambda env: C.check_norm(env, 2, 70, "keep"),
     "rmsnorm_strided_in_place": C.check_norm_strided,
     "silu_mul": lambda env: C.check_silu_mul(env, 2, 70),
     "rope_interleaved": lambda env: C.check_rope(env, 3, 2, 8, 8, True),
@@ -197,7 +198,7 @@ def test_gpu_gemm_odd_n():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("add", [False, True, "keep"])
 def test_gpu_norm(add):
     C.check_norm(Env(gpu=True), 65, 7168, add)
 

@@ -65,8 +65,8 @@ def _elementwise():
     from kernels.rope import _build as rope_build
     from kernels.topk import _argmax_k, _build_topk
     return {
-        "rmsnorm": (norm_build(False), (A2(f32), A2(f32), A1(u16), f32, A2(f32), i32), False),
-        "add_rmsnorm": (norm_build(True), (A2(f32), A2(f32), A1(u16), f32, A2(f32), i32), False),
+        "rmsnorm": (norm_build(False), (A2(f32), A2(f32), A1(u16), f32, A2(f32), i32, A2(f32), i32), False),
+        "add_rmsnorm": (norm_build(True), (A2(f32), A2(f32), A1(u16), f32, A2(f32), i32, A2(f32), i32), False),
         "silu_mul": (_silu_mul_k, (A2(f32), A2(f32), i32, i32), False),
         "rope_interleaved": (rope_build(True), (A3(f32), A1(i32), A1(f32), A3(f32), f32, i32, i32, i32), None),
         "rope_half": (rope_build(False), (A3(f32), A1(i32), A1(f32), A3(f32), f32, i32, i32, i32), None),
