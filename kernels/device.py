@@ -17,6 +17,40 @@ SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 from numba import cuda, float32, int32, uint32  # noqa: E402  (SIM must be decided before numba is imported)
 
+
+def _lock_sim_shared():
+    """numba-cuda's simulator makes a block's static shared array when the first thread asks for it (one per source
+    line), checking and filling its table without a lock: two threads arriving together could each get their own
+    array (seen as a rare failure of the MoE routing plan, whose shared arrays every thread asks for at once). The
+    same lookup, under a lock."""
+    import sys
+
+    from numba import types
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    from numba.np import numpy_support
+    if getattr(FakeCUDAShared.array, "locked", False):
+        return
+    lock, unlocked = threading.Lock(), FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:     # dynamic shared memory (one buffer), or the simulator's error
+            return unlocked(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        frame = sys._getframe(1)
+        caller = (frame.f_code.co_filename, frame.f_lineno)
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+    array.locked = True
+    FakeCUDAShared.array = array
+
+
+if SIM:
+    _lock_sim_shared()
+
 FULL = 0xFFFFFFFF
 F0, F1 = float32(0.0), float32(1.0)
 BF16_ONE2 = uint32(0x3F803F80)         # bf16 pair (1.0, 1.0)

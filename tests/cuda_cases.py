@@ -3,6 +3,7 @@ tests/test_cuda_dense.py and tests/test_cuda_moe.py. `env` is tests/cudasim.py's
 simulator, numba device arrays on a GPU). Outputs are poisoned (NaN / -1) before every launch; failures report the
 worst element."""
 import numpy as np
+from numba import cuda, int32   # the simulator swaps `cuda` among a kernel's globals, not in a closure
 
 from weights.dtypes import bf16_to_f32, f32_to_bf16
 
@@ -45,6 +46,31 @@ def check_gemm(env, m, n, k, xs, cfg=None, seed=0):
     ref = gemm_ref(x, w, np.empty((m, n), np.float32))
     scale = (np.abs(x) @ np.abs(bf16_to_f32(w)).T).max()
     assert_close(f"gemm m={m} n={n} k={k} xs={xs}", env.host(out), ref, 2e-5 if xs == 2 else 4e-3, scale)
+
+
+def check_shared_arrays(env, threads=64):
+    """Every thread of a block gets the same static shared array per source line, two lines get two arrays (on the
+    simulator this needs kernels.device's lock around numba-cuda's allocation table)."""
+    from kernels.device import SIM, launch
+    if SIM:
+        from numba.cuda.simulator.kernelapi import FakeCUDAShared
+        assert getattr(FakeCUDAShared.array, "locked", False), "the simulator's shared arrays are not locked"
+
+    @cuda.jit
+    def count(out):
+        a = cuda.shared.array(1, int32)
+        b = cuda.shared.array(1, int32)
+        if cuda.threadIdx.x == 0:
+            a[0], b[0] = 0, 0
+        cuda.syncthreads()
+        cuda.atomic.add(a, 0, 1)
+        cuda.atomic.add(b, 0, 2)
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            out[0], out[1] = a[0], b[0]
+    out = poisoned(env, (2,), np.int32)
+    launch(count, 1, threads, out)
+    assert env.host(out).tolist() == [threads, 2 * threads], env.host(out)
 
 
 def check_norm(env, n, d, add, seed=0):

@@ -48,6 +48,7 @@ def check_ops_gemm_tall(env, m=73, n=16, k=64):
 
 
 SIM_CASES = {
+    "shared_arrays_one_per_line": lambda env: C.check_shared_arrays(env),
     "gemm_2tiles_split_in_and_across_blocks": lambda env: C.check_gemm(env, 9, 40, 96, 2,
                                                                         GemmConfig(R=1, WR=1, WK=2, SB=2)),
     "gemm_bf16_activations_default_cut": lambda env: C.check_gemm(env, 3, 32, 64, 1),
