@@ -18,11 +18,13 @@ transformers = pytest.importorskip("transformers", reason="a dev extra: pip inst
 
 CASES = {
     # name: (overrides of the tiny preset, quant, wrapper)
-    "ngroup1-yarn32-beta1-eps1e-6": (dict(rope_scaling=dict(type="yarn", factor=32, original_max_position_embeddings=256,
+    "ngroup1-yarn32-beta1-eps1e-6": (dict(rope_scaling=dict(type="yarn", factor=32,
+                                                            original_max_position_embeddings=256,
                                                             beta_fast=1, beta_slow=1, mscale=1, mscale_all_dim=1),
                                           rms_norm_eps=1e-6), "int4", None),
     "ngroup4-yarn64-beta32-eps1e-5": (dict(n_group=4, topk_group=2, rms_norm_eps=1e-5,
-                                           rope_scaling=dict(type="yarn", factor=64, original_max_position_embeddings=256,
+                                           rope_scaling=dict(type="yarn", factor=64,
+                                                             original_max_position_embeddings=256,
                                                              beta_fast=32, beta_slow=1, mscale=1, mscale_all_dim=1)),
                                       "int4", None),
     "k25-wrapper-eps1e-5": (dict(rms_norm_eps=1e-5), "int4", "k25"),
@@ -44,8 +46,9 @@ def hf_model(model_dir):
               "n_shared_experts n_routed_experts num_experts_per_tok first_k_dense_replace n_group topk_group "
               "routed_scaling_factor norm_topk_prob q_lora_rank kv_lora_rank qk_nope_head_dim qk_rope_head_dim "
               "v_head_dim rms_norm_eps max_position_embeddings").split()
-    hcfg = transformers.DeepseekV3Config(**{f: getattr(cfg, f) for f in fields}, num_key_value_heads=cfg.num_attention_heads,
-                                         rope_parameters=rope, tie_word_embeddings=False, attention_bias=False)
+    hcfg = transformers.DeepseekV3Config(**{f: getattr(cfg, f) for f in fields},
+                                         num_key_value_heads=cfg.num_attention_heads, rope_parameters=rope,
+                                         tie_word_embeddings=False, attention_bias=False)
     hcfg._attn_implementation = "eager"
     model = transformers.DeepseekV3ForCausalLM(hcfg).float().eval()
 

@@ -1,4 +1,5 @@
-"""The multi-device layout on CPU: a simulated n-device target equals the unsharded one; the plan covers every tensor."""
+"""The multi-device layout on CPU: a simulated n-device target equals the unsharded one; the plan covers every
+tensor."""
 import functools
 from pathlib import Path
 
@@ -17,7 +18,8 @@ WIDE = dict(num_attention_heads=8, n_routed_experts=16)
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("wide")
-    write_target(d, synth_config("tiny", layers=3, quant="int4", **WIDE), seed=int(np.random.SeedSequence().entropy % 2**31))
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    write_target(d, synth_config("tiny", layers=3, quant="int4", **WIDE), seed=seed)
     return d
 
 

@@ -1,6 +1,7 @@
 """Every kernel of the dense, MoE and top-k families compiles for sm_90 on the CPU (numba.cuda.compile_ptx: the
 real type inference and NVVM, which the simulator skips), with no float64 instruction and no local memory in the
-mma kernels (RoPE: only libdevice's float64 reduction of huge angles). Needs the CUDA compiler wheels (numba-cuda[cu13]); skipped without them."""
+mma kernels (RoPE: only libdevice's float64 reduction of huge angles). Needs the CUDA compiler wheels
+(numba-cuda[cu13]); skipped without them."""
 import re
 
 import pytest
@@ -33,7 +34,8 @@ def _gemm():
     from kernels.gemm import _build_gemm, _build_prep, _build_reduce
     sig = (A1(u32), A1(u32), A2(f32), A3(f32)) + (i32,) * 5
     cases = {f"gemm_T{T}_R{R}_XS{XS}_PF{PF}_BF{BF}": (_build_gemm(T, R, XS, 2, PF, BF), sig, True)
-             for T, R, XS, PF, BF in [(1, 2, 2, 0, 0), (1, 2, 2, 1, 1), (3, 2, 2, 0, 1), (5, 1, 1, 0, 1), (9, 1, 2, 1, 0)]}
+             for T, R, XS, PF, BF in [(1, 2, 2, 0, 0), (1, 2, 2, 1, 1), (3, 2, 2, 0, 1), (5, 1, 1, 0, 1),
+                                      (9, 1, 2, 1, 0)]}
     cases["prep_hi_lo_int4_order"] = (_build_prep(2, 1), (A2(f32), A1(u32), i32, i32), True)
     cases["prep_bf16"] = (_build_prep(1, 0), (A2(f32), A1(u32), i32, i32), True)
     cases["gemm_reduce"] = (_build_reduce(), (A3(f32), A2(f32), i32, i32, i32), False)

@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     prompts = load_prompts(args.prompts_file, args.prompts)
     rows, greedy_ref = [], None
     print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, backend {args.backend}")
-    print(f"{'T':>4} {'mode':7} {'budget':>6} {'tau':>6} {'rounds':>6} {'tok/s':>7}  histogram (rounds committing 1, 2, ...)")
+    print(f"{'T':>4} {'mode':7} {'budget':>6} {'tau':>6} {'rounds':>6} {'tok/s':>7}  "
+          "histogram (rounds committing 1, 2, ...)")
     for t, mode, budget in settings(args.modes, args.budgets, args.temperatures):
         t0 = time.time()
         row, outputs = measure(engine, prompts, t, mode, budget, args.max_new_tokens, args.seed)

@@ -101,7 +101,8 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
     for ctx in contexts:
         for h in heads:
             for T in queries:
-                for B in sorted({1, max(1, min(max_batch, tokens_per_batch // ctx, q_bytes_cap // (T * h * K2_D * 4)))}):
+                fit = min(max_batch, tokens_per_batch // ctx, q_bytes_cap // (T * h * K2_D * 4))
+                for B in sorted({1, max(1, fit)}):
                     keep = Keep()
                     q = keep.normal((B, T, h, K2_D))
                     cache = keep.bf16((B, ctx + T, K2_D))
@@ -164,8 +165,8 @@ def bench_drafter(cases, copy_bw, n=16):
         work = kv_attention_work(keep.zeros, B, n, h, d, S, tensor_cores=tc)
         us, how = gpu_us(lambda: kv_attention(q, k, v, kv_len, d ** -0.5, out, work, tc))
         gbs = B * S * hk * 2 * d * 4 / us / 1e3
-        rows.append(dict(drafter=name, kernel="tensor cores" if tc else "f32", ctx=ctx, batch=B, queries=n, heads=h, kv_heads=hk, head_dim=d,
-                         splits=work.o.shape[1], us=round(us, 1), kv_gbs=round(gbs, 1),
+        rows.append(dict(drafter=name, kernel="tensor cores" if tc else "f32", ctx=ctx, batch=B, queries=n, heads=h,
+                         kv_heads=hk, head_dim=d, splits=work.o.shape[1], us=round(us, 1), kv_gbs=round(gbs, 1),
                          pct_copy=round(100 * gbs / copy_bw, 1), timing=how))
         print("drafter", rows[-1], flush=True)
         del keep

@@ -75,7 +75,8 @@ def reps_for(nbytes, budget_ms=40.0):
 
 
 def copy_bandwidth(cp, nbytes=2 << 30):
-    """Device-to-device copy GB/s counting bytes read + written (the 100% line); best of cudaMemcpy and a copy kernel."""
+    """Device-to-device copy GB/s counting bytes read + written (the 100% line); best of cudaMemcpy and a copy
+    kernel."""
     src = cp.random.random(nbytes // 4, dtype=cp.float32)
     dst = cp.empty_like(src)
     s = cp.cuda.Stream(non_blocking=True)
@@ -150,11 +151,13 @@ def bench_moe(cp, cuda, results, copy_bw, quick):
             full()
             for name, f in parts.items():
                 row[f"{name}_ms"] = timed(cp, f, reps)[0]
-            gu_bytes, dn_bytes = distinct * (2 * I * H // 2 + 2 * I * H // GROUP * 2), distinct * (H * I // 2 + H * I // GROUP * 2)
+            gu_bytes = distinct * (2 * I * H // 2 + 2 * I * H // GROUP * 2)
+            dn_bytes = distinct * (H * I // 2 + H * I // GROUP * 2)
             row["gate_up_pct_copy"] = 100 * gu_bytes / row["gate_up_ms"] / 1e6 / copy_bw
             row["down_pct_copy"] = 100 * dn_bytes / row["down_ms"] / 1e6 / copy_bw
         rows.append(row)
-        print(f"moe  {tag:>14} n={n:3d} xs={xs} experts={distinct:3d} {nbytes / 1e6:8.1f} MB  graph {g_ms * 1e3:8.1f} us"
+        print(f"moe  {tag:>14} n={n:3d} xs={xs} experts={distinct:3d} {nbytes / 1e6:8.1f} MB  "
+              f"graph {g_ms * 1e3:8.1f} us"
               f"  eager {e_ms * 1e3:8.1f} us  {row['gbps']:7.0f} GB/s  {row['pct_copy']:5.1f}%"
               + (f"  [gate_up {row['gate_up_ms'] * 1e3:.1f} us {row['gate_up_pct_copy']:.0f}%, down "
                  f"{row['down_ms'] * 1e3:.1f} us {row['down_pct_copy']:.0f}%, plan+prep {row['plan+prep_ms'] * 1e3:.1f}"

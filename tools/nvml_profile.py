@@ -46,7 +46,8 @@ class Profiler:
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as e:
-            raise RuntimeError(f"NVML is not available on this machine ({e}): nvml_profile needs an NVIDIA GPU") from None
+            raise RuntimeError(f"NVML is not available on this machine ({e}): "
+                               "nvml_profile needs an NVIDIA GPU") from None
         self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         self.power_limit_w = [pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000 for h in self.handles]
         self.samples: list[Sample] = []

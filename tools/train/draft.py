@@ -70,7 +70,8 @@ def block_batch(rows, p: int, plan: Plan, gen, anchors=None):
     b, t = rows.shape
     lb = plan.draft.block_size
     if anchors is None:
-        anchors = torch.rand(b, t - lb - p + 1, device=rows.device, generator=gen).topk(plan.draft_blocks, -1).indices + p
+        noise = torch.rand(b, t - lb - p + 1, device=rows.device, generator=gen)
+        anchors = noise.topk(plan.draft_blocks, -1).indices + p
     m = anchors.shape[1]
     offs = torch.arange(lb, device=rows.device)
     labels = rows.gather(1, (anchors[:, :, None] + offs[1:]).reshape(b, -1)).view(b, m, lb - 1)
