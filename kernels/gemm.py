@@ -103,15 +103,10 @@ def _cached(builder, *key):
 
 
 # ---------------------------------------------------------------------------------------------------------- B prep
-def _build_prep(xs, perm, tiled=0):
-    @kernel()
-    def prep(x, xb, m, kdim):
-        """x f32[m, k] (any strides) -> xb u32 flat [m, xs, k/2] (bf16 pairs; perm=1: INT4 column order), or
-        (tiled=1) the mma B fragments in warp order: word ((s*ceil(m/8) + row//8)*xs + p)*128 + 4*lane + q with
-        lane = 4*(row%8) + t holds part p of columns 32s + 8t + 2q, +1 (rows past m repeat row m-1).
-        Launch: grid (ceil(k/8/256), m or ceil(m/8)*8 when tiled), block 256; moves m*k*4 bytes in, m*k*2*xs out."""
-        row = cuda.blockIdx.y
-        blk = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+def _build_prep_unit(xs, perm, tiled):
+    @device
+    def prep_unit(x, xb, m, kdim, row, blk):
+        """Columns 8 blk .. 8 blk + 7 of row `row` of the B operand (see `_build_prep`)."""
         if blk >= kdim // 8:
             return
         half = kdim // 2
@@ -133,6 +128,19 @@ def _build_prep(xs, perm, tiled=0):
                 xb[base + pstride + q] = lo
             else:
                 xb[base + q] = pack_bf16x2(v0, v1)
+    return prep_unit
+
+
+def _build_prep(xs, perm, tiled=0):
+    prep_unit = _cached(_build_prep_unit, xs, perm, tiled)
+
+    @kernel()
+    def prep(x, xb, m, kdim):
+        """x f32[m, k] (any strides) -> xb u32 flat [m, xs, k/2] (bf16 pairs; perm=1: INT4 column order), or
+        (tiled=1) the mma B fragments in warp order: word ((s*ceil(m/8) + row//8)*xs + p)*128 + 4*lane + q with
+        lane = 4*(row%8) + t holds part p of columns 32s + 8t + 2q, +1 (rows past m repeat row m-1).
+        Launch: grid (ceil(k/8/256), m or ceil(m/8)*8 when tiled), block 256; moves m*k*4 bytes in, m*k*2*xs out."""
+        prep_unit(x, xb, m, kdim, cuda.blockIdx.y, cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
     return prep
 
 

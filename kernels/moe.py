@@ -91,7 +91,7 @@ from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device,
                             pack_bf16x2)
 from kernels.device import warp_sum  # noqa: E402
 from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_mainloop,  # noqa: E402
-                          _cached, _split_range, _words, prep_b)
+                          _build_prep_unit, _cached, _split_range, _words)
 
 MOE_XS = 1            # B operand: activations as bf16 (W4A16); 2 = hi + lo parts (~1e-5 from the f32 reference, slower)
 MAX_E = 1024          # experts per layer the router/plan kernels handle (one thread each)
@@ -310,17 +310,26 @@ def _block_scan(a, nelem):
         d *= 2
 
 
-def _build_plan():
-    @kernel()
-    def plan(idx, n, top_k, e0, n_exp, cap, sorted_slot, item_e, item_start, item_len, n_items):
-        """Routing plan on the GPU, one block of 1024 threads: slots (t * k + j) of the experts held here (global
-        ids e0 .. e0+n_exp-1) grouped by local expert (stable: slot order inside an expert), and work items of
-        <= cap slots per expert, in expert order. Outputs sized n_max*k (fixed); n_items[0] = live items."""
+def _build_plan(xs, perm):
+    prep_unit = _cached(_build_prep_unit, xs, perm, 0)
+
+    @kernel(max_registers=64)                     # 1024-thread blocks
+    def plan(idx, n, top_k, e0, n_exp, cap, sorted_slot, item_e, item_start, item_len, n_items, x, xb, kdim):
+        """Block 0: the routing plan: slots (t * k + j) of the experts held here (global ids e0 .. e0+n_exp-1)
+        grouped by local expert (stable: slot order inside an expert), and work items of <= cap slots per expert,
+        in expert order. Outputs sized n_max*k (fixed); n_items[0] = live items. Blocks 1..: the B operand of
+        gate_up, xb = prep of x f32[n, kdim] (gemm's prep: xs parts, perm=1 the INT4 column order), row
+        (b - 1) // per_row. Launch: grid 1 + n * ceil(kdim / 8 / block), block 1024 (>= n_exp)."""
+        tid, bs = cuda.threadIdx.x, cuda.blockDim.x
+        if cuda.blockIdx.x > 0:
+            per_row = (kdim // 8 + bs - 1) // bs
+            b = cuda.blockIdx.x - 1
+            prep_unit(x, xb, n, kdim, b // per_row, (b % per_row) * bs + tid)
+            return
         sh_idx = cuda.shared.array(MAX_SLOTS, int32)
         cnt = cuda.shared.array(MAX_E, int32)
         inc = cuda.shared.array(MAX_E, int32)
         iinc = cuda.shared.array(MAX_E, int32)
-        tid, bs = cuda.threadIdx.x, cuda.blockDim.x
         ns = n * top_k
         for i in range(tid, ns, bs):
             e = idx[i // top_k, i % top_k] - e0
@@ -492,9 +501,9 @@ def _sm_count():
 def moe(x, idx, wts, experts: DeviceExperts, out, ws: MoeWorkspace, shared=None, cfg_gate_up=GATE_UP_CFG,
         cfg_down=DOWN_CFG):
     """GPU moe_ref: out f32[n, H] = sum_j wts[t, j] * E_idx[t, j](x[t]) (+ shared[t] when given).
-    Launches: plan, B prep of x, gate_up (+SiLU-mul), down (* routing weight), combine. Only live experts' weights
-    are read; grids are fixed by the workspace size so the sequence can be graph-captured. The workspace's xs
-    decides the activations' precision in the mma (MOE_XS)."""
+    Launches: plan with the B prep of x, gate_up (+SiLU-mul), down (* routing weight), combine. Only live experts'
+    weights are read; grids are fixed by the workspace size so the sequence can be graph-captured. The workspace's
+    xs decides the activations' precision in the mma (MOE_XS)."""
     moe_plan(x, idx, experts, ws, cfg_gate_up, cfg_down)
     moe_stage(0, experts, wts, ws, cfg_gate_up)
     moe_stage(1, experts, wts, ws, cfg_down)
@@ -510,7 +519,7 @@ def _dims(experts):
 
 
 def moe_plan(x, idx, experts, ws, cfg_gate_up=GATE_UP_CFG, cfg_down=DOWN_CFG):
-    """Checks, then the routing plan and the B operand of gate_up (2 launches)."""
+    """Checks, then the routing plan and the B operand of gate_up (one launch: the plan's block beside the prep's)."""
     n, h = x.shape
     k = idx.shape[1]
     fmt, n_exp, hidden, inter = _dims(experts)
@@ -522,10 +531,10 @@ def moe_plan(x, idx, experts, ws, cfg_gate_up=GATE_UP_CFG, cfg_down=DOWN_CFG):
     if cfg_down.T != cfg_gate_up.T or max(c.WR * c.WK for c in (cfg_gate_up, cfg_down)) > MAX_WARPS:
         raise ValueError(f"moe: configs {cfg_gate_up}, {cfg_down}: same T, <= {MAX_WARPS} warps per block")
     plan_threads = 32 * math.ceil(n_exp / 32) if SIM else 1024   # simulator: a Python thread per CUDA thread
-    launch(_cached(_build_plan), 1, plan_threads, idx, int32(n), int32(k), int32(experts.offset), int32(n_exp),
-           int32(8 * cfg_gate_up.T), ws.sorted_slot,
-           ws.item_e, ws.item_start, ws.item_len, ws.n_items)
-    prep_b(x, ws.xb, ws.xs, int(fmt == INT4))
+    grid = 1 + n * math.ceil(h / 8 / plan_threads)
+    launch(_cached(_build_plan, ws.xs, int(fmt == INT4)), grid, plan_threads, idx, int32(n), int32(k),
+           int32(experts.offset), int32(n_exp), int32(8 * cfg_gate_up.T), ws.sorted_slot,
+           ws.item_e, ws.item_start, ws.item_len, ws.n_items, x, ws.xb, int32(h))
 
 
 def moe_stage(down, experts, wts, ws, cfg=GATE_UP_CFG):

@@ -16,11 +16,15 @@ SIM_CASES = {
     "moe_bf16_experts": lambda env: C.check_moe(env, 4, 128, 64, 4, 2, "random", 1, int4=False, cfgs=SMALL),
     "moe_int4_expert_parallel_shard": lambda env: C.check_moe(env, 6, 128, 64, 8, 3, "random", 1, cfgs=SMALL,
                                                               held=(4, 2), shared=True),
+    "moe_int4_prep_2_blocks_per_row": lambda env: C.check_moe(env, 2, 512, 64, 4, 1, "random", 1, cfgs=SMALL,
+                                                              seed=3),
     "router_one_group": lambda env: C.check_router(env, 3, 64, 16, 4, 1, 1),
     "router_grouped": lambda env: C.check_router(env, 3, 64, 16, 4, 4, 2),
     "router_passes_over_2_block_rows": lambda env: C.check_router(env, 5, 64, 16, 2, 1, 1, tokens_per_pass=2,
                                                                   token_blocks=2),
 }
+
+SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30}      # CPU seconds (the others: ~3 each)
 
 
 test_simulator = simulator_test(__name__)
