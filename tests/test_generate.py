@@ -258,3 +258,48 @@ def test_bad_arguments(pair, kw, match):
 def test_prompt_at_context_edge(pair):
     r = generate(pair.target, pair.drafter, None, [2] * 49, 4, budget=4, max_context=50, stop=[])
     assert len(r.tokens) == 2 and r.stats["stop_reason"] == "context"    # prefill token + one AR-sized round
+
+
+# --- parallel branches ------------------------------------------------------------------------------------------------
+
+def test_branches_are_joined_before_their_outputs_are_read(pair):
+    """ops.branch() lets the kernel backends run a chain beside what follows (a second stream, a parallel graph
+    branch); the reference runs it in order, so a missing join would race only on a GPU. Here a recording table
+    keeps each branch open until join() and fails the ops that read a branch's output (the latent rows: attention
+    and cache reads; the shared expert: the MoE's combine, which joins its `after`) while one is open, and every
+    forward, draft and context append must end with none open."""
+    open_ = []
+
+    class Side:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            open_.append(self)
+            return False
+
+        def join(self):
+            if self in open_:
+                open_.remove(self)
+
+    def reads(name, after_joins=False):
+        def op(*args, **kw):
+            if after_joins and kw.get("after") is not None:
+                kw["after"].join()
+            assert not open_, f"{name} read while {len(open_)} branch(es) were still open"
+            return getattr(NUMPY, name)(*args, **kw)
+        return op
+    ops = SimpleNamespace(**{**vars(NUMPY), "branch": Side, "latent_attention": reads("latent_attention"),
+                             "cache_read": reads("cache_read"), "moe": reads("moe", after_joins=True)})
+    target = pair.target.with_ops(ops)
+    drafter = pair.drafter.with_ops(ops, target)
+    ids = np.arange(5, dtype=np.int32) + 7
+    for form in ("absorbed", "naive"):
+        target.forward(ids, np.arange(5, dtype=np.int32), target.new_cache(32), hidden_layers=(0, 2), form=form)
+        assert not open_, f"{form} forward left a branch open"
+    ctx = drafter.new_context(32)
+    _, hidden = target.forward(ids, np.arange(5, dtype=np.int32), target.new_cache(32), hidden_layers=(0, 2))
+    drafter.append(ctx, hidden, np.arange(5, dtype=np.int32))
+    assert not open_, "the drafter-context append left a branch open"
+    drafter.draft(ctx, 3, 5)
+    assert not open_, "the draft left a branch open"
