@@ -285,8 +285,11 @@ def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5):
     return rows
 
 
+OPT_IN = ("splits",)        # tables run only when asked for by name (--only)
+
+
 def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None, only=None):
-    """Fill results['attention'] with every table above, or the one named `only` (called by
+    """Fill results['attention'] with every table above but the OPT_IN ones, or the one named `only` (called by
     tools/bench_kernels.py); on_table(results) after each table (to save partial results)."""
     t0 = time.time()
     ctxs = [1024, 4096] if quick else [1024, 4096, 16384, 65536]
@@ -298,7 +301,7 @@ def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None, only=None
                      ("prefill", lambda: bench_prefill()),
                      ("drafter", lambda: bench_drafter(drafter_cases(quick), copy_bw_gbs)),
                      ("splits", lambda: bench_splits())]:
-        if only and name != only:
+        if (only and name != only) or (name in OPT_IN and name != only):
             continue
         try:
             res[name] = fn()
