@@ -504,11 +504,17 @@ def moe(x, idx, wts, experts: DeviceExperts, out, ws: MoeWorkspace, shared=None,
     Launches: plan with the B prep of x, gate_up (+SiLU-mul), down (* routing weight), combine. Only live experts'
     weights are read; grids are fixed by the workspace size so the sequence can be graph-captured. The workspace's
     xs decides the activations' precision in the mma (MOE_XS)."""
+    moe_experts(x, idx, wts, experts, ws, cfg_gate_up, cfg_down)
+    moe_combine(out, shared, ws, idx, experts)
+    return out
+
+
+def moe_experts(x, idx, wts, experts: DeviceExperts, ws: MoeWorkspace, cfg_gate_up=GATE_UP_CFG, cfg_down=DOWN_CFG):
+    """Everything of `moe` before the combine: plan (with the B prep), gate_up, down -> ws.y f32[n*k, H], each
+    slot's expert output times its routing weight."""
     moe_plan(x, idx, experts, ws, cfg_gate_up, cfg_down)
     moe_stage(0, experts, wts, ws, cfg_gate_up)
     moe_stage(1, experts, wts, ws, cfg_down)
-    moe_combine(out, shared, ws, idx, experts)
-    return out
 
 
 def _dims(experts):

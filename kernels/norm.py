@@ -69,7 +69,7 @@ def rmsnorm(x, w, eps, out):
     n, d = x.shape
     if w.shape != (d,) or out.shape != (n, d):
         raise ValueError(f"rmsnorm: x {x.shape}, w {w.shape}, out {out.shape} do not match")
-    launch(_kernel(False), n, NORM_THREADS, x, x, w, float32(eps), out, int32(d), x, 0)
+    launch(_kernel(False), n, NORM_THREADS, x, x, w, float32(eps), out, int32(d), x, int32(0))
     return out
 
 

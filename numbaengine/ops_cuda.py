@@ -26,8 +26,7 @@ from kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
 from kernels.gemm import (TILES_MAX, GemmWorkspace, contiguous, gemm, gemm_config, gemm_sync_words,
                           gemm_workspace_words, head_gemm, head_gemm_workspace_words)
 from kernels.mla import mla_attention, mla_work
-from kernels.moe import (MAX_SLOTS, Experts, device_experts, moe_combine, moe_plan, moe_stage, moe_workspace,
-                         router)
+from kernels.moe import MAX_SLOTS, Experts, device_experts, moe_combine, moe_experts, moe_workspace, router
 from kernels.norm import add_rmsnorm, rmsnorm
 from kernels.rope import qk_norm_rope, rope
 from kernels.sample import sample
@@ -38,7 +37,7 @@ GEMM_ROWS = 8 * TILES_MAX    # token rows of one GEMM block; taller x runs as se
 TALL_PART_BYTES = 64 << 20   # k-split partials a tall GEMM may use (else a launch per row block, partials reused)
 MLA_ONE_SPLIT = 512          # caches up to this many rows run one split per sequence (no merge pass)
 MLA_SPLIT_ROWS = 256         # more query rows per sequence (a prompt) fill the GPU with row tiles: no split scratch
-KV_MIN_SPLIT = 128           # drafter attention: fewest keys per split, and contexts up to this run one split. H200,
+KV_MIN_SPLIT = 128           # drafter attention: fewest keys per split; capacities up to this run one split. H200,
 #   pair drafter, 16 queries (python -m tools.bench_attention --only splits): one split costs ~2 us per 32 keys (15 us
 #   at 128 keys, 70 at 1024); 128-key splits + merge 19-20 us at capacity 1024 and 23-31 us at 4096, where the
 #   earlier rule (splits of 32 keys: 2 blocks per SM) took 18-24 and 34-63 us
@@ -343,9 +342,7 @@ class KernelOps:
         ws = self._moe_ws.get(key)
         if ws is None or ws.n_max < n:
             ws = self._moe_ws[key] = moe_workspace(n, top_k, x.shape[1], two_i // 2, n_exp, self._alloc)
-        moe_plan(x, idx, experts, ws)                  # kernels.moe.moe, with the join before the combine
-        moe_stage(0, experts, wts, ws)
-        moe_stage(1, experts, wts, ws)
+        moe_experts(x, idx, wts, experts, ws)          # kernels.moe.moe, with the join before the combine
         if after is not None:
             after.join()
         moe_combine(out, shared, ws, idx, experts)
@@ -378,7 +375,8 @@ class KernelOps:
 
 class Branch:
     """A fork of the current stream onto `side` (event `fork`) and, at join(), the current stream waiting for
-    everything issued on `side` (event `done`). Events are reused: a wait binds to the latest record."""
+    everything issued on `side` (event `done`). Events are reused: a wait binds to the latest record, and with one
+    side stream per table a join also covers every branch opened before it."""
 
     def __init__(self, side, fork, done):
         self.side, self.fork, self.done = side, fork, done
