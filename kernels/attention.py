@@ -41,8 +41,7 @@ import math  # noqa: E402
 
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
-from kernels.device import (NUMBA_VIEWS, SIM, as_f32, as_u32, current_stream, kernel, launch, ld4, ld16,  # noqa: E402,F401
-                            numba_views)
+from kernels.device import SIM, as_f32, as_u32, current_stream, kernel, launch, ld4, ld16  # noqa: E402,F401
 
 if SIM:
     from kernels.device import shfl_xor  # noqa: E402,F401
@@ -403,8 +402,6 @@ _SMEM_SET = set()
 def launch_smem(kern, grid, threads, smem, args):
     """Launch on the current stream with `smem` bytes of dynamic shared memory, raising the kernel's limit above
     48 KB first (once per compiled overload; numba has no API for the attribute)."""
-    if NUMBA_VIEWS:
-        args = numba_views(args)
     if not SIM and smem > 48 * 1024:
         types_ = tuple(kern.typeof_pyval(a) for a in args)
         key = (id(kern), types_, smem)

@@ -454,42 +454,11 @@ def current_stream():
     return _STREAMS[ptr]
 
 
-NUMBA_VIEWS = os.environ.get("NUMBAENGINE_NUMBA_VIEWS") == "1"    # experiment, off by default: see numba_views
-_VIEWS = {}                 # (device, pointer, shape, strides, dtype) -> numba view, oldest first
-VIEWS_MAX = 4096
-
-
-def numba_views(args):
-    """EXPERIMENT (NUMBAENGINE_NUMBA_VIEWS=1; not measured yet): CuPy arguments replaced by numba DeviceNDArray views
-    cached by (device, pointer, shape, strides, dtype). numba-cuda 0.30 types and marshals each CuPy argument through
-    DLPack on every eager launch (suspected cause of ~200 us of host time per eager launch); its own arrays take a
-    fast path. A view does not own its memory: the caller's CuPy array keeps it alive through the launch, as before."""
-    import cupy
-    from numba.cuda.cudadrv import devicearray, driver
-    out = []
-    for a in args:
-        if not isinstance(a, cupy.ndarray) or a.size == 0:
-            out.append(a)
-            continue
-        key = (a.device.id, a.data.ptr, a.shape, a.strides, a.dtype.str)
-        view = _VIEWS.get(key)
-        if view is None:
-            if len(_VIEWS) >= VIEWS_MAX:
-                del _VIEWS[next(iter(_VIEWS))]
-            size = driver.memory_size_from_info(a.shape, a.strides, a.dtype.itemsize)
-            data = driver.MemoryPointer(cuda.current_context(), driver.binding.CUdeviceptr(a.data.ptr), size=size)
-            view = _VIEWS[key] = devicearray.DeviceNDArray(a.shape, a.strides, a.dtype, gpu_data=data)
-        out.append(view)
-    return out
-
-
 def launch(kern, grid, block, *args, shmem=0):
     """Launch `kern` on the current stream. Arguments: numba device arrays (NumPy arrays under the simulator, used
     in place: no copies, so views with any strides and aliased outputs behave as on the GPU)."""
     if SIM:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         args = [FakeCUDAArray(a) if isinstance(a, np.ndarray) and a.ndim > 0 else a for a in args]
-    elif NUMBA_VIEWS:
-        args = numba_views(args)
     kern[grid, block, current_stream(), shmem](*args)
 
