@@ -85,13 +85,13 @@ def moe_ref(x, idx, wts, experts, out):
 # =============================================================================================================
 import math  # noqa: E402
 
-from numba import cuda, float32, int32  # noqa: E402
+from numba import cuda, float32, int32, uint32  # noqa: E402
 
 from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device, kernel, launch, ld16, lane_id,  # noqa: E402
                             pack_bf16x2)
 from kernels.device import warp_sum  # noqa: E402
-from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_mainloop,  # noqa: E402
-                          _build_prep_unit, _cached, _split_range, _words)
+from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_int4_pipe_mainloop,  # noqa: E402
+                          _build_mainloop, _build_prep_unit, _cached, _split_range, _words)
 
 MOE_XS = 1            # B operand: activations as bf16 (W4A16); 2 = hi + lo parts (~1e-5 from the f32 reference, slower)
 MAX_E = 1024          # experts per layer the router/plan kernels handle (one thread each)
@@ -146,7 +146,7 @@ def device_experts(experts: Experts, to_device) -> DeviceExperts:
 @dataclass
 class MoeWorkspace:
     """Scratch of the router and experts for up to `n_max` tokens, allocated once (fixed sizes: graph capture)."""
-    logits: object        # f32[n_max, E]
+    logits: object        # f32[ks, n_max, E]          router GEMV k slices (ks = router_slices(H))
     xb: object            # u32 flat [n_max * XS * H / 2]   B operand of gate_up
     act: object           # u32 flat [n_max * k * XS * I / 2] B operand of down (silu(gate) * up)
     y: object             # f32[n_max * k, H]             per-slot expert outputs, routing weight applied
@@ -163,53 +163,77 @@ class MoeWorkspace:
 def moe_workspace(n_max, top_k, hidden, inter, n_experts, alloc, xs=MOE_XS):
     """alloc(shape, dtype) -> array (numba.cuda.device_array, or np.empty under the simulator)."""
     s = n_max * top_k
-    return MoeWorkspace(alloc((n_max, n_experts), np.float32), alloc((n_max * xs * hidden // 2,), np.uint32),
-                        alloc((s * xs * inter // 2,), np.uint32), alloc((s, hidden), np.float32),
+    return MoeWorkspace(alloc((router_slices(hidden), n_max, n_experts), np.float32),
+                        alloc((n_max * xs * hidden // 2,), np.uint32), alloc((s * xs * inter // 2,), np.uint32), alloc((s, hidden), np.float32),
                         alloc((s,), np.int32), alloc((s,), np.int32), alloc((s,), np.int32), alloc((s,), np.int32),
                         alloc((1,), np.int32), n_max, top_k, xs)
 
 
 # ------------------------------------------------------------------------------------------------------ router
+ROUTER_CHUNKS = 4      # 8-column chunks per lane of one router warp (its gate weights stay in registers)
+
+
+def router_slices(hidden):
+    """k slices of the router GEMV: each warp holds <= 32 * ROUTER_CHUNKS chunks of one expert's gate row, and
+    K2's 384 x 7168 gate is cut 8 ways (3072 warps: one row per warp left 48 of 132 SMs busy, 188 GB/s)."""
+    chunks = hidden // 8
+    return max(math.ceil(chunks / (32 * ROUTER_CHUNKS)), min(8, chunks // 24), 1)
+
+
 def _build_router_logits(TT):
+    NW = 4 * ROUTER_CHUNKS
+
     @kernel()
-    def router_logits(x, wg, logits, n, hdim, n_exp):
-        """logits f32[n, E] = x f32[n, H] @ bf16(wg)^T in float32 (CUDA cores: near-ties must not flip).
-        One warp per expert, lanes over 8-column chunks, TT tokens per pass; block row y takes passes y, y + ny, ...
-        Launch: grid (ceil(E/8), ny), block 256. Moves E*H*2 bytes of gate weights from HBM (the ny block rows
-        share them through L2; x through L1/L2)."""
-        e = cuda.blockIdx.x * (cuda.blockDim.x // 32) + cuda.threadIdx.x // 32
+    def router_logits(x, wg, part, n, hdim, n_exp):
+        """part f32[ks, n, E]: slice p of x f32[n, H] @ bf16(wg)^T in float32 (CUDA cores: near-ties must not
+        flip; router_select adds the slices in order). Warp (e, p): expert e = 8 * (bx // ks) + warp, k slice
+        p = bx % ks, its gate chunks loaded once into registers, then passes of TT tokens (block row y takes
+        passes y, y + ny, ...). The 8 warps of a block share x's slice through L1.
+        Launch: grid (ceil(E/8) * ks, ny), block 256. Moves E*H*2 bytes of gate weights from HBM (x through L1/L2)."""
+        ks = part.shape[0]
+        e = (cuda.blockIdx.x // ks) * 8 + cuda.threadIdx.x // 32
+        p = cuda.blockIdx.x % ks
         lane = lane_id()
         if e >= n_exp:
             return
-        wrow = e * (hdim // 2)
+        c0 = (p * (hdim // 8)) // ks
+        c1 = ((p + 1) * (hdim // 8)) // ks
+        wr = cuda.local.array(NW, uint32)
+        for i in range(ROUTER_CHUNKS):
+            c = c0 + lane + 32 * i
+            if c < c1:
+                wr[4 * i], wr[4 * i + 1], wr[4 * i + 2], wr[4 * i + 3] = ld16(wg, e * (hdim // 2) + c * 4)
         for t0 in range(cuda.blockIdx.y * TT, n, TT * cuda.gridDim.y):
             acc = cuda.local.array(TT, float32)
             for j in range(TT):
                 acc[j] = F0
-            for c in range(lane, hdim // 8, 32):
-                w0, w1, w2, w3 = ld16(wg, wrow + c * 4)
-                for j in range(TT):
-                    tok = min(t0 + j, n - 1)
-                    x0, x1, x2, x3 = ld16(x, tok * hdim + c * 8)
-                    x4, x5, x6, x7 = ld16(x, tok * hdim + c * 8 + 4)
-                    a = acc[j]
-                    a += bf16_lo(w0) * _f(x0) + bf16_hi(w0) * _f(x1)
-                    a += bf16_lo(w1) * _f(x2) + bf16_hi(w1) * _f(x3)
-                    a += bf16_lo(w2) * _f(x4) + bf16_hi(w2) * _f(x5)
-                    a += bf16_lo(w3) * _f(x6) + bf16_hi(w3) * _f(x7)
-                    acc[j] = a
+            for i in range(ROUTER_CHUNKS):
+                c = c0 + lane + 32 * i
+                if c < c1:
+                    w0, w1, w2, w3 = wr[4 * i], wr[4 * i + 1], wr[4 * i + 2], wr[4 * i + 3]
+                    for j in range(TT):
+                        tok = min(t0 + j, n - 1)
+                        x0, x1, x2, x3 = ld16(x, tok * hdim + c * 8)
+                        x4, x5, x6, x7 = ld16(x, tok * hdim + c * 8 + 4)
+                        a = acc[j]
+                        a += bf16_lo(w0) * _f(x0) + bf16_hi(w0) * _f(x1)
+                        a += bf16_lo(w1) * _f(x2) + bf16_hi(w1) * _f(x3)
+                        a += bf16_lo(w2) * _f(x4) + bf16_hi(w2) * _f(x5)
+                        a += bf16_lo(w3) * _f(x6) + bf16_hi(w3) * _f(x7)
+                        acc[j] = a
             for j in range(TT):
                 v = warp_sum(acc[j])
                 if lane == 0 and t0 + j < n:
-                    logits[t0 + j, e] = v
+                    part[p, t0 + j, e] = v
     return router_logits
 
 
 def _build_router_select():
     @kernel()
-    def router_select(logits, bias, idx_out, w_out, n_exp, top_k, n_group, topk_group, norm, scaling):
-        """Per token (one block, one thread per expert): sigmoid, + bias for the choice, grouped top-k (group
-        score = sum of its top-2 choices), lower index wins ties; weights = normalized sigmoid * scaling.
+    def router_select(part, bias, idx_out, w_out, n_exp, top_k, n_group, topk_group, norm, scaling):
+        """Per token (one block, one thread per expert): logit = the k slices of part f32[ks, n, E] added in order,
+        sigmoid, + bias for the choice, grouped top-k (group score = sum of its top-2 choices), lower index wins
+        ties; weights = normalized sigmoid * scaling.
         Launch: grid n, block >= E (multiple of 32, <= 1024)."""
         sh_s = cuda.shared.array(MAX_E, float32)
         sh_c = cuda.shared.array(MAX_E, float32)
@@ -219,7 +243,10 @@ def _build_router_select():
         per = n_exp // n_group
         c = NEG_INF
         if e < n_exp:
-            s = F1 / (F1 + math.exp(-logits[tok, e]))
+            logit = part[0, tok, e]
+            for p in range(1, part.shape[0]):
+                logit += part[p, tok, e]
+            s = F1 / (F1 + math.exp(-logit))
             c = s + bias[e]
             sh_s[e] = s
             sh_c[e] = c
@@ -269,24 +296,29 @@ def _build_router_select():
 
 
 def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws, tokens_per_pass=4,
-           token_blocks=None):
+           token_blocks=None, k_slices=None):
     """GPU router_ref: x f32[n, H] (contiguous), w_gate u16[E, H], bias f32[E] -> idx_out i32[n, k], w_out f32[n, k].
-    The logits' passes of tokens_per_pass tokens spread over token_blocks block rows (default: as many as fill two
-    blocks per SM: a tree's 17 rows on the pair's 16 experts were 5 serial passes in 2 blocks)."""
+    ws.logits f32[>= ks, >= n, E] takes the GEMV's k slices (ks = k_slices or router_slices(H)). The logits' passes of
+    tokens_per_pass tokens spread over token_blocks block rows (default: as many as fill two blocks per SM: a
+    tree's 17 rows on the pair's 16 experts were 5 serial passes in 2 blocks)."""
     n, h = x.shape
     e = w_gate.shape[0]
     if e > MAX_E or e % n_group or h % 8 or idx_out.shape != (n, top_k) or w_out.shape != (n, top_k):
         raise ValueError(f"router: E={e}, n_group={n_group}, H={h}, outputs {idx_out.shape}/{w_out.shape} "
                          f"not supported (E <= {MAX_E}, E % n_group == 0, H % 8 == 0, outputs [n, {top_k}])")
-    if n > ws.n_max:
-        raise ValueError(f"router: {n} tokens > workspace n_max {ws.n_max}")
-    logits = ws.logits[:n]
-    passes, eblocks = math.ceil(n / tokens_per_pass), math.ceil(e / 8)
+    ks = k_slices or router_slices(h)
+    if (h // 8 + ks - 1) // ks > 32 * ROUTER_CHUNKS:
+        raise ValueError(f"router: {ks} k slices of H={h} hold more than {32 * ROUTER_CHUNKS} 8-column chunks each")
+    if n > ws.n_max or ws.logits.shape[0] < ks or ws.logits.shape[2] != e:
+        raise ValueError(f"router: {n} tokens, {ks} k slices of {e} experts do not fit the workspace's logits "
+                         f"{tuple(ws.logits.shape)} (n_max {ws.n_max})")
+    part = ws.logits[:ks, :n]
+    passes, eblocks = math.ceil(n / tokens_per_pass), math.ceil(e / 8) * ks
     if token_blocks is None:
         token_blocks = min(passes, max(1, 2 * _sm_count() // eblocks))
     launch(_cached(_build_router_logits, tokens_per_pass), (eblocks, max(1, token_blocks)), 256,
-           x.reshape(n * h), _words(w_gate), logits, int32(n), int32(h), int32(e))
-    launch(_cached(_build_router_select), n, 32 * math.ceil(e / 32), logits, bias, idx_out, w_out, int32(e),
+           x.reshape(n * h), _words(w_gate), part, int32(n), int32(h), int32(e))
+    launch(_cached(_build_router_select), n, 32 * math.ceil(e / 32), part, bias, idx_out, w_out, int32(e),
            int32(top_k), int32(n_group), int32(topk_group), int32(bool(norm_topk)), float32(scaling))
     return idx_out, w_out
 
@@ -376,11 +408,13 @@ def _perm8(i):
     return (i & ~7) | ((i & 3) << 1) | ((i >> 2) & 1)
 
 
-def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None):
+def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, PL=0, HB=0):
     """One expert GEMM stage over the work items (persistent grid). down=0: gate_up with rows interleaved per tile
     (8 gate rows, then the matching 8 up rows) and silu(gate) * up written as the next B operand (act);
-    down=1: rows in order, output * routing weight written per slot (y)."""
-    mainloop = _cached(_build_mainloop, fmt, T, R, XS, G, U, PF)
+    down=1: rows in order, output * routing weight written per slot (y). PL=1 (INT4): the register-pipelined
+    mainloop (HB=1: B fragments loaded with the weights) instead of U steps per iteration."""
+    mainloop = (_cached(_build_int4_pipe_mainloop, T, R, XS, G, PF, HB) if PL and fmt == INT4
+                else _cached(_build_mainloop, fmt, T, R, XS, G, U, PF))
     block_reduce = _cached(_build_block_reduce, R, T)
     NACC, NA = R * T * 4, 2 * R
     KSTEP = 32 * G if fmt == INT4 else 32
@@ -486,6 +520,8 @@ class ExpertConfig:
     blocks_per_sm: int = 4
     PF: int = 1           # weight loads with an L2 256-byte prefetch hint (measured: +5-6 points)
     min_blocks: int = 0   # > 0: launch bounds asking ptxas to fit that many blocks per SM (caps registers)
+    PL: int = 0           # 1: INT4 steps register-pipelined (the next step's loads in flight during this one's math)
+    HB: int = 0           # 1 (with PL): the B fragments ride with the weight loads
 
 
 # measured on the H200 (tools/bench_kernels.py, variant "blocks4w_bound4"): 4-warp blocks capped at 128 registers so
@@ -552,7 +588,8 @@ def moe_stage(down, experts, wts, ws, cfg=GATE_UP_CFG):
         raise ValueError(f"moe: wts {wts.shape} is not [n <= {ws.n_max}, {ws.top_k}]")
     g = int4_group_block(kdim) if fmt == INT4 else 1
     bounds = (32 * cfg.WR * cfg.WK, cfg.min_blocks) if cfg.min_blocks else None
-    kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds)
+    kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds,
+                   cfg.PL, cfg.HB)
     rblocks = math.ceil(nrows / 16 / (cfg.WR * cfg.R))
     grid = min(ws.n_max * ws.top_k * rblocks, _sm_count() * cfg.blocks_per_sm)
     words = _words(w)

@@ -26,7 +26,8 @@ from kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
 from kernels.gemm import (TILES_MAX, GemmWorkspace, contiguous, gemm, gemm_config, gemm_sync_words,
                           gemm_workspace_words, head_gemm, head_gemm_workspace_words)
 from kernels.mla import mla_attention, mla_work
-from kernels.moe import MAX_SLOTS, Experts, device_experts, moe_combine, moe_experts, moe_workspace, router
+from kernels.moe import (MAX_SLOTS, Experts, device_experts, moe_combine, moe_experts, moe_workspace, router,
+                         router_slices)
 from kernels.norm import add_rmsnorm, rmsnorm
 from kernels.rope import qk_norm_rope, rope
 from kernels.sample import sample
@@ -313,7 +314,8 @@ class KernelOps:
 
     def router(self, x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out):
         n = x.shape[0]
-        ws = SimpleNamespace(logits=self.scratch("router.logits", (n, w_gate.shape[0])), n_max=n)
+        shape = (router_slices(x.shape[1]), n, w_gate.shape[0])
+        ws = SimpleNamespace(logits=self.scratch("router.logits", shape), n_max=n)
         return router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws)
 
     def branch(self):

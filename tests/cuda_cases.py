@@ -226,18 +226,20 @@ def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, s
     assert_close(f"moe n={n} {mode} xs={xs} int4={int4}", env.host(out), ref, 1e-4 if xs == 2 else 2e-2)
 
 
-def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_per_pass=4, token_blocks=None):
+def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_per_pass=4, token_blocks=None,
+                 k_slices=None):
     """Router vs router_ref; a tie in the choice may pick a different expert only when the two choices are
-    within float rounding of each other. token_blocks: the logits' block rows (None: the default rule)."""
+    within float rounding of each other. token_blocks / k_slices: the logits' block rows / k slices (None: the
+    default rules)."""
     from kernels.moe import moe_workspace, router, router_ref
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, hidden)).astype(np.float32)
     wg = rand_bf16(rng, n_exp, hidden, scale=0.05)
     bias = (rng.standard_normal(n_exp) * 0.02).astype(np.float32)
-    ws = moe_workspace(n, k, 64, 64, n_exp, lambda shape, dtype: poisoned(env, shape, dtype))
+    ws = moe_workspace(n, k, hidden, 64, n_exp, lambda shape, dtype: poisoned(env, shape, dtype))
     ii, ww = poisoned(env, (n, k), np.int32), poisoned(env, (n, k), np.float32)
     router(env.dev(x), env.dev(wg), env.dev(bias), k, n_group, topk_group, True, 2.827, ii, ww, ws, tokens_per_pass,
-           token_blocks)
+           token_blocks, k_slices)
     ri, rw = router_ref(x, wg, bias, k, n_group, topk_group, True, 2.827, np.empty((n, k), np.int32),
                         np.empty((n, k), np.float32))
     gi, gw = env.host(ii), env.host(ww)

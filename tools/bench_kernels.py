@@ -28,10 +28,14 @@ K2_GEMMS = {"lm_head": (163840, 7168), "q_kv_a": (2112, 7168), "o": (7168, 8192)
 MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R=1, U=4, 8-warp blocks uncapped
     "bound2_8w": dict(gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2), dn=dict(WR=8, WK=1, blocks_per_sm=4,
                                                                                min_blocks=2)),
-    # not measured yet (session 6): the down stage alone (46% of copy at n = 1: 16 k-steps per warp) with more
-    # loads in flight per warp (U=4 steps, or R=4 row tiles with the same 128 rows per block)
+    # session 7: measured 46.3 / 48.0% at n = 1 against default 48.2% (U=4, R=4 for down)
     "down_u4": dict(dn=dict(U=4)),
     "down_r4": dict(dn=dict(R=4, WR=2)),
+    # session 7, not measured yet: the register-pipelined INT4 mainloop (PL), B fragments with the weights (HB)
+    "pipe": dict(gu=dict(PL=1, HB=1), dn=dict(PL=1, HB=1)),
+    "pipe_nohb": dict(gu=dict(PL=1), dn=dict(PL=1)),
+    "pipe_gu_wk1": dict(gu=dict(PL=1, HB=1, WR=4, WK=1), dn=dict(PL=1, HB=1)),
+    "pipe_dn_wk2": dict(gu=dict(PL=1, HB=1), dn=dict(PL=1, HB=1, WR=2, WK=2)),
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
 GEMM_MS = (1, 17, 33, 65)
