@@ -164,7 +164,8 @@ def moe_workspace(n_max, top_k, hidden, inter, n_experts, alloc, xs=MOE_XS):
     """alloc(shape, dtype) -> array (numba.cuda.device_array, or np.empty under the simulator)."""
     s = n_max * top_k
     return MoeWorkspace(alloc((router_slices(hidden), n_max, n_experts), np.float32),
-                        alloc((n_max * xs * hidden // 2,), np.uint32), alloc((s * xs * inter // 2,), np.uint32), alloc((s, hidden), np.float32),
+                        alloc((n_max * xs * hidden // 2,), np.uint32), alloc((s * xs * inter // 2,), np.uint32),
+                        alloc((s, hidden), np.float32),
                         alloc((s,), np.int32), alloc((s,), np.int32), alloc((s,), np.int32), alloc((s,), np.int32),
                         alloc((1,), np.int32), n_max, top_k, xs)
 
