@@ -287,25 +287,35 @@ def summary(results):
 
 
 def profile(case):
-    """One case launched eagerly three times, for a profiler (ncu -k regex:... --launch-skip 1 -c 1)."""
+    """One case launched eagerly three times, for a profiler (ncu -k regex:... --launch-skip 1 -c 1):
+    moe[:n[:variant]] (a MOE_VARIANTS tag), router[:n], or a GEMM name[:m]."""
     import cupy as cp
     from numba import cuda
     from kernels.gemm import GemmWorkspace, gemm
-    from kernels.moe import DeviceExperts, moe, moe_workspace
+    from kernels.moe import DOWN_CFG, GATE_UP_CFG, DeviceExperts, moe, moe_workspace, router
     dv = cuda.as_cuda_array
-    if case == "moe":
+    name, _, rest = case.partition(":")
+    count, _, tag = rest.partition(":")
+    if name in ("moe", "router"):
+        n = int(count or 17)
+        ws = moe_workspace(n, TOPK, H, I, E, lambda shape, dtype: dv(cp.zeros(shape, dtype)))
+        idx, wts = routing(np.random.default_rng(0), n)
+        x, out = dv(cp.random.standard_normal((n, H), dtype=cp.float32)), dv(cp.zeros((n, H), cp.float32))
+        di, dw = dv(cp.asarray(idx)), dv(cp.asarray(wts))
+    if name == "moe":
         ex = DeviceExperts(dv(rand_words(cp, (E, 2 * I, H // 8))), dv(rand_words(cp, (E, H, I // 8))),
                            dv(rand_bf16(cp, (E, 2 * I, H // GROUP), 0.002, 0.01)),
                            dv(rand_bf16(cp, (E, H, I // GROUP), 0.002, 0.01)))
-        ws = moe_workspace(17, TOPK, H, I, E, lambda shape, dtype: dv(cp.zeros(shape, dtype)))
-        idx, wts = routing(np.random.default_rng(0), 17)
-        x, out = dv(cp.random.standard_normal((17, H), dtype=cp.float32)), dv(cp.zeros((17, H), cp.float32))
-        di, dw = dv(cp.asarray(idx)), dv(cp.asarray(wts))
+        over = MOE_VARIANTS[tag] if tag else {}
+        gu, dn = replace(GATE_UP_CFG, **over.get("gu", {})), replace(DOWN_CFG, **over.get("dn", {}))
         for _ in range(3):
-            moe(x, di, dw, ex, out, ws)
+            moe(x, di, dw, ex, out, ws, cfg_gate_up=gu, cfg_down=dn)
+    elif name == "router":
+        wg, bias = dv(rand_bf16(cp, (E, H), 0.02)), dv(cp.zeros(E, cp.float32))
+        for _ in range(3):
+            router(x, wg, bias, TOPK, 1, 1, True, 2.827, di, dw, ws)
     else:                # "<K2_GEMMS name>[:m]"
-        name, _, m = case.partition(":")
-        (n, k), m = K2_GEMMS[name], int(m or 1)
+        (n, k), m = K2_GEMMS[name], int(count or 1)
         w = dv(rand_bf16(cp, (n, k), 0.02))
         ws = GemmWorkspace(dv(cp.zeros(1 << 20, cp.uint32)), dv(cp.zeros(1 << 24, cp.float32)))
         x, out = dv(cp.random.standard_normal((m, k), dtype=cp.float32)), dv(cp.zeros((m, n), cp.float32))
@@ -319,7 +329,8 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--quick", action="store_true", help="default cuts only")
     ap.add_argument("--only", choices=("moe", "gemm", "attention"), action="append")
-    ap.add_argument("--profile", help="run one case for a profiler, then exit: moe or a GEMM name[:m] (lm_head:33)")
+    ap.add_argument("--profile", help="run one case for a profiler, then exit: moe[:n[:variant]], router[:n] or a "
+                                      "GEMM name[:m] (lm_head:33)")
     args = ap.parse_args(argv)
     if args.profile:
         return profile(args.profile)
