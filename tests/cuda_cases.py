@@ -227,15 +227,18 @@ def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, s
 
 
 def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_per_pass=4, token_blocks=None,
-                 k_slices=None):
+                 k_slices=None, twins=False):
     """Router vs router_ref; a tie in the choice may pick a different expert only when the two choices are
     within float rounding of each other. token_blocks / k_slices: the logits' block rows / k slices (None: the
-    default rules)."""
+    default rules). twins: expert e + E/2 has expert e's gate row and bias (exact ties: the lower index must come
+    first, the picks must equal the reference's exactly)."""
     from kernels.moe import moe_workspace, router, router_ref
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, hidden)).astype(np.float32)
     wg = rand_bf16(rng, n_exp, hidden, scale=0.05)
     bias = (rng.standard_normal(n_exp) * 0.02).astype(np.float32)
+    if twins:
+        wg[n_exp // 2:], bias[n_exp // 2:] = wg[:n_exp // 2], bias[:n_exp // 2]
     ws = moe_workspace(n, k, hidden, 64, n_exp, lambda shape, dtype: poisoned(env, shape, dtype))
     ii, ww = poisoned(env, (n, k), np.int32), poisoned(env, (n, k), np.float32)
     router(env.dev(x), env.dev(wg), env.dev(bias), k, n_group, topk_group, True, 2.827, ii, ww, ws, tokens_per_pass,
@@ -243,6 +246,8 @@ def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_p
     ri, rw = router_ref(x, wg, bias, k, n_group, topk_group, True, 2.827, np.empty((n, k), np.int32),
                         np.empty((n, k), np.float32))
     gi, gw = env.host(ii), env.host(ww)
+    if twins:
+        np.testing.assert_array_equal(gi, ri, err_msg="router with exact ties (twin experts)")
     choice = 1 / (1 + np.exp(-(x @ bf16_to_f32(wg).T))) + bias                     # [n, E]
     for t in range(n):
         if (gi[t] != ri[t]).any():   # allowed only for a near-tie: the picked choice values agree

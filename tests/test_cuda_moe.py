@@ -31,10 +31,12 @@ SIM_CASES = {
     "router_passes_over_2_block_rows": lambda env: C.check_router(env, 5, 64, 16, 2, 1, 1, tokens_per_pass=2,
                                                                   token_blocks=2),
     "router_k_slices_uneven": lambda env: C.check_router(env, 2, 1096, 8, 2, 2, 1),       # 137 chunks in 5 slices
+    "router_twin_experts_exact_ties": lambda env: C.check_router(env, 3, 64, 64, 4, 1, 1, twins=True),  # 2 warps
     "router_two_chunks_per_lane": lambda env: C.check_router(env, 2, 512, 8, 2, 1, 1, k_slices=1),
 }
 
-SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "moe_int4_pipelined_3_steps": 10, "moe_int4_pipelined_hi_lo_T2": 9}
+SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "moe_int4_pipelined_3_steps": 10, "moe_int4_pipelined_hi_lo_T2": 9,
+            "router_twin_experts_exact_ties": 5}
 
 
 test_simulator = simulator_test(__name__)
@@ -78,6 +80,11 @@ def test_gpu_moe_bf16_experts():
 @pytest.mark.parametrize("n,n_group,topk_group", [(1, 1, 1), (65, 1, 1), (17, 8, 4)])
 def test_gpu_router(n, n_group, topk_group):
     C.check_router(Env(gpu=True), n, 7168, 384, 8, n_group, topk_group)
+
+
+@pytest.mark.gpu
+def test_gpu_router_twin_experts_exact_ties():
+    C.check_router(Env(gpu=True), 17, 7168, 384, 8, 8, 4, twins=True)
 
 
 @pytest.mark.gpu
