@@ -26,17 +26,17 @@ SIM_CASES = {
     # B parts over two token tiles, B fragments hoisted (HB=1) or read in the math (HB=0)
     "moe_int4_pipelined_3_steps": lambda env: C.check_moe(env, 3, 384, 64, 4, 2, "random", 1, cfgs=PIPE, seed=5),
     "moe_int4_pipelined_hi_lo_T2": lambda env: C.check_moe(env, 9, 384, 64, 2, 1, "one_hot", 2, cfgs=PIPE_T2),
-    "router_one_group": lambda env: C.check_router(env, 3, 64, 16, 4, 1, 1),
+    "router_one_group_ragged_warp": lambda env: C.check_router(env, 3, 64, 18, 4, 1, 1),   # 4 experts per warp
     "router_grouped": lambda env: C.check_router(env, 3, 64, 16, 4, 4, 2),
     "router_passes_over_2_block_rows": lambda env: C.check_router(env, 5, 64, 16, 2, 1, 1, tokens_per_pass=2,
                                                                   token_blocks=2),
     "router_k_slices_uneven": lambda env: C.check_router(env, 2, 1096, 8, 2, 2, 1),       # 137 chunks in 5 slices
-    "router_twin_experts_exact_ties": lambda env: C.check_router(env, 3, 64, 64, 4, 1, 1, twins=True),  # 2 warps
+    "router_twin_experts_exact_ties": lambda env: C.check_router(env, 2, 64, 256, 8, 1, 1, twins=True),  # 64 cand.
     "router_two_chunks_per_lane": lambda env: C.check_router(env, 2, 512, 8, 2, 1, 1, k_slices=1),
 }
 
 SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "moe_int4_pipelined_3_steps": 10, "moe_int4_pipelined_hi_lo_T2": 9,
-            "router_twin_experts_exact_ties": 5}
+            "router_twin_experts_exact_ties": 10}
 
 
 test_simulator = simulator_test(__name__)

@@ -29,14 +29,11 @@ K2_GEMMS = {"lm_head": (163840, 7168), "q_kv_a": (2112, 7168), "o": (7168, 8192)
 MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R=1, U=4, 8-warp blocks uncapped
     "bound2_8w": dict(gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2), dn=dict(WR=8, WK=1, blocks_per_sm=4,
                                                                                min_blocks=2)),
-    # session 7: measured 46.3 / 48.0% at n = 1 against default 48.2% (U=4, R=4 for down)
-    "down_u4": dict(dn=dict(U=4)),
-    "down_r4": dict(dn=dict(R=4, WR=2)),
-    # session 7, not measured yet: the register-pipelined INT4 mainloop (PL), B fragments with the weights (HB)
+    # session 7 (n = 1 / 17, % of copy; default 47.5 / 69.3): down U=4 46.1 / 65.3, down R=4 47.8 / 68.0; the
+    # register-pipelined INT4 mainloop (PL=1, B fragments with the weights: HB=1) 44.7 / 65.9, without HB 38.6 / 48.6,
+    # with gate_up WK=1 37.9 / 68.9, with down WK=2 44.1 / 63.6. ncu (n = 1): 128 registers, 4 blocks of 4 warps per
+    # SM, ~0.45 issued warps per scheduler, 54% of cycles with no eligible warp.
     "pipe": dict(gu=dict(PL=1, HB=1), dn=dict(PL=1, HB=1)),
-    "pipe_nohb": dict(gu=dict(PL=1), dn=dict(PL=1)),
-    "pipe_gu_wk1": dict(gu=dict(PL=1, HB=1, WR=4, WK=1), dn=dict(PL=1, HB=1)),
-    "pipe_dn_wk2": dict(gu=dict(PL=1, HB=1), dn=dict(PL=1, HB=1, WR=2, WK=2)),
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
 GEMM_MS = (1, 17, 33, 65)
