@@ -171,71 +171,66 @@ def moe_workspace(n_max, top_k, hidden, inter, n_experts, alloc, xs=MOE_XS):
 
 
 # ------------------------------------------------------------------------------------------------------ router
-ROUTER_CHUNKS = 2      # 8-column chunks per lane of a router warp (its gate weights stay in registers as f32)
-ROUTER_EXPERTS = 4     # experts per router warp: each x load feeds 4 experts' FMAs
-ROUTER_WARPS = 4       # warps per router block (same k slice: x shared through L1)
+ROUTER_CHUNKS = 4      # 8-column chunks per lane of one router warp (its gate weights stay in registers)
 
 
 def router_slices(hidden):
-    """k slices of the router GEMV: a warp holds <= 32 * ROUTER_CHUNKS chunks of its experts' gate rows (K2's 384 x
-    7168 gate: 14 slices of 512 columns, 1344 warps). One expert row per warp (48 blocks) ran at 188 GB/s."""
-    return max(1, math.ceil(hidden // 8 / (32 * ROUTER_CHUNKS)))
+    """k slices of the router GEMV: each warp holds <= 32 * ROUTER_CHUNKS chunks of one expert's gate row, and
+    K2's 384 x 7168 gate is cut 8 ways (3072 warps). ncu on the H200 (K2, logits kernel): one whole row per warp
+    (48 blocks) 10.9 us at n = 1; 8 slices 6.5 us at n = 1, 43 us at n = 17 (latency-bound: ~15 cycles per issued
+    instruction, 72 registers); 4 experts per warp over 14 slices was slower (7.7 / 65 us, 118-128 registers)."""
+    chunks = hidden // 8
+    return max(math.ceil(chunks / (32 * ROUTER_CHUNKS)), min(8, chunks // 24), 1)
 
 
 def _build_router_logits(TT):
-    CH, EW = ROUTER_CHUNKS, ROUTER_EXPERTS
-    NWF, NACC = 8 * CH * EW, TT * EW
+    NW = 8 * ROUTER_CHUNKS
 
     @kernel()
     def router_logits(x, wg, part, n, hdim, n_exp):
         """part f32[ks, n, E]: slice p of x f32[n, H] @ bf16(wg)^T in float32 (CUDA cores: near-ties must not
-        flip; router_select adds the slices in order). Warp (e0, p): experts e0 .. e0 + EW - 1 with
-        e0 = EW * (ROUTER_WARPS * (bx // ks) + warp), k slice p = bx % ks; their gate chunks go to registers (f32)
-        once, then passes of TT tokens (block row y takes passes y, y + ny, ...), each x load feeding EW experts.
-        Launch: grid (ceil(E / (ROUTER_WARPS * EW)) * ks, ny), block 32 * ROUTER_WARPS. Moves E*H*2 bytes of gate
-        weights from HBM (x through L1/L2)."""
+        flip; router_select adds the slices in order). Warp (e, p): expert e = 8 * (bx // ks) + warp, k slice
+        p = bx % ks, its gate chunks loaded once into registers, then passes of TT tokens (block row y takes
+        passes y, y + ny, ...). The 8 warps of a block share x's slice through L1.
+        Launch: grid (ceil(E/8) * ks, ny), block 256. Moves E*H*2 bytes of gate weights from HBM (x through L1/L2)."""
         ks = part.shape[0]
-        e0 = ((cuda.blockIdx.x // ks) * ROUTER_WARPS + cuda.threadIdx.x // 32) * EW
+        e = (cuda.blockIdx.x // ks) * 8 + cuda.threadIdx.x // 32
         p = cuda.blockIdx.x % ks
         lane = lane_id()
-        if e0 >= n_exp:
+        if e >= n_exp:
             return
         c0 = (p * (hdim // 8)) // ks
         c1 = ((p + 1) * (hdim // 8)) // ks
-        wf = cuda.local.array(NWF, float32)            # [expert u, chunk i, 8 columns]
-        for u in range(EW):
-            e = min(e0 + u, n_exp - 1)
-            for i in range(CH):
-                c = c0 + lane + 32 * i
-                if c < c1:
-                    w0, w1, w2, w3 = ld16(wg, e * (hdim // 2) + c * 4)
-                    b = (u * CH + i) * 8
-                    wf[b], wf[b + 1], wf[b + 2], wf[b + 3] = bf16_lo(w0), bf16_hi(w0), bf16_lo(w1), bf16_hi(w1)
-                    wf[b + 4], wf[b + 5], wf[b + 6], wf[b + 7] = bf16_lo(w2), bf16_hi(w2), bf16_lo(w3), bf16_hi(w3)
+        wf = cuda.local.array(NW, float32)            # the warp's gate chunks as f32, converted once
+        for i in range(ROUTER_CHUNKS):
+            c = c0 + lane + 32 * i
+            if c < c1:
+                w0, w1, w2, w3 = ld16(wg, e * (hdim // 2) + c * 4)
+                wf[8 * i], wf[8 * i + 1], wf[8 * i + 2], wf[8 * i + 3] = (bf16_lo(w0), bf16_hi(w0), bf16_lo(w1),
+                                                                          bf16_hi(w1))
+                wf[8 * i + 4], wf[8 * i + 5], wf[8 * i + 6], wf[8 * i + 7] = (bf16_lo(w2), bf16_hi(w2), bf16_lo(w3),
+                                                                              bf16_hi(w3))
         for t0 in range(cuda.blockIdx.y * TT, n, TT * cuda.gridDim.y):
-            acc = cuda.local.array(NACC, float32)
-            for j in range(NACC):
+            acc = cuda.local.array(TT, float32)
+            for j in range(TT):
                 acc[j] = F0
-            for i in range(CH):
+            for i in range(ROUTER_CHUNKS):
                 c = c0 + lane + 32 * i
                 if c < c1:
                     for j in range(TT):
                         tok = min(t0 + j, n - 1)
                         x0, x1, x2, x3 = ld16(x, tok * hdim + c * 8)
                         x4, x5, x6, x7 = ld16(x, tok * hdim + c * 8 + 4)
-                        for u in range(EW):
-                            b = (u * CH + i) * 8
-                            a = acc[j * EW + u]
-                            a += wf[b] * _f(x0) + wf[b + 1] * _f(x1)
-                            a += wf[b + 2] * _f(x2) + wf[b + 3] * _f(x3)
-                            a += wf[b + 4] * _f(x4) + wf[b + 5] * _f(x5)
-                            a += wf[b + 6] * _f(x6) + wf[b + 7] * _f(x7)
-                            acc[j * EW + u] = a
+                        a = acc[j]
+                        a += wf[8 * i] * _f(x0) + wf[8 * i + 1] * _f(x1)
+                        a += wf[8 * i + 2] * _f(x2) + wf[8 * i + 3] * _f(x3)
+                        a += wf[8 * i + 4] * _f(x4) + wf[8 * i + 5] * _f(x5)
+                        a += wf[8 * i + 6] * _f(x6) + wf[8 * i + 7] * _f(x7)
+                        acc[j] = a
             for j in range(TT):
-                for u in range(EW):
-                    v = warp_sum(acc[j * EW + u])
-                    if lane == 0 and t0 + j < n and e0 + u < n_exp:
-                        part[p, t0 + j, e0 + u] = v
+                v = warp_sum(acc[j])
+                if lane == 0 and t0 + j < n:
+                    part[p, t0 + j, e] = v
     return router_logits
 
 
@@ -250,8 +245,9 @@ def _build_router_select():
         sh_c = cuda.shared.array(MAX_E, float32)
         sh_g = cuda.shared.array(MAX_E, float32)
         sh_sel = cuda.shared.array(MAX_E, float32)
-        sh_cv = cuda.shared.array(MAX_E, float32)      # per-warp top_k candidates (nw * top_k <= 32 * 32)
-        sh_ci = cuda.shared.array(MAX_E, int32)
+        sh_wv = cuda.shared.array(32, float32)
+        sh_wi = cuda.shared.array(32, int32)
+        sh_pick = cuda.shared.array(1, int32)
         tok, e = cuda.blockIdx.x, cuda.threadIdx.x
         per = n_exp // n_group
         c = NEG_INF
@@ -283,35 +279,29 @@ def _build_router_select():
                         rank += 1
                 if rank >= topk_group:
                     c = NEG_INF
-        # top_k of (choice, expert), ties to the lower index, in two levels: each warp's own top_k (rounds of a
-        # warp argmax, no barrier), then warp 0 picks from the nw * top_k candidates. One thread per expert ranking
-        # against all E took 17 us for K2's 384 experts (ncu); block-wide argmax rounds, 10 us.
+        # top_k rounds of a block argmax over (choice, expert): each round takes the best live entry, ties to the
+        # lower index. ncu, K2 (384 experts, top-8): 10.0 us; one thread per expert ranking against all E: 17 us;
+        # per-warp top_k then warp 0 over the candidates: 10.8 us (so the rounds are not where the time goes)
         lane, warp, nw = e % 32, e // 32, cuda.blockDim.x // 32
         kv, ki = c, int32(e) if e < n_exp else int32(MAX_E)     # (-inf, MAX_E): loses to every live entry
         for r in range(top_k):
             v, i = warp_argmax(kv, ki)
             if lane == 0:
-                sh_cv[warp * top_k + r] = v
-                sh_ci[warp * top_k + r] = i
-            if ki == i:
+                sh_wv[warp] = v
+                sh_wi[warp] = i
+            cuda.syncthreads()
+            if e == 0:
+                bv, bi = sh_wv[0], sh_wi[0]
+                for w in range(1, nw):
+                    ov, oi = sh_wv[w], sh_wi[w]
+                    if ov > bv or (ov == bv and oi < bi):
+                        bv, bi = ov, oi
+                idx_out[tok, r] = bi
+                sh_sel[r] = sh_s[bi]
+                sh_pick[0] = bi
+            cuda.syncthreads()
+            if ki == sh_pick[0]:
                 kv, ki = NEG_INF, int32(MAX_E)
-        cuda.syncthreads()
-        if warp == 0:
-            m = nw * top_k
-            for r in range(top_k):
-                bv, bi = NEG_INF, int32(MAX_E)
-                for q in range(lane, m, 32):
-                    v, i = sh_cv[q], sh_ci[q]
-                    if v > bv or (v == bv and i < bi):
-                        bv, bi = v, i
-                v, i = warp_argmax(bv, bi)
-                if lane == 0:
-                    idx_out[tok, r] = i
-                    sh_sel[r] = sh_s[i]
-                for q in range(lane, m, 32):           # each lane retires only its own candidates
-                    if sh_ci[q] == i:
-                        sh_cv[q], sh_ci[q] = NEG_INF, int32(MAX_E)
-        cuda.syncthreads()
         if e < top_k:
             w = sh_sel[e]
             if norm:
@@ -327,15 +317,15 @@ def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_
            token_blocks=None, k_slices=None):
     """GPU router_ref: x f32[n, H] (contiguous), w_gate u16[E, H], bias f32[E] -> idx_out i32[n, k], w_out f32[n, k].
     ws.logits f32[>= ks, >= n, E] takes the GEMV's k slices (ks = k_slices or router_slices(H)). The logits' passes of
-    tokens_per_pass tokens spread over token_blocks block rows (default: as many as fill four blocks per SM: a
-    tree's 17 rows on the pair's 16 experts would be 5 serial passes in one block)."""
+    tokens_per_pass tokens spread over token_blocks block rows (default: as many as fill two blocks per SM: a
+    tree's 17 rows on the pair's 16 experts were 5 serial passes in 2 blocks)."""
     n, h = x.shape
     e = w_gate.shape[0]
-    if (e > MAX_E or e % n_group or h % 8 or not 0 < top_k <= min(e, 32) or idx_out.shape != (n, top_k)
+    if (e > MAX_E or e % n_group or h % 8 or not 0 < top_k <= e or idx_out.shape != (n, top_k)
             or w_out.shape != (n, top_k)):
         raise ValueError(f"router: E={e}, top_k={top_k}, n_group={n_group}, H={h}, outputs {idx_out.shape}/"
-                         f"{w_out.shape} not supported (top_k <= min(E, 32), E <= {MAX_E}, E % n_group == 0, "
-                         f"H % 8 == 0, outputs [n, {top_k}])")
+                         f"{w_out.shape} not supported (top_k <= E <= {MAX_E}, E % n_group == 0, H % 8 == 0, "
+                         f"outputs [n, {top_k}])")
     ks = k_slices or router_slices(h)
     if (h // 8 + ks - 1) // ks > 32 * ROUTER_CHUNKS:
         raise ValueError(f"router: {ks} k slices of H={h} hold more than {32 * ROUTER_CHUNKS} 8-column chunks each")
@@ -344,10 +334,10 @@ def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_
                          f"{tuple(ws.logits.shape)} (n_max {ws.n_max})")
     part = ws.logits[:ks, :n]
     tt = min(tokens_per_pass, n)                   # a 1-token call does not compute 3 clamped copies
-    passes, eblocks = math.ceil(n / tt), math.ceil(e / (ROUTER_WARPS * ROUTER_EXPERTS)) * ks
+    passes, eblocks = math.ceil(n / tt), math.ceil(e / 8) * ks
     if token_blocks is None:
-        token_blocks = min(passes, max(1, 4 * _sm_count() // eblocks))
-    launch(_cached(_build_router_logits, tt), (eblocks, max(1, token_blocks)), 32 * ROUTER_WARPS,
+        token_blocks = min(passes, max(1, 2 * _sm_count() // eblocks))
+    launch(_cached(_build_router_logits, tt), (eblocks, max(1, token_blocks)), 256,
            x.reshape(n * h), _words(w_gate), part, int32(n), int32(h), int32(e))
     launch(_cached(_build_router_select), n, 32 * math.ceil(e / 32), part, bias, idx_out, w_out, int32(e),
            int32(top_k), int32(n_group), int32(topk_group), int32(bool(norm_topk)), float32(scaling))
