@@ -5,10 +5,11 @@ phase, and each round's HBM byte floor against the copy bandwidth measured in th
     python -m tools.bench --synth-k2 2 --modes ar,ddtree --budgets 16   (a K2.6-shaped checkpoint made here)
 
 The shipped pair decodes its 8 held-out prompts (tools/train/heldout.json) per case, in consecutive batches, so
-tau and tokens/s are averages over prompts (tau varies 1.7-6.1 between them at budget 16). Rounds are CUDA-graph
-replays (numbaengine/device_round.py). `gpu ms` is the device time of a round (events around the graph launch),
-`host %` the rest of the wall time per round (launch, the out_tokens read, Python). Phase times come from the round
-captured as one graph per phase, each replayed between events (GPU time only). Byte floor of a round = weights
+tau is pooled over them (tokens committed over rounds, all prompts together; `tau_prompt_mean` keeps the mean of
+the per-prompt taus, which varied 1.7-6.1 at budget 16), tokens/s is total new tokens over decode time. Rounds are
+CUDA-graph replays (numbaengine/device_round.py). `gpu ms` is the device time of a round (events around the graph
+launch), `host %` the rest of the wall time per round (launch, the out_tokens read, Python). Phase times come from the
+round captured as one graph per phase, each replayed between events (GPU time only). Byte floor of a round = weights
 read once (attention, dense and shared MLPs, lm_head for verify and for the draft, the drafter) + routed experts
 touched (the expected number of distinct experts for the round's tokens under uniform random routing: synthetic
 checkpoints route about uniformly; a trained one does not) + latent cache and drafter context rows. `floor %` =
@@ -146,7 +147,10 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp):
     floor_b = sum(floor.values())
     phases = (dev.ranks.run(lambda r: phase_times(cp, devs[r]))[0] if len(devs) > 1 else phase_times(cp, devs[0]))
     row = dict(mode=mode, budget=budget, batch=batch, prompts=len(res), new_tokens=new, wall_s=wall,
-               tokens_per_s=new / decode_s, tau=float(np.mean([r.stats["tau_mean"] for r in res])),
+               tokens_per_s=new / decode_s,
+               tau=float(sum(r.stats["tau_mean"] * r.stats["rounds"] for r in res)
+                         / max(1, sum(r.stats["rounds"] for r in res))),
+               tau_prompt_mean=float(np.mean([r.stats["tau_mean"] for r in res])),
                rounds=rounds, round_ms=round_ms, gpu_ms=gpu_ms, host_pct=100 * (1 - gpu_ms / round_ms),
                floor_mb=floor_b / 1e6, floor_parts_mb={k: v / 1e6 for k, v in floor.items()},
                floor_gbs=floor_b / (gpu_ms / 1e3) / 1e9,
