@@ -314,11 +314,13 @@ def _build_router_select():
 
 
 def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws, tokens_per_pass=4,
-           token_blocks=None, k_slices=None):
+           token_blocks=None, k_slices=None, logits_gemm=None):
     """GPU router_ref: x f32[n, H] (contiguous), w_gate u16[E, H], bias f32[E] -> idx_out i32[n, k], w_out f32[n, k].
     ws.logits f32[>= ks, >= n, E] takes the GEMV's k slices (ks = k_slices or router_slices(H)). The logits' passes of
     tokens_per_pass tokens spread over token_blocks block rows (default: as many as fill two blocks per SM: a
-    tree's 17 rows on the pair's 16 experts were 5 serial passes in 2 blocks)."""
+    tree's 17 rows on the pair's 16 experts were 5 serial passes in 2 blocks).
+    logits_gemm(x, w_gate, out f32[n, E]): the logits from that GEMM instead (one slice; e.g. the mma GEMM with x as
+    bf16 hi + lo parts, ~1e-5 from float32 where the CUDA-core GEMV is float32; NOT measured on the GPU yet)."""
     n, h = x.shape
     e = w_gate.shape[0]
     if (e > MAX_E or e % n_group or h % 8 or not 0 < top_k <= e or idx_out.shape != (n, top_k)
@@ -326,19 +328,22 @@ def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_
         raise ValueError(f"router: E={e}, top_k={top_k}, n_group={n_group}, H={h}, outputs {idx_out.shape}/"
                          f"{w_out.shape} not supported (top_k <= E <= {MAX_E}, E % n_group == 0, H % 8 == 0, "
                          f"outputs [n, {top_k}])")
-    ks = k_slices or router_slices(h)
-    if (h // 8 + ks - 1) // ks > 32 * ROUTER_CHUNKS:
+    ks = 1 if logits_gemm is not None else k_slices or router_slices(h)
+    if (h // 8 + ks - 1) // ks > 32 * ROUTER_CHUNKS and logits_gemm is None:
         raise ValueError(f"router: {ks} k slices of H={h} hold more than {32 * ROUTER_CHUNKS} 8-column chunks each")
     if n > ws.n_max or ws.logits.shape[0] < ks or ws.logits.shape[2] != e:
         raise ValueError(f"router: {n} tokens, {ks} k slices of {e} experts do not fit the workspace's logits "
                          f"{tuple(ws.logits.shape)} (n_max {ws.n_max})")
     part = ws.logits[:ks, :n]
-    tt = min(tokens_per_pass, n)                   # a 1-token call does not compute 3 clamped copies
-    passes, eblocks = math.ceil(n / tt), math.ceil(e / 8) * ks
-    if token_blocks is None:
-        token_blocks = min(passes, max(1, 2 * _sm_count() // eblocks))
-    launch(_cached(_build_router_logits, tt), (eblocks, max(1, token_blocks)), 256,
-           x.reshape(n * h), _words(w_gate), part, int32(n), int32(h), int32(e))
+    if logits_gemm is not None:
+        logits_gemm(x, w_gate, part[0])
+    else:
+        tt = min(tokens_per_pass, n)                   # a 1-token call does not compute 3 clamped copies
+        passes, eblocks = math.ceil(n / tt), math.ceil(e / 8) * ks
+        if token_blocks is None:
+            token_blocks = min(passes, max(1, 2 * _sm_count() // eblocks))
+        launch(_cached(_build_router_logits, tt), (eblocks, max(1, token_blocks)), 256,
+               x.reshape(n * h), _words(w_gate), part, int32(n), int32(h), int32(e))
     launch(_cached(_build_router_select), n, 32 * math.ceil(e / 32), part, bias, idx_out, w_out, int32(e),
            int32(top_k), int32(n_group), int32(topk_group), int32(bool(norm_topk)), float32(scaling))
     return idx_out, w_out

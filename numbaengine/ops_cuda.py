@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -129,11 +130,13 @@ class KernelOps:
         self._gemm_sync = None   # u32 k-split counters of the fused GEMM reduce (zero between calls)
         self.branches = xp is not np   # False: branch() runs in order (tools/profile_round.py times one launch at
         self._side = None              # a time); the second stream and its fork/join events, made on first use
+        self.router_mma = os.environ.get("NUMBAENGINE_ROUTER_MMA") == "1"   # router logits on the mma GEMM: NOT
+        # measured yet (the CUDA-core GEMV is latency-bound: 43 us at 17 tokens on K2; see kernels.moe.router)
 
     def fresh(self) -> "KernelOps":
         """A table over the same device with its own scratch (a captured graph owns the buffers it points at)."""
         table = KernelOps(self.name, self.xp, self.poison, self.trim_warps, self.comm)
-        table.branches = self.branches
+        table.branches, table.router_mma = self.branches, self.router_mma
         return table
 
     # -- arrays --------------------------------------------------------------------------------------------------
@@ -313,10 +316,12 @@ class KernelOps:
         return kv_attention(q, k, v, kv_len, scale, out, work)
 
     def router(self, x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out):
+        """kernels.moe.router; router_mma: the logits from this table's mma GEMM (x as bf16 hi + lo parts)."""
         n = x.shape[0]
-        shape = (router_slices(x.shape[1]), n, w_gate.shape[0])
+        shape = (1 if self.router_mma else router_slices(x.shape[1]), n, w_gate.shape[0])
         ws = SimpleNamespace(logits=self.scratch("router.logits", shape), n_max=n)
-        return router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws)
+        return router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws,
+                      logits_gemm=self.gemm if self.router_mma else None)
 
     def branch(self):
         """`with ops.branch() as side:` issues its ops on a second stream that starts after what the current

@@ -32,6 +32,7 @@ SIM_CASES = {
                                                                   token_blocks=2),
     "router_k_slices_uneven": lambda env: C.check_router(env, 2, 1096, 8, 2, 2, 1),       # 137 chunks in 5 slices
     "router_twin_experts_exact_ties": lambda env: C.check_router(env, 2, 64, 256, 8, 1, 1, twins=True),  # 64 cand.
+    "router_mma_logits": lambda env: C.check_router(env, 5, 128, 16, 4, 4, 2, mma=True),
     "router_two_chunks_per_lane": lambda env: C.check_router(env, 2, 512, 8, 2, 1, 1, k_slices=1),
 }
 
@@ -80,6 +81,12 @@ def test_gpu_moe_bf16_experts():
 @pytest.mark.parametrize("n,n_group,topk_group", [(1, 1, 1), (65, 1, 1), (17, 8, 4)])
 def test_gpu_router(n, n_group, topk_group):
     C.check_router(Env(gpu=True), n, 7168, 384, 8, n_group, topk_group)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 17, 65])
+def test_gpu_router_mma_logits(n):
+    C.check_router(Env(gpu=True), n, 7168, 384, 8, 1, 1, mma=True)
 
 
 @pytest.mark.gpu

@@ -188,23 +188,30 @@ def bench_moe(cp, cuda, results, copy_bw, quick):
         return
 
     # router: fp32 gate GEMV + sigmoid/top-k selection; one graph runs it on ROUTER_GATES distinct gate copies (more
-    # than L2 holds: the weights come from HBM as in a decode step) and the time is per call
+    # than L2 holds: the weights come from HBM as in a decode step) and the time is per call. form "mma": the logits
+    # from the dense mma GEMM (x as bf16 hi + lo; KernelOps.router_mma / NUMBAENGINE_ROUTER_MMA=1)
+    from kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
     gates = [dv(rand_bf16(cp, (E, H), 0.02)) for _ in range(ROUTER_GATES)]
-    for n in NS:
-        x = dv(cp.random.standard_normal((n, H), dtype=cp.float32))
-        ii, ww = dv(cp.zeros((n, TOPK), cp.int32)), dv(cp.zeros((n, TOPK), cp.float32))
+    nxb, npart = gemm_workspace_words(max(NS), E, H)
+    gws = GemmWorkspace(dv(cp.zeros(max(nxb, 1), cp.uint32)), dv(cp.zeros(max(npart, 1), cp.float32)),
+                        dv(cp.zeros(4096, cp.uint32)))      # k-split counters, as KernelOps.gemm passes them
+    for form in ("gemv", "mma"):
+        mma = (lambda xx, w, out: gemm(xx, w, out, gws)) if form == "mma" else None  # noqa: E731
+        for n in NS:
+            x = dv(cp.random.standard_normal((n, H), dtype=cp.float32))
+            ii, ww = dv(cp.zeros((n, TOPK), cp.int32)), dv(cp.zeros((n, TOPK), cp.float32))
 
-        def f():
-            for g in gates:
-                router(x, g, bias, TOPK, 1, 1, True, 2.827, ii, ww, wss[2])
-        nbytes = E * H * 2
-        g_ms, e_ms = (t / len(gates) for t in timed(cp, f, 20))
-        results.setdefault("router", []).append(dict(op="router", n=n, bytes=nbytes, graph_ms=g_ms, eager_ms=e_ms,
-                                                     gbps=nbytes / g_ms / 1e6,
-                                                     pct_copy=100 * nbytes / g_ms / 1e6 / copy_bw))
-        print(f"router n={n:3d} graph {g_ms * 1e3:7.1f} us eager {e_ms * 1e3:7.1f} us "
-              f"{nbytes / g_ms / 1e6:6.0f} GB/s {100 * nbytes / g_ms / 1e6 / copy_bw:5.1f}% (K2: one group, per call)",
-              flush=True)
+            def f():
+                for g in gates:
+                    router(x, g, bias, TOPK, 1, 1, True, 2.827, ii, ww, wss[2], logits_gemm=mma)
+            nbytes = E * H * 2
+            g_ms, e_ms = (t / len(gates) for t in timed(cp, f, 20))
+            results.setdefault("router", []).append(dict(op="router", form=form, n=n, bytes=nbytes, graph_ms=g_ms,
+                                                         eager_ms=e_ms, gbps=nbytes / g_ms / 1e6,
+                                                         pct_copy=100 * nbytes / g_ms / 1e6 / copy_bw))
+            print(f"router {form} n={n:3d} graph {g_ms * 1e3:7.1f} us eager {e_ms * 1e3:7.1f} us "
+                  f"{nbytes / g_ms / 1e6:6.0f} GB/s {100 * nbytes / g_ms / 1e6 / copy_bw:5.1f}% (K2: one group, per "
+                  f"call)", flush=True)
     del gate_up, down, gus, ds
 
 
