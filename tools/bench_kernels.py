@@ -34,6 +34,10 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     # with gate_up WK=1 37.9 / 68.9, with down WK=2 44.1 / 63.6. ncu (n = 1): 128 registers, 4 blocks of 4 warps per
     # SM, ~0.45 issued warps per scheduler, 54% of cycles with no eligible warp.
     "pipe": dict(gu=dict(PL=1, HB=1), dn=dict(PL=1, HB=1)),
+    # not measured yet: more warps per SM (the ncu finding above) by a tighter register cap, with or without R=1
+    "occ6": dict(gu=dict(min_blocks=6), dn=dict(min_blocks=6)),
+    "occ8_r1": dict(gu=dict(R=1, min_blocks=8), dn=dict(R=1, min_blocks=8)),
+    "occ8_r1_w8": dict(gu=dict(R=1, WR=4, WK=2, min_blocks=4), dn=dict(R=1, WR=8, WK=1, min_blocks=4)),
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
 GEMM_MS = (1, 17, 33, 65)
