@@ -176,9 +176,10 @@ ROUTER_CHUNKS = 4      # 8-column chunks per lane of one router warp (its gate w
 
 def router_slices(hidden):
     """k slices of the router GEMV: each warp holds <= 32 * ROUTER_CHUNKS chunks of one expert's gate row, and
-    K2's 384 x 7168 gate is cut 8 ways (3072 warps). ncu on the H200 (K2, logits kernel): one whole row per warp
-    (48 blocks) 10.9 us at n = 1; 8 slices 6.5 us at n = 1, 43 us at n = 17 (latency-bound: ~15 cycles per issued
-    instruction, 72 registers); 4 experts per warp over 14 slices was slower (7.7 / 65 us, 118-128 registers)."""
+    K2's 384 x 7168 gate is cut 8 ways (3072 warps; one whole row per warp, 48 blocks, was the router's first cut:
+    29 us for the whole router at n = 1). ncu on the H200 (K2, logits kernel, n = 1 / 17): 8 slices converting the
+    gate per token 10.9 / 52 us; with the gate as f32 in registers (this kernel) 6.5 / 43 us, latency-bound (~15
+    cycles per issued instruction, 72 registers); 4 experts per warp over 14 slices 7.7 / 65 us (118-128 registers)."""
     chunks = hidden // 8
     return max(math.ceil(chunks / (32 * ROUTER_CHUNKS)), min(8, chunks // 24), 1)
 
