@@ -227,11 +227,12 @@ def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, s
 
 
 def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_per_pass=4, token_blocks=None,
-                 k_slices=None, twins=False, mma=False):
+                 k_slices=None, twins=False, mma=None):
     """Router vs router_ref; a tie in the choice may pick a different expert only when the two choices are
     within float rounding of each other. token_blocks / k_slices: the logits' block rows / k slices (None: the
     default rules). twins: expert e + E/2 has expert e's gate row and bias (exact ties: the lower index must come
-    first, the picks must equal the reference's exactly). mma: the logits from kernels.gemm.gemm (x as hi + lo)."""
+    first, the picks must equal the reference's exactly). mma="gemm": the logits from kernels.gemm.gemm (x as hi +
+    lo); mma="ops": through the simulator's op table with router_mma on (the gate must go through its gemm)."""
     from kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
     from kernels.moe import moe_workspace, router, router_ref
     rng = np.random.default_rng(seed)
@@ -242,13 +243,22 @@ def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_p
         wg[n_exp // 2:], bias[n_exp // 2:] = wg[:n_exp // 2], bias[:n_exp // 2]
     ws = moe_workspace(n, k, hidden, 64, n_exp, lambda shape, dtype: poisoned(env, shape, dtype))
     ii, ww = poisoned(env, (n, k), np.int32), poisoned(env, (n, k), np.float32)
-    logits_gemm = None
-    if mma:
-        nxb, npart = gemm_workspace_words(n, n_exp, hidden)
-        gws = GemmWorkspace(poisoned(env, (max(nxb, 1),), np.uint32), poisoned(env, (max(npart, 1),), np.float32))
-        logits_gemm = lambda xx, w, out: gemm(xx, w, out, gws)  # noqa: E731
-    router(env.dev(x), env.dev(wg), env.dev(bias), k, n_group, topk_group, True, 2.827, ii, ww, ws, tokens_per_pass,
-           token_blocks, k_slices, logits_gemm)
+    if mma == "ops":
+        from numbaengine.ops_cuda import sim_ops
+        ops, shapes = sim_ops(), []
+        ops.router_mma, table_gemm = True, ops.gemm
+        ops.gemm = lambda xx, w, out: shapes.append(w.shape) or table_gemm(xx, w, out)  # noqa: E731
+        ops.router(env.dev(x), env.dev(wg), env.dev(bias), k, n_group, topk_group, True, 2.827, ii, ww)
+        assert shapes == [wg.shape], f"router_mma: ops.gemm saw {shapes}, not the gate {wg.shape}"
+    else:
+        logits_gemm = None
+        if mma == "gemm":
+            nxb, npart = gemm_workspace_words(n, n_exp, hidden)
+            gws = GemmWorkspace(poisoned(env, (max(nxb, 1),), np.uint32),
+                                poisoned(env, (max(npart, 1),), np.float32))
+            logits_gemm = lambda xx, w, out: gemm(xx, w, out, gws)  # noqa: E731
+        router(env.dev(x), env.dev(wg), env.dev(bias), k, n_group, topk_group, True, 2.827, ii, ww, ws,
+               tokens_per_pass, token_blocks, k_slices, logits_gemm)
     ri, rw = router_ref(x, wg, bias, k, n_group, topk_group, True, 2.827, np.empty((n, k), np.int32),
                         np.empty((n, k), np.float32))
     gi, gw = env.host(ii), env.host(ww)

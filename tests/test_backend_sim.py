@@ -118,13 +118,9 @@ def untied(ref, draw):
     raise AssertionError(f"{DRAWS} input draws all had a routing near-tie (< {ROUTE_TIE}): lower ROUTE_TIE?")
 
 
-def check_prefill(backend, dims="tiny", n=5, router_mma=False):
-    """Engine.forward_logits of fresh random tokens (one prefill in each backend's prefill_form). router_mma: the
-    kernel table's router takes its logits from the mma GEMM (KernelOps.router_mma)."""
+def check_prefill(backend, dims="tiny", n=5):
+    """Engine.forward_logits of fresh random tokens (one prefill in each backend's prefill_form)."""
     ref, dev = engines(backend, dims)
-    ops, shapes = dev.target.ops, []
-    ops.router_mma, gemm = router_mma, ops.gemm
-    ops.gemm = lambda x, w, out: shapes.append(w.shape) or gemm(x, w, out)     # noqa: E731
 
     def draw(seed):
         tokens = np.random.default_rng(seed).integers(0, ref.cfg.vocab_size, n)
@@ -132,8 +128,6 @@ def check_prefill(backend, dims="tiny", n=5, router_mma=False):
     seed, (tokens, want) = untied(ref, draw)
     got = dev.forward_logits(tokens)
     assert isinstance(got, np.ndarray)
-    gate = (ref.cfg.n_routed_experts, ref.cfg.hidden_size)
-    assert (gate in shapes) == router_mma, f"router gate {gate} through ops.gemm: {gate in shapes}, asked {router_mma}"
     return assert_close("prefill logits", got, want, seeds(dims, seed))
 
 
@@ -224,11 +218,9 @@ def check_ranks_one_device(backend, dims="tiny"):
 
 SIM_PARTS = 3
 SIM_COST = {"batch_ddtree": 175, "sampled_ddtree": 63, "dflash": 58, "ranks_one_device": 52, "greedy_ar": 36,
-            "tree_verify": 27, "prefill_logits": 17,
-            "prefill_logits_router_mma": 17}    # CPU seconds of each case on one core (2026-11-29)
+            "tree_verify": 27, "prefill_logits": 17}    # CPU seconds of each case on one core (2026-11-29)
 SIM_CASES = {
     "prefill_logits": lambda env: check_prefill("sim", n=3),
-    "prefill_logits_router_mma": lambda env: check_prefill("sim", n=3, router_mma=True),
     "greedy_ar": lambda env: check_greedy("sim", prompt_len=1),
     # the 3-token prompt ends at the context (6 rows) after 4 tokens while the other decodes on (retired slot,
     # last tree cut to the cache): both as the reference

@@ -32,12 +32,13 @@ SIM_CASES = {
                                                                   token_blocks=2),
     "router_k_slices_uneven": lambda env: C.check_router(env, 2, 1096, 8, 2, 2, 1),       # 137 chunks in 5 slices
     "router_twin_experts_exact_ties": lambda env: C.check_router(env, 2, 64, 256, 8, 1, 1, twins=True),  # 64 cand.
-    "router_mma_logits": lambda env: C.check_router(env, 5, 128, 16, 4, 4, 2, mma=True),
+    "router_mma_logits": lambda env: C.check_router(env, 3, 64, 16, 4, 4, 2, mma="gemm"),
+    "router_mma_through_the_op_table": lambda env: C.check_router(env, 3, 64, 16, 4, 1, 1, mma="ops"),
     "router_two_chunks_per_lane": lambda env: C.check_router(env, 2, 512, 8, 2, 1, 1, k_slices=1),
 }
 
 SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "moe_int4_pipelined_3_steps": 10, "moe_int4_pipelined_hi_lo_T2": 9,
-            "router_twin_experts_exact_ties": 10}
+            "router_twin_experts_exact_ties": 10, "router_mma_logits": 8, "router_mma_through_the_op_table": 11}
 
 
 test_simulator = simulator_test(__name__)
@@ -86,7 +87,7 @@ def test_gpu_router(n, n_group, topk_group):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 17, 65])
 def test_gpu_router_mma_logits(n):
-    C.check_router(Env(gpu=True), n, 7168, 384, 8, 1, 1, mma=True)
+    C.check_router(Env(gpu=True), n, 7168, 384, 8, 1, 1, mma="gemm")
 
 
 @pytest.mark.gpu
