@@ -137,39 +137,47 @@ def check_decode(backend, dims="tiny", prompt_lens=(2,), new=3, mode="ar", budge
     kernel backends run them as one batched device round). Greedy: every kernel token is a near-argmax of the
     reference given the kernel's own prefix, and the outputs are equal unless a near-tie flipped. Sampled: equal
     outputs are not guaranteed across backends (a near-tie of perturbed logits), so only validity is checked.
-    Prompts whose reference routing (generation or the check's forward) has a near-tie are redrawn (`untied`)."""
+    A failed check is redrawn (fresh prompts, at most DRAWS) only when the reference routing of that draw had a
+    near-tie (ROUTE_TIE: a decode makes many routing decisions, so redrawing every near-tie would redraw most runs);
+    a failure without one fails the test."""
     ref, dev = engines(backend, dims)
-
-    def draw(seed):
+    for _ in range(DRAWS):
+        seed = int(np.random.SeedSequence().entropy % 2**31)
         rng = np.random.default_rng(seed)
         prompts = [rng.integers(0, ref.cfg.vocab_size, n).tolist() for n in prompt_lens]
         kw = dict(mode=mode, budget=budget, temperature=temperature, seed=seed, stop=[])
         ref.max_context = dev.max_context = max_context
         try:
-            got_r, want_r = dev.generate_batch(prompts, new, **kw), ref.generate_batch(prompts, new, **kw)
+            with routing_margins(ref.target.ops) as margins:
+                got_r, want_r = dev.generate_batch(prompts, new, **kw), ref.generate_batch(prompts, new, **kw)
+                checks = [ref.forward_logits(p + g.tokens[:-1])[len(p) - 1:] if not temperature else None
+                          for p, g in zip(prompts, got_r)]                      # reference given the kernel's prefix
         finally:
             ref.max_context = dev.max_context = 4096
-        checks = [] if temperature else [ref.forward_logits(p + g.tokens[:-1])[len(p) - 1:]   # given the kernel's
-                                         for p, g in zip(prompts, got_r)]                     # own prefix
-        return prompts, got_r, want_r, checks
-    seed, (prompts, got_r, want_r, checks) = untied(ref, draw)
+        try:
+            return _decode_agrees(got_r, want_r, checks, f"{mode} {seeds(dims, seed)}")
+        except AssertionError:
+            if min(margins, default=np.inf) >= ROUTE_TIE:
+                raise
+    raise AssertionError(f"{mode}: {DRAWS} draws failed, each with a routing near-tie (< {ROUTE_TIE})")
+
+
+def _decode_agrees(got_r, want_r, checks, where):
+    """check_decode's assertions -> (kernel tokens, reference tokens) per prompt."""
     gots, wants = [r.tokens for r in got_r], [r.tokens for r in want_r]
-    for got, want, g, w, logits in zip(gots, wants, got_r, want_r, checks or [None] * len(gots)):
+    for got, want, g, w, logits in zip(gots, wants, got_r, want_r, checks):
         assert len(got) == len(want) and g.stats["stop_reason"] == w.stats["stop_reason"], \
-            f"{seeds(dims, seed)}: {len(got)} tokens ({g.stats['stop_reason']}), reference {len(want)} " \
-            f"({w.stats['stop_reason']})"
-        if temperature:
+            f"{where}: {len(got)} tokens ({g.stats['stop_reason']}), reference {len(want)} ({w.stats['stop_reason']})"
+        if logits is None:                   # sampled: validity only
             continue
         scale = np.abs(logits).max()
         for i, t in enumerate(got):
             gap = logits[i].max() - logits[i, t]
-            assert gap <= TOL * scale, f"{mode} step {i} {seeds(dims, seed)}: token {t} is {gap:.3g} below the " \
-                                       f"reference argmax"
+            assert gap <= TOL * scale, f"{where} step {i}: token {t} is {gap:.3g} below the reference argmax"
         if got != want:
             i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
             top2 = np.sort(logits[i])[-2:]
-            assert top2[1] - top2[0] <= TOL * scale, f"{mode} {seeds(dims, seed)}: tokens {got} != reference " \
-                                                     f"{want} at step {i}"
+            assert top2[1] - top2[0] <= TOL * scale, f"{where}: tokens {got} != reference {want} at step {i}"
     return gots, wants
 
 
