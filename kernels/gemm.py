@@ -195,80 +195,6 @@ def _build_bf16_mma(T, R, XS, BF):
     return mma_step
 
 
-def _int4_regs(R, XS, G, T, HB):
-    """Register words of one INT4 step: weights, packed bf16 scales, hoisted B fragments (HB=1)."""
-    return 2 * R * G, 2 * R * max(1, G // 2), 4 * G * T * XS if HB else 1
-
-
-def _build_int4_load(R, XS, G, T, PF, HB):
-    """Device function: issue every global load of one INT4 k-step into registers: qa u32[2RG] (weights), sq
-    u32[2R*max(1, G/2)] (bf16 scale pairs), and (HB=1) xw u32[4GTXS] (the B fragments, otherwise read in the
-    math). Nothing here waits on a load: the math of another step can run while these are in flight."""
-    lda = ld16_pf if PF else ld16
-    SW = max(1, G // 2)
-
-    @device
-    def load(w, sc, xb, s, t, half, aoff, soff, boff, qa, sq, xw):
-        for h in range(2 * R):
-            if G == 4:
-                qa[h * G], qa[h * G + 1], qa[h * G + 2], qa[h * G + 3] = lda(w, aoff[h] + s * 16 + t * 4)
-                sq[h * SW], sq[h * SW + 1] = ld8(sc, soff[h] + s * 4)
-            elif G == 2:
-                qa[h * G], qa[h * G + 1] = ld8(w, aoff[h] + s * 8 + t * 2)
-                sq[h] = ld4(sc, soff[h] + s * 2)
-            else:
-                qa[h] = ld4(w, aoff[h] + s * 4 + t)
-                sq[h] = uint32(sc[soff[h] + s])
-        if HB:
-            for j in range(G):
-                for tt in range(T):
-                    for p in range(XS):
-                        i = ((j * T + tt) * XS + p) * 4
-                        xw[i], xw[i + 1], xw[i + 2], xw[i + 3] = ld16(xb, boff[tt] + p * half + (s * G + j) * 16
-                                                                      + t * 4)
-    return load
-
-
-def _build_int4_math(R, XS, G, T, HB):
-    """Device function: the dequant + mma work of one INT4 k-step on the registers of `_build_int4_load`."""
-    NDA, ND, SW = 8 * R, 4 * R, max(1, G // 2)
-
-    @device
-    def math_(qa, sq, xw, xb, s, t, half, boff, acc):
-        for j in range(G):
-            da = cuda.local.array(NDA, uint32)
-            for r in range(R):
-                for hh in range(2):
-                    q = qa[(2 * r + hh) * G + j]
-                    for sh in range(4):
-                        da[8 * r + 4 * hh + sh] = int4_pair(q, 4 * sh)
-            for tt in range(T):
-                d = cuda.local.array(ND, float32)
-                for i in range(4 * R):
-                    d[i] = F0
-                for p in range(XS):
-                    if HB:
-                        i = ((j * T + tt) * XS + p) * 4
-                        x0, x1, x2, x3 = xw[i], xw[i + 1], xw[i + 2], xw[i + 3]
-                    else:
-                        x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + (s * G + j) * 16 + t * 4)
-                    for r in range(R):
-                        c0, c1, c2, c3 = mma_bf16(da[8 * r], da[8 * r + 4], da[8 * r + 1], da[8 * r + 5], x0, x1,
-                                                  d[4 * r], d[4 * r + 1], d[4 * r + 2], d[4 * r + 3])
-                        d[4 * r], d[4 * r + 1], d[4 * r + 2], d[4 * r + 3] = mma_bf16(
-                            da[8 * r + 2], da[8 * r + 6], da[8 * r + 3], da[8 * r + 7], x2, x3, c0, c1, c2, c3)
-                for r in range(R):
-                    i = (r * T + tt) * 4
-                    w0, w8 = sq[2 * r * SW + j // 2], sq[(2 * r + 1) * SW + j // 2]
-                    sg = bf16_hi(w0) if j % 2 else bf16_lo(w0)
-                    sg8 = bf16_hi(w8) if j % 2 else bf16_lo(w8)
-                    acc[i] += sg * d[4 * r]
-                    acc[i + 1] += sg * d[4 * r + 1]
-                    acc[i + 2] += sg8 * d[4 * r + 2]
-                    acc[i + 3] += sg8 * d[4 * r + 3]
-    return math_
-
-
 def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
     """Device function: one k-step of one warp over R weight tiles x T token tiles, accumulating into acc.
 
@@ -277,7 +203,7 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
     B: xb words [row, XS, k/2] at boff[tt] (BF=0), or x itself as f32 [row, k] at boff[tt] (BF=1, bf16 weights
     only: converted to bf16 hi[/lo] in registers, no prep launch). PF=1: weight loads ask L2 for 256 bytes.
     acc[(r*T + tt)*4 + i]: the mma D fragment of tile (r, tt)."""
-    NQ = 8 * R
+    NQ, NQ4, NDA, ND = 8 * R, 2 * R * G, 8 * R, 4 * R
     lda = ld16_pf if PF else ld16
     if fmt == BF16:
         mma_step = _cached(_build_bf16_mma, T, R, XS, BF)
@@ -290,17 +216,50 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
             mma_step(qa, xb, s, t, half, boff, acc)
         return step
 
-    load = _cached(_build_int4_load, R, XS, G, T, PF, 0)
-    math_ = _cached(_build_int4_math, R, XS, G, T, 0)
-    NW, NS, NX = _int4_regs(R, XS, G, T, 0)
-
     @device
     def step(w, sc, xb, s, t, half, aoff, soff, boff, acc):
-        qa = cuda.local.array(NW, uint32)
-        sq = cuda.local.array(NS, uint32)
-        xw = cuda.local.array(NX, uint32)
-        load(w, sc, xb, s, t, half, aoff, soff, boff, qa, sq, xw)
-        math_(qa, sq, xw, xb, s, t, half, boff, acc)
+        qa = cuda.local.array(NQ4, uint32)
+        sa = cuda.local.array(NQ4, float32)
+        for h in range(2 * R):
+            if G == 4:
+                q0, q1, q2, q3 = lda(w, aoff[h] + s * 16 + t * 4)
+                qa[h * G], qa[h * G + 1], qa[h * G + 2], qa[h * G + 3] = q0, q1, q2, q3
+                s0, s1 = ld8(sc, soff[h] + s * 4)
+                sa[h * G], sa[h * G + 1], sa[h * G + 2], sa[h * G + 3] = (bf16_lo(s0), bf16_hi(s0),
+                                                                          bf16_lo(s1), bf16_hi(s1))
+            elif G == 2:
+                q0, q1 = ld8(w, aoff[h] + s * 8 + t * 2)
+                qa[h * G], qa[h * G + 1] = q0, q1
+                s0 = ld4(sc, soff[h] + s * 2)
+                sa[h * G], sa[h * G + 1] = bf16_lo(s0), bf16_hi(s0)
+            else:
+                qa[h] = ld4(w, aoff[h] + s * 4 + t)
+                sa[h] = bf16_lo(uint32(sc[soff[h] + s]))
+        for j in range(G):
+            da = cuda.local.array(NDA, uint32)
+            for r in range(R):
+                for hh in range(2):
+                    q = qa[(2 * r + hh) * G + j]
+                    for sh in range(4):
+                        da[8 * r + 4 * hh + sh] = int4_pair(q, 4 * sh)
+            for tt in range(T):
+                d = cuda.local.array(ND, float32)
+                for i in range(4 * R):
+                    d[i] = F0
+                for p in range(XS):
+                    x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + (s * G + j) * 16 + t * 4)
+                    for r in range(R):
+                        c0, c1, c2, c3 = mma_bf16(da[8 * r], da[8 * r + 4], da[8 * r + 1], da[8 * r + 5], x0, x1,
+                                                  d[4 * r], d[4 * r + 1], d[4 * r + 2], d[4 * r + 3])
+                        d[4 * r], d[4 * r + 1], d[4 * r + 2], d[4 * r + 3] = mma_bf16(
+                            da[8 * r + 2], da[8 * r + 6], da[8 * r + 3], da[8 * r + 7], x2, x3, c0, c1, c2, c3)
+                for r in range(R):
+                    i = (r * T + tt) * 4
+                    sg, sg8 = sa[2 * r * G + j], sa[(2 * r + 1) * G + j]
+                    acc[i] += sg * d[4 * r]
+                    acc[i + 1] += sg * d[4 * r + 1]
+                    acc[i + 2] += sg8 * d[4 * r + 2]
+                    acc[i + 3] += sg8 * d[4 * r + 3]
     return step
 
 
@@ -318,31 +277,6 @@ def _build_mainloop(fmt, T, R, XS, G, U, PF=0, BF=0):
         while s < s1:
             step(w, sc, xb, s, t, half, aoff, soff, boff, acc)
             s += 1
-    return mainloop
-
-
-def _build_int4_pipe_mainloop(T, R, XS, G, PF, HB):
-    """Device function: steps [s0, s1) of one warp on INT4 weights, software-pipelined through two register
-    buffers: the loads of step s+1 (weights, scales and, HB=1, the B fragments) are issued before the math of
-    step s, so a warp always has a step in flight while its tensor cores work. Same signature as `_build_mainloop`."""
-    load = _cached(_build_int4_load, R, XS, G, T, PF, HB)
-    math_ = _cached(_build_int4_math, R, XS, G, T, HB)
-    NW, NS, NX = _int4_regs(R, XS, G, T, HB)
-
-    @device
-    def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, acc):
-        qa0, sq0, xw0 = cuda.local.array(NW, uint32), cuda.local.array(NS, uint32), cuda.local.array(NX, uint32)
-        qa1, sq1, xw1 = cuda.local.array(NW, uint32), cuda.local.array(NS, uint32), cuda.local.array(NX, uint32)
-        if s0 < s1:
-            load(w, sc, xb, s0, t, half, aoff, soff, boff, qa0, sq0, xw0)
-        for s in range(s0, s1, 2):
-            if s + 1 < s1:
-                load(w, sc, xb, s + 1, t, half, aoff, soff, boff, qa1, sq1, xw1)
-            math_(qa0, sq0, xw0, xb, s, t, half, boff, acc)
-            if s + 2 < s1:
-                load(w, sc, xb, s + 2, t, half, aoff, soff, boff, qa0, sq0, xw0)
-            if s + 1 < s1:
-                math_(qa1, sq1, xw1, xb, s + 1, t, half, boff, acc)
     return mainloop
 
 

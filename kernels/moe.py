@@ -90,8 +90,8 @@ from numba import cuda, float32, int32  # noqa: E402
 from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device, kernel, launch, ld16, lane_id,  # noqa: E402
                             pack_bf16x2)
 from kernels.device import warp_argmax, warp_sum  # noqa: E402
-from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_int4_pipe_mainloop,  # noqa: E402
-                          _build_mainloop, _build_prep_unit, _cached, _split_range, _words)
+from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_mainloop,  # noqa: E402
+                          _build_prep_unit, _cached, _split_range, _words)
 
 MOE_XS = 1            # B operand: activations as bf16 (W4A16); 2 = hi + lo parts (~1e-5 from the f32 reference, slower)
 MAX_E = 1024          # experts per layer the router/plan kernels handle (one thread each)
@@ -435,13 +435,11 @@ def _perm8(i):
     return (i & ~7) | ((i & 3) << 1) | ((i >> 2) & 1)
 
 
-def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, PL=0, HB=0):
+def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None):
     """One expert GEMM stage over the work items (persistent grid). down=0: gate_up with rows interleaved per tile
     (8 gate rows, then the matching 8 up rows) and silu(gate) * up written as the next B operand (act);
-    down=1: rows in order, output * routing weight written per slot (y). PL=1 (INT4): the register-pipelined
-    mainloop (HB=1: B fragments loaded with the weights) instead of U steps per iteration."""
-    mainloop = (_cached(_build_int4_pipe_mainloop, T, R, XS, G, PF, HB) if PL and fmt == INT4
-                else _cached(_build_mainloop, fmt, T, R, XS, G, U, PF))
+    down=1: rows in order, output * routing weight written per slot (y)."""
+    mainloop = _cached(_build_mainloop, fmt, T, R, XS, G, U, PF)
     block_reduce = _cached(_build_block_reduce, R, T)
     NACC, NA = R * T * 4, 2 * R
     KSTEP = 32 * G if fmt == INT4 else 32
@@ -547,8 +545,6 @@ class ExpertConfig:
     blocks_per_sm: int = 4
     PF: int = 1           # weight loads with an L2 256-byte prefetch hint (measured: +5-6 points)
     min_blocks: int = 0   # > 0: launch bounds asking ptxas to fit that many blocks per SM (caps registers)
-    PL: int = 0           # 1: INT4 steps register-pipelined (the next step's loads in flight during this one's math)
-    HB: int = 0           # 1 (with PL): the B fragments ride with the weight loads
 
 
 # measured on the H200 (tools/bench_kernels.py, variant "blocks4w_bound4"): 4-warp blocks capped at 128 registers so
@@ -615,8 +611,7 @@ def moe_stage(down, experts, wts, ws, cfg=GATE_UP_CFG):
         raise ValueError(f"moe: wts {wts.shape} is not [n <= {ws.n_max}, {ws.top_k}]")
     g = int4_group_block(kdim) if fmt == INT4 else 1
     bounds = (32 * cfg.WR * cfg.WK, cfg.min_blocks) if cfg.min_blocks else None
-    kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds,
-                   cfg.PL, cfg.HB)
+    kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds)
     rblocks = math.ceil(nrows / 16 / (cfg.WR * cfg.R))
     grid = min(ws.n_max * ws.top_k * rblocks, _sm_count() * cfg.blocks_per_sm)
     words = _words(w)

@@ -8,10 +8,6 @@ from cudasim import Env, simulator_test
 from kernels.moe import ExpertConfig
 
 SMALL = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2), ExpertConfig(R=2, WR=1, WK=1, T=1, blocks_per_sm=2))
-PIPE = (ExpertConfig(R=1, WR=2, WK=1, T=1, blocks_per_sm=2, PL=1, HB=1),
-        ExpertConfig(R=2, WR=1, WK=1, T=1, blocks_per_sm=2, PL=1, HB=1))
-PIPE_T2 = (ExpertConfig(R=1, WR=1, WK=2, T=2, blocks_per_sm=2, PL=1, HB=1),
-           ExpertConfig(R=1, WR=2, WK=1, T=2, blocks_per_sm=2, PL=1, HB=0))
 SIM_CASES = {
     "moe_int4_random": lambda env: C.check_moe(env, 5, 128, 64, 4, 2, "random", 1, cfgs=SMALL),
     "moe_int4_one_expert_two_items_shared": lambda env: C.check_moe(env, 9, 128, 64, 4, 2, "one_hot", 1, cfgs=SMALL,
@@ -22,23 +18,19 @@ SIM_CASES = {
                                                               held=(4, 2), shared=True),
     "moe_int4_prep_2_blocks_per_row": lambda env: C.check_moe(env, 2, 512, 64, 4, 1, "random", 1, cfgs=SMALL,
                                                               seed=3),
-    # the register-pipelined INT4 mainloop: 3 gate_up steps (G=4) per warp, then 1 and 2 (k split in 2), hi + lo
-    # B parts over two token tiles, B fragments hoisted (HB=1) or read in the math (HB=0)
-    "moe_int4_pipelined_3_steps": lambda env: C.check_moe(env, 3, 384, 64, 4, 2, "random", 1, cfgs=PIPE, seed=5),
-    "moe_int4_pipelined_hi_lo_T2": lambda env: C.check_moe(env, 9, 384, 64, 2, 1, "one_hot", 2, cfgs=PIPE_T2),
-    "router_one_group_ragged_warp": lambda env: C.check_router(env, 3, 64, 18, 4, 1, 1),   # 4 experts per warp
+    "router_one_group_ragged_block": lambda env: C.check_router(env, 3, 64, 18, 4, 1, 1),   # 8 experts per block
     "router_grouped": lambda env: C.check_router(env, 3, 64, 16, 4, 4, 2),
     "router_passes_over_2_block_rows": lambda env: C.check_router(env, 5, 64, 16, 2, 1, 1, tokens_per_pass=2,
                                                                   token_blocks=2),
     "router_k_slices_uneven": lambda env: C.check_router(env, 2, 1096, 8, 2, 2, 1),       # 137 chunks in 5 slices
-    "router_twin_experts_exact_ties": lambda env: C.check_router(env, 2, 64, 256, 8, 1, 1, twins=True),  # 64 cand.
+    "router_twin_experts_exact_ties": lambda env: C.check_router(env, 2, 64, 256, 8, 1, 1, twins=True),  # 8 warps
     "router_mma_logits": lambda env: C.check_router(env, 3, 64, 16, 4, 4, 2, mma="gemm"),
     "router_mma_through_the_op_table": lambda env: C.check_router(env, 3, 64, 16, 4, 1, 1, mma="ops"),
     "router_two_chunks_per_lane": lambda env: C.check_router(env, 2, 512, 8, 2, 1, 1, k_slices=1),
 }
 
-SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "moe_int4_pipelined_3_steps": 10, "moe_int4_pipelined_hi_lo_T2": 9,
-            "router_twin_experts_exact_ties": 10, "router_mma_logits": 8, "router_mma_through_the_op_table": 11}
+SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "router_twin_experts_exact_ties": 10, "router_mma_logits": 8,
+            "router_mma_through_the_op_table": 11}
 
 
 test_simulator = simulator_test(__name__)
@@ -49,18 +41,6 @@ test_simulator = simulator_test(__name__)
 @pytest.mark.parametrize("n,n_exp,mode", [(1, 16, "random"), (17, 16, "skip"), (65, 8, "random")])
 def test_gpu_moe_int4(n, n_exp, mode):
     C.check_moe(Env(gpu=True), n, 7168, 2048, n_exp, 8, mode, 2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,xs,hb", [(1, 1, 1), (17, 1, 0), (9, 2, 1)])
-def test_gpu_moe_int4_pipelined(n, xs, hb):
-    """The register-pipelined INT4 mainloop at K2 widths with the engine's cuts (what bench_kernels' pipe variants
-    time)."""
-    from dataclasses import replace
-
-    from kernels.moe import DOWN_CFG, GATE_UP_CFG
-    cfgs = (replace(GATE_UP_CFG, PL=1, HB=hb), replace(DOWN_CFG, PL=1, HB=hb))
-    C.check_moe(Env(gpu=True), n, 7168, 2048, 16, 8, "random", xs, cfgs=cfgs, seed=n)
 
 
 @pytest.mark.gpu

@@ -53,8 +53,6 @@ def _moe():
         sig = (A1(u32), w, sc, A1(u16), A2(f32), A2(f32)) + (A1(i32),) * 5 + (i32,) * 5
         name = f"expert_{'int4' if fmt == INT4 else 'bf16'}_{'down' if down else 'gate_up'}_T{T}_R{R}_XS{XS}_G{G}"
         cases[name] = (_build_expert_gemm(fmt, down, T, R, XS, G, 2, int(fmt == INT4), int(down)), sig, True)
-        if fmt == INT4:
-            cases[name + "_pipelined"] = (_build_expert_gemm(fmt, down, T, R, XS, G, 2, 1, 1, PL=1, HB=1), sig, True)
     cases["router_logits"] = (_build_router_logits(4), (A1(f32), A1(u32), A3(f32), i32, i32, i32), False)
     cases["router_select"] = (_build_router_select(), (A3(f32), A1(f32), A2(i32), A2(f32)) + (i32,) * 5 + (f32,),
                               False)
