@@ -330,7 +330,7 @@ def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_
                          f"{w_out.shape} not supported (top_k <= E <= {MAX_E}, E % n_group == 0, H % 8 == 0, "
                          f"outputs [n, {top_k}])")
     ks = 1 if logits_gemm is not None else k_slices or router_slices(h)
-    if (h // 8 + ks - 1) // ks > 32 * ROUTER_CHUNKS and logits_gemm is None:
+    if logits_gemm is None and math.ceil(h // 8 / ks) > 32 * ROUTER_CHUNKS:
         raise ValueError(f"router: {ks} k slices of H={h} hold more than {32 * ROUTER_CHUNKS} 8-column chunks each")
     if n > ws.n_max or ws.logits.shape[0] < ks or ws.logits.shape[2] != e:
         raise ValueError(f"router: {n} tokens, {ks} k slices of {e} experts do not fit the workspace's logits "

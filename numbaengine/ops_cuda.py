@@ -127,7 +127,8 @@ class KernelOps:
         self._flat = {}          # (role, dtype) -> flat buffer grown to the largest request
         self._moe_ws = {}        # (top_k, H, I, E) -> MoeWorkspace grown by n_max
         self._work = {}          # flash-decoding scratch per attention shape
-        self._gemm_sync = None   # u32 k-split counters of the fused GEMM reduce (zero between calls)
+        self._gemm_sync = {}     # "gemm" / "gemm.side" (in a branch) -> u32 k-split counters of the fused GEMM
+        #                          reduce (zero between calls)
         self.branches = xp is not np   # False: branch() runs in order (tools/profile_round.py times one launch at
         self._side = None              # a time); the second stream and its fork/join events, made on first use
         self.router_mma = os.environ.get("NUMBAENGINE_ROUTER_MMA") == "1"   # router logits on the mma GEMM: NOT
@@ -254,7 +255,8 @@ class KernelOps:
         """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T (mma GEMM; k % 32 == 0). x taller than GEMM_ROWS (a
         batch of trees, a prompt) is one launch over blocks of GEMM_ROWS rows (each block reads the weights again:
         from L2 when they fit) when x is contiguous and the k-split partials stay under TALL_PART_BYTES; else a
-        launch per block."""
+        launch per block. GEMMs issued inside ops.branch() use scratch and k-split counters of their own: they may
+        run at the same time as the GEMMs of the current stream."""
         (m, k), n = x.shape, w.shape[0]
         if self.trim_warps:      # simulator time: few k-pieces, no warps without rows
             cfg = gemm_config(m, n, k, target_warps=64)
@@ -269,10 +271,12 @@ class KernelOps:
             cfg = dataclasses.replace(cfg, BF=1, FR=0, S=0)
         nxb, npart = gemm_workspace_words(m, n, k, cfg=cfg)
         nsync = gemm_sync_words(m, n, k, cfg)
-        if self._gemm_sync is None or self._gemm_sync.size < nsync:    # never poisoned: every call leaves it zero
-            self._gemm_sync = self.xp.zeros(max(nsync, 1024), np.uint32)
-        ws = GemmWorkspace(self.scratch("gemm.xb", (max(nxb, 1),), np.uint32),
-                           self.scratch("gemm.part", (max(npart, 1),), np.float32), self._gemm_sync)
+        role = "gemm.side" if self._on_side() else "gemm"
+        sync = self._gemm_sync.get(role)
+        if sync is None or sync.size < nsync:    # never poisoned: every call leaves it zero
+            sync = self._gemm_sync[role] = self.xp.zeros(max(nsync, 1024), np.uint32)
+        ws = GemmWorkspace(self.scratch(f"{role}.xb", (max(nxb, 1),), np.uint32),
+                           self.scratch(f"{role}.part", (max(npart, 1),), np.float32), sync)
         return gemm(x, w, out, ws, cfg=cfg)
 
     def head_gemm(self, x, w, out):
@@ -333,6 +337,10 @@ class KernelOps:
             cp = self.xp.cuda
             self._side = (cp.Stream(non_blocking=True), cp.Event(disable_timing=True), cp.Event(disable_timing=True))
         return Branch(*self._side)
+
+    def _on_side(self):
+        """True while ops are issued inside ops.branch() (the current stream is this table's side stream)."""
+        return self._side is not None and self.xp.cuda.get_current_stream().ptr == self._side[0].ptr
 
     def moe(self, x, idx, wts, experts, out, shared=None, after=None):
         """Routed experts (+ shared[t] when given) -> out f32[n, H], in blocks of tokens the routing plan holds.

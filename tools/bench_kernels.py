@@ -30,10 +30,9 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     "bound2_8w": dict(gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2), dn=dict(WR=8, WK=1, blocks_per_sm=4,
                                                                                min_blocks=2)),
     # session 7 (n = 1 / 17, % of copy; default 47.5 / 69.3): down U=4 46.1 / 65.3, down R=4 47.8 / 68.0; the
-    # register-pipelined INT4 mainloop (commit 4f62ab6, removed: PL=1, B fragments with the weights: HB=1) 44.7 / 65.9,
-    # without HB 38.6 / 48.6,
-    # with gate_up WK=1 37.9 / 68.9, with down WK=2 44.1 / 63.6. ncu (n = 1): 128 registers, 4 blocks of 4 warps per
-    # SM, ~0.45 issued warps per scheduler, 54% of cycles with no eligible warp.
+    # register-pipelined INT4 mainloop (removed, commit 4f62ab6 has it) 44.7 / 65.9, without the B fragments in it
+    # 38.6 / 48.6, with gate_up WK=1 37.9 / 68.9, with down WK=2 44.1 / 63.6. ncu (n = 1): 128 registers, 4 blocks of
+    # 4 warps per SM, ~0.45 issued warps per scheduler, 54% of cycles with no eligible warp.
     # not measured yet: more warps per SM (the ncu finding above) by a tighter register cap, with or without R=1
     "occ6": dict(gu=dict(min_blocks=6), dn=dict(min_blocks=6)),
     "occ8_r1": dict(gu=dict(R=1, min_blocks=8), dn=dict(R=1, min_blocks=8)),
