@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -43,6 +42,9 @@ KV_MIN_SPLIT = 128           # drafter attention: fewest keys per split; capacit
 #   pair drafter, 16 queries (python -m tools.bench_attention --only splits): one split costs ~2 us per 32 keys (15 us
 #   at 128 keys, 70 at 1024); 128-key splits + merge 19-20 us at capacity 1024 and 23-31 us at 4096, where the
 #   earlier rule (splits of 32 keys: 2 blocks per SM) took 18-24 and 34-63 us
+ROUTER_MMA_FROM = 4          # router logits on the mma GEMM from this many tokens, the k-sliced GEMV below. H200, K2
+#   gate 384 x 7168 from HBM, us per call (python -m tools.bench_kernels --only moe, session 8): GEMV / mma at n = 1
+#   14.2 / 16.7, n = 4 19.1 / 16.7, n = 17 44.7 / 21.8, n = 65 123.8 / 30.0 (n = 2, 3 not measured)
 
 
 # ----------------------------------------------------------------------------------------------- glue kernels
@@ -131,13 +133,12 @@ class KernelOps:
         #                          reduce (zero between calls)
         self.branches = xp is not np   # False: branch() runs in order (tools/profile_round.py times one launch at
         self._side = None              # a time); the second stream and its fork/join events, made on first use
-        self.router_mma = os.environ.get("NUMBAENGINE_ROUTER_MMA") == "1"   # router logits on the mma GEMM: NOT
-        # measured yet (the CUDA-core GEMV is latency-bound: 43 us at 17 tokens on K2; see kernels.moe.router)
+        self.router_mma_from = ROUTER_MMA_FROM   # tokens from which the router logits come from the mma GEMM
 
     def fresh(self) -> "KernelOps":
         """A table over the same device with its own scratch (a captured graph owns the buffers it points at)."""
         table = KernelOps(self.name, self.xp, self.poison, self.trim_warps, self.comm)
-        table.branches, table.router_mma = self.branches, self.router_mma
+        table.branches, table.router_mma_from = self.branches, self.router_mma_from
         return table
 
     # -- arrays --------------------------------------------------------------------------------------------------
@@ -320,12 +321,14 @@ class KernelOps:
         return kv_attention(q, k, v, kv_len, scale, out, work)
 
     def router(self, x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out):
-        """kernels.moe.router; router_mma: the logits from this table's mma GEMM (x as bf16 hi + lo parts)."""
+        """kernels.moe.router; from router_mma_from tokens (a shape, fixed per captured graph) the logits come from
+        this table's mma GEMM (x as bf16 hi + lo parts), below from the CUDA-core GEMV in k slices."""
         n = x.shape[0]
-        shape = (1 if self.router_mma else router_slices(x.shape[1]), n, w_gate.shape[0])
+        mma = n >= self.router_mma_from
+        shape = (1 if mma else router_slices(x.shape[1]), n, w_gate.shape[0])
         ws = SimpleNamespace(logits=self.scratch("router.logits", shape), n_max=n)
         return router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws,
-                      logits_gemm=self.gemm if self.router_mma else None)
+                      logits_gemm=self.gemm if mma else None)
 
     def branch(self):
         """`with ops.branch() as side:` issues its ops on a second stream that starts after what the current

@@ -232,7 +232,8 @@ def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_p
     within float rounding of each other. token_blocks / k_slices: the logits' block rows / k slices (None: the
     default rules). twins: expert e + E/2 has expert e's gate row and bias (exact ties: the lower index must come
     first, the picks must equal the reference's exactly). mma="gemm": the logits from kernels.gemm.gemm (x as hi +
-    lo); mma="ops": through the simulator's op table with router_mma on (the gate must go through its gemm)."""
+    lo); mma="ops": through the simulator's op table (from ROUTER_MMA_FROM tokens the gate must go through its gemm,
+    below it must not)."""
     from kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
     from kernels.moe import moe_workspace, router, router_ref
     rng = np.random.default_rng(seed)
@@ -246,10 +247,11 @@ def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_p
     if mma == "ops":
         from numbaengine.ops_cuda import sim_ops
         ops, shapes = sim_ops(), []
-        ops.router_mma, table_gemm = True, ops.gemm
+        table_gemm = ops.gemm
         ops.gemm = lambda xx, w, out: shapes.append(w.shape) or table_gemm(xx, w, out)  # noqa: E731
         ops.router(env.dev(x), env.dev(wg), env.dev(bias), k, n_group, topk_group, True, 2.827, ii, ww)
-        assert shapes == [wg.shape], f"router_mma: ops.gemm saw {shapes}, not the gate {wg.shape}"
+        want = [wg.shape] if n >= ops.router_mma_from else []
+        assert shapes == want, f"router at n={n} (mma from {ops.router_mma_from}): ops.gemm saw {shapes}, not {want}"
     else:
         logits_gemm = None
         if mma == "gemm":

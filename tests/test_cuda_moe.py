@@ -25,7 +25,8 @@ SIM_CASES = {
     "router_k_slices_uneven": lambda env: C.check_router(env, 2, 1096, 8, 2, 2, 1),       # 137 chunks in 5 slices
     "router_twin_experts_exact_ties": lambda env: C.check_router(env, 2, 64, 256, 8, 1, 1, twins=True),  # 8 warps
     "router_mma_logits": lambda env: C.check_router(env, 3, 64, 16, 4, 4, 2, mma="gemm"),
-    "router_mma_through_the_op_table": lambda env: C.check_router(env, 3, 64, 16, 4, 1, 1, mma="ops"),
+    "router_mma_through_the_op_table": lambda env: C.check_router(env, 5, 64, 16, 4, 1, 1, mma="ops"),
+    "router_gemv_through_the_op_table": lambda env: C.check_router(env, 2, 64, 16, 4, 1, 1, mma="ops"),
     "router_two_chunks_per_lane": lambda env: C.check_router(env, 2, 512, 8, 2, 1, 1, k_slices=1),
 }
 

@@ -33,10 +33,8 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     # register-pipelined INT4 mainloop (removed, commit 4f62ab6 has it) 44.7 / 65.9, without the B fragments in it
     # 38.6 / 48.6, with gate_up WK=1 37.9 / 68.9, with down WK=2 44.1 / 63.6. ncu (n = 1): 128 registers, 4 blocks of
     # 4 warps per SM, ~0.45 issued warps per scheduler, 54% of cycles with no eligible warp.
-    # not measured yet: more warps per SM (the ncu finding above) by a tighter register cap, with or without R=1
-    "occ6": dict(gu=dict(min_blocks=6), dn=dict(min_blocks=6)),
-    "occ8_r1": dict(gu=dict(R=1, min_blocks=8), dn=dict(R=1, min_blocks=8)),
-    "occ8_r1_w8": dict(gu=dict(R=1, WR=4, WK=2, min_blocks=4), dn=dict(R=1, WR=8, WK=1, min_blocks=4)),
+    # session 8, more warps per SM by a tighter register cap (n = 1 / 17; default 47.7 / 69.6): min_blocks=6 33.8 /
+    # 47.9, R=1 min_blocks=8 41.0 / 56.3, R=1 and 8-warp blocks capped at 4 per SM 41.2 / 58.7
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
 GEMM_MS = (1, 17, 33, 65)
@@ -192,7 +190,7 @@ def bench_moe(cp, cuda, results, copy_bw, quick):
 
     # router: fp32 gate GEMV + sigmoid/top-k selection; one graph runs it on ROUTER_GATES distinct gate copies (more
     # than L2 holds: the weights come from HBM as in a decode step) and the time is per call. form "mma": the logits
-    # from the dense mma GEMM (x as bf16 hi + lo; KernelOps.router_mma / NUMBAENGINE_ROUTER_MMA=1)
+    # from the dense mma GEMM (x as bf16 hi + lo; what KernelOps.router uses from ROUTER_MMA_FROM tokens)
     from kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
     gates = [dv(rand_bf16(cp, (E, H), 0.02)) for _ in range(ROUTER_GATES)]
     nxb, npart = gemm_workspace_words(max(NS), E, H)
