@@ -8,7 +8,12 @@ from cudasim import Env, simulator_test
 from kernels.moe import ExpertConfig
 
 SMALL = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2), ExpertConfig(R=2, WR=1, WK=1, T=1, blocks_per_sm=2))
+RING = (ExpertConfig(R=1, WR=1, WK=2, T=1, blocks_per_sm=2, S=2), ExpertConfig(R=1, WR=2, WK=1, T=1, blocks_per_sm=2,
+                                                                                 S=2))   # cp.async rings
+RING_INT4 = (ExpertConfig(R=1, WR=1, WK=1, T=1, blocks_per_sm=2, S=2),) * 2    # 3 steps of 4 scale groups: wraps
 SIM_CASES = {
+    "moe_int4_ring_wraps": lambda env: C.check_moe(env, 1, 384, 128, 4, 2, "random", 1, cfgs=RING_INT4),
+    "moe_bf16_ring_wraps": lambda env: C.check_moe(env, 3, 128, 64, 4, 2, "skip", 1, int4=False, cfgs=RING),
     "moe_int4_random": lambda env: C.check_moe(env, 5, 128, 64, 4, 2, "random", 1, cfgs=SMALL),
     "moe_int4_one_expert_two_items_shared": lambda env: C.check_moe(env, 9, 128, 64, 4, 2, "one_hot", 1, cfgs=SMALL,
                                                                      shared=True),
