@@ -1,11 +1,13 @@
 """numba.cuda router and MoE kernels (INT4 W4A16 and bf16 experts) against router_ref / moe_ref: on the simulator
 (a child process, tiny shapes) and on a GPU (K2 shapes, marked gpu). Routing cases: random, an expert with no tokens,
 all tokens on one expert (several work items for it), a shared-expert add."""
+from dataclasses import replace
+
 import pytest
 
 import cuda_cases as C
 from cudasim import Env, simulator_test
-from kernels.moe import ExpertConfig
+from kernels.moe import DOWN_CFG, GATE_UP_CFG, ExpertConfig
 
 SMALL = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2), ExpertConfig(R=2, WR=1, WK=1, T=1, blocks_per_sm=2))
 RING = (ExpertConfig(R=1, WR=1, WK=2, T=1, blocks_per_sm=2, S=2), ExpertConfig(R=1, WR=2, WK=1, T=1, blocks_per_sm=2,
@@ -36,7 +38,7 @@ SIM_CASES = {
 }
 
 SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "router_twin_experts_exact_ties": 10, "router_mma_logits": 8,
-            "router_mma_through_the_op_table": 11}
+            "moe_int4_ring_wraps": 20}
 
 
 test_simulator = simulator_test(__name__)
@@ -57,6 +59,20 @@ def test_gpu_moe_int4_one_expert_shared():
 @pytest.mark.gpu
 def test_gpu_moe_int4_bf16_activations():
     C.check_moe(Env(gpu=True), 9, 1024, 512, 16, 8, "random", 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,stages,min_blocks", [(1, 4, 4), (17, 3, 6), (9, 2, 8)])
+def test_gpu_moe_int4_ring(n, stages, min_blocks):
+    """The expert GEMMs with the weights and scales through cp.async rings (bench_kernels' ring variants)."""
+    cfgs = tuple(replace(c, S=stages, min_blocks=min_blocks) for c in (GATE_UP_CFG, DOWN_CFG))
+    C.check_moe(Env(gpu=True), n, 7168, 2048, 16, 8, "random", 1, cfgs=cfgs)
+
+
+@pytest.mark.gpu
+def test_gpu_moe_bf16_experts_ring():
+    cfgs = tuple(replace(c, S=3) for c in (GATE_UP_CFG, DOWN_CFG))
+    C.check_moe(Env(gpu=True), 5, 1024, 256, 8, 4, "random", 2, int4=False, cfgs=cfgs)
 
 
 @pytest.mark.gpu

@@ -35,6 +35,11 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     # 4 warps per SM, ~0.45 issued warps per scheduler, 54% of cycles with no eligible warp.
     # session 8, more warps per SM by a tighter register cap (n = 1 / 17; default 47.7 / 69.6): min_blocks=6 33.8 /
     # 47.9, R=1 min_blocks=8 41.0 / 56.3, R=1 and 8-warp blocks capped at 4 per SM 41.2 / 58.7
+    # not measured yet: weights and scales through per-warp cp.async rings (S stages) instead of registers
+    "ring4": dict(gu=dict(S=4), dn=dict(S=4)),
+    "ring3_occ6": dict(gu=dict(S=3, min_blocks=6), dn=dict(S=3, min_blocks=6)),
+    "ring2_occ8": dict(gu=dict(S=2, min_blocks=8), dn=dict(S=2, min_blocks=8)),
+    "ring6": dict(gu=dict(S=6), dn=dict(S=6)),
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
 GEMM_MS = (1, 17, 33, 65)
