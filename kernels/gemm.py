@@ -258,11 +258,12 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
     return step
 
 
-def _build_int4_mma(T, R, XS, G):
+def _build_int4_mma(T, R, XS, G, BR=0):
     """Device function: the mma work of one INT4 k-step (32*G columns) on fragments already in registers.
     qa u32[2R*G]: qa[h*G + j] = the lane's word of group j for row g (h = 2r) or g+8 (h = 2r+1) of row tile r;
     sa f32[2R*G]: the matching group scales. Each group's mma runs on its own (exact small-integer weights) and its
-    scale multiplies the f32 result into acc."""
+    scale multiplies the f32 result into acc. BR=1: the B fragments from a shared ring slot, (tt, j, p) at word
+    boff[tt] + (j*XS + p)*RING_CHUNK of xb (the ring)."""
     NDA, ND = 8 * R, 4 * R
 
     @device
@@ -279,7 +280,10 @@ def _build_int4_mma(T, R, XS, G):
                 for i in range(4 * R):
                     d[i] = F0
                 for p in range(XS):
-                    x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + (s * G + j) * 16 + t * 4)
+                    if BR:
+                        x0, x1, x2, x3 = lds16(xb, boff[tt] + (j * XS + p) * RING_CHUNK)
+                    else:
+                        x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + (s * G + j) * 16 + t * 4)
                     for r in range(R):
                         c0, c1, c2, c3 = mma_bf16(da[8 * r], da[8 * r + 4], da[8 * r + 1], da[8 * r + 5], x0, x1,
                                                   d[4 * r], d[4 * r + 1], d[4 * r + 2], d[4 * r + 3])
@@ -327,23 +331,32 @@ def _build_ring_mainloop(fmt, T, R, XS, S, BF=0, RB=0):
     flight while the tensor cores work on this one. Each lane copies and later reads its own chunks (no barrier);
     warp w owns words [w, w+1) * S*SLOT. RB=1 (bf16, B tiled, BF=2): the step's T*XS B fragments ride in the same
     ring slot after the 2R weight chunks (every global load of a step is then issued S-1 steps ahead).
-    Same signature and arithmetic as `_build_mainloop`."""
+    INT4 with RB=1: the step's T*G*XS B fragments ride in the slot too (each lane copies the chunks it reads, from
+    the untiled xb). Same signature and arithmetic as `_build_mainloop`."""
     if fmt == INT4:
-        mma_step = _cached(_build_int4_mma, T, R, XS, 4)
+        mma_step = _cached(_build_int4_mma, T, R, XS, 4, RB)
     else:
         mma_step = _cached(_build_bf16_mma, T, R, XS, 3 if RB else BF)
-    NA, NQ, NB = 2 * R, 8 * R, T * XS * RB
+    NA, NQ = 2 * R, 8 * R
+    NB = T * XS * RB * (4 if fmt == INT4 else 1)
     NSC = NA if fmt == INT4 else 0
     NCH, SSTR = NA + NB, T * XS * RING_CHUNK
     SLOT = NCH * RING_CHUNK + NSC * SC_CHUNK
+    BSTR = 4 * XS if fmt == INT4 else XS      # B chunks per token tile in a slot
     wait_ring = cp_wait(S - 1)
 
     @device
-    def issue(ring, base, w, sc, xb, s, t, lane, aoff, soff):
+    def issue(ring, base, w, sc, xb, s, t, lane, aoff, soff, boff, half):
         for h in range(NA):
             cp_async16(ring, base + h * RING_CHUNK + lane * 4, w, aoff[h] + s * 16 + t * 4)
-        for j in range(NB):
-            cp_async16(ring, base + (NA + j) * RING_CHUNK + lane * 4, xb, s * SSTR + j * RING_CHUNK + lane * 4)
+        if fmt == INT4:
+            for j in range(NB):     # (tt, group, part) of the lane's own B rows
+                tt, jp = j // (4 * XS), j % (4 * XS)
+                cp_async16(ring, base + (NA + j) * RING_CHUNK + lane * 4, xb,
+                           boff[tt] + (jp % XS) * half + (s * 4 + jp // XS) * 16 + t * 4)
+        else:
+            for j in range(NB):
+                cp_async16(ring, base + (NA + j) * RING_CHUNK + lane * 4, xb, s * SSTR + j * RING_CHUNK + lane * 4)
         for h in range(NSC):
             cp_async8(ring, base + NCH * RING_CHUNK + h * SC_CHUNK + lane * 2, sc, soff[h] + s * 4)
 
@@ -357,13 +370,13 @@ def _build_ring_mainloop(fmt, T, R, XS, S, BF=0, RB=0):
         bsm = cuda.local.array(T, int32)
         for p in range(S - 1):                      # the ring's first S-1 steps in flight
             if s0 + p < s1:
-                issue(ring, wb + p * SLOT, w, sc, xb, s0 + p, t, lane, aoff, soff)
+                issue(ring, wb + p * SLOT, w, sc, xb, s0 + p, t, lane, aoff, soff, boff, half)
             cp_commit()
         slot = 0
         for s in range(s0, s1):
             nxt = slot - 1 if slot > 0 else S - 1   # the slot step s-1 used: step s+S-1 goes there
             if s + S - 1 < s1:
-                issue(ring, wb + nxt * SLOT, w, sc, xb, s + S - 1, t, lane, aoff, soff)
+                issue(ring, wb + nxt * SLOT, w, sc, xb, s + S - 1, t, lane, aoff, soff, boff, half)
             cp_commit()                             # (empty groups past the end keep the count uniform)
             wait_ring()                             # step s has landed
             base = wb + slot * SLOT
@@ -374,10 +387,15 @@ def _build_ring_mainloop(fmt, T, R, XS, S, BF=0, RB=0):
                     s_0, s_1 = lds8(ring, base + NCH * RING_CHUNK + h * SC_CHUNK + lane * 2)
                     sa[4 * h], sa[4 * h + 1], sa[4 * h + 2], sa[4 * h + 3] = (bf16_lo(s_0), bf16_hi(s_0),
                                                                               bf16_lo(s_1), bf16_hi(s_1))
-                mma_step(qa, sa, xb, s, t, half, boff, acc)
+                if RB:
+                    for tt in range(T):
+                        bsm[tt] = base + (NA + tt * BSTR) * RING_CHUNK + lane * 4
+                    mma_step(qa, sa, ring, s, t, half, bsm, acc)
+                else:
+                    mma_step(qa, sa, xb, s, t, half, boff, acc)
             elif RB:
                 for tt in range(T):
-                    bsm[tt] = base + (NA + tt * XS) * RING_CHUNK + lane * 4
+                    bsm[tt] = base + (NA + tt * BSTR) * RING_CHUNK + lane * 4
                 mma_step(qa, ring, s, t, half, bsm, acc)
             else:
                 mma_step(qa, xb, s, t, half, boff, acc)

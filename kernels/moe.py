@@ -435,12 +435,13 @@ def _perm8(i):
     return (i & ~7) | ((i & 3) << 1) | ((i >> 2) & 1)
 
 
-def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S=0):
+def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S=0, RB=0):
     """One expert GEMM stage over the work items (persistent grid). down=0: gate_up with rows interleaved per tile
     (8 gate rows, then the matching 8 up rows) and silu(gate) * up written as the next B operand (act);
     down=1: rows in order, output * routing weight written per slot (y). S > 0: the weights (and scales) stream
-    through per-warp S-stage cp.async rings in dynamic shared memory (kernels.gemm._build_ring_mainloop)."""
-    mainloop = (_cached(_build_ring_mainloop, fmt, T, R, XS, S) if S
+    through per-warp S-stage cp.async rings in dynamic shared memory (kernels.gemm._build_ring_mainloop; RB=1:
+    the B fragments too)."""
+    mainloop = (_cached(_build_ring_mainloop, fmt, T, R, XS, S, 0, RB) if S
                 else _cached(_build_mainloop, fmt, T, R, XS, G, U, PF))
     block_reduce = _cached(_build_block_reduce, R, T, int(S > 0))
     NACC, NA = R * T * 4, 2 * R
@@ -549,6 +550,7 @@ class ExpertConfig:
     PF: int = 1           # weight loads with an L2 256-byte prefetch hint (measured: +5-6 points)
     min_blocks: int = 0   # > 0: launch bounds asking ptxas to fit that many blocks per SM (caps registers)
     S: int = 0            # >= 2: cp.async ring stages (U, PF unused); 0: weights loaded into registers
+    RB: int = 0           # 1 (INT4 with S): the B fragments ride in the ring slots too
 
 
 # measured on the H200 (tools/bench_kernels.py, variant "blocks4w_bound4"): 4-warp blocks capped at 128 registers so
@@ -617,8 +619,9 @@ def moe_stage(down, experts, wts, ws, cfg=GATE_UP_CFG):
     threads = 32 * cfg.WR * cfg.WK
     bounds = (threads, cfg.min_blocks) if cfg.min_blocks else None
     stages = cfg.S if fmt == BF16 or g == 4 else 0
+    rb = int(bool(cfg.RB and stages and fmt == INT4))
     kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds,
-                   stages)
+                   stages, rb)
     rblocks = math.ceil(nrows / 16 / (cfg.WR * cfg.R))
     grid = min(ws.n_max * ws.top_k * rblocks, _sm_count() * cfg.blocks_per_sm)
     words = _words(w)
@@ -627,7 +630,8 @@ def moe_stage(down, experts, wts, ws, cfg=GATE_UP_CFG):
     args = (ws.act if down else ws.xb, e_words, e_sc, ws.act.view(np.uint16), ws.y, wts, ws.sorted_slot, ws.item_e,
             ws.item_start, ws.item_len, ws.n_items, int32(ws.top_k), int32(nrows), int32(kdim), int32(cfg.WR),
             int32(cfg.WK))
-    smem = max(4 * ring_words(cfg.R, stages, cfg.WR * cfg.WK, 0, fmt), red_bytes(cfg.R, cfg.T, cfg.WR, cfg.WK)
+    nb = cfg.T * ws.xs * 4 * rb
+    smem = max(4 * ring_words(cfg.R, stages, cfg.WR * cfg.WK, nb, fmt), red_bytes(cfg.R, cfg.T, cfg.WR, cfg.WK)
                ) if stages else 0
     launch_dyn(kern, grid, threads, args, smem, f"moe: {cfg}")
 

@@ -12,9 +12,11 @@ from kernels.moe import DOWN_CFG, GATE_UP_CFG, ExpertConfig
 SMALL = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2), ExpertConfig(R=2, WR=1, WK=1, T=1, blocks_per_sm=2))
 RING = (ExpertConfig(R=1, WR=1, WK=2, T=1, blocks_per_sm=2, S=2), ExpertConfig(R=1, WR=2, WK=1, T=1, blocks_per_sm=2,
                                                                                  S=2))   # cp.async rings
-RING_INT4 = (ExpertConfig(R=1, WR=1, WK=1, T=1, blocks_per_sm=2, S=2),) * 2    # 3 steps of 4 scale groups: wraps
+RING_INT4 = (ExpertConfig(R=1, WR=1, WK=1, T=1, blocks_per_sm=2, S=2, RB=1),   # 3 steps of 4 scale groups: wraps;
+             ExpertConfig(R=1, WR=2, WK=1, T=1, blocks_per_sm=2, S=2))   # the B fragments (hi + lo) in gate_up's ring
 SIM_CASES = {
-    "moe_int4_ring_wraps": lambda env: C.check_moe(env, 1, 384, 128, 4, 2, "random", 1, cfgs=RING_INT4),
+    "moe_int4_ring_wraps": lambda env: C.check_moe(env, 1, 384, 256, 4, 2, "random", 2,
+                                                                  cfgs=RING_INT4),
     "moe_bf16_ring_wraps": lambda env: C.check_moe(env, 3, 128, 64, 4, 2, "skip", 1, int4=False, cfgs=RING),
     "moe_int4_random": lambda env: C.check_moe(env, 5, 128, 64, 4, 2, "random", 1, cfgs=SMALL),
     "moe_int4_one_expert_two_items_shared": lambda env: C.check_moe(env, 9, 128, 64, 4, 2, "one_hot", 1, cfgs=SMALL,
@@ -38,7 +40,7 @@ SIM_CASES = {
 }
 
 SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "router_twin_experts_exact_ties": 10, "router_mma_logits": 8,
-            "moe_int4_ring_wraps": 20}
+            "moe_int4_ring_wraps": 37}
 
 
 test_simulator = simulator_test(__name__)
@@ -62,10 +64,10 @@ def test_gpu_moe_int4_bf16_activations():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,stages,min_blocks", [(1, 4, 4), (17, 3, 6), (9, 2, 8)])
-def test_gpu_moe_int4_ring(n, stages, min_blocks):
-    """The expert GEMMs with the weights and scales through cp.async rings (bench_kernels' ring variants)."""
-    cfgs = tuple(replace(c, S=stages, min_blocks=min_blocks) for c in (GATE_UP_CFG, DOWN_CFG))
+@pytest.mark.parametrize("n,stages,rb", [(1, 4, 0), (17, 3, 1), (9, 2, 1)])
+def test_gpu_moe_int4_ring(n, stages, rb):
+    """The expert GEMMs with the weights and scales (rb: and the B fragments) through cp.async rings."""
+    cfgs = tuple(replace(c, S=stages, RB=rb) for c in (GATE_UP_CFG, DOWN_CFG))
     C.check_moe(Env(gpu=True), n, 7168, 2048, 16, 8, "random", 1, cfgs=cfgs)
 
 
