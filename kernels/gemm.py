@@ -40,14 +40,8 @@ if SIM:
         """Simulator: the 16 bytes land at once."""
         ring[ri], ring[ri + 1], ring[ri + 2], ring[ri + 3] = ld16(w, wi)
 
-    def cp_async8(ring, ri, w, wi):
-        ring[ri], ring[ri + 1] = ld8(w, wi)
-
     def lds16(ring, ri):
         return ring[ri], ring[ri + 1], ring[ri + 2], ring[ri + 3]
-
-    def lds8(ring, ri):
-        return ring[ri], ring[ri + 1]
 else:
     from llvmlite import ir
     from numba import types
@@ -57,46 +51,35 @@ else:
 
     _SHARED32 = "{ .reg .u64 sa64; .reg .u32 sa; cvta.to.shared.u64 sa64, $%d; cvt.u32.u64 sa, sa64; "
 
-    def _make_cp_async(nbytes):
-        """cp.async of nbytes (16: .cg, L2 asked for the surrounding 256 bytes; 8: .ca): flat element wi of the
-        contiguous global array w -> word ri of the shared u32 array ring (both nbytes-aligned)."""
-        op = "cp.async.cg.shared.global.L2::256B" if nbytes == 16 else "cp.async.ca.shared.global"
+    @intrinsic
+    def cp_async16(typingctx, ring, ri, w, wi):
+        """cp.async.cg of 16 bytes (L2 asked for the surrounding 256): word wi of the contiguous global u32 array w
+        -> word ri of the shared u32 array ring (both 16-byte aligned)."""
+        sig = types.void(ring, ri, w, wi)
 
-        @intrinsic
-        def cp_async(typingctx, ring, ri, w, wi):
-            sig = types.void(ring, ri, w, wi)
+        def codegen(ctx, b, sig, args):
+            sa = _elem_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+            ga = _elem_address(ctx, b, sig.args[2], args[2], args[3], sig.args[3])
+            i64 = ir.IntType(64)
+            asm = (_SHARED32 % 0 + ".reg .u64 ga; cvta.to.global.u64 ga, $1; "
+                   "cp.async.cg.shared.global.L2::256B [sa], [ga], 16; }")
+            b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, i64]), asm, "l,l,~{memory}",
+                                side_effect=True), [sa, ga])
+        return sig, codegen
 
-            def codegen(ctx, b, sig, args):
-                sa = _elem_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
-                ga = _elem_address(ctx, b, sig.args[2], args[2], args[3], sig.args[3])
-                i64 = ir.IntType(64)
-                asm = (_SHARED32 % 0 + ".reg .u64 ga; cvta.to.global.u64 ga, $1; "
-                       f"{op} [sa], [ga], {nbytes}; }}")
-                b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64, i64]), asm, "l,l,~{memory}",
-                                    side_effect=True), [sa, ga])
-            return sig, codegen
-        return cp_async
+    @intrinsic
+    def lds16(typingctx, ring, ri):
+        """Four u32 words at word ri of a shared u32 array: one ld.shared.v4 (ordered after the cp.async waits)."""
+        sig = types.UniTuple(types.uint32, 4)(ring, ri)
 
-    def _make_lds(words):
-        """`words` u32 words at word ri of a shared u32 array: one ld.shared.v{words} (ordered after cp.async waits)."""
-        @intrinsic
-        def lds(typingctx, ring, ri):
-            sig = types.UniTuple(types.uint32, words)(ring, ri)
-
-            def codegen(ctx, b, sig, args):
-                sa = _elem_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
-                i32 = ir.IntType(32)
-                fn = ir.FunctionType(ir.LiteralStructType([i32] * words), [ir.IntType(64)])
-                regs = ",".join(f"${k}" for k in range(words))
-                asm = _SHARED32 % words + f"ld.shared.v{words}.u32 {{{regs}}}, [sa]; }}"
-                r = b.call(ir.InlineAsm(fn, asm, ",".join(["=r"] * words) + ",l,~{memory}", side_effect=True),
-                           [sa])
-                return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, k) for k in range(words)])
-            return sig, codegen
-        return lds
-
-    cp_async16, cp_async8 = _make_cp_async(16), _make_cp_async(8)
-    lds16, lds8 = _make_lds(4), _make_lds(2)
+        def codegen(ctx, b, sig, args):
+            sa = _elem_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+            i32 = ir.IntType(32)
+            fn = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ir.IntType(64)])
+            asm = _SHARED32 % 4 + "ld.shared.v4.u32 {$0,$1,$2,$3}, [sa]; }"
+            r = b.call(ir.InlineAsm(fn, asm, "=r,=r,=r,=r,l,~{memory}", side_effect=True), [sa])
+            return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, k) for k in range(4)])
+        return sig, codegen
 
 
 def gemm_ref(x, w, out):
@@ -220,7 +203,7 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
     B: xb words [row, XS, k/2] at boff[tt] (BF=0), or x itself as f32 [row, k] at boff[tt] (BF=1, bf16 weights
     only: converted to bf16 hi[/lo] in registers, no prep launch). PF=1: weight loads ask L2 for 256 bytes.
     acc[(r*T + tt)*4 + i]: the mma D fragment of tile (r, tt)."""
-    NQ, NQ4 = 8 * R, 2 * R * G
+    NQ, NQ4, NDA, ND = 8 * R, 2 * R * G, 8 * R, 4 * R
     lda = ld16_pf if PF else ld16
     if fmt == BF16:
         mma_step = _cached(_build_bf16_mma, T, R, XS, BF)
@@ -232,8 +215,6 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
                 qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = lda(w, aoff[h] + s * 16 + t * 4)
             mma_step(qa, xb, s, t, half, boff, acc)
         return step
-
-    int4_mma = _cached(_build_int4_mma, T, R, XS, G)
 
     @device
     def step(w, sc, xb, s, t, half, aoff, soff, boff, acc):
@@ -254,20 +235,6 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
             else:
                 qa[h] = ld4(w, aoff[h] + s * 4 + t)
                 sa[h] = bf16_lo(uint32(sc[soff[h] + s]))
-        int4_mma(qa, sa, xb, s, t, half, boff, acc)
-    return step
-
-
-def _build_int4_mma(T, R, XS, G, BR=0):
-    """Device function: the mma work of one INT4 k-step (32*G columns) on fragments already in registers.
-    qa u32[2R*G]: qa[h*G + j] = the lane's word of group j for row g (h = 2r) or g+8 (h = 2r+1) of row tile r;
-    sa f32[2R*G]: the matching group scales. Each group's mma runs on its own (exact small-integer weights) and its
-    scale multiplies the f32 result into acc. BR=1: the B fragments from a shared ring slot, (tt, j, p) at word
-    boff[tt] + (j*XS + p)*RING_CHUNK of xb (the ring)."""
-    NDA, ND = 8 * R, 4 * R
-
-    @device
-    def int4_mma(qa, sa, xb, s, t, half, boff, acc):
         for j in range(G):
             da = cuda.local.array(NDA, uint32)
             for r in range(R):
@@ -280,10 +247,7 @@ def _build_int4_mma(T, R, XS, G, BR=0):
                 for i in range(4 * R):
                     d[i] = F0
                 for p in range(XS):
-                    if BR:
-                        x0, x1, x2, x3 = lds16(xb, boff[tt] + (j * XS + p) * RING_CHUNK)
-                    else:
-                        x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + (s * G + j) * 16 + t * 4)
+                    x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + (s * G + j) * 16 + t * 4)
                     for r in range(R):
                         c0, c1, c2, c3 = mma_bf16(da[8 * r], da[8 * r + 4], da[8 * r + 1], da[8 * r + 5], x0, x1,
                                                   d[4 * r], d[4 * r + 1], d[4 * r + 2], d[4 * r + 3])
@@ -296,7 +260,7 @@ def _build_int4_mma(T, R, XS, G, BR=0):
                     acc[i + 1] += sg * d[4 * r + 1]
                     acc[i + 2] += sg8 * d[4 * r + 2]
                     acc[i + 3] += sg8 * d[4 * r + 3]
-    return int4_mma
+    return step
 
 
 def _build_mainloop(fmt, T, R, XS, G, U, PF=0, BF=0):
@@ -316,86 +280,52 @@ def _build_mainloop(fmt, T, R, XS, G, U, PF=0, BF=0):
     return mainloop
 
 
-SC_CHUNK = 64       # u32 words of one warp-wide 8-byte-per-lane chunk (the INT4 scales of a step, G = 4)
+def ring_words(R, S, warps, nb=0):
+    """Shared u32 words of the cp.async rings of a block: per warp S stages of 2R weight chunks (+ nb B chunks)."""
+    return warps * S * (2 * R + nb) * RING_CHUNK
 
 
-def ring_words(R, S, warps, nb=0, fmt=BF16):
-    """Shared u32 words of the cp.async rings of a block: per warp S stages of 2R weight chunks (+ nb B chunks;
-    INT4: + 2R scale chunks)."""
-    return warps * S * ((2 * R + nb) * RING_CHUNK + (2 * R * SC_CHUNK if fmt == INT4 else 0))
-
-
-def _build_ring_mainloop(fmt, T, R, XS, S, BF=0, RB=0):
-    """Device function: steps [s0, s1) of one warp through an S-stage cp.async ring in dynamic shared memory: the
-    weights (INT4: and their scales; G = 4 only, one 16-byte chunk per row and step) of the next S-1 steps are in
-    flight while the tensor cores work on this one. Each lane copies and later reads its own chunks (no barrier);
-    warp w owns words [w, w+1) * S*SLOT. RB=1 (bf16, B tiled, BF=2): the step's T*XS B fragments ride in the same
-    ring slot after the 2R weight chunks (every global load of a step is then issued S-1 steps ahead).
-    INT4 with RB=1: the step's T*G*XS B fragments ride in the slot too (each lane copies the chunks it reads, from
-    the untiled xb). Same signature and arithmetic as `_build_mainloop`."""
-    if fmt == INT4:
-        mma_step = _cached(_build_int4_mma, T, R, XS, 4, RB)
-    else:
-        mma_step = _cached(_build_bf16_mma, T, R, XS, 3 if RB else BF)
-    NA, NQ = 2 * R, 8 * R
-    NB = T * XS * RB * (4 if fmt == INT4 else 1)
-    NSC = NA if fmt == INT4 else 0
+def _build_ring_mainloop(T, R, XS, S, BF=0, RB=0):
+    """Device function: steps [s0, s1) of one warp (bf16 weights) through an S-stage cp.async ring in dynamic
+    shared memory: the weights of the next S-1 steps are in flight while the tensor cores work on this one. Each lane
+    copies and later reads its own 16-byte chunks (no barrier); warp w owns words [w, w+1) * S*NCH*RING_CHUNK.
+    RB=1 (B tiled, BF=2): the step's T*XS B fragments ride in the same ring slot after the 2R weight chunks (every
+    global load of a step is then issued S-1 steps ahead). Same signature and arithmetic as `_build_mainloop`."""
+    mma_step = _cached(_build_bf16_mma, T, R, XS, 3 if RB else BF)
+    NA, NQ, NB = 2 * R, 8 * R, T * XS * RB
     NCH, SSTR = NA + NB, T * XS * RING_CHUNK
-    SLOT = NCH * RING_CHUNK + NSC * SC_CHUNK
-    BSTR = 4 * XS if fmt == INT4 else XS      # B chunks per token tile in a slot
     wait_ring = cp_wait(S - 1)
 
     @device
-    def issue(ring, base, w, sc, xb, s, t, lane, aoff, soff, boff, half):
+    def issue(ring, rb, slot, w, xb, s, t, lane, aoff):
         for h in range(NA):
-            cp_async16(ring, base + h * RING_CHUNK + lane * 4, w, aoff[h] + s * 16 + t * 4)
-        if fmt == INT4:
-            for j in range(NB):     # (tt, group, part) of the lane's own B rows
-                tt, jp = j // (4 * XS), j % (4 * XS)
-                cp_async16(ring, base + (NA + j) * RING_CHUNK + lane * 4, xb,
-                           boff[tt] + (jp % XS) * half + (s * 4 + jp // XS) * 16 + t * 4)
-        else:
-            for j in range(NB):
-                cp_async16(ring, base + (NA + j) * RING_CHUNK + lane * 4, xb, s * SSTR + j * RING_CHUNK + lane * 4)
-        for h in range(NSC):
-            cp_async8(ring, base + NCH * RING_CHUNK + h * SC_CHUNK + lane * 2, sc, soff[h] + s * 4)
+            cp_async16(ring, rb + (slot * NCH + h) * RING_CHUNK, w, aoff[h] + s * 16 + t * 4)
+        for j in range(NB):
+            cp_async16(ring, rb + (slot * NCH + NA + j) * RING_CHUNK, xb, s * SSTR + j * RING_CHUNK + lane * 4)
 
     @device
     def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, acc):
         ring = cuda.shared.array(0, uint32)
         lane = lane_id()
-        wb = (cuda.threadIdx.x // 32) * S * SLOT
+        rb = (cuda.threadIdx.x // 32) * S * NCH * RING_CHUNK + lane * 4
         qa = cuda.local.array(NQ, uint32)
-        sa = cuda.local.array(NQ, float32)
         bsm = cuda.local.array(T, int32)
         for p in range(S - 1):                      # the ring's first S-1 steps in flight
             if s0 + p < s1:
-                issue(ring, wb + p * SLOT, w, sc, xb, s0 + p, t, lane, aoff, soff, boff, half)
+                issue(ring, rb, p, w, xb, s0 + p, t, lane, aoff)
             cp_commit()
         slot = 0
         for s in range(s0, s1):
             nxt = slot - 1 if slot > 0 else S - 1   # the slot step s-1 used: step s+S-1 goes there
             if s + S - 1 < s1:
-                issue(ring, wb + nxt * SLOT, w, sc, xb, s + S - 1, t, lane, aoff, soff, boff, half)
+                issue(ring, rb, nxt, w, xb, s + S - 1, t, lane, aoff)
             cp_commit()                             # (empty groups past the end keep the count uniform)
             wait_ring()                             # step s has landed
-            base = wb + slot * SLOT
             for h in range(NA):
-                qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = lds16(ring, base + h * RING_CHUNK + lane * 4)
-            if NSC:
-                for h in range(NSC):
-                    s_0, s_1 = lds8(ring, base + NCH * RING_CHUNK + h * SC_CHUNK + lane * 2)
-                    sa[4 * h], sa[4 * h + 1], sa[4 * h + 2], sa[4 * h + 3] = (bf16_lo(s_0), bf16_hi(s_0),
-                                                                              bf16_lo(s_1), bf16_hi(s_1))
-                if RB:
-                    for tt in range(T):
-                        bsm[tt] = base + (NA + tt * BSTR) * RING_CHUNK + lane * 4
-                    mma_step(qa, sa, ring, s, t, half, bsm, acc)
-                else:
-                    mma_step(qa, sa, xb, s, t, half, boff, acc)
-            elif RB:
+                qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = lds16(ring, rb + (slot * NCH + h) * RING_CHUNK)
+            if RB:
                 for tt in range(T):
-                    bsm[tt] = base + (NA + tt * BSTR) * RING_CHUNK + lane * 4
+                    bsm[tt] = rb + (slot * NCH + NA + tt * XS) * RING_CHUNK
                 mma_step(qa, ring, s, t, half, bsm, acc)
             else:
                 mma_step(qa, xb, s, t, half, boff, acc)
@@ -448,7 +378,7 @@ def red_bytes(R, T, WR, WK):
 
 
 def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
-    mainloop = (_cached(_build_ring_mainloop, BF16, T, R, XS, S, BF, RB) if S
+    mainloop = (_cached(_build_ring_mainloop, T, R, XS, S, BF, RB) if S
                 else _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, BF))
     block_reduce = _cached(_build_block_reduce, R, T, 1)
     NACC, NA = R * T * 4, 2 * R
@@ -658,16 +588,6 @@ def gemm_smem(T, cfg, nb=0):
     return max(ring, red_bytes(cfg.R, T, cfg.WR, cfg.WK))
 
 
-def launch_dyn(kern, grid, threads, args, smem, what):
-    """Launch with `smem` bytes of dynamic shared memory (the rings, the k-split exchange)."""
-    if smem > SMEM_MAX:
-        raise ValueError(f"{what} needs {smem} bytes of shared memory (> {SMEM_MAX})")
-    if smem > 44 * 1024 and not SIM:      # (above 48 KB less the static bytes: the limit must be raised first)
-        launch_smem(kern, grid, threads, max(smem, 48 * 1024 + 16), args)
-    else:
-        launch(kern, grid, threads, *args, shmem=smem)
-
-
 def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
     """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T on the GPU: [prep of B,] mma GEMM [, k-split reduce]
     (the reduce runs inside the GEMM when ws.sync is given)."""
@@ -706,7 +626,13 @@ def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
     part = ws.part[:npart].reshape(cfg.SB, m, n) if npart else ws.part[:1].reshape(1, 1, 1)
     sync = (ws.sync[:nsync],) if nsync else ()
     args = (xb, _words(w), out, part, *sync, int32(m), int32(n), int32(k), int32(cfg.WR), int32(cfg.WK))
-    launch_dyn(kern, grid, threads, args, gemm_smem(T, cfg, xs * T * rb), f"gemm: {cfg}")
+    smem = gemm_smem(T, cfg, xs * T * rb)
+    if smem > SMEM_MAX:
+        raise ValueError(f"gemm: {cfg} needs {smem} bytes of shared memory (> {SMEM_MAX})")
+    if smem > 44 * 1024 and not SIM:      # (above 48 KB less the static bytes: the limit must be raised first)
+        launch_smem(kern, grid, threads, max(smem, 48 * 1024 + 16), args)
+    else:
+        launch(kern, grid, threads, *args, shmem=smem)
     if cfg.SB > 1 and not nsync:
         launch(_cached(_build_reduce), math.ceil(m * n / 256), 256, part, out, int32(cfg.SB), int32(m), int32(n))
     return out

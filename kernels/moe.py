@@ -90,8 +90,8 @@ from numba import cuda, float32, int32  # noqa: E402
 from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device, kernel, launch, ld16, lane_id,  # noqa: E402
                             pack_bf16x2)
 from kernels.device import warp_argmax, warp_sum  # noqa: E402
-from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_mainloop, _build_prep_unit,  # noqa: E402
-                          _build_ring_mainloop, _cached, _split_range, _words, launch_dyn, red_bytes, ring_words)
+from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_mainloop,  # noqa: E402
+                          _build_prep_unit, _cached, _split_range, _words)
 
 MOE_XS = 1            # B operand: activations as bf16 (W4A16); 2 = hi + lo parts (~1e-5 from the f32 reference, slower)
 MAX_E = 1024          # experts per layer the router/plan kernels handle (one thread each)
@@ -435,15 +435,12 @@ def _perm8(i):
     return (i & ~7) | ((i & 3) << 1) | ((i >> 2) & 1)
 
 
-def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S=0, RB=0):
+def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None):
     """One expert GEMM stage over the work items (persistent grid). down=0: gate_up with rows interleaved per tile
     (8 gate rows, then the matching 8 up rows) and silu(gate) * up written as the next B operand (act);
-    down=1: rows in order, output * routing weight written per slot (y). S > 0: the weights (and scales) stream
-    through per-warp S-stage cp.async rings in dynamic shared memory (kernels.gemm._build_ring_mainloop; RB=1:
-    the B fragments too)."""
-    mainloop = (_cached(_build_ring_mainloop, fmt, T, R, XS, S, 0, RB) if S
-                else _cached(_build_mainloop, fmt, T, R, XS, G, U, PF))
-    block_reduce = _cached(_build_block_reduce, R, T, int(S > 0))
+    down=1: rows in order, output * routing weight written per slot (y)."""
+    mainloop = _cached(_build_mainloop, fmt, T, R, XS, G, U, PF)
+    block_reduce = _cached(_build_block_reduce, R, T)
     NACC, NA = R * T * 4, 2 * R
     KSTEP = 32 * G if fmt == INT4 else 32
     WDIV = 8 if fmt == INT4 else 2
@@ -539,8 +536,7 @@ def _build_combine():
 @dataclass(frozen=True)
 class ExpertConfig:
     """Cut of one expert stage: R row tiles per warp, WR x WK warps per block (WK splits k), U steps in flight,
-    T token tiles per item (items carry <= 8*T slots), blocks of the persistent grid per SM; S >= 2: the weights
-    through S-stage cp.async rings (INT4: 4 scale groups per lane load only, else the registers' mainloop)."""
+    T token tiles per item (items carry <= 8*T slots), blocks of the persistent grid per SM."""
     R: int = 2
     WR: int = 4
     WK: int = 2
@@ -549,8 +545,6 @@ class ExpertConfig:
     blocks_per_sm: int = 4
     PF: int = 1           # weight loads with an L2 256-byte prefetch hint (measured: +5-6 points)
     min_blocks: int = 0   # > 0: launch bounds asking ptxas to fit that many blocks per SM (caps registers)
-    S: int = 0            # >= 2: cp.async ring stages (U, PF unused); 0: weights loaded into registers
-    RB: int = 0           # 1 (INT4 with S): the B fragments ride in the ring slots too
 
 
 # measured on the H200 (tools/bench_kernels.py, variant "blocks4w_bound4"): 4-warp blocks capped at 128 registers so
@@ -616,24 +610,16 @@ def moe_stage(down, experts, wts, ws, cfg=GATE_UP_CFG):
     if wts.shape[1] != ws.top_k or wts.shape[0] > ws.n_max:
         raise ValueError(f"moe: wts {wts.shape} is not [n <= {ws.n_max}, {ws.top_k}]")
     g = int4_group_block(kdim) if fmt == INT4 else 1
-    threads = 32 * cfg.WR * cfg.WK
-    bounds = (threads, cfg.min_blocks) if cfg.min_blocks else None
-    stages = cfg.S if fmt == BF16 or g == 4 else 0
-    rb = int(bool(cfg.RB and stages and fmt == INT4))
-    kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds,
-                   stages, rb)
+    bounds = (32 * cfg.WR * cfg.WK, cfg.min_blocks) if cfg.min_blocks else None
+    kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds)
     rblocks = math.ceil(nrows / 16 / (cfg.WR * cfg.R))
     grid = min(ws.n_max * ws.top_k * rblocks, _sm_count() * cfg.blocks_per_sm)
     words = _words(w)
     e_words = words.reshape(n_exp, words.size // n_exp)
     e_sc = sc.reshape(n_exp, sc.size // n_exp) if sc is not None else e_words
-    args = (ws.act if down else ws.xb, e_words, e_sc, ws.act.view(np.uint16), ws.y, wts, ws.sorted_slot, ws.item_e,
-            ws.item_start, ws.item_len, ws.n_items, int32(ws.top_k), int32(nrows), int32(kdim), int32(cfg.WR),
-            int32(cfg.WK))
-    nb = cfg.T * ws.xs * 4 * rb
-    smem = max(4 * ring_words(cfg.R, stages, cfg.WR * cfg.WK, nb, fmt), red_bytes(cfg.R, cfg.T, cfg.WR, cfg.WK)
-               ) if stages else 0
-    launch_dyn(kern, grid, threads, args, smem, f"moe: {cfg}")
+    launch(kern, grid, 32 * cfg.WR * cfg.WK, ws.act if down else ws.xb, e_words, e_sc, ws.act.view(np.uint16), ws.y,
+           wts, ws.sorted_slot, ws.item_e, ws.item_start, ws.item_len, ws.n_items, int32(ws.top_k), int32(nrows),
+           int32(kdim), int32(cfg.WR), int32(cfg.WK))
 
 
 def moe_combine(out, shared, ws, idx, experts):

@@ -1,23 +1,14 @@
 """numba.cuda router and MoE kernels (INT4 W4A16 and bf16 experts) against router_ref / moe_ref: on the simulator
 (a child process, tiny shapes) and on a GPU (K2 shapes, marked gpu). Routing cases: random, an expert with no tokens,
 all tokens on one expert (several work items for it), a shared-expert add."""
-from dataclasses import replace
-
 import pytest
 
 import cuda_cases as C
 from cudasim import Env, simulator_test
-from kernels.moe import DOWN_CFG, GATE_UP_CFG, ExpertConfig
+from kernels.moe import ExpertConfig
 
 SMALL = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2), ExpertConfig(R=2, WR=1, WK=1, T=1, blocks_per_sm=2))
-RING = (ExpertConfig(R=1, WR=1, WK=2, T=1, blocks_per_sm=2, S=2), ExpertConfig(R=1, WR=2, WK=1, T=1, blocks_per_sm=2,
-                                                                                 S=2))   # cp.async rings
-RING_INT4 = (ExpertConfig(R=1, WR=1, WK=1, T=1, blocks_per_sm=2, S=2, RB=1),   # 3 steps of 4 scale groups: wraps;
-             ExpertConfig(R=1, WR=2, WK=1, T=1, blocks_per_sm=2, S=2))   # the B fragments (hi + lo) in gate_up's ring
 SIM_CASES = {
-    "moe_int4_ring_wraps": lambda env: C.check_moe(env, 1, 384, 256, 4, 2, "random", 2,
-                                                                  cfgs=RING_INT4),
-    "moe_bf16_ring_wraps": lambda env: C.check_moe(env, 3, 128, 64, 4, 2, "skip", 1, int4=False, cfgs=RING),
     "moe_int4_random": lambda env: C.check_moe(env, 5, 128, 64, 4, 2, "random", 1, cfgs=SMALL),
     "moe_int4_one_expert_two_items_shared": lambda env: C.check_moe(env, 9, 128, 64, 4, 2, "one_hot", 1, cfgs=SMALL,
                                                                      shared=True),
@@ -40,7 +31,7 @@ SIM_CASES = {
 }
 
 SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "router_twin_experts_exact_ties": 10, "router_mma_logits": 8,
-            "moe_int4_ring_wraps": 37}
+            "router_mma_through_the_op_table": 11}
 
 
 test_simulator = simulator_test(__name__)
@@ -61,20 +52,6 @@ def test_gpu_moe_int4_one_expert_shared():
 @pytest.mark.gpu
 def test_gpu_moe_int4_bf16_activations():
     C.check_moe(Env(gpu=True), 9, 1024, 512, 16, 8, "random", 1)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,stages,rb", [(1, 4, 0), (17, 3, 1), (9, 2, 1)])
-def test_gpu_moe_int4_ring(n, stages, rb):
-    """The expert GEMMs with the weights and scales (rb: and the B fragments) through cp.async rings."""
-    cfgs = tuple(replace(c, S=stages, RB=rb) for c in (GATE_UP_CFG, DOWN_CFG))
-    C.check_moe(Env(gpu=True), n, 7168, 2048, 16, 8, "random", 1, cfgs=cfgs)
-
-
-@pytest.mark.gpu
-def test_gpu_moe_bf16_experts_ring():
-    cfgs = tuple(replace(c, S=3) for c in (GATE_UP_CFG, DOWN_CFG))
-    C.check_moe(Env(gpu=True), 5, 1024, 256, 8, 4, "random", 2, int4=False, cfgs=cfgs)
 
 
 @pytest.mark.gpu

@@ -35,12 +35,11 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     # 4 warps per SM, ~0.45 issued warps per scheduler, 54% of cycles with no eligible warp.
     # session 8, more warps per SM by a tighter register cap (n = 1 / 17; default 47.7 / 69.6): min_blocks=6 33.8 /
     # 47.9, R=1 min_blocks=8 41.0 / 56.3, R=1 and 8-warp blocks capped at 4 per SM 41.2 / 58.7
-    # session 8, weights and scales through per-warp cp.async rings of S stages (the B fragments still read from
-    # L1/L2 in the step): S=4 37.1 / 52.1, S=6 34.8 / 51.6, S=3 capped at 6 blocks per SM 25.1 / 37.2, S=2 capped at 8
-    # 22.3 / 23.2 (default 47.4 / 70.4). Not measured yet: the B fragments in the ring slots too (RB=1)
-    "ring4_rb": dict(gu=dict(S=4, RB=1), dn=dict(S=4, RB=1)),
-    "ring3_rb": dict(gu=dict(S=3, RB=1), dn=dict(S=3, RB=1)),
-    "ring2_rb": dict(gu=dict(S=2, RB=1), dn=dict(S=2, RB=1)),
+    # session 8, INT4 weights and scales through per-warp cp.async rings of S stages (removed again; commit e0aab7b
+    # has it, with the GPU tests): the B fragments read from L1/L2 in the step: S=4 37.1 / 52.1, S=6 34.8 / 51.6,
+    # S=3 capped at 6 blocks per SM 25.1 / 37.2, S=2 capped at 8 22.3 / 23.2; the B fragments in the ring slots too:
+    # S=4 26.2 / 48.5, S=3 25.1 / 52.5, S=2 23.3 / 53.6 (default 47.4 / 70.4). ncu, S=3 with B, n = 1: still 128
+    # registers, 3 blocks per SM by shared memory (18.8% occupancy), 1.29 waves of the 512 units, DRAM 25%.
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
 GEMM_MS = (1, 17, 33, 65)
