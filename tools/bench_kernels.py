@@ -44,7 +44,9 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
 GEMM_MS = (1, 17, 33, 65)
 GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "rb2": ((17, 33, 65), dict(S=2, RB=1)),
-                 "rb3": ((17, 33), dict(S=3, RB=1)), "rb2w4": ((17, 33, 65), dict(S=2, RB=1, WR=4))}
+                 "rb3": ((17, 33), dict(S=3, RB=1)), "rb2w4": ((17, 33, 65), dict(S=2, RB=1, WR=4)),
+                 # session 8: the activations as bf16 (one mma per step, not the hi + lo pair)
+                 "xs1": ((17, 33, 65), dict(xs=1)), "xs1_rb2": ((17, 33), dict(xs=1, S=2, RB=1))}
 GEMM_DEFAULT_ONLY = ("q_a", "kv_a")     # stacked into q_kv_a: the default cut only
 HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
 HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured yet)
@@ -127,7 +129,7 @@ def routing(rng, n):
 EXPERT_BYTES = (2 * I * H // 2 + 2 * I * H // GROUP * 2) + (H * I // 2 + H * I // GROUP * 2)
 
 
-def bench_moe(cp, cuda, results, copy_bw, quick):
+def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
     from kernels.moe import (DOWN_CFG, GATE_UP_CFG, MOE_XS, DeviceExperts, moe_combine, moe_plan, moe_stage,
                              moe_workspace, router)
     rng = np.random.default_rng(0)
@@ -177,7 +179,7 @@ def bench_moe(cp, cuda, results, copy_bw, quick):
         return row
 
     # a sweep of cuts at the target sizes (n = 1, 17), then every n with the best one
-    variants = {"default": {}, **MOE_VARIANTS}
+    variants = {"default": {}, **_chosen(MOE_VARIANTS, tags)}
     best, best_pct = "default", -1.0
     for tag, over in variants.items():
         xs = over.get("xs", MOE_XS)
@@ -222,7 +224,7 @@ def bench_moe(cp, cuda, results, copy_bw, quick):
 
 
 # -------------------------------------------------------------------------------------------------------- dense
-def bench_gemm(cp, cuda, results, copy_bw, quick):
+def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
     """Each K2 shape at GEMM_MS tokens: the default cut and the variants at their token counts (the best per m is
     reported); then the per-head GEMMs."""
     from kernels.gemm import SMEM_MAX, GemmWorkspace, gemm, gemm_config, gemm_smem, gemm_workspace_words
@@ -253,7 +255,7 @@ def bench_gemm(cp, cuda, results, copy_bw, quick):
     for name, (n, k) in K2_GEMMS.items():
         w = dv(rand_bf16(cp, (n, k), 0.02))
         best = {m: ("default", run(name, w, m, n, k, "default", {})) for m in GEMM_MS}
-        for tag, (ms, over) in ({} if quick or name in GEMM_DEFAULT_ONLY else GEMM_VARIANTS).items():
+        for tag, (ms, over) in ({} if quick or name in GEMM_DEFAULT_ONLY else _chosen(GEMM_VARIANTS, tags)).items():
             for m in ms:
                 pct = run(name, w, m, n, k, tag, over)
                 if pct > best[m][1]:
@@ -341,11 +343,17 @@ def profile(case):
     cp.cuda.runtime.deviceSynchronize()
 
 
+def _chosen(variants, tags):
+    """The variants named in tags (None: all)."""
+    return {t: v for t, v in variants.items() if tags is None or t in tags}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--quick", action="store_true", help="default cuts only")
     ap.add_argument("--only", choices=("moe", "gemm", "attention"), action="append")
+    ap.add_argument("--variants", help="comma-separated MOE_VARIANTS / GEMM_VARIANTS tags to sweep (default: all)")
     ap.add_argument("--profile", help="run one case for a profiler, then exit: moe[:n[:variant]], router[:n] or a "
                                       "GEMM name[:m] (lm_head:33)")
     args = ap.parse_args(argv)
@@ -359,8 +367,9 @@ def main(argv=None):
     results = dict(device=dev["name"].decode(), sms=dev["multiProcessorCount"], copy_gbps=copy_bw, copies=copies)
     print(f"device {results['device']}: copy {copy_bw:.0f} GB/s (read + write) {copies}", flush=True)
     only = set(args.only or ("moe", "gemm", "attention"))
-    sections = [("moe", lambda: bench_moe(cp, cuda, results, copy_bw, args.quick)),
-                ("gemm", lambda: bench_gemm(cp, cuda, results, copy_bw, args.quick))]
+    tags = set(args.variants.split(",")) if args.variants is not None else None
+    sections = [("moe", lambda: bench_moe(cp, cuda, results, copy_bw, args.quick, tags)),
+                ("gemm", lambda: bench_gemm(cp, cuda, results, copy_bw, args.quick, tags))]
     if importlib.util.find_spec("tools.bench_attention") is not None:
         sections.append(("attention", lambda: importlib.import_module("tools.bench_attention").run(results, copy_bw)))
     for name, run in sections:
