@@ -11,8 +11,9 @@ A fragments from 16-byte loads: the k order inside a dot product is free as long
       step -> the lane's 8 nibbles at cols 32j + 8t + i; nibbles (i, i+4) form one bf16 pair, so the activations
       come in the order (0,4,1,5,2,6,3,7) inside every 8 columns. Each mma then stays inside one scale group, and
       the group scale multiplies the f32 result (weights exact: u - 8 is a small integer in bf16).
-B operand: activations as bf16 bits, XS = 1 (bf16 rounding of the activations, W16A16 / W4A16 style) or XS = 2
-(hi + lo bf16 parts: x to ~16 bits, two mma per step; close to the f32 reference). Either read from x (f32) and
+B operand: activations as bf16 bits, XS = 1 (bf16 rounding of the activations, W16A16 / W4A16 style: the default,
+as in a bf16 forward) or XS = 2 (hi + lo bf16 parts: x to ~16 bits, two mma per step, ~1e-5 from the f32 reference:
+the router's logits, MLA's per-head products). Either read from x (f32) and
 converted in registers (dense, BF=1) or prepared once by `prep_b` as xb u32 [rows, XS, k/2].
 Every token column is computed on its own and the k order depends only on (n, k) through the split: results are
 batch invariant (a token's output does not change with the number of tokens in the call).
@@ -89,7 +90,11 @@ def gemm_ref(x, w, out):
 
 
 BF16, INT4 = 0, 1
-XS_DEFAULT = 2
+XS_DEFAULT = 1      # dense GEMMs on bf16 activations. H200, K2 shapes, % of copy at m = 17 / 33 (tools/bench_kernels.py
+#   --only gemm, session 8), hi + lo parts -> bf16: lm_head 65.4 / 41.9 -> 74.7 / 68.7, o 55.6 / 37.2 -> 60.8 / 48.0,
+#   q_b 43.1 / 25.6 -> 49.7 / 28.7, kv_b 34.9 / 22.0 -> 37.5 / 23.0 (every shape gained, 3-27 points; m = 1 was
+#   memory-bound either way)
+HEAD_XS = 2         # head_gemm (MLA's W_UK / W_UV products): hi + lo parts (bf16 activations not measured there)
 RING_CHUNK = 128    # u32 words of one warp-wide 16-byte-per-lane chunk (a ring slot row, a tiled B fragment)
 _CACHE = {}
 
@@ -500,6 +505,8 @@ TILES_MAX = 8      # token tiles (8 rows each) of one GEMM row block; taller x r
 TILES_ONE_BLOCK = 9   # most token tiles one block takes when x cannot run as row blocks (m = 65: the GPU tests)
 SMALL_WEIGHTS = 4 << 20    # bytes: below, a GEMM streams its weights in about a launch's time (gemm_config)
 RING_STAGES = 4    # cp.async ring depth at one token tile without a k split (lm_head m=1: 89.9% -> 94.2% of copy)
+RB_STAGES = 2      # ring depth with the B fragments in the ring (3 to 5 token tiles, see gemm_config)
+RB_MIN_BYTES = 48 << 20    # weights from which 3-4 token tiles take the B-in-ring cut (5 tiles: always)
 
 
 @dataclass(frozen=True)
@@ -516,7 +523,7 @@ class GemmConfig:
     MB: int = 0        # > 0: launch bounds asking ptxas to fit MB blocks per SM (caps registers)
     FR: int = 1        # 1: the k-split partials are added by the last block of each row range (needs ws.sync)
     S: int = 0         # >= 2: weights stream through an S-stage cp.async ring per warp (U, PF unused); 0: registers
-    RB: int = 0        # 1 (with S, prepared B): the B fragments ride in the ring too (not measured yet)
+    RB: int = 0        # 1 (with S, prepared B): the B fragments ride in the ring too
 
 
 @dataclass
@@ -538,7 +545,8 @@ def gemm_config(m, n, k, target_warps=4096, small=None):
     cp.async weight ring (S=4) only at one token tile without a k split, measured on the H200 (tools/bench_kernels.py,
     % of copy, ring vs registers): lm_head m=1 94.2 vs 89.9; with a k split it lost 13-27 points at m=1 (o 59.4 vs
     75.9, q_b 49.5 vs 76.3, kv_b 51.0 vs 73.2, shared_down 44.2 vs 65.6); above one tile it lost up to 10 points
-    (lm_head m=33 31.9 vs 41.8) and won at most 1.5 (m=65). B fragments through the ring too (RB=1): not measured."""
+    (lm_head m=33 31.9 vs 41.8) and won at most 1.5 (m=65). With the B fragments in the ring too (RB=1) at 3-5 token
+    tiles it wins: see below."""
     tiles, steps = math.ceil(n / 16), k // 32
     pieces = max(1, min(target_warps // tiles, steps // 4, 64))
     wk = next(w for w in (8, 4, 2, 1) if pieces >= 2 * w or w == 1)
@@ -552,6 +560,15 @@ def gemm_config(m, n, k, target_warps=4096, small=None):
     # pair's DDTree-16 round from 1.12 to 1.54 ms on the H200, verify 0.78 -> 1.03 ms, although it saved 2 launches
     # per GEMM)
     S = RING_STAGES if T == 1 and pieces == 1 else 0
+    # B fragments riding in a 2-stage ring with the weights (RB=1), bf16 activations, H200, % of copy at m = 17 / 33
+    # (tools/bench_kernels.py --only gemm, session 8; without / with): lm_head 74.7 / 68.7 -> 90.2 / 87.2, o 60.8 /
+    # 48.0 -> 63.4 / 54.7, shared_gate_up 48.9 / 36.1 -> 50.3 / 43.4; at m = 33 every shape gained (q_b 28.7 -> 34.3,
+    # kv_b 23.0 -> 25.9, q_kv_a 28.8 -> 31.1, shared_down 30.7 -> 33.4) but at m = 17 the weights up to 38 MB lost
+    # (q_b 49.7 -> 46.8, kv_b 37.5 -> 34.6, q_kv_a 42.1 -> 39.8, shared_down 43.1 -> 42.5). Four tiles: not measured
+    # (the three-tile rule). With hi + lo parts the same ring gained less (lm_head 81.5 / 57.6); 3 stages lost.
+    RB = int(3 <= T <= 5 and (T == 5 or 2 * n * k >= RB_MIN_BYTES))
+    if RB:
+        S = RB_STAGES
     if 2 * n * k < (SMALL_WEIGHTS if small is None else small):
         # latency-bound: one launch, f32 x read in the GEMM, the k split only inside a block (up to 8 warps along k,
         # >= 2 steps each; pieces from k alone, so every T sums in the same order). H200, default pair, round GPU ms
@@ -564,7 +581,8 @@ def gemm_config(m, n, k, target_warps=4096, small=None):
         wk = next(w for w in (8, 4, 2, 1) if steps >= 2 * w or w == 1)
         return GemmConfig(R=1, WR=max(1, min(MAX_WARPS // wk, tiles)), WK=wk, SB=1, U=U, BF=1,
                           MB=2 if T > 1 else 0, FR=0, S=0)
-    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2 if T > 1 else 0, FR=int(T == 1), S=S)
+    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2 if T > 1 else 0, FR=int(T == 1), S=S,
+                      RB=RB)
 
 
 def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):
@@ -738,7 +756,7 @@ def head_gemm(x, w, out, ws, cfg=None):
         raise ValueError(f"head_gemm: workspace too small ({ws.xb.size}/{ws.part.size} < {nxb}/{npart})")
     if cfg.WR * cfg.WK > MAX_WARPS:
         raise ValueError(f"head_gemm: {cfg} has more than {MAX_WARPS} warps per block")
-    kern = _cached(_build_head_gemm, cfg.T, cfg.R, XS_DEFAULT, cfg.U, cfg.PF)
+    kern = _cached(_build_head_gemm, cfg.T, cfg.R, HEAD_XS, cfg.U, cfg.PF)
     grid = (math.ceil(b / 16 / (cfg.WR * cfg.R)), math.ceil(n / (8 * cfg.T)), h)
     launch(kern, grid, 32 * cfg.WR * cfg.WK, _flat_span(x) if SIM else x, _words(w), out, int32(n), int32(b),
            int32(a), int32(sx[0]), int32(sx[1]), int32(cfg.WR), int32(cfg.WK))

@@ -172,6 +172,7 @@ def moe_workspace(n_max, top_k, hidden, inter, n_experts, alloc, xs=MOE_XS):
 
 # ------------------------------------------------------------------------------------------------------ router
 ROUTER_CHUNKS = 4      # 8-column chunks per lane of one router warp (its gate weights stay in registers)
+ROUTER_XS = 2          # router logits on the mma GEMM: x as bf16 hi + lo parts (~1e-5; routing near-ties are sharp)
 
 
 def router_slices(hidden):
@@ -321,7 +322,7 @@ def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_
     tokens_per_pass tokens spread over token_blocks block rows (default: as many as fill two blocks per SM: a
     tree's 17 rows on the pair's 16 experts were 5 serial passes in 2 blocks).
     logits_gemm(x, w_gate, out f32[n, E]): the logits from that GEMM instead (one slice; e.g. the mma GEMM with x as
-    bf16 hi + lo parts, ~1e-5 from float32 where the CUDA-core GEMV is float32; NOT measured on the GPU yet)."""
+    bf16 hi + lo parts, ROUTER_XS: ~1e-5 from float32 where the CUDA-core GEMV is float32)."""
     n, h = x.shape
     e = w_gate.shape[0]
     if (e > MAX_E or e % n_group or h % 8 or not 0 < top_k <= e or idx_out.shape != (n, top_k)

@@ -13,6 +13,7 @@ uploads (tokens, positions, visibility). The simulator poisons scratch (NaN / -1
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -23,11 +24,11 @@ from numba import cuda, int32, uint16, uint32
 from kernels.act import silu_mul
 from kernels.attention import attention, kv_attention, kv_attention_work
 from kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
-from kernels.gemm import (TILES_MAX, GemmWorkspace, contiguous, gemm, gemm_config, gemm_sync_words,
+from kernels.gemm import (TILES_MAX, XS_DEFAULT, GemmWorkspace, contiguous, gemm, gemm_config, gemm_sync_words,
                           gemm_workspace_words, head_gemm, head_gemm_workspace_words)
 from kernels.mla import mla_attention, mla_work
-from kernels.moe import (MAX_SLOTS, Experts, device_experts, moe_combine, moe_experts, moe_workspace, router,
-                         router_slices)
+from kernels.moe import (MAX_SLOTS, ROUTER_XS, Experts, device_experts, moe_combine, moe_experts, moe_workspace,
+                         router, router_slices)
 from kernels.norm import add_rmsnorm, rmsnorm
 from kernels.rope import qk_norm_rope, rope
 from kernels.sample import sample
@@ -252,8 +253,9 @@ class KernelOps:
     qk_norm_rope = staticmethod(qk_norm_rope)
     silu_mul = staticmethod(silu_mul)
 
-    def gemm(self, x, w, out):
-        """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T (mma GEMM; k % 32 == 0). x taller than GEMM_ROWS (a
+    def gemm(self, x, w, out, xs=XS_DEFAULT):
+        """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T (mma GEMM; k % 32 == 0; xs: the activations as bf16 or
+        as hi + lo parts, kernels.gemm). x taller than GEMM_ROWS (a
         batch of trees, a prompt) is one launch over blocks of GEMM_ROWS rows (each block reads the weights again:
         from L2 when they fit) when x is contiguous and the k-split partials stay under TALL_PART_BYTES; else a
         launch per block. GEMMs issued inside ops.branch() use scratch and k-split counters of their own: they may
@@ -267,10 +269,10 @@ class KernelOps:
         if m > GEMM_ROWS:
             if not (contiguous(x) and (cfg.SB == 1 or 4 * cfg.SB * m * n <= TALL_PART_BYTES)):
                 for r in range(0, m, GEMM_ROWS):
-                    self.gemm(x[r:r + GEMM_ROWS], w, out[r:r + GEMM_ROWS])
+                    self.gemm(x[r:r + GEMM_ROWS], w, out[r:r + GEMM_ROWS], xs)
                 return out
             cfg = dataclasses.replace(cfg, BF=1, FR=0, S=0)
-        nxb, npart = gemm_workspace_words(m, n, k, cfg=cfg)
+        nxb, npart = gemm_workspace_words(m, n, k, xs, cfg)
         nsync = gemm_sync_words(m, n, k, cfg)
         role = "gemm.side" if self._on_side() else "gemm"
         sync = self._gemm_sync.get(role)
@@ -278,7 +280,7 @@ class KernelOps:
             sync = self._gemm_sync[role] = self.xp.zeros(max(nsync, 1024), np.uint32)
         ws = GemmWorkspace(self.scratch(f"{role}.xb", (max(nxb, 1),), np.uint32),
                            self.scratch(f"{role}.part", (max(npart, 1),), np.float32), sync)
-        return gemm(x, w, out, ws, cfg=cfg)
+        return gemm(x, w, out, ws, xs, cfg)
 
     def head_gemm(self, x, w, out):
         """Per head: out[:, h] = x[:, h] @ bf16(w[h])^T; x f32[n, h, a], w u16[h, b, a] -> out f32[n, h, b], one
@@ -322,13 +324,13 @@ class KernelOps:
 
     def router(self, x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out):
         """kernels.moe.router; from router_mma_from tokens (a shape, fixed per captured graph) the logits come from
-        this table's mma GEMM (x as bf16 hi + lo parts), below from the CUDA-core GEMV in k slices."""
+        this table's mma GEMM (x as bf16 hi + lo parts: ROUTER_XS), below from the CUDA-core GEMV in k slices."""
         n = x.shape[0]
         mma = n >= self.router_mma_from
         shape = (1 if mma else router_slices(x.shape[1]), n, w_gate.shape[0])
         ws = SimpleNamespace(logits=self.scratch("router.logits", shape), n_max=n)
         return router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws,
-                      logits_gemm=self.gemm if mma else None)
+                      logits_gemm=functools.partial(self.gemm, xs=ROUTER_XS) if mma else None)
 
     def branch(self):
         """`with ops.branch() as side:` issues its ops on a second stream that starts after what the current

@@ -235,7 +235,7 @@ def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_p
     lo); mma="ops": through the simulator's op table (from ROUTER_MMA_FROM tokens the gate must go through its gemm,
     below it must not)."""
     from kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
-    from kernels.moe import moe_workspace, router, router_ref
+    from kernels.moe import ROUTER_XS, moe_workspace, router, router_ref
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, hidden)).astype(np.float32)
     wg = rand_bf16(rng, n_exp, hidden, scale=0.05)
@@ -248,17 +248,17 @@ def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_p
         from numbaengine.ops_cuda import sim_ops
         ops, shapes = sim_ops(), []
         table_gemm = ops.gemm
-        ops.gemm = lambda xx, w, out: shapes.append(w.shape) or table_gemm(xx, w, out)  # noqa: E731
+        ops.gemm = lambda xx, w, out, **kw: shapes.append(w.shape) or table_gemm(xx, w, out, **kw)  # noqa: E731
         ops.router(env.dev(x), env.dev(wg), env.dev(bias), k, n_group, topk_group, True, 2.827, ii, ww)
         want = [wg.shape] if n >= ops.router_mma_from else []
         assert shapes == want, f"router at n={n} (mma from {ops.router_mma_from}): ops.gemm saw {shapes}, not {want}"
     else:
         logits_gemm = None
         if mma == "gemm":
-            nxb, npart = gemm_workspace_words(n, n_exp, hidden)
+            nxb, npart = gemm_workspace_words(n, n_exp, hidden, ROUTER_XS)
             gws = GemmWorkspace(poisoned(env, (max(nxb, 1),), np.uint32),
                                 poisoned(env, (max(npart, 1),), np.float32))
-            logits_gemm = lambda xx, w, out: gemm(xx, w, out, gws)  # noqa: E731
+            logits_gemm = lambda xx, w, out: gemm(xx, w, out, gws, ROUTER_XS)  # noqa: E731
         router(env.dev(x), env.dev(wg), env.dev(bias), k, n_group, topk_group, True, 2.827, ii, ww, ws,
                tokens_per_pass, token_blocks, k_slices, logits_gemm)
     ri, rw = router_ref(x, wg, bias, k, n_group, topk_group, True, 2.827, np.empty((n, k), np.int32),

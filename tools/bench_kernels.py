@@ -41,12 +41,13 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     # S=4 26.2 / 48.5, S=3 25.1 / 52.5, S=2 23.3 / 53.6 (default 47.4 / 70.4). ncu, S=3 with B, n = 1: still 128
     # registers, 3 blocks per SM by shared memory (18.8% occupancy), 1.29 waves of the 512 units, DRAM 25%.
 }
-# tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=1 rounds the activations to bf16 (less exact)
+# tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=2: the activations as hi + lo bf16 parts
+# (the default before session 8). Session 8 (then xs=2 by default; % of copy in kernels.gemm's XS_DEFAULT and
+# gemm_config comments): B in a 3-stage ring lost to 2 stages everywhere (lm_head m = 17: 74.8 vs 81.5)
 GEMM_MS = (1, 17, 33, 65)
-GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "rb2": ((17, 33, 65), dict(S=2, RB=1)),
-                 "rb3": ((17, 33), dict(S=3, RB=1)), "rb2w4": ((17, 33, 65), dict(S=2, RB=1, WR=4)),
-                 # session 8: the activations as bf16 (one mma per step, not the hi + lo pair)
-                 "xs1": ((17, 33, 65), dict(xs=1)), "xs1_rb2": ((17, 33), dict(xs=1, S=2, RB=1))}
+GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
+                 "rb2": ((17,), dict(S=2, RB=1)), "rb2w4": ((17, 33), dict(S=2, RB=1, WR=4)),
+                 "xs2": ((17, 33, 65), dict(xs=2))}
 GEMM_DEFAULT_ONLY = ("q_a", "kv_a")     # stacked into q_kv_a: the default cut only
 HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
 HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured yet)
@@ -199,12 +200,13 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
     # than L2 holds: the weights come from HBM as in a decode step) and the time is per call. form "mma": the logits
     # from the dense mma GEMM (x as bf16 hi + lo; what KernelOps.router uses from ROUTER_MMA_FROM tokens)
     from kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
+    from kernels.moe import ROUTER_XS
     gates = [dv(rand_bf16(cp, (E, H), 0.02)) for _ in range(ROUTER_GATES)]
-    nxb, npart = gemm_workspace_words(max(NS), E, H)
+    nxb, npart = gemm_workspace_words(max(NS), E, H, ROUTER_XS)
     gws = GemmWorkspace(dv(cp.zeros(max(nxb, 1), cp.uint32)), dv(cp.zeros(max(npart, 1), cp.float32)),
                         dv(cp.zeros(4096, cp.uint32)))      # k-split counters, as KernelOps.gemm passes them
     for form in ("gemv", "mma"):
-        mma = (lambda xx, w, out: gemm(xx, w, out, gws)) if form == "mma" else None  # noqa: E731
+        mma = (lambda xx, w, out: gemm(xx, w, out, gws, ROUTER_XS)) if form == "mma" else None  # noqa: E731
         for n in NS:
             x = dv(cp.random.standard_normal((n, H), dtype=cp.float32))
             ii, ww = dv(cp.zeros((n, TOPK), cp.int32)), dv(cp.zeros((n, TOPK), cp.float32))
@@ -227,7 +229,7 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
 def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
     """Each K2 shape at GEMM_MS tokens: the default cut and the variants at their token counts (the best per m is
     reported); then the per-head GEMMs."""
-    from kernels.gemm import SMEM_MAX, GemmWorkspace, gemm, gemm_config, gemm_smem, gemm_workspace_words
+    from kernels.gemm import XS_DEFAULT, SMEM_MAX, GemmWorkspace, gemm, gemm_config, gemm_smem, gemm_workspace_words
     dv = cuda.as_cuda_array
     rows = results.setdefault("gemm", [])
     xb_words = -(-max(NS) // 8) * 8 * 2 * 8192 // 2        # tiled B: token rows padded to 8
@@ -236,7 +238,7 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
 
     def run(name, w, m, n, k, tag, over):
         x, out = dv(cp.random.standard_normal((m, k), dtype=cp.float32)), dv(cp.zeros((m, n), cp.float32))
-        nbytes, xs = n * k * 2, over.get("xs", 2)
+        nbytes, xs = n * k * 2, over.get("xs", XS_DEFAULT)
         cfg = replace(gemm_config(m, n, k), **{f: v for f, v in over.items() if f != "xs"})
         need = gemm_workspace_words(m, n, k, xs, cfg)
         T = -(-m // 8)
