@@ -90,10 +90,13 @@ def gemm_ref(x, w, out):
 
 
 BF16, INT4 = 0, 1
-XS_DEFAULT = 1      # dense GEMMs on bf16 activations. H200, K2 shapes, % of copy at m = 17 / 33 (tools/bench_kernels.py
-#   --only gemm, session 8), hi + lo parts -> bf16: lm_head 65.4 / 41.9 -> 74.7 / 68.7, o 55.6 / 37.2 -> 60.8 / 48.0,
-#   q_b 43.1 / 25.6 -> 49.7 / 28.7, kv_b 34.9 / 22.0 -> 37.5 / 23.0 (every shape gained, 3-27 points; m = 1 was
-#   memory-bound either way)
+XS_DEFAULT = 1      # GEMMs on large weights take bf16 activations. H200, K2 shapes, % of copy at m = 17 / 33
+#   (tools/bench_kernels.py --only gemm, session 8), hi + lo parts -> bf16: lm_head 65.4 / 41.9 -> 74.7 / 68.7, o
+#   55.6 / 37.2 -> 60.8 / 48.0, q_b 43.1 / 25.6 -> 49.7 / 28.7, kv_b 34.9 / 22.0 -> 37.5 / 23.0 (every shape gained,
+#   3-27 points)
+SMALL_XS = 2        # small weights (launch-bound, gemm_config) keep hi + lo parts: the more exact form costs no time
+#   there, and with bf16 activations the tiny test pair's prefill logits moved 1.1e-2 of their max from the float32
+#   reference (H200, tests/test_backend_sim.py; the tolerance is 1e-2, hi + lo measured 1e-3 .. 3e-3)
 HEAD_XS = 2         # head_gemm (MLA's W_UK / W_UV products): hi + lo parts (bf16 activations not measured there)
 RING_CHUNK = 128    # u32 words of one warp-wide 16-byte-per-lane chunk (a ring slot row, a tiled B fragment)
 _CACHE = {}
@@ -524,6 +527,7 @@ class GemmConfig:
     FR: int = 1        # 1: the k-split partials are added by the last block of each row range (needs ws.sync)
     S: int = 0         # >= 2: weights stream through an S-stage cp.async ring per warp (U, PF unused); 0: registers
     RB: int = 0        # 1 (with S, prepared B): the B fragments ride in the ring too
+    XS: int = XS_DEFAULT   # activations as bf16 (1) or hi + lo parts (2), unless the call names xs
 
 
 @dataclass
@@ -580,16 +584,16 @@ def gemm_config(m, n, k, target_warps=4096, small=None):
         # AR / DDTree-16: R=2 0.508 / 0.850, R=1 from 2 token tiles 0.513 / 0.778, R=1 always 0.489 / 0.759.
         wk = next(w for w in (8, 4, 2, 1) if steps >= 2 * w or w == 1)
         return GemmConfig(R=1, WR=max(1, min(MAX_WARPS // wk, tiles)), WK=wk, SB=1, U=U, BF=1,
-                          MB=2 if T > 1 else 0, FR=0, S=0)
+                          MB=2 if T > 1 else 0, FR=0, S=0, XS=SMALL_XS)
     return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2 if T > 1 else 0, FR=int(T == 1), S=S,
                       RB=RB)
 
 
-def gemm_workspace_words(m, n, k, xs=XS_DEFAULT, cfg=None):
+def gemm_workspace_words(m, n, k, xs=None, cfg=None):
     """(xb words, part floats) a call needs (xb: the tiled B operand, token rows padded to 8; none for x taller than
     one block, which the GEMM reads itself)."""
     cfg = cfg or gemm_config(m, n, k)
-    xb = math.ceil(m / 8) * 8 * xs * k // 2 if m <= 8 * TILES_ONE_BLOCK else 0
+    xb = math.ceil(m / 8) * 8 * (xs or cfg.XS) * k // 2 if m <= 8 * TILES_ONE_BLOCK else 0
     return xb, (cfg.SB * m * n if cfg.SB > 1 else 0)
 
 
@@ -606,7 +610,7 @@ def gemm_smem(T, cfg, nb=0):
     return max(ring, red_bytes(cfg.R, T, cfg.WR, cfg.WK))
 
 
-def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
+def gemm(x, w, out, ws, xs=None, cfg=None):
     """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T on the GPU: [prep of B,] mma GEMM [, k-split reduce]
     (the reduce runs inside the GEMM when ws.sync is given)."""
     m, k = x.shape
@@ -616,6 +620,7 @@ def gemm(x, w, out, ws, xs=XS_DEFAULT, cfg=None):
     if k % 32:
         raise ValueError(f"gemm: k={k} is not a multiple of 32")
     cfg = cfg or gemm_config(m, n, k)
+    xs = xs or cfg.XS
     nxb, npart = gemm_workspace_words(m, n, k, xs, cfg)
     if ws.xb.size < nxb or ws.part.size < npart:
         raise ValueError(f"gemm: workspace too small ({ws.xb.size}/{ws.part.size} < {nxb}/{npart})")

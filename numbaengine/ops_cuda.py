@@ -24,7 +24,7 @@ from numba import cuda, int32, uint16, uint32
 from kernels.act import silu_mul
 from kernels.attention import attention, kv_attention, kv_attention_work
 from kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
-from kernels.gemm import (TILES_MAX, XS_DEFAULT, GemmWorkspace, contiguous, gemm, gemm_config, gemm_sync_words,
+from kernels.gemm import (TILES_MAX, GemmWorkspace, contiguous, gemm, gemm_config, gemm_sync_words,
                           gemm_workspace_words, head_gemm, head_gemm_workspace_words)
 from kernels.mla import mla_attention, mla_work
 from kernels.moe import (MAX_SLOTS, ROUTER_XS, Experts, device_experts, moe_combine, moe_experts, moe_workspace,
@@ -253,9 +253,9 @@ class KernelOps:
     qk_norm_rope = staticmethod(qk_norm_rope)
     silu_mul = staticmethod(silu_mul)
 
-    def gemm(self, x, w, out, xs=XS_DEFAULT):
+    def gemm(self, x, w, out, xs=None):
         """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T (mma GEMM; k % 32 == 0; xs: the activations as bf16 or
-        as hi + lo parts, kernels.gemm). x taller than GEMM_ROWS (a
+        as hi + lo parts, None: the cut's choice, kernels.gemm). x taller than GEMM_ROWS (a
         batch of trees, a prompt) is one launch over blocks of GEMM_ROWS rows (each block reads the weights again:
         from L2 when they fit) when x is contiguous and the k-split partials stay under TALL_PART_BYTES; else a
         launch per block. GEMMs issued inside ops.branch() use scratch and k-split counters of their own: they may

@@ -53,11 +53,11 @@ def test_ptx_head_gemm():
 
     from numba import types as ty
 
-    from kernels.gemm import XS_DEFAULT, _build_head_gemm, head_gemm_config
+    from kernels.gemm import HEAD_XS, _build_head_gemm, head_gemm_config
     sig = (ty.float32[:, :, :], ty.uint32[::1], ty.float32[:, :, :]) + (ty.int32,) * 7
     cuts = {(c.T, c.R, c.U, c.PF) for n in (1, 9, 17, 33) for c in [head_gemm_config(n, 64, 512, 128)]}
     for T, R, U, PF in sorted(cuts):
-        ptx = ptx_or_skip(_build_head_gemm(T, R, XS_DEFAULT, U, PF).py_func, sig)
+        ptx = ptx_or_skip(_build_head_gemm(T, R, HEAD_XS, U, PF).py_func, sig)
         assert not f64_lines(ptx), f"T={T} R={R}: float64 instructions:\n" + "\n".join(f64_lines(ptx)[:5])
         assert "mma.sync.aligned.m16n8k16" in ptx
         assert not re.search(r"\b(ld|st)\.local", ptx), f"T={T} R={R}: local memory"
