@@ -147,14 +147,16 @@ def test_gpu_gemm(name, m):
 
 def test_gemm_config_b_ring_rule():
     """gemm_config's B-in-ring cut (measured, kernels/gemm.py): 5 token tiles always, 3-4 tiles from RB_MIN_BYTES of
-    weights, never at 1-2 tiles or on small weights."""
-    from kernels.gemm import RB_MIN_BYTES, RB_STAGES, gemm_config
+    weights, never at 1-2 tiles or on small weights; and its choice of activations."""
+    from kernels.gemm import RB_MIN_BYTES, RB_STAGES, SMALL_XS, XS_DEFAULT, gemm_config
     o, q_b = (7168, 8192), (12288, 1536)
     assert 2 * o[0] * o[1] >= RB_MIN_BYTES > 2 * q_b[0] * q_b[1]
     for m, (n, k), rb in [(17, o, 1), (25, o, 1), (33, o, 1), (17, q_b, 0), (33, q_b, 1), (40, q_b, 1), (9, o, 0),
                           (1, o, 0), (41, o, 0), (17, (384, 384), 0), (33, (384, 384), 0)]:
         cfg = gemm_config(m, n, k)
         assert cfg.RB == rb and (cfg.S == RB_STAGES or not rb), f"m={m} n={n} k={k}: {cfg}"
+    # activations: bf16 on large weights, hi + lo parts on small ones (launch-bound: exactness costs no time there)
+    assert gemm_config(17, *o).XS == XS_DEFAULT == 1 and gemm_config(1, 384, 384).XS == SMALL_XS == 2
 
 
 @pytest.mark.gpu
