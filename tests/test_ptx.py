@@ -93,3 +93,12 @@ def test_ptx(name):
     if mma:
         assert "mma.sync.aligned.m16n8k16" in ptx or "prep" in name, f"{name}: no mma.sync"
         assert not re.search(r"\b(ld|st)\.local", ptx), f"{name}: local memory (an accumulator array not in registers)"
+
+
+def test_ptx_stats_expert_mainloop():
+    """tools/ptx_stats.py finds the INT4 expert GEMM's unrolled mainloop: U k-steps of 2*R*G mma and 4R + G loads
+    (2R weight chunks, 2R scale pairs, G B fragments) each, at K2's G = 4."""
+    from tools.ptx_stats import expert_gemm_ptx, hot_block, opcode_counts
+    ptx, cfg = expert_gemm_ptx(0)
+    ops = opcode_counts(hot_block(ptx))
+    assert (ops["mma"], ops["ld"]) == (8 * cfg.R * cfg.U, (4 * cfg.R + 4) * cfg.U), ops
