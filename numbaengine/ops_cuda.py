@@ -45,7 +45,8 @@ KV_MIN_SPLIT = 128           # drafter attention: fewest keys per split; capacit
 #   earlier rule (splits of 32 keys: 2 blocks per SM) took 18-24 and 34-63 us
 ROUTER_MMA_FROM = 4          # router logits on the mma GEMM from this many tokens, the k-sliced GEMV below. H200, K2
 #   gate 384 x 7168 from HBM, us per call (python -m tools.bench_kernels --only moe, session 8): GEMV / mma at n = 1
-#   14.2 / 16.7, n = 4 19.1 / 16.7, n = 17 44.7 / 21.8, n = 65 123.8 / 30.0 (n = 2, 3 not measured)
+#   14.2 / 16.7 (9.0 / 7.7% of copy), n = 4 19.1 / 16.7, n = 17 44.7 / 21.8 (2.9 / 5.9%), n = 65 123.8 / 30.0
+#   (1.0 / 4.3%); n = 2, 3 not measured
 
 
 # ----------------------------------------------------------------------------------------------- glue kernels
@@ -134,12 +135,11 @@ class KernelOps:
         #                          reduce (zero between calls)
         self.branches = xp is not np   # False: branch() runs in order (tools/profile_round.py times one launch at
         self._side = None              # a time); the second stream and its fork/join events, made on first use
-        self.router_mma_from = ROUTER_MMA_FROM   # tokens from which the router logits come from the mma GEMM
 
     def fresh(self) -> "KernelOps":
         """A table over the same device with its own scratch (a captured graph owns the buffers it points at)."""
         table = KernelOps(self.name, self.xp, self.poison, self.trim_warps, self.comm)
-        table.branches, table.router_mma_from = self.branches, self.router_mma_from
+        table.branches = self.branches
         return table
 
     # -- arrays --------------------------------------------------------------------------------------------------
@@ -323,10 +323,10 @@ class KernelOps:
         return kv_attention(q, k, v, kv_len, scale, out, work)
 
     def router(self, x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out):
-        """kernels.moe.router; from router_mma_from tokens (a shape, fixed per captured graph) the logits come from
+        """kernels.moe.router; from ROUTER_MMA_FROM tokens (a shape, fixed per captured graph) the logits come from
         this table's mma GEMM (x as bf16 hi + lo parts: ROUTER_XS), below from the CUDA-core GEMV in k slices."""
         n = x.shape[0]
-        mma = n >= self.router_mma_from
+        mma = n >= ROUTER_MMA_FROM
         shape = (1 if mma else router_slices(x.shape[1]), n, w_gate.shape[0])
         ws = SimpleNamespace(logits=self.scratch("router.logits", shape), n_max=n)
         return router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws,

@@ -245,13 +245,13 @@ def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_p
     ws = moe_workspace(n, k, hidden, 64, n_exp, lambda shape, dtype: poisoned(env, shape, dtype))
     ii, ww = poisoned(env, (n, k), np.int32), poisoned(env, (n, k), np.float32)
     if mma == "ops":
-        from numbaengine.ops_cuda import sim_ops
+        from numbaengine.ops_cuda import ROUTER_MMA_FROM, sim_ops
         ops, shapes = sim_ops(), []
         table_gemm = ops.gemm
         ops.gemm = lambda xx, w, out, **kw: shapes.append(w.shape) or table_gemm(xx, w, out, **kw)  # noqa: E731
         ops.router(env.dev(x), env.dev(wg), env.dev(bias), k, n_group, topk_group, True, 2.827, ii, ww)
-        want = [wg.shape] if n >= ops.router_mma_from else []
-        assert shapes == want, f"router at n={n} (mma from {ops.router_mma_from}): ops.gemm saw {shapes}, not {want}"
+        want = [wg.shape] if n >= ROUTER_MMA_FROM else []
+        assert shapes == want, f"router at n={n} (mma from {ROUTER_MMA_FROM}): ops.gemm saw {shapes}, not {want}"
     else:
         logits_gemm = None
         if mma == "gemm":
