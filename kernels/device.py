@@ -176,6 +176,9 @@ if SIM:
         r1 = np.float32(np.float64(a1) * b1 + c1)
         return pack_bf16x2(r0, r1)
 
+    def lop3_and_or(a, b, c):
+        return np.uint32((int(a) & int(b)) | int(c))
+
     def _pairs(words):
         """uint32 words -> float32 (low, high) halves, elementwise."""
         w = np.asarray(words, dtype=np.uint32)
@@ -312,6 +315,9 @@ else:
     # cvt packs its first source into the upper half: pass (hi, lo) to get lo in the low half
     _cvt_pair = _asm_op("cvt_pair", "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [_f32, _f32], _u32)
     fma_bf16x2 = _asm_op("fma_bf16x2", "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [_u32] * 3, _u32)
+    # (a & b) | c in one LOP3: written as `&` then `|`, ptxas emits two LOP3s when b and c are both constants
+    # (one immediate per LOP3); here c is a register operand.
+    lop3_and_or = _asm_op("lop3_and_or", "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r", [_u32] * 3, _u32)
     mma_bf16 = _asm_op(
         "mma_bf16",
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
@@ -368,7 +374,7 @@ def split_bf16x2(x0, x1):
 @device
 def int4_pair(q, shift):
     """Nibbles `shift/4` and `shift/4 + 4` of word q (u = q + 8 storage) -> bf16 pair of (u - 8), exact."""
-    v = ((uint32(q) >> uint32(shift)) & uint32(0x000F000F)) | INT4_MAGIC
+    v = lop3_and_or(uint32(q) >> uint32(shift), uint32(0x000F000F), INT4_MAGIC)
     return fma_bf16x2(v, BF16_ONE2, INT4_OFFSET2)
 
 

@@ -5,6 +5,8 @@ the per-round tree work (top-K, build, sampling, walk, commit, feature gather) i
 Every timing replays a CUDA graph of `reps` launches (numba launches captured on a CuPy stream), so Python launch
 overhead is not measured. `run(results, copy_bw_gbs)` is called by tools/bench_kernels.py; alone:
     python -m tools.bench_attention [--out bench.json] [--quick] [--only mla|tree|prefill|drafter|splits]
+    python -m tools.bench_attention --only mla --mla-variant '{"MLA_NK": 64}'     # a kernels.mla setting
+    ncu -k regex:mla python -m tools.bench_attention --profile-mla 64:1:4096:64  # heads:queries:context:batch
 """
 import argparse
 import json
@@ -125,6 +127,60 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
                     print("mla", rows[-1], flush=True)
                     del keep
     return rows
+
+
+def mma_peak_tflops(chains=8, steps=4096):
+    """The tensor-core roof of mma.sync m16n8k16 (bf16 in, f32 accumulate) from numba: every warp runs `chains`
+    independent accumulator chains for `steps` steps on register operands (no memory in the loop), 8 warps per
+    block, 8 blocks per SM. The compute-bound MLA shapes are judged against it."""
+    import cupy as cp
+    from numba import cuda, float32, uint32
+    from kernels.device import mma_bf16
+    NACC = 4 * chains
+
+    @cuda.jit
+    def mma_loop(out, steps):
+        lane = cuda.threadIdx.x & 31
+        a = uint32(0x3F803F80) + uint32(lane)          # bf16 pairs near 1: finite sums
+        acc = cuda.local.array(NACC, float32)
+        for i in range(NACC):
+            acc[i] = float32(0)
+        for _ in range(steps):
+            for c in range(chains):
+                acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3] = mma_bf16(
+                    a, a, a, a, a, a, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3])
+        tot = float32(0)
+        for i in range(NACC):
+            tot += acc[i]
+        out[cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x] = tot   # keeps the loop alive
+
+    sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+    blocks, threads = 8 * sms, 256
+    out = _nb(cp.zeros(blocks * threads, np.float32))
+    mma_loop[blocks, threads](out, steps)                # compile + warm
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    mma_loop[blocks, threads](out, steps)
+    end.record()
+    end.synchronize()
+    us = cp.cuda.get_elapsed_time(start, end) * 1000
+    flops = 2.0 * 16 * 8 * 16 * chains * steps * blocks * threads // 32
+    return round(flops / us / 1e6, 1)
+
+
+def profile_mla(case):
+    """One MLA case launched eagerly three times, for a profiler: "heads:queries:ctx:batch" (ncu -k regex:mla)."""
+    from kernels.mla import mla_attention, mla_work
+    h, T, ctx, B = (int(v) for v in case.split(":"))
+    keep = Keep()
+    q, cache = keep.normal((B, T, h, K2_D)), keep.bf16((B, ctx + T, K2_D))
+    lengths, ntok = keep.arr(_cp().full(B, ctx, np.int32)), keep.arr(_cp().full(B, T, np.int32))
+    mask = keep.arr(_cp().full((B, T, -(-T // 32)), 0xFFFFFFFF, np.uint32))
+    out = keep.zeros((B, T, h, K2_R), np.float32)
+    work = mla_work(keep.zeros, B, T, h, K2_R, ctx + T)
+    for _ in range(3):
+        mla_attention(q, cache, lengths, ntok, mask, 0.04, out, work)
+    _cp().cuda.runtime.deviceSynchronize()
 
 
 def bench_prefill(T=1024, h=64):
@@ -286,6 +342,7 @@ def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5):
 
 
 OPT_IN = ("splits",)        # tables run only when asked for by name (--only)
+MLA_VARIANT = {}            # kernels.mla settings for the mla table (--mla-variant)
 
 
 def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None, only=None):
@@ -296,7 +353,9 @@ def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None, only=None
     res = results.setdefault("attention", {})
     res["copy_bw_gbs"] = copy_bw_gbs
     res["k2_round_us"] = K2_ROUND_US
-    for name, fn in [("mla", lambda: bench_mla(ctxs, [64, 8], [1, 17, 65], copy_bw_gbs)),
+    res["mma_sync_tflops"] = mma_peak_tflops()
+    print(f"mma.sync m16n8k16 bf16 roof: {res['mma_sync_tflops']} TFLOP/s", flush=True)
+    for name, fn in [("mla", lambda: bench_mla(ctxs, [64, 8], [1, 17, 65], copy_bw_gbs, variant=MLA_VARIANT)),
                      ("tree", lambda: bench_tree([16, 64, 255] if quick else [16, 32, 64, 128, 255])),
                      ("prefill", lambda: bench_prefill()),
                      ("drafter", lambda: bench_drafter(drafter_cases(quick), copy_bw_gbs)),
@@ -309,6 +368,9 @@ def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None, only=None
             import traceback
             res[name + "_error"] = traceback.format_exc()[-3000:]
             print(name, "FAILED", e, flush=True)
+        if name == "mla" and "mla" in res:    # compute-bound shapes: how close to the tensor-core roof
+            for row in res["mla"]:
+                row["pct_mma_roof"] = round(100 * row["tflops"] / res["mma_sync_tflops"], 1)
         if on_table:
             on_table(results)
     res["seconds"] = round(time.time() - t0, 1)
@@ -335,7 +397,13 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["mla", "tree", "prefill", "drafter", "splits"], default=None)
+    ap.add_argument("--profile-mla", metavar="H:T:CTX:B", help="run one MLA case three times for a profiler, exit")
+    ap.add_argument("--mla-variant", metavar="JSON", help='kernels.mla settings for the mla table, e.g. {"MLA_NK": 64}')
     args = ap.parse_args()
+    if args.profile_mla:
+        return profile_mla(args.profile_mla)
+    if args.mla_variant:
+        MLA_VARIANT.update(json.loads(args.mla_variant))
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     def save(results):
