@@ -39,7 +39,7 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
 
 
 def check_knobs(env, knobs, **kw):
-    """check with kernels.mla settings changed (e.g. MLA_NK = 64: two column chunks per softmax thread),
+    """check with kernels.mla settings changed (e.g. MLA_NK = 32: one column chunk per softmax thread),
     restored afterwards."""
     import kernels.mla as km
     saved = {k: getattr(km, k) for k in knobs}
@@ -75,7 +75,7 @@ SIM_CASES = {
                                               sms=4, seed=8),
     "sharp_scores_rescale": lambda env: check(env, B=1, lengths=(200,), ntok=(1,), scale=1.5, work=96, seed=9),
     "split_sizing": check_split_sizing,
-    "nk64_splits_tree": lambda env: check_knobs(env, dict(MLA_NK=64), B=1, T=3, h=4, lengths=(150,), ntok=(3,),
+    "nk32_splits_tree": lambda env: check_knobs(env, dict(MLA_NK=32), B=1, T=3, h=4, lengths=(150,), ntok=(3,),
                                                 work=96, seed=10),
     "two_s_tiles_kg2": lambda env: check_knobs(env, dict(MLA_S_TILES=2, MLA_WIDE_KG=2), B=1, T=13, h=4,
                                                lengths=(70,), ntok=(13,), work=64, seed=11),
