@@ -102,3 +102,12 @@ def test_ptx_stats_expert_mainloop():
     ptx, cfg = expert_gemm_ptx(0)
     ops = opcode_counts(hot_block(ptx))
     assert (ops["mma"], ops["ld"]) == (8 * cfg.R * cfg.U, (4 * cfg.R + 4) * cfg.U), ops
+
+
+def test_ptx_stats_dense_gemm_mainloop():
+    """tools/ptx_stats.py --gemm finds the dense GEMM's mainloop: whole k-steps of 2*R*T*XS mma at q_kv_a, m = 17
+    (three token tiles)."""
+    from tools.ptx_stats import dense_gemm_ptx, hot_block, opcode_counts
+    ptx, cfg, per_step = dense_gemm_ptx(17, 2112, 7168)
+    mma = opcode_counts(hot_block(ptx))["mma"]
+    assert per_step == 2 * cfg.R * 3 * cfg.XS and mma and mma % per_step == 0, (mma, per_step, cfg)

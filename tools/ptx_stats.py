@@ -5,7 +5,9 @@ kernels). PTX is numba's output before ptxas; `--sass` assembles it with ptxas (
 with nvdisasm (`pip install nvidia-cuda-nvdisasm`), which is what the GPU runs: ptxas does not merge `and` and `or`
 with two constant operands into one LOP3, for one, so PTX counts can mislead.
 
-    python -m tools.ptx_stats [--sass]      # the INT4 expert GEMMs (gate_up, down) with the default cuts
+    python -m tools.ptx_stats [--sass]                 # the INT4 expert GEMMs (gate_up, down), default cuts
+    python -m tools.ptx_stats --sass --gemm q_kv_a:17  # a K2 dense GEMM (tools.bench_kernels.K2_GEMMS) at m rows
+    python -m tools.ptx_stats --sass --mla 64          # the MLA kernel for 64 query rows (whole kernel, registers)
 """
 import argparse
 import collections
@@ -32,8 +34,18 @@ def hot_block(ptx):
 
 
 def sass_of(ptx):
-    """SASS text (nvdisasm -c) of a PTX module assembled by ptxas for sm_90. numba's NVVM may write a newer PTX
-    .version than the local ptxas reads: the module is stamped with ptxas's own (no newer feature is used)."""
+    """SASS text (nvdisasm -c) of a PTX module assembled by ptxas for sm_90."""
+    ptxas, nvdisasm = _tools()
+    with tempfile.TemporaryDirectory() as d:
+        src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(src, "w") as f:
+            f.write(_stamp(ptxas, ptx))
+        subprocess.run([ptxas, "-arch=sm_90", "-O3", src, "-o", cubin], check=True)
+        return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+
+
+def _tools():
+    """(ptxas, nvdisasm) paths, or a clear exit."""
     ptxas = shutil.which("ptxas") or next(iter(glob.glob("/usr/local/cuda*/bin/ptxas")), None)
     nvdisasm = shutil.which("nvdisasm") or next(iter(glob.glob(os.path.join(
         os.path.dirname(sys.executable), "..", "lib", "python*", "site-packages", "nvidia", "cu*", "bin",
@@ -41,15 +53,30 @@ def sass_of(ptx):
     if not ptxas or not nvdisasm:
         raise SystemExit("--sass needs ptxas (CUDA toolkit) and nvdisasm (pip install nvidia-cuda-nvdisasm) "
                          f"on PATH; found ptxas={ptxas} nvdisasm={nvdisasm}")
+    return ptxas, nvdisasm
+
+
+def ptxas_info(ptx, threads):
+    """ptxas -v's register and spill line for the module, capped as the kernels cap themselves (the register file
+    over `threads`: kernels.mla's max_registers)."""
+    ptxas, _ = _tools()
+    cap = min(255, 65536 // threads // 8 * 8)
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(_stamp(ptxas, ptx))
+        r = subprocess.run([ptxas, "-arch=sm_90", "-O3", "-v", f"-maxrregcount={cap}", src, "-o",
+                            os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True)
+    keep = [ln.split(":", 1)[-1].strip() for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln]
+    return " | ".join(keep)
+
+
+def _stamp(ptxas, ptx):
+    """numba's NVVM may write a newer PTX .version than the local ptxas reads: stamp ptxas's own (PTX ISA 9.x came
+    with CUDA 13.x, 8.x with 12.x; no newer feature is used)."""
     ver = subprocess.run([ptxas, "--version"], capture_output=True, text=True, check=True).stdout
     major, minor = re.search(r"release (\d+)\.(\d+)", ver).groups()
-    with tempfile.TemporaryDirectory() as d:
-        src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-        with open(src, "w") as f:     # PTX ISA 9.0 came with CUDA 13.0 (8.x: CUDA 12.x)
-            f.write(re.sub(r"\.version \d+\.\d+", f".version {int(major) - 4}.{minor}", ptx)
-                    if int(major) >= 13 else ptx)
-        subprocess.run([ptxas, "-arch=sm_90", "-O3", src, "-o", cubin], check=True)
-        return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    return re.sub(r"\.version \d+\.\d+", f".version {int(major) - 4}.{minor}", ptx) if int(major) >= 13 else ptx
 
 
 def sass_hot_block(sass):
@@ -72,19 +99,25 @@ def opcode_counts(block):
     return collections.Counter(re.split(r"[\s.]", op, maxsplit=1)[0] for op in ops)
 
 
+def _sm90():
+    """Device functions compile for the current device: without a GPU, say sm_90."""
+    import numba.cuda.dispatcher as dispatcher
+    from numba import cuda
+    if not cuda.is_available():
+
+        class Device:
+            compute_capability = (9, 0)
+        dispatcher.get_current_device = Device
+
+
 def expert_gemm_ptx(down, cfg=None):
     """PTX of the INT4 expert GEMM stage with the default cut (kernels.moe GATE_UP_CFG / DOWN_CFG), K2's G = 4."""
-    import numba.cuda.dispatcher as dispatcher
     from numba import cuda
     from numba import types as ty
 
     from kernels.gemm import INT4
     from kernels.moe import DOWN_CFG, GATE_UP_CFG, MOE_XS, _build_expert_gemm
-    if not cuda.is_available():          # device functions compile for the current device: say sm_90
-
-        class Device:
-            compute_capability = (9, 0)
-        dispatcher.get_current_device = Device
+    _sm90()
     c = cfg or (DOWN_CFG if down else GATE_UP_CFG)
     bounds = (32 * c.WR * c.WK, c.min_blocks) if c.min_blocks else None
     kern = _build_expert_gemm(INT4, down, c.T, c.R, MOE_XS, 4, c.U, 1, c.PF, bounds)
@@ -93,24 +126,77 @@ def expert_gemm_ptx(down, cfg=None):
     return cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))[0], c
 
 
+def dense_gemm_ptx(m, n, k):
+    """PTX of the bf16 mma GEMM kernel gemm() launches for x f32[m, k] @ w[n, k]^T with the default cut (the
+    k-split reduce as gemm() would run it), and (cut, mma per k-step)."""
+    from numba import cuda
+    from numba import types as ty
+
+    from kernels.gemm import _build_gemm, gemm_config
+    _sm90()
+    c = gemm_config(m, n, k)
+    T = -(-m // 8)
+    fused = c.BF == 1
+    kern = _build_gemm(T, c.R, c.XS, c.U, c.PF, 1 if fused else 2, 0, (32 * c.WR * c.WK, c.MB) if c.MB else None,
+                       c.S, c.RB)
+    u32, i32, f32 = ty.uint32, ty.int32, ty.float32
+    sig = (u32[::1], u32[::1], f32[:, :], f32[:, :, :]) + (i32,) * 5
+    return cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))[0], c, 2 * c.R * T * c.XS
+
+
+def mla_ptx(M, D=576, r=512):
+    """PTX of the absorbed MLA kernel for M query rows (T * heads) at K2's latent widths, and its geometry."""
+    from numba import cuda
+
+    from kernels.mla import mla_geometry, mla_kernel
+    _sm90()
+    geo = mla_geometry(M, D, r)
+    sig = ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32[:,:,::1], float32, int32, "
+           "int32, float32[:,:,:,::1], float32[:,:,:,::1])")
+    return cuda.compile_ptx(mla_kernel(geo[0], geo[1], geo[2], False, D, r).py_func, sig, cc=(9, 0))[0], geo
+
+
+def counts(ptx, sass, steps):
+    """One line of per-step counts of the hot block (`steps` k-steps in it): total, the ten most common opcodes,
+    and in SASS the register moves (IMAD.MOV / MOV: operands rearranged for an mma, say)."""
+    if sass:
+        block = sass_hot_block(sass_of(ptx))
+        ops = collections.Counter(op.split(".")[0].lower() for op in block)
+        moves = sum(op.startswith(("IMAD.MOV", "MOV")) for op in block)
+        extra, kind = f", moves {moves / steps:.0f}", "SASS"
+    else:
+        block = hot_block(ptx)
+        ops = opcode_counts(block)
+        extra, kind = "", "PTX"
+    return (f"{len(block) / steps:.0f} {kind} instructions per k-step{extra}; "
+            + ", ".join(f"{k} {v / steps:.0f}" for k, v in ops.most_common(10)))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sass", action="store_true", help="count the SASS of ptxas instead of numba's PTX")
+    ap.add_argument("--gemm", metavar="NAME:M", help="a K2 dense GEMM (tools.bench_kernels.K2_GEMMS) at M rows")
+    ap.add_argument("--mla", metavar="M", type=int, help="the MLA kernel for M query rows: registers, spills, SASS")
     args = ap.parse_args(argv)
+    if args.gemm:
+        from tools.bench_kernels import K2_GEMMS
+        name, _, m = args.gemm.partition(":")
+        if name not in K2_GEMMS:
+            raise SystemExit(f"--gemm {name}: not one of {', '.join(K2_GEMMS)}")
+        ptx, cfg, mma = dense_gemm_ptx(int(m or 1), *K2_GEMMS[name])
+        block = sass_hot_block(sass_of(ptx)) if args.sass else hot_block(ptx)
+        steps = sum(op.lower().startswith(("hmma", "mma")) for op in block) / mma
+        print(f"gemm {name} m={m or 1} {cfg}: {counts(ptx, args.sass, steps)}")
+        return
+    if args.mla:
+        ptx, (rg, kg, stages, threads, smem) = mla_ptx(args.mla)
+        print(f"mla M={args.mla}: {16 * rg} rows x {threads} threads, {stages} stages, {smem // 1024} KB shared")
+        print(ptxas_info(ptx, threads))
+        return
     for down in (0, 1):
         ptx, cfg = expert_gemm_ptx(down)
-        if args.sass:
-            block = sass_hot_block(sass_of(ptx))
-            ops = collections.Counter(op.split(".")[0].lower() for op in block)
-            mma, loads, kind = ops["hmma"], ops["ldg"], "SASS"
-        else:
-            block = hot_block(ptx)
-            ops = opcode_counts(block)
-            mma, loads, kind = ops["mma"], ops["ld"], "PTX"
         steps = cfg.U                                   # the unrolled mainloop holds U k-steps
-        print(f"expert {'down' if down else 'gate_up'} (R={cfg.R}, U={cfg.U}): {len(block) / steps:.0f} {kind} "
-              f"instructions per k-step, {mma / steps:.0f} mma, {loads / steps:.0f} loads; "
-              + ", ".join(f"{k} {v / steps:.0f}" for k, v in ops.most_common(10)))
+        print(f"expert {'down' if down else 'gate_up'} (R={cfg.R}, U={cfg.U}): {counts(ptx, args.sass, steps)}")
 
 
 if __name__ == "__main__":
