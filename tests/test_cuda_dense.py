@@ -9,14 +9,14 @@ from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for d
 from kernels.gemm import GemmConfig
 
 
-def check_gemm_fused_reduce(env, m, n, k, cfg=None, calls=2, seed=0):
+def check_gemm_fused_reduce(env, m, n, k, cfg=None, calls=2, seed=0, xs=2):
     """The k-split partials added by the last block of each row range (ws.sync): right twice in a row, counters
     left at zero."""
     from kernels.gemm import GemmWorkspace, gemm, gemm_ref, gemm_sync_words, gemm_workspace_words
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = C.rand_bf16(rng, n, k)
-    nxb, npart = gemm_workspace_words(m, n, k, 2, cfg)
+    nxb, npart = gemm_workspace_words(m, n, k, xs, cfg)
     nsync = gemm_sync_words(m, n, k, cfg)
     assert nsync > 0, "no k split across blocks in this cut"
     ws = GemmWorkspace(C.poisoned(env, (max(nxb, 1),), np.uint32), C.poisoned(env, (npart,), np.float32),
@@ -26,8 +26,9 @@ def check_gemm_fused_reduce(env, m, n, k, cfg=None, calls=2, seed=0):
     dx, dw = env.dev(x), env.dev(w)
     for call in range(calls):
         out = C.poisoned(env, (m, n), np.float32)
-        gemm(dx, dw, out, ws, 2, cfg)
-        C.assert_close(f"gemm fused reduce m={m} n={n} k={k} call {call}", env.host(out), ref, 2e-5, scale)
+        gemm(dx, dw, out, ws, xs, cfg)
+        C.assert_close(f"gemm fused reduce m={m} n={n} k={k} call {call}", env.host(out), ref,
+                       2e-5 if xs == 2 else 4e-3, scale)
         assert not env.host(ws.sync).any(), "k-split counters not left at zero"
 
 def check_ops_gemm_tall(env, m=73, n=16, k=64):
@@ -45,6 +46,19 @@ def check_ops_gemm_tall(env, m=73, n=16, k=64):
         ref = gemm_ref(x, w, np.empty((m, n), np.float32))
         C.assert_close(f"ops.gemm m={m} contiguous={x.flags.c_contiguous}", env.host(out), ref, 2e-5,
                        (np.abs(x) @ np.abs(C.bf16_to_f32(w)).T).max())
+
+
+def check_ab_refuses(env):
+    """The AB cut with hi + lo parts or a ring is refused with a one-line error, nothing written."""
+    from kernels.gemm import GemmWorkspace, gemm
+    x, w = np.ones((3, 64), np.float32), C.rand_bf16(np.random.default_rng(0), 16, 64)
+    ws = GemmWorkspace(env.zeros((4096,), np.uint32), env.zeros((4096,), np.float32))
+    for xs, cfg in ((2, GemmConfig(R=1, WR=1, WK=1, SB=1, BF=0, AB=1)),
+                    (1, GemmConfig(R=1, WR=1, WK=1, SB=1, BF=0, S=2, AB=1))):
+        out = C.poisoned(env, (3, 16), np.float32)
+        with pytest.raises(ValueError, match="AB cut"):
+            gemm(env.dev(x), env.dev(w), out, ws, xs, cfg)
+        assert np.isnan(env.host(out)).all()
 
 
 SIM_CASES = {
@@ -78,6 +92,14 @@ SIM_CASES = {
         R=2, WR=1, WK=2, SB=2, BF=0, S=2, RB=1)),
     "gemm_ring_b_in_ring_bf16_activations": lambda env: C.check_gemm(env, 17, 32, 320, 1, GemmConfig(
         R=2, WR=1, WK=1, SB=2, BF=0, MB=2, FR=0, S=2, RB=1)),    # the default cut of 3 tiles on large weights
+    # x as the A operand (AB): 2 token tiles of 16 with a row past m, rows past n, k split in and across blocks
+    "gemm_ab_2tiles_split": lambda env: C.check_gemm(env, 17, 48, 128, 1,
+                                                      GemmConfig(R=2, WR=1, WK=2, SB=2, BF=0, FR=0, AB=1)),
+    "gemm_ab_fused_reduce_2warp_rows": lambda env: check_gemm_fused_reduce(env, 5, 40, 192, GemmConfig(
+        R=1, WR=2, WK=1, SB=3, BF=0, AB=1), xs=1),
+    "gemm_ab_3tiles_r1_prep_pads_rows": lambda env: C.check_gemm(env, 40, 24, 64, 1,
+                                                                  GemmConfig(R=1, WR=2, WK=1, SB=1, BF=0, AB=1)),
+    "gemm_ab_bad_cut": lambda env: check_ab_refuses(env),
     "rmsnorm": lambda env: C.check_norm(env, 3, 100, False),
     "add_rmsnorm": lambda env: C.check_norm(env, 3, 100, True),
     "add_rmsnorm_keep": lambda env: C.check_norm(env, 2, 70, "keep"),
@@ -92,7 +114,8 @@ SIM_CASES = {
 
 
 @pytest.mark.parametrize("T,R,BF,S,RB", [(1, 2, 1, 0, 0), (3, 2, 2, 0, 0), (5, 2, 1, 0, 0), (1, 2, 1, 4, 0),
-                                         (3, 2, 2, 4, 0), (9, 1, 2, 3, 0), (3, 2, 2, 3, 1), (9, 1, 2, 2, 1)])
+                                         (3, 2, 2, 4, 0), (9, 1, 2, 3, 0), (3, 2, 2, 3, 1), (9, 1, 2, 2, 1),
+                                         (2, 2, 4, 0, 0), (3, 1, 4, 0, 0), (5, 1, 4, 0, 0)])
 def test_ptx_gemm_fused_reduce(T, R, BF, S, RB):
     """The GEMM with the in-kernel k-split reduce (and the cp.async ring when S) compiles for sm_90: no float64,
     accumulators and weight fragments in registers."""
@@ -104,7 +127,7 @@ def test_ptx_gemm_fused_reduce(T, R, BF, S, RB):
     from kernels.gemm import _build_gemm
     u32, f32 = ty.uint32[::1], ty.float32
     sig = ((f32[::1] if BF == 1 else u32), u32, f32[:, :], f32[:, :, :], u32) + (ty.int32,) * 5
-    ptx = ptx_or_skip(_build_gemm(T, R, 2, 2, 1, BF, 1, (256, 2), S, RB).py_func, sig)
+    ptx = ptx_or_skip(_build_gemm(T, R, 1 if BF == 4 else 2, 2, 1, BF, 1, (256, 2), S, RB).py_func, sig)
     assert not f64_lines(ptx), "float64 instructions:\n" + "\n".join(f64_lines(ptx)[:5])
     assert "mma.sync.aligned.m16n8k16" in ptx and "atom.global.add.u32" in ptx
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory"
@@ -122,17 +145,21 @@ K2_GEMMS = {"q_a": (1536, 7168), "q_b": (12288, 1536), "kv_a": (576, 7168), "q_k
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 17, 33, 65])
 @pytest.mark.parametrize("over", [dict(S=0, RB=0), dict(S=4, RB=0), dict(S=3, RB=1), dict(S=2, RB=1),
-                                  dict(S=3, RB=1, WR=4)], ids=str)
+                                  dict(S=3, RB=1, WR=4), dict(S=0, RB=0, BF=0, AB=1)], ids=str)
 def test_gpu_gemm_cuts(over, m):
-    """The cuts tools/bench_kernels.py tries, on q_kv_a and shared_down (k split in and across blocks) and kv_b."""
+    """The cuts tools/bench_kernels.py tries, on q_kv_a and shared_down (k split in and across blocks) and kv_b
+    (hi + lo parts; the AB cut takes bf16 activations only)."""
     from dataclasses import replace
 
     from kernels.gemm import SMEM_MAX, gemm_config, gemm_smem
     for name in ("q_kv_a", "shared_down", "kv_b"):
         n, k = K2_GEMMS[name]
         cfg = replace(gemm_config(m, n, k), **over)
-        if cfg.WR * cfg.WK <= 8 and gemm_smem(-(-m // 8), cfg, 2 * -(-m // 8) * cfg.RB) <= SMEM_MAX:
-            C.check_gemm(Env(gpu=True), m, n, k, 2, cfg)
+        T = -(-m // (16 if cfg.AB else 8))
+        if cfg.AB and T >= 3:        # 2R*T*4 accumulators per lane: above 40 numba keeps them in local memory
+            cfg = replace(cfg, R=1)
+        if cfg.WR * cfg.WK <= 8 and gemm_smem(T, cfg, 2 * T * cfg.RB) <= SMEM_MAX:
+            C.check_gemm(Env(gpu=True), m, n, k, 1 if cfg.AB else 2, cfg)
 
 
 @pytest.mark.gpu

@@ -47,7 +47,11 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
 GEMM_MS = (1, 17, 33, 65)
 GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
                  "rb2": ((17,), dict(S=2, RB=1)), "rb2w4": ((17, 33), dict(S=2, RB=1, WR=4)),
-                 "xs2": ((17, 33, 65), dict(xs=2))}
+                 "xs2": ((17, 33, 65), dict(xs=2)),
+                 # x as the mma's A operand, weights as B (GemmConfig.AB: no register moves; not timed yet)
+                 "ab": ((1, 9, 17), dict(S=0, RB=0, BF=0, AB=1, xs=1)),
+                 "ab_u2": ((17,), dict(S=0, RB=0, BF=0, AB=1, U=2, xs=1)),
+                 "ab_r1": ((17, 33, 65), dict(S=0, RB=0, BF=0, AB=1, R=1, xs=1))}   # R=2 spills from 3 m16 tiles
 GEMM_DEFAULT_ONLY = ("q_a", "kv_a")     # stacked into q_kv_a: the default cut only
 HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
 HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured yet)
@@ -241,7 +245,7 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
         cfg = replace(gemm_config(m, n, k), **{f: v for f, v in over.items() if f != "xs"})
         nbytes, xs = n * k * 2, over.get("xs", cfg.XS)
         need = gemm_workspace_words(m, n, k, xs, cfg)
-        T = -(-m // 8)
+        T = -(-m // (16 if cfg.AB else 8))
         if (need[0] > ws.xb.size or need[1] > ws.part.size or cfg.WR * cfg.WK > 8
                 or gemm_smem(T, cfg, xs * T * cfg.RB) > SMEM_MAX):
             return 0.0

@@ -7,11 +7,13 @@ with two constant operands into one LOP3, for one, so PTX counts can mislead.
 
     python -m tools.ptx_stats [--sass]                 # the INT4 expert GEMMs (gate_up, down), default cuts
     python -m tools.ptx_stats --sass --gemm q_kv_a:17  # a K2 dense GEMM (tools.bench_kernels.K2_GEMMS) at m rows
+    python -m tools.ptx_stats --sass --gemm q_kv_a:17 --cut '{"AB": 1, "S": 0, "RB": 0}'   # another cut
     python -m tools.ptx_stats --sass --mla 64          # the MLA kernel for 64 query rows (whole kernel, registers)
 """
 import argparse
 import collections
 import glob
+import json
 import os
 import re
 import shutil
@@ -126,22 +128,24 @@ def expert_gemm_ptx(down, cfg=None):
     return cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))[0], c
 
 
-def dense_gemm_ptx(m, n, k):
-    """PTX of the bf16 mma GEMM kernel gemm() launches for x f32[m, k] @ w[n, k]^T with the default cut (the
-    k-split reduce as gemm() would run it), and (cut, mma per k-step)."""
+def dense_gemm_ptx(m, n, k, over=None):
+    """PTX of the bf16 mma GEMM kernel gemm() launches for x f32[m, k] @ w[n, k]^T with the default cut, or with
+    `over` (GemmConfig fields) replaced in it, and (cut, mma per k-step). The k-split reduce runs as a launch."""
+    import dataclasses
+
     from numba import cuda
     from numba import types as ty
 
     from kernels.gemm import _build_gemm, gemm_config
     _sm90()
-    c = gemm_config(m, n, k)
-    T = -(-m // 8)
-    fused = c.BF == 1
-    kern = _build_gemm(T, c.R, c.XS, c.U, c.PF, 1 if fused else 2, 0, (32 * c.WR * c.WK, c.MB) if c.MB else None,
-                       c.S, c.RB)
+    c = dataclasses.replace(gemm_config(m, n, k), **(over or {}))
+    xs = 1 if c.AB else c.XS
+    T = -(-m // (16 if c.AB else 8))
+    bf = 1 if c.BF == 1 and not c.AB else (4 if c.AB else 2)
+    kern = _build_gemm(T, c.R, xs, c.U, c.PF, bf, 0, (32 * c.WR * c.WK, c.MB) if c.MB else None, c.S, c.RB)
     u32, i32, f32 = ty.uint32, ty.int32, ty.float32
     sig = (u32[::1], u32[::1], f32[:, :], f32[:, :, :]) + (i32,) * 5
-    return cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))[0], c, 2 * c.R * T * c.XS
+    return cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))[0], c, 2 * c.R * T * xs * (2 if c.AB else 1)
 
 
 def mla_ptx(M, D=576, r=512):
@@ -176,6 +180,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sass", action="store_true", help="count the SASS of ptxas instead of numba's PTX")
     ap.add_argument("--gemm", metavar="NAME:M", help="a K2 dense GEMM (tools.bench_kernels.K2_GEMMS) at M rows")
+    ap.add_argument("--cut", metavar="JSON", help='with --gemm: GemmConfig fields to change, e.g. {"AB": 1}')
     ap.add_argument("--mla", metavar="M", type=int, help="the MLA kernel for M query rows: registers, spills, SASS")
     args = ap.parse_args(argv)
     if args.gemm:
@@ -183,7 +188,7 @@ def main(argv=None):
         name, _, m = args.gemm.partition(":")
         if name not in K2_GEMMS:
             raise SystemExit(f"--gemm {name}: not one of {', '.join(K2_GEMMS)}")
-        ptx, cfg, mma = dense_gemm_ptx(int(m or 1), *K2_GEMMS[name])
+        ptx, cfg, mma = dense_gemm_ptx(int(m or 1), *K2_GEMMS[name], json.loads(args.cut) if args.cut else None)
         block = sass_hot_block(sass_of(ptx)) if args.sass else hot_block(ptx)
         steps = sum(op.lower().startswith(("hmma", "mma")) for op in block) / mma
         print(f"gemm {name} m={m or 1} {cfg}: {counts(ptx, args.sass, steps)}")
