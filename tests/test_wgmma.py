@@ -1,0 +1,65 @@
+"""kernels/wgmma.py, the sm_90a warpgroup-MMA building block: its shared-memory layout and PTX on the CPU, one
+wgmma against NumPy on a GPU (marked gpu; the simulator has no twin)."""
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
+from weights.dtypes import bf16_to_f32, f32_to_bf16
+
+
+def test_smem_offset_core_matrices():
+    """Each core matrix (8 rows x 8 bf16) is 128 contiguous bytes, rows 16 bytes apart; core matrices LBO apart
+    along k and SBO apart along rows; a 64 x 16 tile fills [0, 2048) once."""
+    from kernels.wgmma import LBO, SBO, smem_offset
+    offs = np.array([[smem_offset(r, k) for k in range(16)] for r in range(64)])
+    assert sorted(offs.ravel().tolist()) == list(range(0, 2048, 2))
+    assert (offs[:, 8:] - offs[:, :8] == LBO).all() and (offs[8:] - offs[:-8] == SBO).all()
+    core = offs[8:16, 8:16]
+    assert core.min() % 128 == 0 and core.max() - core.min() == 126 and (np.diff(core[:, 0]) == 16).all()
+
+
+@pytest.mark.parametrize("N", [8, 256])
+def test_wgmma_ptx_sm90a(N):
+    """The tile kernel compiles for sm_90a (numba-cuda's target on Hopper): one m64nNk16 wgmma with N/2
+    accumulators, the async-proxy fence before it, no local memory; ptxas accepts it where the toolkit is
+    installed."""
+    from numba import cuda
+    from numba import types as ty
+
+    from cudasim import f64_lines
+    from kernels.wgmma import wgmma_tile_kernel
+    sig = (ty.uint16[:, :], ty.uint16[:, :], ty.float32[:, :])
+    ptx = cuda.compile_ptx(wgmma_tile_kernel(N).py_func, sig, cc=(9, 0, "a"))[0]
+    assert re.search(r"\.target\s+sm_90a", ptx)
+    ops = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{N}k16\.f32\.bf16\.bf16\s*\{{([^}}]*)\}}", ptx)
+    assert len(ops) == 1 and len(ops[0].split(",")) == N // 2, ops
+    assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned 0" in ptx
+    assert not re.search(r"\b(ld|st)\.local", ptx) and not f64_lines(ptx)
+    ptxas = shutil.which("ptxas")
+    if ptxas:
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            with open(f"{d}/k.ptx", "w") as f:
+                f.write(re.sub(r"\.version \d+\.\d+", ".version 9.0", ptx))
+            r = subprocess.run([ptxas, "-arch=sm_90a", f"{d}/k.ptx", "-o", f"{d}/k.cubin"], capture_output=True,
+                               text=True)
+            assert r.returncode == 0, r.stderr[-500:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [8, 64, 256])
+def test_gpu_wgmma_tile(N):
+    """One wgmma (A 64x16, B Nx16 from shared memory, f32 accumulators) against NumPy on random bf16 tiles."""
+    from numba import cuda
+
+    from kernels.wgmma import wgmma_tile
+    rng = np.random.default_rng()
+    a = f32_to_bf16(rng.standard_normal((64, 16)).astype(np.float32))
+    b = f32_to_bf16(rng.standard_normal((N, 16)).astype(np.float32))
+    got = wgmma_tile(cuda.to_device(a), cuda.to_device(b), N).copy_to_host()
+    want = bf16_to_f32(a).astype(np.float64) @ bf16_to_f32(b).astype(np.float64).T
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), np.abs(got - want).max()
