@@ -514,20 +514,28 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None):
     return expert_gemm
 
 
-def _build_combine():
+def _build_combine(TK):
     @kernel()
     def combine(y, shared, out, eidx, e0, n_exp, n, top_k, hdim, has_shared):
         """out[t, h] = sum over j (in order) of y[t*k + j, h] for the slots whose expert eidx[t, j] is held here
-        (e0 <= e < e0 + n_exp) (+ shared[t, h]). Launch: grid ceil(n*H/256), 256."""
+        (e0 <= e < e0 + n_exp) (+ shared[t, h]); k = TK (= top_k, compiled in). The TK expert ids, then the TK
+        values, are loaded before any is used (two rounds of loads in flight, not a chain of 2 TK); slots of other
+        devices add nothing (selected away, so whatever their rows hold). Launch: grid ceil(n*H/256), 256."""
         i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if i >= n * hdim:
             return
         tok, h = i // hdim, i % hdim
-        v = F0
-        for j in range(top_k):
+        live = cuda.local.array(TK, int32)
+        vals = cuda.local.array(TK, float32)
+        for j in range(TK):
             e = eidx[tok, j] - e0
-            if e >= 0 and e < n_exp:
-                v += y[tok * top_k + j, h]
+            live[j] = int32(e >= 0 and e < n_exp)
+        for j in range(TK):
+            vals[j] = y[tok * TK + j, h]
+        v = F0
+        for j in range(TK):
+            if live[j]:
+                v += vals[j]
         if has_shared:
             v += shared[tok, h]
         out[tok, h] = v
@@ -628,6 +636,8 @@ def moe_combine(out, shared, ws, idx, experts):
     h, n = ws.y.shape[1], idx.shape[0]
     if out.shape != (n, h) or (shared is not None and shared.shape != (n, h)):
         raise ValueError(f"moe: out {out.shape} / shared {None if shared is None else shared.shape} not [{n}, {h}]")
-    launch(_cached(_build_combine), math.ceil(n * h / 256), 256, ws.y, shared if shared is not None else out, out,
-           idx, int32(experts.offset), int32(_dims(experts)[1]), int32(n), int32(ws.top_k), int32(h),
-           int32(shared is not None))
+    if idx.shape[1] != ws.top_k:
+        raise ValueError(f"moe: idx {idx.shape} is not [n, {ws.top_k}] (the workspace's top_k)")
+    launch(_cached(_build_combine, ws.top_k), math.ceil(n * h / 256), 256, ws.y,
+           shared if shared is not None else out, out, idx, int32(experts.offset), int32(_dims(experts)[1]), int32(n),
+           int32(ws.top_k), int32(h), int32(shared is not None))
