@@ -236,12 +236,12 @@ def _build_router_logits(TT):
     return router_logits
 
 
-def _build_router_select():
+def _build_router_select(KS):
     @kernel()
     def router_select(part, bias, idx_out, w_out, n_exp, top_k, n_group, topk_group, norm, scaling):
-        """Per token (one block, one thread per expert): logit = the k slices of part f32[ks, n, E] added in order,
-        sigmoid, + bias for the choice, grouped top-k (group score = sum of its top-2 choices), lower index wins
-        ties; weights = normalized sigmoid * scaling.
+        """Per token (one block, one thread per expert): logit = the KS k slices of part f32[KS, n, E] added in
+        order (all KS loaded first: in flight together), sigmoid, + bias for the choice, grouped top-k (group score
+        = sum of its top-2 choices), lower index wins ties; weights = normalized sigmoid * scaling.
         Launch: grid n, block >= E (multiple of 32, <= 1024)."""
         sh_s = cuda.shared.array(MAX_E, float32)
         sh_c = cuda.shared.array(MAX_E, float32)
@@ -254,9 +254,12 @@ def _build_router_select():
         per = n_exp // n_group
         c = NEG_INF
         if e < n_exp:
-            logit = part[0, tok, e]
-            for p in range(1, part.shape[0]):
-                logit += part[p, tok, e]
+            sl = cuda.local.array(KS, float32)
+            for p in range(KS):
+                sl[p] = part[p, tok, e]
+            logit = sl[0]
+            for p in range(1, KS):
+                logit += sl[p]
             s = F1 / (F1 + math.exp(-logit))
             c = s + bias[e]
             sh_s[e] = s
@@ -346,7 +349,7 @@ def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_
             token_blocks = min(passes, max(1, 2 * _sm_count() // eblocks))
         launch(_cached(_build_router_logits, tt), (eblocks, max(1, token_blocks)), 256,
                x.reshape(n * h), _words(w_gate), part, int32(n), int32(h), int32(e))
-    launch(_cached(_build_router_select), n, 32 * math.ceil(e / 32), part, bias, idx_out, w_out, int32(e),
+    launch(_cached(_build_router_select, ks), n, 32 * math.ceil(e / 32), part, bias, idx_out, w_out, int32(e),
            int32(top_k), int32(n_group), int32(topk_group), int32(bool(norm_topk)), float32(scaling))
     return idx_out, w_out
 

@@ -54,7 +54,7 @@ def _moe():
         name = f"expert_{'int4' if fmt == INT4 else 'bf16'}_{'down' if down else 'gate_up'}_T{T}_R{R}_XS{XS}_G{G}"
         cases[name] = (_build_expert_gemm(fmt, down, T, R, XS, G, 2, int(fmt == INT4), int(down)), sig, True)
     cases["router_logits"] = (_build_router_logits(4), (A1(f32), A1(u32), A3(f32), i32, i32, i32), False)
-    cases["router_select"] = (_build_router_select(), (A3(f32), A1(f32), A2(i32), A2(f32)) + (i32,) * 5 + (f32,),
+    cases["router_select"] = (_build_router_select(8), (A3(f32), A1(f32), A2(i32), A2(f32)) + (i32,) * 5 + (f32,),
                               False)
     cases["plan_prep_int4"] = (_build_plan(1, 1), (A2(i32), i32, i32, i32, i32, i32) + (A1(i32),) * 5
                                + (A2(f32), A1(u32), i32), False)
