@@ -89,7 +89,7 @@ from numba import cuda, float32, int32  # noqa: E402
 
 from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device, kernel, launch, ld16, lane_id,  # noqa: E402
                             pack_bf16x2)
-from kernels.device import warp_argmax, warp_sum  # noqa: E402
+from kernels.device import shfl_idx, warp_argmax, warp_sum  # noqa: E402
 from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_mainloop,  # noqa: E402
                           _build_prep_unit, _cached, _split_range, _words)
 
@@ -357,20 +357,33 @@ def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_
 # -------------------------------------------------------------------------------------------------------- plan
 @device
 def _block_scan(a, nelem):
-    """In-place inclusive prefix sum of shared a[0:nelem] (Hillis-Steele; nelem <= blockDim)."""
+    """In-place inclusive prefix sum of shared int32 a[0:nelem] (nelem <= blockDim <= 1024): a scan per warp by
+    shuffles, the warp totals scanned by warp 0, three barriers (the Hillis-Steele form took 2 log2(nelem)).
+    Every thread of the block must call it."""
+    tot = cuda.shared.array(32, int32)
     i = cuda.threadIdx.x
-    d = 1
-    while d < nelem:
-        v = 0
-        if i < nelem:
-            v = a[i]
-            if i >= d:
-                v += a[i - d]
-        cuda.syncthreads()
-        if i < nelem:
-            a[i] = v
-        cuda.syncthreads()
-        d *= 2
+    lane, warp = i % 32, i // 32
+    v = a[i] if i < nelem else 0
+    for d in (1, 2, 4, 8, 16):
+        o = shfl_idx(v, max(lane - d, 0))
+        if lane >= d:
+            v += o
+    if lane == 31:
+        tot[warp] = v
+    cuda.syncthreads()
+    if warp == 0:
+        w = tot[lane] if lane < cuda.blockDim.x // 32 else 0
+        for d in (1, 2, 4, 8, 16):
+            o = shfl_idx(w, max(lane - d, 0))
+            if lane >= d:
+                w += o
+        tot[lane] = w
+    cuda.syncthreads()
+    if warp > 0:
+        v += tot[warp - 1]
+    if i < nelem:
+        a[i] = v
+    cuda.syncthreads()
 
 
 def _build_plan(xs, perm):

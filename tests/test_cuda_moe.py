@@ -18,6 +18,8 @@ SIM_CASES = {
                                                               held=(4, 2), shared=True),
     "moe_int4_prep_2_blocks_per_row": lambda env: C.check_moe(env, 2, 512, 64, 4, 1, "random", 1, cfgs=SMALL,
                                                               seed=3),
+    "moe_int4_70_experts_plan_scans_3_warps": lambda env: C.check_moe(env, 3, 128, 64, 70, 2, "random", 1,
+                                                                      cfgs=SMALL, seed=5),
     "router_one_group_ragged_block": lambda env: C.check_router(env, 3, 64, 18, 4, 1, 1),   # 8 experts per block
     "router_grouped": lambda env: C.check_router(env, 3, 64, 16, 4, 4, 2),
     "router_passes_over_2_block_rows": lambda env: C.check_router(env, 5, 64, 16, 2, 1, 1, tokens_per_pass=2,
@@ -30,7 +32,8 @@ SIM_CASES = {
     "router_two_chunks_per_lane": lambda env: C.check_router(env, 2, 512, 8, 2, 1, 1, k_slices=1),
 }
 
-SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "router_twin_experts_exact_ties": 10, "router_mma_logits": 8,
+SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "moe_int4_70_experts_plan_scans_3_warps": 30,
+            "router_twin_experts_exact_ties": 10, "router_mma_logits": 8,
             "router_mma_through_the_op_table": 11}
 
 
