@@ -63,3 +63,15 @@ def test_gpu_wgmma_tile(N):
     got = wgmma_tile(cuda.to_device(a), cuda.to_device(b), N).copy_to_host()
     want = bf16_to_f32(a).astype(np.float64) @ bf16_to_f32(b).astype(np.float64).T
     assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), np.abs(got - want).max()
+
+
+def test_wgmma_roof_kernel_ptx():
+    """tools/bench_attention.py's wgmma roof kernel compiles for sm_90a: the m64n256k16 wgmma in its loop, the
+    128 accumulators in registers."""
+    from numba import cuda
+    from numba import types as ty
+
+    from tools.bench_attention import wgmma_loop_kernel
+    ptx = cuda.compile_ptx(wgmma_loop_kernel(256, 8).py_func, (ty.float32[::1], ty.int64), cc=(9, 0, "a"))[0]
+    assert ptx.count("wgmma.mma_async.sync.aligned.m64n256k16") >= 1 and "wgmma.commit_group" in ptx
+    assert not re.search(r"\b(ld|st)\.local", ptx), "accumulators in local memory"

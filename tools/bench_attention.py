@@ -168,6 +168,56 @@ def mma_peak_tflops(chains=8, steps=4096):
     return round(flops / us / 1e6, 1)
 
 
+def wgmma_loop_kernel(N=256, per_wait=8):
+    """Kernel (out, steps) for wgmma_peak_tflops: a 128-thread block issues m64nNk16 wgmmas (kernels/wgmma.py) on
+    one A and one B tile of zeros in shared memory into the same f32 accumulators, waiting every `per_wait`.
+    (cupy-free, so tests/test_wgmma.py compiles it on the CPU.)"""
+    from numba import cuda, float32, uint32
+
+    from kernels.wgmma import fence_proxy_async, make_wgmma, smem_desc, wg_commit, wg_fence, wg_wait0
+    nacc, nsm = N // 2, (64 + N) * 8
+    acc = ", ".join(f"c{i}" for i in range(nacc))         # scalars: a tuple indexed in a loop goes to local memory
+    src = f"""
+def wgmma_loop(out, steps):
+    sm = cuda.shared.array({nsm}, uint32)
+    for i in range(cuda.threadIdx.x, {nsm}, 128):
+        sm[i] = uint32(0)
+    fence_proxy_async()
+    cuda.syncthreads()
+    {acc} = {", ".join(["float32(0)"] * nacc)}
+    da, db = smem_desc(sm, 0), smem_desc(sm, 2048)
+    for s in range(steps // {per_wait}):
+        wg_fence()
+        for u in range({per_wait}):
+            {acc} = wgmma(da, db, {acc})
+        wg_commit()
+        wg_wait0()
+    out[cuda.blockIdx.x * 128 + cuda.threadIdx.x] = {" + ".join(f"c{i}" for i in range(nacc))}
+"""
+    ns = dict(cuda=cuda, uint32=uint32, float32=float32, fence_proxy_async=fence_proxy_async, wg_fence=wg_fence,
+              wg_commit=wg_commit, wg_wait0=wg_wait0, smem_desc=smem_desc, wgmma=make_wgmma(N))
+    exec(src, ns)
+    return cuda.jit(ns["wgmma_loop"])
+
+
+def wgmma_peak_tflops(N=256, steps=2048, per_wait=8):
+    """The warpgroup-MMA roof (sm_90a): wgmma_loop_kernel on 3 blocks per SM (154 registers x 128 threads each, by
+    ptxas: 3 fit). Throughput only: the tiles hold zeros (the layout's correctness is tests/test_wgmma.py's)."""
+    import cupy as cp
+    kern = wgmma_loop_kernel(N, per_wait)
+    sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+    blocks = 3 * sms
+    out = _nb(cp.zeros(blocks * 128, np.float32))
+    kern[blocks, 128](out, steps)
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    kern[blocks, 128](out, steps)
+    end.record()
+    end.synchronize()
+    us = cp.cuda.get_elapsed_time(start, end) * 1000
+    return round(2.0 * 64 * N * 16 * (steps // per_wait * per_wait) * blocks / us / 1e6, 1)
+
+
 def profile_mla(case):
     """One MLA case launched eagerly three times, for a profiler: "heads:queries:ctx:batch" (ncu -k regex:mla)."""
     from kernels.mla import mla_attention, mla_work
@@ -355,6 +405,12 @@ def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None, only=None
     res["k2_round_us"] = K2_ROUND_US
     res["mma_sync_tflops"] = mma_peak_tflops()
     print(f"mma.sync m16n8k16 bf16 roof: {res['mma_sync_tflops']} TFLOP/s", flush=True)
+    try:                                         # a new building block: its failure must not cost the tables
+        res["wgmma_tflops"] = wgmma_peak_tflops()
+        print(f"wgmma m64n256k16 bf16 roof: {res['wgmma_tflops']} TFLOP/s", flush=True)
+    except Exception as e:                       # noqa: BLE001
+        res["wgmma_error"] = repr(e)[:500]
+        print("wgmma roof FAILED", repr(e)[:300], flush=True)
     for name, fn in [("mla", lambda: bench_mla(ctxs, [64, 8], [1, 17, 65], copy_bw_gbs, variant=MLA_VARIANT)),
                      ("tree", lambda: bench_tree([16, 64, 255] if quick else [16, 32, 64, 128, 255])),
                      ("prefill", lambda: bench_prefill()),
