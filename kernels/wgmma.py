@@ -36,14 +36,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    def _statement(asm):
-        """A no-operand PTX statement that orders memory."""
-        @intrinsic
-        def op(typingctx):
-            def codegen(ctx, b, sig, args):
-                b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), asm, "~{memory}", side_effect=True), [])
-            return types.void(), codegen
-        return op
+    from kernels.device import _barrier_op as _statement      # a PTX statement that orders memory
 
     wg_fence = _statement("wgmma.fence.sync.aligned;")
     wg_commit = _statement("wgmma.commit_group.sync.aligned;")
