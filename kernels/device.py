@@ -405,6 +405,29 @@ def warp_argmax(v, i):
 
 
 @device
+def block_scan(x, wsum):
+    """Inclusive prefix sum of int32 x over the block's threads (blockDim a multiple of 32, <= 1024) and the
+    total; every thread must call it (barriers inside). wsum: int32 shared scratch, one per warp."""
+    t = cuda.threadIdx.x
+    lane, w = t & 31, t >> 5
+    for off in (1, 2, 4, 8, 16):
+        y = shfl_idx(x, int32(max(lane - off, 0)))
+        if lane >= off:
+            x += y
+    if lane == 31:
+        wsum[w] = x
+    cuda.syncthreads()
+    base, tot = int32(0), int32(0)
+    for j in range(cuda.blockDim.x >> 5):
+        s = wsum[j]
+        tot += s
+        if j < w:
+            base += s
+    cuda.syncthreads()
+    return base + x, tot
+
+
+@device
 def block_sum(v):
     """Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the total. Contains barriers:
     every thread of the block must call it."""

@@ -89,7 +89,7 @@ from numba import cuda, float32, int32  # noqa: E402
 
 from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device, kernel, launch, ld16, lane_id,  # noqa: E402
                             pack_bf16x2)
-from kernels.device import shfl_idx, warp_argmax, warp_sum  # noqa: E402
+from kernels.device import block_scan, warp_argmax, warp_sum  # noqa: E402
 from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_mainloop,  # noqa: E402
                           _build_prep_unit, _cached, _split_range, _words)
 
@@ -355,37 +355,6 @@ def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_
 
 
 # -------------------------------------------------------------------------------------------------------- plan
-@device
-def _block_scan(a, nelem):
-    """In-place inclusive prefix sum of shared int32 a[0:nelem] (nelem <= blockDim <= 1024): a scan per warp by
-    shuffles, the warp totals scanned by warp 0, three barriers (the Hillis-Steele form took 2 log2(nelem)).
-    Every thread of the block must call it."""
-    tot = cuda.shared.array(32, int32)
-    i = cuda.threadIdx.x
-    lane, warp = i % 32, i // 32
-    v = a[i] if i < nelem else 0
-    for d in (1, 2, 4, 8, 16):
-        o = shfl_idx(v, max(lane - d, 0))
-        if lane >= d:
-            v += o
-    if lane == 31:
-        tot[warp] = v
-    cuda.syncthreads()
-    if warp == 0:
-        w = tot[lane] if lane < cuda.blockDim.x // 32 else 0
-        for d in (1, 2, 4, 8, 16):
-            o = shfl_idx(w, max(lane - d, 0))
-            if lane >= d:
-                w += o
-        tot[lane] = w
-    cuda.syncthreads()
-    if warp > 0:
-        v += tot[warp - 1]
-    if i < nelem:
-        a[i] = v
-    cuda.syncthreads()
-
-
 def _build_plan(xs, perm):
     prep_unit = _cached(_build_prep_unit, xs, perm, 0)
 
@@ -406,6 +375,7 @@ def _build_plan(xs, perm):
         cnt = cuda.shared.array(MAX_E, int32)
         inc = cuda.shared.array(MAX_E, int32)
         iinc = cuda.shared.array(MAX_E, int32)
+        wsum = cuda.shared.array(32, int32)
         ns = n * top_k
         for i in range(tid, ns, bs):
             e = idx[i // top_k, i % top_k] - e0
@@ -417,12 +387,12 @@ def _build_plan(xs, perm):
             if sh_idx[i] >= 0:
                 cuda.atomic.add(cnt, sh_idx[i], 1)
         cuda.syncthreads()
-        for e in range(tid, n_exp, bs):
-            inc[e] = cnt[e]
-            iinc[e] = (cnt[e] + cap - 1) // cap
+        c = cnt[tid] if tid < n_exp else 0                           # prefix sums (n_exp <= block): slots and
+        v, _ = block_scan(c, wsum)                                      # items of the experts up to tid
+        vi, _ = block_scan((c + cap - 1) // cap, wsum)
+        if tid < n_exp:
+            inc[tid], iinc[tid] = v, vi
         cuda.syncthreads()
-        _block_scan(inc, n_exp)
-        _block_scan(iinc, n_exp)
         for i in range(tid, ns, bs):
             e = sh_idx[i]
             if e < 0:
@@ -532,7 +502,7 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None):
 
 def _build_combine(TK):
     @kernel()
-    def combine(y, shared, out, eidx, e0, n_exp, n, top_k, hdim, has_shared):
+    def combine(y, shared, out, eidx, e0, n_exp, n, hdim, has_shared):
         """out[t, h] = sum over j (in order) of y[t*k + j, h] for the slots whose expert eidx[t, j] is held here
         (e0 <= e < e0 + n_exp) (+ shared[t, h]); k = TK (= top_k, compiled in). The TK expert ids, then the TK
         values, are loaded before any is used (two rounds of loads in flight, not a chain of 2 TK); slots of other
@@ -656,4 +626,4 @@ def moe_combine(out, shared, ws, idx, experts):
         raise ValueError(f"moe: idx {idx.shape} is not [n, {ws.top_k}] (the workspace's top_k)")
     launch(_cached(_build_combine, ws.top_k), math.ceil(n * h / 256), 256, ws.y,
            shared if shared is not None else out, out, idx, int32(experts.offset), int32(_dims(experts)[1]), int32(n),
-           int32(ws.top_k), int32(h), int32(shared is not None))
+           int32(h), int32(shared is not None))

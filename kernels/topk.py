@@ -14,7 +14,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from kernels.attention import shfl_xor  # noqa: F401 (re-exported)
 from kernels.attention import launch_smem
-from kernels.device import SIM, as_f32, block_argmax, kernel, launch, ld16
+from kernels.device import SIM, as_f32, block_argmax, block_scan, kernel, launch, ld16
 
 TOPK_THREADS = 64 if SIM else 512       # topk_merge_kernel's block
 TOPK_WARPS = TOPK_THREADS // 32
@@ -190,7 +190,7 @@ if SIM:
         return r
 
     def _block_scan(x, wsum):
-        """Simulator twin of _block_scan_gpu through shared memory."""
+        """Simulator twin of device.block_scan through shared memory (the warp exchanges are slow there)."""
         t, n = cuda.threadIdx.x, cuda.blockDim.x
         tmp = cuda.shared.array(TOPK_THREADS, int32)
         tmp[t] = x
@@ -229,29 +229,6 @@ def _block_reduce_gpu(buf, x, is_max):
 
 
 @cuda.jit(device=True, inline="always")
-def _block_scan_gpu(x, wsum):
-    """Inclusive prefix sum of int32 x over the block's threads (blockDim a multiple of 32) and the total; every
-    thread must call it (barriers inside). wsum: int32 shared scratch, one per warp."""
-    t = cuda.threadIdx.x
-    lane, w = t & 31, t >> 5
-    for off in (1, 2, 4, 8, 16):
-        y = shfl_idx(x, int32(max(lane - off, 0)))
-        if lane >= off:
-            x += y
-    if lane == 31:
-        wsum[w] = x
-    cuda.syncthreads()
-    base, tot = int32(0), int32(0)
-    for j in range(cuda.blockDim.x >> 5):
-        s = wsum[j]
-        tot += s
-        if j < w:
-            base += s
-    cuda.syncthreads()
-    return base + x, tot
-
-
-@cuda.jit(device=True, inline="always")
 def _append_gpu(counter, pred):
     """Slot of this lane's item in a shared list whose length is counter[0] (int32), one atomic per warp;
     every lane of the warp must call it (the result is meaningless where pred is False)."""
@@ -282,7 +259,7 @@ def _append_n_gpu(counter, n):
 
 
 if not SIM:
-    _block_reduce, _block_scan, _append, _append_n = _block_reduce_gpu, _block_scan_gpu, _append_gpu, _append_n_gpu
+    _block_reduce, _block_scan, _append, _append_n = _block_reduce_gpu, block_scan, _append_gpu, _append_n_gpu
 
 
 @cuda.jit(device=True, inline="always")

@@ -32,7 +32,7 @@ SIM_CASES = {
     "router_two_chunks_per_lane": lambda env: C.check_router(env, 2, 512, 8, 2, 1, 1, k_slices=1),
 }
 
-SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "moe_int4_70_experts_plan_scans_3_warps": 30,
+SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "moe_int4_70_experts_plan_scans_3_warps": 45,
             "router_twin_experts_exact_ties": 10, "router_mma_logits": 8,
             "router_mma_through_the_op_table": 11}
 

@@ -58,7 +58,7 @@ def _moe():
                               False)
     cases["plan_prep_int4"] = (_build_plan(1, 1), (A2(i32), i32, i32, i32, i32, i32) + (A1(i32),) * 5
                                + (A2(f32), A1(u32), i32), False)
-    cases["combine"] = (_build_combine(8), (A2(f32), A2(f32), A2(f32), A2(i32)) + (i32,) * 6, False)
+    cases["combine"] = (_build_combine(8), (A2(f32), A2(f32), A2(f32), A2(i32)) + (i32,) * 5, False)
     return cases
 
 
