@@ -627,11 +627,16 @@ def gemm_config(m, n, k, target_warps=4096, small=None):
                       RB=RB)
 
 
+def token_tiles(m, cfg):
+    """Token tiles of m rows in a GEMM block: 8 rows each, 16 with x as the A operand (cfg.AB)."""
+    return math.ceil(m / (16 if cfg.AB else 8))
+
+
 def gemm_workspace_words(m, n, k, xs=None, cfg=None):
     """(xb words, part floats) a call needs (xb: the tiled B operand, token rows padded to 8; none for x taller than
     one block, which the GEMM reads itself)."""
     cfg = cfg or gemm_config(m, n, k)
-    rows = math.ceil(m / 16) * 16 if cfg.AB else math.ceil(m / 8) * 8
+    rows = token_tiles(m, cfg) * (16 if cfg.AB else 8)
     xb = rows * (xs or cfg.XS) * k // 2 if m <= 8 * TILES_ONE_BLOCK else 0
     return xb, (cfg.SB * m * n if cfg.SB > 1 else 0)
 
@@ -669,7 +674,7 @@ def gemm(x, w, out, ws, xs=None, cfg=None):
     if cfg.AB and (xs != 1 or cfg.S or m > 8 * TILES_ONE_BLOCK):
         raise ValueError(f"gemm: the AB cut needs bf16 activations (xs=1), no ring and at most "
                          f"{8 * TILES_ONE_BLOCK} rows (got xs={xs}, {cfg}, m={m})")
-    T, zb = math.ceil(m / (16 if cfg.AB else 8)), 1
+    T, zb = token_tiles(m, cfg), 1
     fused = cfg.BF and contiguous(x) and not cfg.AB
     if T > TILES_MAX and fused and not cfg.S and not nsync:
         T, zb = TILES_MAX, math.ceil(m / (8 * TILES_MAX))      # row blocks (grid z) of TILES_MAX token tiles

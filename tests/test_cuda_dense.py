@@ -151,11 +151,11 @@ def test_gpu_gemm_cuts(over, m):
     (hi + lo parts; the AB cut takes bf16 activations only)."""
     from dataclasses import replace
 
-    from kernels.gemm import SMEM_MAX, gemm_config, gemm_smem
+    from kernels.gemm import SMEM_MAX, gemm_config, gemm_smem, token_tiles
     for name in ("q_kv_a", "shared_down", "kv_b"):
         n, k = K2_GEMMS[name]
         cfg = replace(gemm_config(m, n, k), **over)
-        T = -(-m // (16 if cfg.AB else 8))
+        T = token_tiles(m, cfg)
         if cfg.AB and T >= 3:        # 2R*T*4 accumulators per lane: above 40 numba keeps them in local memory
             cfg = replace(cfg, R=1)
         if cfg.WR * cfg.WK <= 8 and gemm_smem(T, cfg, 2 * T * cfg.RB) <= SMEM_MAX:

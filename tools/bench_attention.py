@@ -47,6 +47,11 @@ class Keep(list):
         return self.arr((x.view(np.uint32) >> 16).astype(np.uint16))
 
 
+def _sm_count():
+    cp = _cp()
+    return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+
+
 def gpu_us(fn, reps=10):
     """Microseconds per call of fn: a CUDA graph of `reps` calls, replayed; eager events if capture fails."""
     cp = _cp()
@@ -135,7 +140,8 @@ def mma_peak_tflops(chains=8, steps=4096):
     block, 8 blocks per SM. The compute-bound MLA shapes are judged against it."""
     import cupy as cp
     from numba import cuda, float32, uint32
-    from kernels.device import mma_bf16
+
+    from kernels.device import launch, mma_bf16
     NACC = 4 * chains
 
     @cuda.jit
@@ -154,16 +160,9 @@ def mma_peak_tflops(chains=8, steps=4096):
             tot += acc[i]
         out[cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x] = tot   # keeps the loop alive
 
-    sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
-    blocks, threads = 8 * sms, 256
+    blocks, threads = 8 * _sm_count(), 256
     out = _nb(cp.zeros(blocks * threads, np.float32))
-    mma_loop[blocks, threads](out, steps)                # compile + warm
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    mma_loop[blocks, threads](out, steps)
-    end.record()
-    end.synchronize()
-    us = cp.cuda.get_elapsed_time(start, end) * 1000
+    us, _ = gpu_us(lambda: launch(mma_loop, blocks, threads, out, steps), reps=3)
     flops = 2.0 * 16 * 8 * 16 * chains * steps * blocks * threads // 32
     return round(flops / us / 1e6, 1)
 
@@ -203,18 +202,10 @@ def wgmma_loop(out, steps):
 def wgmma_peak_tflops(N=256, steps=2048, per_wait=8):
     """The warpgroup-MMA roof (sm_90a): wgmma_loop_kernel on 3 blocks per SM (154 registers x 128 threads each, by
     ptxas: 3 fit). Throughput only: the tiles hold zeros (the layout's correctness is tests/test_wgmma.py's)."""
-    import cupy as cp
-    kern = wgmma_loop_kernel(N, per_wait)
-    sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
-    blocks = 3 * sms
-    out = _nb(cp.zeros(blocks * 128, np.float32))
-    kern[blocks, 128](out, steps)
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    kern[blocks, 128](out, steps)
-    end.record()
-    end.synchronize()
-    us = cp.cuda.get_elapsed_time(start, end) * 1000
+    from kernels.device import launch
+    kern, blocks = wgmma_loop_kernel(N, per_wait), 3 * _sm_count()
+    out = _nb(_cp().zeros(blocks * 128, np.float32))
+    us, _ = gpu_us(lambda: launch(kern, blocks, 128, out, steps), reps=3)
     return round(2.0 * 64 * N * 16 * (steps // per_wait * per_wait) * blocks / us / 1e6, 1)
 
 

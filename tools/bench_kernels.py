@@ -233,7 +233,8 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
 def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
     """Each K2 shape at GEMM_MS tokens: the default cut and the variants at their token counts (the best per m is
     reported); then the per-head GEMMs."""
-    from kernels.gemm import SMEM_MAX, GemmWorkspace, gemm, gemm_config, gemm_smem, gemm_workspace_words
+    from kernels.gemm import (SMEM_MAX, GemmWorkspace, gemm, gemm_config, gemm_smem, gemm_workspace_words,
+                              token_tiles)
     dv = cuda.as_cuda_array
     rows = results.setdefault("gemm", [])
     xb_words = -(-max(NS) // 8) * 8 * 2 * 8192 // 2        # tiled B: token rows padded to 8
@@ -245,7 +246,7 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
         cfg = replace(gemm_config(m, n, k), **{f: v for f, v in over.items() if f != "xs"})
         nbytes, xs = n * k * 2, over.get("xs", cfg.XS)
         need = gemm_workspace_words(m, n, k, xs, cfg)
-        T = -(-m // (16 if cfg.AB else 8))
+        T = token_tiles(m, cfg)
         if (need[0] > ws.xb.size or need[1] > ws.part.size or cfg.WR * cfg.WK > 8
                 or gemm_smem(T, cfg, xs * T * cfg.RB) > SMEM_MAX):
             return 0.0

@@ -35,15 +35,22 @@ def hot_block(ptx):
     return max(blocks, key=lambda b: sum("mma.sync" in ins for ins in b))
 
 
+def _assemble(ptx, d, *flags):
+    """ptxas (sm_90, -O3, extra flags) on `ptx` in folder d -> (path of the cubin, ptxas's stderr)."""
+    ptxas, _ = _tools()
+    src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+    with open(src, "w") as f:
+        f.write(_stamp(ptxas, ptx))
+    r = subprocess.run([ptxas, "-arch=sm_90", "-O3", *flags, src, "-o", cubin], capture_output=True, text=True,
+                       check=True)
+    return cubin, r.stderr
+
+
 def sass_of(ptx):
     """SASS text (nvdisasm -c) of a PTX module assembled by ptxas for sm_90."""
-    ptxas, nvdisasm = _tools()
     with tempfile.TemporaryDirectory() as d:
-        src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-        with open(src, "w") as f:
-            f.write(_stamp(ptxas, ptx))
-        subprocess.run([ptxas, "-arch=sm_90", "-O3", src, "-o", cubin], check=True)
-        return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+        cubin, _ = _assemble(ptx, d)
+        return subprocess.run([_tools()[1], "-c", cubin], capture_output=True, text=True, check=True).stdout
 
 
 def _tools():
@@ -61,15 +68,10 @@ def _tools():
 def ptxas_info(ptx, threads):
     """ptxas -v's register and spill line for the module, capped as the kernels cap themselves (the register file
     over `threads`: kernels.mla's max_registers)."""
-    ptxas, _ = _tools()
     cap = min(255, 65536 // threads // 8 * 8)
     with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
-        with open(src, "w") as f:
-            f.write(_stamp(ptxas, ptx))
-        r = subprocess.run([ptxas, "-arch=sm_90", "-O3", "-v", f"-maxrregcount={cap}", src, "-o",
-                            os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True)
-    keep = [ln.split(":", 1)[-1].strip() for ln in r.stderr.splitlines() if "registers" in ln or "spill" in ln]
+        _, err = _assemble(ptx, d, "-v", f"-maxrregcount={cap}")
+    keep = [ln.split(":", 1)[-1].strip() for ln in err.splitlines() if "registers" in ln or "spill" in ln]
     return " | ".join(keep)
 
 
@@ -136,11 +138,11 @@ def dense_gemm_ptx(m, n, k, over=None):
     from numba import cuda
     from numba import types as ty
 
-    from kernels.gemm import _build_gemm, gemm_config
+    from kernels.gemm import _build_gemm, gemm_config, token_tiles
     _sm90()
     c = dataclasses.replace(gemm_config(m, n, k), **(over or {}))
     xs = 1 if c.AB else c.XS
-    T = -(-m // (16 if c.AB else 8))
+    T = token_tiles(m, c)
     bf = 1 if c.BF == 1 and not c.AB else (4 if c.AB else 2)
     kern = _build_gemm(T, c.R, xs, c.U, c.PF, bf, 0, (32 * c.WR * c.WK, c.MB) if c.MB else None, c.S, c.RB)
     u32, i32, f32 = ty.uint32, ty.int32, ty.float32
@@ -160,18 +162,20 @@ def mla_ptx(M, D=576, r=512):
     return cuda.compile_ptx(mla_kernel(geo[0], geo[1], geo[2], False, D, r).py_func, sig, cc=(9, 0))[0], geo
 
 
-def counts(ptx, sass, steps):
-    """One line of per-step counts of the hot block (`steps` k-steps in it): total, the ten most common opcodes,
+def hot(ptx, sass):
+    """The hot block of `ptx`: SASS opcodes (sass=True: ptxas + nvdisasm) or PTX instructions."""
+    return sass_hot_block(sass_of(ptx)) if sass else hot_block(ptx)
+
+
+def counts(block, sass, steps):
+    """One line of per-step counts of a hot block (`steps` k-steps in it): total, the ten most common opcodes,
     and in SASS the register moves (IMAD.MOV / MOV: operands rearranged for an mma, say)."""
     if sass:
-        block = sass_hot_block(sass_of(ptx))
         ops = collections.Counter(op.split(".")[0].lower() for op in block)
         moves = sum(op.startswith(("IMAD.MOV", "MOV")) for op in block)
         extra, kind = f", moves {moves / steps:.0f}", "SASS"
     else:
-        block = hot_block(ptx)
-        ops = opcode_counts(block)
-        extra, kind = "", "PTX"
+        ops, extra, kind = opcode_counts(block), "", "PTX"
     return (f"{len(block) / steps:.0f} {kind} instructions per k-step{extra}; "
             + ", ".join(f"{k} {v / steps:.0f}" for k, v in ops.most_common(10)))
 
@@ -189,9 +193,9 @@ def main(argv=None):
         if name not in K2_GEMMS:
             raise SystemExit(f"--gemm {name}: not one of {', '.join(K2_GEMMS)}")
         ptx, cfg, mma = dense_gemm_ptx(int(m or 1), *K2_GEMMS[name], json.loads(args.cut) if args.cut else None)
-        block = sass_hot_block(sass_of(ptx)) if args.sass else hot_block(ptx)
+        block = hot(ptx, args.sass)
         steps = sum(op.lower().startswith(("hmma", "mma")) for op in block) / mma
-        print(f"gemm {name} m={m or 1} {cfg}: {counts(ptx, args.sass, steps)}")
+        print(f"gemm {name} m={m or 1} {cfg}: {counts(block, args.sass, steps)}")
         return
     if args.mla:
         ptx, (rg, kg, stages, threads, smem) = mla_ptx(args.mla)
@@ -201,7 +205,8 @@ def main(argv=None):
     for down in (0, 1):
         ptx, cfg = expert_gemm_ptx(down)
         steps = cfg.U                                   # the unrolled mainloop holds U k-steps
-        print(f"expert {'down' if down else 'gate_up'} (R={cfg.R}, U={cfg.U}): {counts(ptx, args.sass, steps)}")
+        print(f"expert {'down' if down else 'gate_up'} (R={cfg.R}, U={cfg.U}): "
+              f"{counts(hot(ptx, args.sass), args.sass, steps)}")
 
 
 if __name__ == "__main__":
