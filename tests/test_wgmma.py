@@ -22,8 +22,8 @@ def test_smem_offset_core_matrices():
     assert core.min() % 128 == 0 and core.max() - core.min() == 126 and (np.diff(core[:, 0]) == 16).all()
 
 
-@pytest.mark.parametrize("N", [8, 256])
-def test_wgmma_ptx_sm90a(N):
+@pytest.mark.parametrize("N,K,trans_b", [(8, 16, False), (256, 16, False), (64, 32, True)])
+def test_wgmma_ptx_sm90a(N, K, trans_b):
     """The tile kernel compiles for sm_90a (numba-cuda's target on Hopper): one m64nNk16 wgmma with N/2
     accumulators, the async-proxy fence before it, no local memory; ptxas accepts it where the toolkit is
     installed."""
@@ -33,10 +33,11 @@ def test_wgmma_ptx_sm90a(N):
     from cudasim import f64_lines
     from kernels.wgmma import wgmma_tile_kernel
     sig = (ty.uint16[:, :], ty.uint16[:, :], ty.float32[:, :])
-    ptx = cuda.compile_ptx(wgmma_tile_kernel(N).py_func, sig, cc=(9, 0, "a"))[0]
+    ptx = cuda.compile_ptx(wgmma_tile_kernel(N, K, trans_b).py_func, sig, cc=(9, 0, "a"))[0]
     assert re.search(r"\.target\s+sm_90a", ptx)
-    ops = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{N}k16\.f32\.bf16\.bf16\s*\{{([^}}]*)\}}", ptx)
-    assert len(ops) == 1 and len(ops[0].split(",")) == N // 2, ops
+    ops = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{N}k16\.f32\.bf16\.bf16\s*\{{([^}}]*)\}}([^;]*);", ptx)
+    assert len(ops) == K // 16 and all(len(o[0].split(",")) == N // 2 for o in ops), ops
+    assert all(o[1].replace(" ", "").endswith(f",p,1,1,0,{int(trans_b)}") for o in ops), [o[1] for o in ops]
     assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned 0" in ptx
     assert not re.search(r"\b(ld|st)\.local", ptx) and not f64_lines(ptx)
     ptxas = shutil.which("ptxas")
@@ -50,18 +51,30 @@ def test_wgmma_ptx_sm90a(N):
             assert r.returncode == 0, r.stderr[-500:]
 
 
+def test_core_offset_blocks():
+    """core_offset: row blocks of kcores core matrices, each 128 contiguous bytes; every element of a 24 x 40 tile
+    once; LBO = 128 along k, SBO = 128 kcores along rows."""
+    from kernels.wgmma import core_offset
+    offs = np.array([[core_offset(r, k, 5) for k in range(40)] for r in range(24)])
+    assert sorted(offs.ravel().tolist()) == list(range(0, 24 * 40 * 2, 2))
+    assert (offs[:, 8:] - offs[:, :-8] == 128).all() and (offs[8:] - offs[:-8] == 640).all()
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("N", [8, 64, 256])
-def test_gpu_wgmma_tile(N):
-    """One wgmma (A 64x16, B Nx16 from shared memory, f32 accumulators) against NumPy on random bf16 tiles."""
+@pytest.mark.parametrize("N,K,trans_b", [(8, 16, False), (64, 16, False), (256, 16, False), (32, 64, False),
+                                         (64, 32, True), (256, 48, True)])
+def test_gpu_wgmma_tile(N, K, trans_b):
+    """K/16 wgmmas (A 64xK from shared memory, B NxK K-major or KxN MN-major, f32 accumulators, the first
+    overwriting them) against NumPy on random bf16 tiles."""
     from numba import cuda
 
     from kernels.wgmma import wgmma_tile
     rng = np.random.default_rng()
-    a = f32_to_bf16(rng.standard_normal((64, 16)).astype(np.float32))
-    b = f32_to_bf16(rng.standard_normal((N, 16)).astype(np.float32))
-    got = wgmma_tile(cuda.to_device(a), cuda.to_device(b), N).copy_to_host()
-    want = bf16_to_f32(a).astype(np.float64) @ bf16_to_f32(b).astype(np.float64).T
+    a = f32_to_bf16(rng.standard_normal((64, K)).astype(np.float32))
+    b = f32_to_bf16(rng.standard_normal((K, N) if trans_b else (N, K)).astype(np.float32))
+    got = wgmma_tile(cuda.to_device(a), cuda.to_device(b), N, trans_b).copy_to_host()
+    bf = bf16_to_f32(b).astype(np.float64)
+    want = bf16_to_f32(a).astype(np.float64) @ (bf if trans_b else bf.T)
     assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), np.abs(got - want).max()
 
 
