@@ -46,6 +46,8 @@ from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 from kernels.attention import (LOG2E, NEG_INF, attention_ref, launch_smem, merge_splits, placeholder,  # noqa: E402
                                shfl_xor)
 from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16, mma_bf16  # noqa: E402
+import kernels.mla_wg as _wg  # noqa: E402
+from kernels.mla_wg import mla_wg_applies, mla_wg_attention  # noqa: E402
 
 if not SIM:
     from llvmlite import ir
@@ -101,13 +103,21 @@ if not SIM:
             return _address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         return sig, codegen
 
-    def _make_cp_piece(d8, npieces):
+    def _make_cp_piece(d8, npieces, sw_rows=0):
         """cp.async of 16-byte piece idx (< npieces) of a tile of rows of d8 pieces: global gptr + 16*idx -> shared
-        slot + 16*(idx + idx // d8) (rows padded by 16 bytes); rows idx // d8 >= nvalid read nothing (zeros) from
-        gsafe. All 32-bit index math in one PTX block."""
-        asm = ("{ .reg .u32 kr, so, sz; .reg .u64 ga, off; .reg .pred ok, in;"
-               f" div.u32 kr, $2, {d8}; setp.lt.u32 in, $2, {npieces}; setp.lt.s32 ok, kr, $3;"
-               " add.u32 so, $2, kr; shl.b32 so, so, 4; add.u32 so, so, $0;"
+        slot + 16*(idx + idx // d8) (rows padded by 16 bytes), or with sw_rows > 0 into the 128-byte-swizzle layout
+        of a tile of sw_rows rows (kernels/wgmma.py sw128_offset; 8 lanes, one 128-byte global row segment, land
+        in 8 different bank groups). Rows idx // d8 >= nvalid read nothing (zeros) from gsafe. All 32-bit index
+        math in one PTX block."""
+        if sw_rows:  # piece c of row kr: slab c >> 3, atom kr >> 3, row kr & 7, chunk (c & 7) ^ (kr & 7)
+            place = (f" mul.lo.u32 so, kr, {d8}; sub.u32 c, $2, so; and.b32 t, kr, 7; and.b32 so, c, 7;"
+                     " xor.b32 so, so, t; shl.b32 so, so, 4; shl.b32 t, t, 7; add.u32 so, so, t;"
+                     f" shr.u32 t, c, 3; mad.lo.u32 so, t, {sw_rows * 128}, so; shr.u32 t, kr, 3;"
+                     " shl.b32 t, t, 10; add.u32 so, so, t; add.u32 so, so, $0;")
+        else:
+            place = " add.u32 so, $2, kr; shl.b32 so, so, 4; add.u32 so, so, $0;"
+        asm = ("{ .reg .u32 kr, so, sz, c, t; .reg .u64 ga, off; .reg .pred ok, in;"
+               f" div.u32 kr, $2, {d8}; setp.lt.u32 in, $2, {npieces}; setp.lt.s32 ok, kr, $3;" + place +
                " mul.wide.u32 off, $2, 16; add.u64 ga, $1, off; selp.b64 ga, ga, $4, ok; selp.u32 sz, 16, 0, ok;"
                " cvta.to.global.u64 ga, ga; @in cp.async.cg.shared.global [so], [ga], 16, sz; }")
 
@@ -254,11 +264,15 @@ else:
     def _row_addr(arr, gidx):
         return gidx
 
-    def _make_cp_piece(d8, npieces):
+    def _make_cp_piece(d8, npieces, sw_rows=0):
         def cp_piece(sm, slot, arr, gptr, gsafe, idx, nvalid):
             if idx < npieces:
-                kr = idx // d8
-                o = slot + 8 * (idx + kr)
+                kr, c = divmod(idx, d8)
+                if sw_rows:
+                    o = slot + ((c >> 3) * sw_rows * 128 + (kr >> 3) * 1024 + (kr & 7) * 128
+                                + (((c & 7) ^ (kr & 7)) << 4)) // 2
+                else:
+                    o = slot + 8 * (idx + kr)
                 sm[o:o + 8] = np.array(ld16(arr, gptr + 8 * idx) if kr < nvalid else (0, 0, 0, 0),
                                        np.uint32).view(np.uint16)
         return cp_piece
@@ -593,8 +607,9 @@ def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132):
         slots = sms * max(1, MLA_SMEM // smem)
         nsplit = max(1, min(slots // tiles, -(-max_keys // MLA_MIN_SPLIT)))
         split = -(-max_keys // nsplit)
-    split = -(-split // nk) * nk
-    return MlaWork(zeros, B, T * h, r, max_keys, split)
+    step = np.lcm(nk, _wg.MLA_WG_NK)              # whole steps of either kernel (mla_wg's for 64-head tiles)
+    split = -(-split // step) * step
+    return MlaWork(zeros, B, T * h, r, max_keys, int(split))
 
 
 def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
@@ -610,6 +625,8 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
         raise ValueError(f"mla_attention: mask {mask.shape} is not [B, T, >= T/32] for T = {T}")
     if not (q.flags["C_CONTIGUOUS"] and cache.flags["C_CONTIGUOUS"]):
         raise ValueError("mla_attention: q and cache must be C-contiguous (16-byte loads at flat offsets)")
+    if mla_wg_applies(h, D, r):                   # 64-head tiles on an sm_90 GPU: both products on wgmma
+        return mla_wg_attention(q, cache, lengths, ntok, mask, scale * LOG2E, out, work)
     M = T * h
     rg, kg, stages, threads, smem = mla_geometry(M, D, r)
     kern = mla_kernel(rg, kg, stages, mask is None, D, r)

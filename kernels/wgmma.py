@@ -39,13 +39,31 @@ def mn_strides(k_stride, n_stride):
     return (k_stride, n_stride) if MN_LBO_IS_K else (n_stride, k_stride)
 
 
+SW128_MN_LBO_IS_N = True     # 128-byte swizzle, MN-major: LBO is the stride of 64-wide n atoms, SBO of 8-row k groups
+
+
+def sw128_offset(row, k, rows):
+    """Byte offset of element (row, k) of a [rows, K] bf16 tile in the 128-byte-swizzle layout: atoms of 8 rows x
+    64 k (1024 bytes, 1024-aligned), 16-byte chunk c of row r at chunk c ^ (r % 8); atoms stacked down the rows
+    (SBO = 1024), then the 64-wide k slabs (128 rows bytes apart). The same bytes are a K-major operand indexed
+    (row, k) and an MN-major one indexed (k = row, n = k): 8 k rows x 64 n per atom."""
+    return ((k >> 6) * rows * 128 + (row >> 3) * 1024 + (row & 7) * 128 + ((((k >> 3) & 7) ^ (row & 7)) << 4)
+            + (k & 7) * 2)
+
+
+def sw128_mn_strides(n_atom_stride, k_group_stride):
+    """(LBO, SBO) of a 128-byte-swizzled MN-major operand: 64-wide n atoms n_atom_stride bytes apart, 8-row k groups
+    k_group_stride apart."""
+    return (n_atom_stride, k_group_stride) if SW128_MN_LBO_IS_N else (k_group_stride, n_atom_stride)
+
+
 if SIM:
     def _no_twin(*args):
         raise NotImplementedError("wgmma has no simulator twin: run kernels/wgmma.py on an sm_90a GPU")
 
     wg_fence = wg_commit = wg_wait0 = fence_proxy_async = smem_desc = _no_twin
 
-    def make_desc(lbo, sbo):
+    def make_desc(lbo, sbo, swizzle=0):
         return _no_twin
 
     def make_wgmma(N, trans_b=False, accumulate=True):
@@ -64,14 +82,18 @@ else:
 
     _DESC = {}
 
-    def make_desc(lbo, sbo):
+    _LAYOUT = {0: 0, 128: 1, 64: 2, 32: 3}      # swizzle bytes -> layout type (bits 62-63)
+
+    def make_desc(lbo, sbo, swizzle=0):
         """smem_desc(shared array, byte offset) -> u64 matrix descriptor: start address >> 4 in bits 0-13, lbo >> 4
-        in 16-29, sbo >> 4 in 32-45, base offset 0, layout type 0 (no swizzle) in bits 62-63. Advancing the start
-        by b bytes (16-aligned) is adding b >> 4."""
-        if (lbo, sbo) in _DESC:
-            return _DESC[lbo, sbo]
-        if lbo % 16 or sbo % 16 or not (0 < lbo < 1 << 18 and 0 < sbo < 1 << 18):
-            raise ValueError(f"make_desc: strides {lbo}, {sbo} are not 16-byte multiples below 256 KB")
+        in 16-29, sbo >> 4 in 32-45, base offset 0 (swizzled tiles 1024-aligned), the layout type (swizzle 0 /
+        128 / 64 / 32 bytes) in bits 62-63. Advancing the start by b bytes (16-aligned) is adding b >> 4."""
+        key = (lbo, sbo, swizzle)
+        if key in _DESC:
+            return _DESC[key]
+        if lbo % 16 or sbo % 16 or not (0 < lbo < 1 << 18 and 0 < sbo < 1 << 18) or swizzle not in _LAYOUT:
+            raise ValueError(f"make_desc: strides {lbo}, {sbo} are not 16-byte multiples below 256 KB, or swizzle "
+                             f"{swizzle} is not 0/32/64/128")
 
         @intrinsic
         def desc(typingctx, sary, byte_off):
@@ -84,10 +106,10 @@ else:
                 addr = b.add(b.call(cvta, [b.ptrtoint(arr.data, i64)]),
                              ctx.cast(b, args[1], sig.args[1], types.uint64))
                 start = b.and_(b.lshr(addr, ir.Constant(i64, 4)), ir.Constant(i64, 0x3FFF))
-                fixed = ((lbo >> 4) << 16) | ((sbo >> 4) << 32)
+                fixed = ((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (_LAYOUT[swizzle] << 62)
                 return b.or_(start, ir.Constant(i64, fixed))
             return sig, codegen
-        _DESC[lbo, sbo] = desc
+        _DESC[key] = desc
         return desc
 
     smem_desc = make_desc(LBO, SBO)
@@ -134,32 +156,45 @@ else:
         return _WGMMA[key]
 
 
-def wgmma_tile_kernel(N, K=16, trans_b=False, b_strides=None):
+def wgmma_tile_kernel(N, K=16, trans_b=False, b_strides=None, swizzle=0):
     """Kernel: one warpgroup (128 threads) computes d f32[64, N] = a @ b^T for a u16[64, K] and b u16[N, K] (bf16
-    bits; trans_b: d = a @ b for b u16[K, N], MN-major): both tiles staged in shared memory by core_offset, K/16
-    wgmmas (the first with accumulate=False), the accumulators written out by the fragment layout above.
-    b_strides: B's (LBO, SBO), default the layout's (mn_strides for trans_b). Moves (64 + N) * 2K bytes in and 256 N
-    out."""
-    nacc, ak, bk = N // 2, K // 8, (N // 8 if trans_b else K // 8)    # core matrices per row block of A and of B
-    a_words, b_rows = 64 * K // 2, K if trans_b else N
-    lbo_b, sbo_b = b_strides or (mn_strides(128 * bk, 128) if trans_b else (128, 128 * bk))
-    b_step = 256 * bk if trans_b else 256               # bytes between B's k16 steps (two core matrices along k)
+    bits; trans_b: d = a @ b for b u16[K, N], MN-major): both tiles staged in shared memory (1024-aligned) by
+    core_offset (swizzle=0) or sw128_offset (swizzle=128), K/16 wgmmas (the first with accumulate=False), the
+    accumulators written out by the fragment layout above. b_strides: B's (LBO, SBO), default the layout's. Moves
+    (64 + N) * 2K bytes in and 256 N out."""
+    nacc, b_rows, b_cols = N // 2, (K if trans_b else N), (N if trans_b else K)
+    a_words = 64 * K // 2
+    if swizzle:                  # 8-row atoms 1024 bytes apart; 64-wide slabs rows * 128 apart; k16 = 32 bytes
+        place_a, place_b = f"sw128_offset(row, k, 64)", f"sw128_offset(row, k, {b_rows})"
+        lbo_a, sbo_a = 16, 1024
+        lbo_b, sbo_b = b_strides or (sw128_mn_strides(K * 128, 1024) if trans_b else (16, 1024))
+        a_step = [(ks // 4) * 64 * 128 + (ks % 4) * 32 for ks in range(K // 16)]
+        b_step = [ks * 2048 if trans_b else (ks // 4) * N * 128 + (ks % 4) * 32 for ks in range(K // 16)]
+    else:                        # core matrices: k16 = two of them along k
+        place_a, place_b = f"core_offset(row, k, {K // 8})", f"core_offset(row, k, {b_cols // 8})"
+        lbo_a, sbo_a = 128, 16 * K
+        lbo_b, sbo_b = b_strides or (mn_strides(16 * N, 128) if trans_b else (128, 16 * K))
+        a_step = [256 * ks for ks in range(K // 16)]
+        b_step = [(32 * N if trans_b else 256) * ks for ks in range(K // 16)]
     acc = ", ".join(f"c{i}" for i in range(nacc))
     calls = "\n".join(
-        f"    {acc} = {'wg0' if ks == 0 else 'wg1'}(da + uint64({ks * 16}), db + uint64({ks * b_step // 16}), {acc})"
-        for ks in range(K // 16))
+        f"    {acc} = {'wg0' if ks == 0 else 'wg1'}(da + uint64({a_step[ks] // 16}), db + uint64({b_step[ks] // 16}), "
+        f"{acc})" for ks in range(K // 16))
+    nwords = a_words + b_rows * b_cols // 2
     src = f'''
 def wgmma_tile(a, b, d):
-    sm = cuda.shared.array({a_words + b_rows * bk * 4}, uint32)
+    sm = cuda.shared.array({nwords}, uint32, alignment=1024)
     tid = cuda.threadIdx.x
-    for i in range(tid, {a_words + b_rows * bk * 4}, 128):    # word i: a bf16 pair of A (i < {a_words}) or of B
-        j = i if i < {a_words} else i - {a_words}
-        cols = {K} if i < {a_words} else {bk * 8}
-        row, k = j // (cols // 2), 2 * (j % (cols // 2))
-        src = a if i < {a_words} else b
-        word = uint32(src[row, k]) | (uint32(src[row, k + 1]) << uint32(16))
-        base = 0 if i < {a_words} else {a_words * 4}
-        sm[(base + core_offset(row, k, cols // 8)) // 4] = word
+    for i in range(tid, {nwords}, 128):          # word i: a bf16 pair of A (i < {a_words}) or of B
+        if i < {a_words}:
+            row, k = i // {K // 2}, 2 * (i % {K // 2})
+            o = {place_a}
+            word = uint32(a[row, k]) | (uint32(a[row, k + 1]) << uint32(16))
+        else:
+            row, k = (i - {a_words}) // {b_cols // 2}, 2 * ((i - {a_words}) % {b_cols // 2})
+            o = {a_words * 4} + {place_b}
+            word = uint32(b[row, k]) | (uint32(b[row, k + 1]) << uint32(16))
+        sm[o // 4] = word
     fence_proxy_async()
     cuda.syncthreads()
     {acc} = {", ".join(["float32(0)"] * nacc)}
@@ -174,17 +209,18 @@ def wgmma_tile(a, b, d):
     for i in range({nacc}):
         d[16 * w + g + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * t + i % 2] = res[i]
 '''
-    ns = dict(cuda=cuda, uint32=uint32, uint64=uint64, float32=float32, core_offset=cuda.jit(device=True)(core_offset),
+    ns = dict(cuda=cuda, uint32=uint32, uint64=uint64, float32=float32,
+              core_offset=cuda.jit(device=True)(core_offset), sw128_offset=cuda.jit(device=True)(sw128_offset),
               fence_proxy_async=fence_proxy_async, wg_fence=wg_fence, wg_commit=wg_commit, wg_wait0=wg_wait0,
-              desc_a=make_desc(128, 128 * ak), desc_b=make_desc(lbo_b, sbo_b),
+              desc_a=make_desc(lbo_a, sbo_a, swizzle), desc_b=make_desc(lbo_b, sbo_b, swizzle),
               wg0=make_wgmma(N, trans_b, accumulate=False), wg1=make_wgmma(N, trans_b))
     exec(src, ns)
     return cuda.jit(ns["wgmma_tile"])
 
 
-def wgmma_tile(a, b, N, trans_b=False, b_strides=None):
+def wgmma_tile(a, b, N, trans_b=False, b_strides=None, swizzle=0):
     """d = a @ b^T (trans_b: a @ b) on the GPU through K/16 wgmmas (a u16[64, K], b u16[N, K] or u16[K, N] device
     arrays of bf16 bits)."""
     d = cuda.device_array((64, N), np.float32)
-    wgmma_tile_kernel(N, a.shape[1], trans_b, b_strides)[1, 128](a, b, d)
+    wgmma_tile_kernel(N, a.shape[1], trans_b, b_strides, swizzle)[1, 128](a, b, d)
     return d

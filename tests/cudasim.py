@@ -130,15 +130,16 @@ def simulate(module: str, timeout=1500) -> dict:
     return results
 
 
-def ptx_or_skip(pyfunc, sig):
-    """PTX for sm_90 from a kernel's Python function; skips when NVVM/NVRTC are not installed."""
+def ptx_or_skip(pyfunc, sig, cc=(9, 0)):
+    """PTX for sm_90 (cc=(9, 0, "a"): sm_90a) from a kernel's Python function; skips when NVVM/NVRTC are not
+    installed."""
     import pytest
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         pytest.skip("PTX checks need numba's compiler: run pytest without NUMBA_ENABLE_CUDASIM=1 (simulator cases run "
                     "in their own child process anyway)")
     from numba import cuda
     try:
-        ptx, _ = cuda.compile_ptx(pyfunc, sig, cc=(9, 0))
+        ptx, _ = cuda.compile_ptx(pyfunc, sig, cc=cc)
     except Exception as e:  # missing NVVM / NVRTC wheels: numba-cuda[cu13]
         if "NVVM" in str(e) or "nvrtc" in str(e).lower() or "libnvvm" in str(e):
             pytest.skip(f"no CUDA compiler libraries (pip install 'numba-cuda[cu13]'): {str(e)[:120]}")

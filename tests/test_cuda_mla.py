@@ -100,7 +100,12 @@ GPU_CASES = {
     "tree16_h64_split256": dict(B=2, T=17, h=64, lengths=(700, 1500), ntok=(17, 9), work=256),
     "tree255_h8": dict(B=2, T=256, h=8, lengths=(300, 900), ntok=(256, 100), work=256),
     "prefill_causal_h8": dict(B=1, T=64, h=8, lengths=(100,), ntok=(64,), causal=True),
+    "prefill_causal_h64": dict(B=1, T=9, h=64, lengths=(77,), ntok=(9,), causal=True),
+    "tree17_h64_dead_queries": dict(B=3, T=17, h=64, lengths=(0, 2000, 64), ntok=(3, 17, 0), work="auto"),
+    "tree9_h64_one_split": dict(B=2, T=9, h=64, lengths=(333, 31), ntok=(9, 4), work="none"),
+    "decode_h128_split96": dict(B=2, T=1, h=128, lengths=(1000, 95), ntok=(1, 1), work=96),
 }
+WG_CASES = sorted(c for c in GPU_CASES if GPU_CASES[c]["h"] % 64 == 0)     # kernels/mla_wg.py's on sm_90
 
 
 @pytest.mark.gpu
@@ -109,10 +114,57 @@ def test_gpu(case):
     check(Env(gpu=True), **K2, **GPU_CASES[case])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WG_CASES)
+def test_gpu_mma_sync_path(case):
+    """The 64-head cases on mla.py's mma.sync kernel too (kernels.mla_wg.MLA_WG off)."""
+    import kernels.mla_wg as kw
+    kw.MLA_WG = False
+    try:
+        check(Env(gpu=True), **K2, **GPU_CASES[case])
+    finally:
+        kw.MLA_WG = True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,r", [(192, 128), (576, 512)])
+def test_gpu_wgmma_path_taken(D, r):
+    """On an sm_90 GPU, 64-head tiles run kernels/mla_wg.py (and match the reference at a narrow width too)."""
+    from numba import cuda
+
+    from kernels.mla_wg import mla_wg_applies
+    assert mla_wg_applies(64, D, r) == (cuda.get_current_device().compute_capability == (9, 0))
+    check(Env(gpu=True), B=2, T=3, h=64, D=D, r=r, lengths=(300, 40), ntok=(3, 2), work=64)
+
+
 # --- PTX for sm_90 ------------------------------------------------------------------------------------------------
 
 SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32[:,:,::1], float32, int32, int32, "
        "float32[:,:,:,::1], float32[:,:,:,::1])")
+
+
+def test_ptx_wgmma_kernel():
+    """kernels/mla_wg.py compiles for sm_90a: D/16 wgmma for S and NK/16 (MN-major B) for P V per step, no
+    float64, no local memory; ptxas (where installed) fits it in 255 registers without spills."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+
+    from kernels.mla_wg import MLA_WG_NK, mla_wg_kernel
+    ptx = ptx_or_skip(mla_wg_kernel(576, 512, False).py_func, SIG, cc=(9, 0, "a"))
+    ops = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16[^;]*,\s*(\d);", ptx)
+    assert sorted(ops) == sorted([(str(MLA_WG_NK), "0")] * 36 + [("256", "1")] * (MLA_WG_NK // 16)), ops
+    assert not f64_lines(ptx) and not re.search(r"\b(ld|st)\.local", ptx)
+    ptxas = shutil.which("ptxas")
+    if ptxas:
+        with tempfile.TemporaryDirectory() as d:
+            with open(f"{d}/k.ptx", "w") as f:
+                f.write(re.sub(r"\.version \d+\.\d+", ".version 9.0", ptx))
+            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                                 capture_output=True, text=True)
+            assert out.returncode == 0, out.stderr[-500:]
+            assert "0 bytes spill stores" in out.stderr, out.stderr[-500:]
 
 
 @pytest.mark.parametrize("M,D,r", [(8, 576, 512), (32, 576, 512), (48, 576, 512), (6, 160, 128), (64, 160, 128)])

@@ -22,8 +22,9 @@ def test_smem_offset_core_matrices():
     assert core.min() % 128 == 0 and core.max() - core.min() == 126 and (np.diff(core[:, 0]) == 16).all()
 
 
-@pytest.mark.parametrize("N,K,trans_b", [(8, 16, False), (256, 16, False), (64, 32, True)])
-def test_wgmma_ptx_sm90a(N, K, trans_b):
+@pytest.mark.parametrize("N,K,trans_b,swizzle", [(8, 16, False, 0), (256, 16, False, 0), (64, 32, True, 0),
+                                                 (64, 64, True, 128)])
+def test_wgmma_ptx_sm90a(N, K, trans_b, swizzle):
     """The tile kernel compiles for sm_90a (numba-cuda's target on Hopper): one m64nNk16 wgmma with N/2
     accumulators, the async-proxy fence before it, no local memory; ptxas accepts it where the toolkit is
     installed."""
@@ -33,7 +34,7 @@ def test_wgmma_ptx_sm90a(N, K, trans_b):
     from cudasim import f64_lines
     from kernels.wgmma import wgmma_tile_kernel
     sig = (ty.uint16[:, :], ty.uint16[:, :], ty.float32[:, :])
-    ptx = cuda.compile_ptx(wgmma_tile_kernel(N, K, trans_b).py_func, sig, cc=(9, 0, "a"))[0]
+    ptx = cuda.compile_ptx(wgmma_tile_kernel(N, K, trans_b, swizzle=swizzle).py_func, sig, cc=(9, 0, "a"))[0]
     assert re.search(r"\.target\s+sm_90a", ptx)
     ops = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{N}k16\.f32\.bf16\.bf16\s*\{{([^}}]*)\}}([^;]*);", ptx)
     assert len(ops) == K // 16 and all(len(o[0].split(",")) == N // 2 for o in ops), ops
@@ -60,19 +61,31 @@ def test_core_offset_blocks():
     assert (offs[:, 8:] - offs[:, :-8] == 128).all() and (offs[8:] - offs[:-8] == 640).all()
 
 
+def test_sw128_offset_atoms():
+    """sw128_offset: every element of a 32 x 128 tile once; 1024-byte atoms of 8 rows x 64 k; within a row the
+    16-byte chunks permuted by row % 8 (8 rows of one chunk column hit 8 different bank groups)."""
+    from kernels.wgmma import sw128_offset
+    offs = np.array([[sw128_offset(r, k, 32) for k in range(128)] for r in range(32)])
+    assert sorted(offs.ravel().tolist()) == list(range(0, 32 * 128 * 2, 2))
+    assert (offs[8:, :] - offs[:-8, :] == 1024).all() and (offs[:, 64:] - offs[:, :64] == 32 * 128).all()
+    chunks = (offs[:8, 0:64:8] % 128) // 16                       # chunk slot of chunk column c in row r
+    assert all(sorted(chunks[:, c]) == list(range(8)) for c in range(8)), chunks
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K,trans_b", [(8, 16, False), (64, 16, False), (256, 16, False), (32, 64, False),
-                                         (64, 32, True), (256, 48, True)])
-def test_gpu_wgmma_tile(N, K, trans_b):
-    """K/16 wgmmas (A 64xK from shared memory, B NxK K-major or KxN MN-major, f32 accumulators, the first
-    overwriting them) against NumPy on random bf16 tiles."""
+@pytest.mark.parametrize("N,K,trans_b,swizzle", [(8, 16, False, 0), (64, 16, False, 0), (256, 16, False, 0),
+                                                 (32, 64, False, 0), (64, 32, True, 0), (256, 48, True, 0),
+                                                 (32, 128, False, 128), (64, 64, True, 128), (256, 32, True, 128)])
+def test_gpu_wgmma_tile(N, K, trans_b, swizzle):
+    """K/16 wgmmas (A 64xK from shared memory, B NxK K-major or KxN MN-major, no swizzle or 128-byte swizzle, f32
+    accumulators, the first overwriting them) against NumPy on random bf16 tiles."""
     from numba import cuda
 
     from kernels.wgmma import wgmma_tile
     rng = np.random.default_rng()
     a = f32_to_bf16(rng.standard_normal((64, K)).astype(np.float32))
     b = f32_to_bf16(rng.standard_normal((K, N) if trans_b else (N, K)).astype(np.float32))
-    got = wgmma_tile(cuda.to_device(a), cuda.to_device(b), N, trans_b).copy_to_host()
+    got = wgmma_tile(cuda.to_device(a), cuda.to_device(b), N, trans_b, swizzle=swizzle).copy_to_host()
     bf = bf16_to_f32(b).astype(np.float64)
     want = bf16_to_f32(a).astype(np.float64) @ (bf if trans_b else bf.T)
     assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), np.abs(got - want).max()

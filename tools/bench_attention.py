@@ -90,20 +90,23 @@ def bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch=256 * 1024, q_
     min(max_batch, tokens_per_batch / ctx). GB/s counts the cache rows read once; tflops the S and P V products.
     variant: kernels.mla settings to try (e.g. {"MLA_NK": 64, "MLA_MAX_STAGES": 2}), restored afterwards."""
     import kernels.mla as km
+    import kernels.mla_wg as kw
     from kernels.mla import mla_attention, mla_geometry, mla_step_keys, mla_work
-    saved = {k: getattr(km, k) for k in (variant or {})}
+    mod = {k: kw if k.startswith("MLA_WG") else km for k in (variant or {})}    # MLA_WG*: the wgmma kernel's
+    saved = {k: getattr(mod[k], k) for k in (variant or {})}
     try:
         for k, v in (variant or {}).items():
-            setattr(km, k, v)
+            setattr(mod[k], k, v)
         return _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap, max_batch,
                           mla_attention, mla_geometry, mla_step_keys, mla_work)
     finally:
         for k, v in saved.items():
-            setattr(km, k, v)
+            setattr(mod[k], k, v)
 
 
 def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap, max_batch, mla_attention,
                mla_geometry, mla_step_keys, mla_work):
+    import kernels.mla_wg as kw
     rows = []
     for ctx in contexts:
         for h in heads:
@@ -123,10 +126,14 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
                     nbytes = B * (ctx + T) * K2_D * 2
                     flops = 2.0 * B * (ctx + T) * T * h * (K2_D + K2_R)
                     gbs = nbytes / us / 1e3
-                    rg, kg, stages, _, smem = mla_geometry(T * h, K2_D, K2_R)
-                    nk = mla_step_keys(rg, kg, K2_D, K2_R)
+                    if kw.mla_wg_applies(h, K2_D, K2_R):
+                        kern, nk, stages = "wgmma", kw.MLA_WG_NK, kw.wg_stages(K2_D, K2_R)
+                        smem = kw.wg_smem(K2_D, K2_R, nk, stages)
+                    else:
+                        rg, kg, stages, _, smem = mla_geometry(T * h, K2_D, K2_R)
+                        kern, nk = "mma.sync", mla_step_keys(rg, kg, K2_D, K2_R)
                     rows.append(dict(ctx=ctx, heads=h, queries=T, batch=B, split=work.split, splits=work.o.shape[1],
-                                     nk=nk, stages=stages, smem_kb=smem // 1024,
+                                     kernel=kern, nk=nk, stages=stages, smem_kb=smem // 1024,
                                      us=round(us, 2), cache_gbs=round(gbs, 1), pct_copy=round(100 * gbs / copy_bw, 1),
                                      tflops=round(flops / us / 1e6, 1), timing=how))
                     print("mla", rows[-1], flush=True)

@@ -1,0 +1,279 @@
+"""MLA attention on warpgroup MMA (sm_90a): kernels/mla.py's absorbed attention for 64-row tiles of one query's
+heads (h % 64 == 0: the 64 heads of K2 on one GPU), with both products on wgmma (kernels/wgmma.py) instead of
+mma.sync. 64 heads need 139 kFLOP per 1152-byte cache row: at 70% of copy bandwidth that is 58% of the mma.sync
+roof but 38% of the wgmma one (README, "Kernel performance").
+
+Block (64-row tile = query t, split s, sequence b), two warpgroups, per step of MLA_WG_NK cache rows (a cp.async
+ring in 128-byte-swizzle atoms, so the same bytes are the K-major B of S = Q K^T and the MN-major B of O += P V):
+  warpgroup 0: S = Q K^T over the D latent + rope columns (D/16 wgmma m64nNKk16), the online softmax in its
+               registers, P as bf16 into shared memory, the rescale factors beside it;
+  both:        O[:, wg half] = alpha O + P V[:, wg half] (NK/16 wgmma m64n(r/2)k16; 64 x r/2 f32 per warpgroup).
+Bytes: each cache row of the split once per tile (the tiles of one split share it through L2), q once, the
+partials 64 r 4 per block. Same arguments and outputs as mla.py's kernel (o_part, ml_part, the merge after)."""
+import numpy as np
+from numba import cuda, float32, int32, uint16, uint32, uint64
+
+from kernels.attention import NEG_INF, launch_smem, merge_splits, placeholder, shfl_xor
+from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16
+from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
+
+MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
+MLA_WG_NK = 32              # cache rows per step (S is m64nNK per k16 step; 64: two stages fit)
+MLA_WG_SMEM = 227 * 1024
+_KERNELS = {}
+
+
+def wg_smem(D, r, nk, stages):
+    """Bytes of shared memory: Q tile, `stages` cache tiles, P, then alpha / max / sum (f32[64] each)."""
+    return 64 * D * 2 + stages * nk * D * 2 + 64 * nk * 2 + 3 * 64 * 4
+
+
+def wg_stages(D, r, nk=None):
+    """Most ring stages (<= 4) that fit, 0 if not even 2 do."""
+    nk = nk or MLA_WG_NK
+    return max([s for s in (2, 3, 4) if wg_smem(D, r, nk, s) <= MLA_WG_SMEM], default=0)
+
+
+def mla_wg_applies(h, D, r):
+    """This kernel runs on sm_90 GPUs for 64-head row tiles of widths it can hold (r / 2 <= 256 columns of O per
+    warpgroup in registers)."""
+    if SIM or not MLA_WG or h % 64 or D % 64 or r % 128 or r // 2 > 256 or not wg_stages(D, r):
+        return False
+    return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)
+
+
+def mla_wg_kernel(D, r, causal, nk=None):
+    nk = nk or MLA_WG_NK
+    key = (D, r, causal, nk)
+    if key not in _KERNELS:
+        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, r, nk))
+    return _KERNELS[key]
+
+
+def _make_kernel(D, r, causal, NK, stages):
+    from kernels.mla import _ex2, _make_cp_piece, _pack2, _row_addr, _slot_addr, _to_bf16
+    from kernels.wgmma import (fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_wait0)
+    if SIM:
+        raise NotImplementedError("mla_wg: wgmma has no simulator twin")
+    D8, NPV = D // 8, r // 2
+    QBYTES, TILE = 64 * D * 2, NK * D * 2
+    PB = QBYTES + stages * TILE                 # P tile (bytes), then the f32 stats
+    SF = (PB + 64 * NK * 2) // 4                # f32 index of alpha[64], max[64], sum[64]
+    NS, NO = NK // 2, NPV // 2                  # accumulators per thread: S (warpgroup 0), O (both)
+    QPT = 64 * D8 // 256                        # q units (8 values: 16 bytes of the tile) per thread
+    QG = max(g for g in (3, 2, 1) if QPT % g == 0)   # units in flight (two 16-byte loads each)
+    PPT = -(-(NK * D8) // 256)                  # cache pieces per thread and tile
+    sv = [f"s{i}" for i in range(NS)]
+    ov = [f"o{i}" for i in range(NO)]
+    S, O = ", ".join(sv), ", ".join(ov)
+    # Q and the cache tiles in 128-byte-swizzle atoms (sw128_offset): S's k16 step ks is 32 bytes into the row of
+    # slab ks // 4 (slabs 64 rows * 128 bytes apart in Q, NK * 128 in a cache tile); descriptor units are 16 bytes
+    s_calls = "\n".join(f"            {S} = {'wg_s0' if ks == 0 else 'wg_s'}("
+                        f"dq + uint64({((ks // 4) * 64 * 128 + (ks % 4) * 32) // 16}), "
+                        f"dk + uint64({((ks // 4) * NK * 128 + (ks % 4) * 32) // 16}), {S})" for ks in range(D // 16))
+    # O += P V: P (core matrices) columns 2ks, 2ks+1; V = the cache tile as MN-major B, k16 step = 2 atoms of 8 rows
+    pv_calls = "\n".join(f"        {O} = wg_pv(dp + uint64({16 * ks}), dv + uint64({2048 * ks // 16}), {O})"
+                         for ks in range(NK // 16))
+    # softmax over S: register i is (row r0 + 8 ((i % 4) // 2), column 8 (i // 4) + 2 t + i % 2)
+    lines = []
+    for i in range(NS):
+        col = f"{8 * (i // 4) + i % 2} + 2 * t"
+        lines.append(f"            x{i} = s{i} * scale")
+        lines.append(f"            if masked and not key_ok(c0 + {col}, hi, L, tq, b, mask):\n"
+                     f"                x{i} = NEG_INF")
+    xs0 = [f"x{i}" for i in range(NS) if i % 4 < 2]
+    xs1 = [f"x{i}" for i in range(NS) if i % 4 >= 2]
+    lines.append(f"            mx0 = max(m0, {', '.join(xs0)})")
+    lines.append(f"            mx1 = max(m1, {', '.join(xs1)})")
+    softmax_in = "\n".join(lines)
+    plines = []
+    for i in range(0, NS, 2):
+        row = "r0" if i % 4 < 2 else "r1"
+        mz = "mz0" if i % 4 < 2 else "mz1"
+        tot = "tot0" if i % 4 < 2 else "tot1"
+        plines.append(f"            w = _pack2(_ex2(x{i} - {mz}), _ex2(x{i + 1} - {mz}))")
+        plines.append(f"            {tot} += as_f32(w << uint32(16)) + as_f32(w & uint32(0xFFFF0000))")
+        plines.append(f"            wsm[({PB} + core_offset({row}, {8 * (i // 4)} + 2 * t, {NK // 8})) >> 2] = w")
+    p_out = "\n".join(plines)
+    rescale = "\n".join(f"            o{i} *= {'al0' if i % 4 < 2 else 'al1'}" for i in range(NO))
+    stores = []
+    for j in range(NPV // 8):
+        col = f"wg * {NPV} + {8 * j} + 2 * t"
+        for half, (a, bb) in enumerate(((4 * j, 4 * j + 1), (4 * j + 2, 4 * j + 3))):
+            row, inv = ("r0", "inv0") if half == 0 else ("r1", "inv1")
+            stores.append(f"    o_part[b, s, mb + {row}, {col}] = o{a} * {inv}")
+            stores.append(f"    o_part[b, s, mb + {row}, {col} + 1] = o{bb} * {inv}")
+    store_out = "\n".join(stores)
+    zero_o = "\n".join(f"    {v} = float32(0)" for v in ov)
+    zero_s = "\n".join(f"    {v} = float32(0)" for v in sv)
+
+    src = f'''
+def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part):
+    T, h = q.shape[1], q.shape[2]
+    mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+    tid = cuda.threadIdx.x
+    wg, lane = tid >> 7, tid & 31
+    g, t = lane >> 2, lane & 3
+    r0 = 16 * ((tid >> 5) & 3) + g                # this thread's accumulator rows: r0 and r0 + 8
+    r1 = r0 + 8
+    M = T * h
+    mb = mt * 64                                  # the tile's first row (query t, head): rows mb .. mb + 63
+    tq = mb // h                                  # the query of this tile (64 of its heads)
+    fsm = cuda.shared.array(0, float32, alignment=1024)     # swizzle atoms are 1024-aligned
+    usm = cuda.shared.array(0, uint16, alignment=1024)
+    wsm = cuda.shared.array(0, uint32, alignment=1024)
+    L, n = lengths[b], ntok[b]
+    lo = s * split
+    hi = min(lo + split, L + n)
+    if tq >= n or lo >= hi:                       # a dead query or an empty split: nothing to attend
+        if normalize:
+            for idx in range(tid, 64 * {r}, 256):
+                o_part[b, s, mb + idx // {r}, idx % {r}] = float32(0)
+        elif tid < 64:
+            ml_part[b, s, mb + tid, 0] = NEG_INF
+            ml_part[b, s, mb + tid, 1] = float32(0)
+        return
+    row0 = b * cache.shape[1]
+    for p in range({stages - 1}):                 # the ring's first tiles in flight
+        load_tile(usm, cache, row0, lo + p * {NK}, hi, p, tid)
+    qv = cuda.local.array({8 * QG}, uint32)
+    for p0 in range(0, {QPT}, {QG}):              # q tile -> bf16, 128-byte swizzle: unit u is 8 values, 8 lanes
+        for p in range({QG}):                     # read 256 contiguous bytes and store to 8 bank groups
+            u = tid + (p0 + p) * 256
+            qo = (b * M + mb) * {D} + 8 * u
+            qv[8 * p], qv[8 * p + 1], qv[8 * p + 2], qv[8 * p + 3] = ld16(q, qo)
+            qv[8 * p + 4], qv[8 * p + 5], qv[8 * p + 6], qv[8 * p + 7] = ld16(q, qo + 4)
+        for p in range({QG}):
+            u = tid + (p0 + p) * 256
+            o = sw128_offset(u // {D8}, 8 * (u % {D8}), 64) >> 2
+            for e in range(4):
+                wsm[o + e] = _pack2(as_f32(qv[8 * p + 2 * e]), as_f32(qv[8 * p + 2 * e + 1]))
+{zero_o}
+{zero_s}
+    m0, m1 = NEG_INF, NEG_INF                     # warpgroup 0: running max and sum of rows r0, r1
+    l0, l1 = float32(0), float32(0)
+    plain = min(hi, L)                            # steps ending here see no mask
+    nsteps = (hi - lo + {NK - 1}) // {NK}
+    dq = desc_k(wsm, 0)
+    dp = desc_p(wsm, {PB})
+    for i in range(nsteps):
+        c0 = lo + i * {NK}
+        cp_wait_ring()
+        fence_proxy_async()                       # this thread's cp.async / st.shared -> the wgmma proxy
+        cuda.syncthreads()                        # tile i landed; step i-1 done with P and its slot
+        load_tile(usm, cache, row0, c0 + {(stages - 1) * NK}, hi, (i + {stages - 1}) % {stages}, tid)
+        kb = {QBYTES} + (i % {stages}) * {TILE}
+        if wg == 0:
+            dk = desc_k(wsm, kb)
+            wg_fence()
+{s_calls}
+            wg_commit()
+            wg_wait0()
+            masked = c0 + {NK} > plain
+{softmax_in}
+            for k in range(2):
+                mx0 = max(mx0, shfl_xor(mx0, 1 << k))
+                mx1 = max(mx1, shfl_xor(mx1, 1 << k))
+            if m0 != NEG_INF and mx0 <= m0 + LAZY:     # lazy rescale: keep the old max (P <= 2^LAZY)
+                mx0 = m0
+            if m1 != NEG_INF and mx1 <= m1 + LAZY:
+                mx1 = m1
+            mz0 = mx0 if mx0 != NEG_INF else float32(0)
+            mz1 = mx1 if mx1 != NEG_INF else float32(0)
+            tot0, tot1 = float32(0), float32(0)
+{p_out}
+            for k in range(2):
+                tot0 += shfl_xor(tot0, 1 << k)
+                tot1 += shfl_xor(tot1, 1 << k)
+            al0 = _ex2(m0 - mx0) if mx0 != m0 else float32(1)
+            al1 = _ex2(m1 - mx1) if mx1 != m1 else float32(1)
+            l0, l1 = l0 * al0 + tot0, l1 * al1 + tot1
+            m0, m1 = mx0, mx1
+            if t == 0:
+                fsm[{SF} + r0] = al0
+                fsm[{SF} + r1] = al1
+        fence_proxy_async()                       # P -> the wgmma proxy
+        cuda.syncthreads()
+        al0, al1 = fsm[{SF} + r0], fsm[{SF} + r1]
+        if al0 != float32(1) or al1 != float32(1):    # rare with the lazy rescale
+{rescale}
+        dv = desc_v(wsm, kb + wg * {NPV // 64 * NK * 128})
+        wg_fence()
+{pv_calls}
+        wg_commit()
+        wg_wait0()
+    cp_wait_all()
+    if wg == 0 and t == 0:
+        fsm[{SF + 64} + r0], fsm[{SF + 128} + r0] = m0, l0
+        fsm[{SF + 64} + r1], fsm[{SF + 128} + r1] = m1, l1
+    cuda.syncthreads()
+    d0, d1 = fsm[{SF + 128} + r0], fsm[{SF + 128} + r1]
+    inv0, inv1 = float32(1), float32(1)
+    if normalize:
+        inv0 = float32(1) / d0 if d0 > float32(0) else float32(0)
+        inv1 = float32(1) / d1 if d1 > float32(0) else float32(0)
+    elif tid < 64:
+        ml_part[b, s, mb + tid, 0] = fsm[{SF + 64} + tid]
+        ml_part[b, s, mb + tid, 1] = fsm[{SF + 128} + tid]
+{store_out}
+'''
+    cp_piece = _make_cp_piece(D8, NK * D8, sw_rows=NK)
+    cp_wait_ring, cp_wait_all = cp_wait(stages - 2), cp_wait(0)
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile(usm, cache, row0, j0, hi, stage, tid):
+        """cp.async of cache rows j0 .. j0 + NK - 1 into ring slot `stage` (128-byte swizzle), rows >= hi as zeros."""
+        slot = _slot_addr(usm, (QBYTES + stage * TILE) // 2)
+        gptr = _row_addr(cache, (row0 + j0) * D)
+        gsafe = _row_addr(cache, row0 * D)
+        for p in range(PPT):
+            cp_piece(usm, slot, cache, gptr, gsafe, tid + p * 256, hi - j0)
+        cp_commit()
+
+    @cuda.jit(device=True, inline="always")
+    def key_ok(j, hi, L, tq, b, mask):
+        """Cache row j is visible to query tq: before the split's end, committed, or a new token tq sees."""
+        if j >= hi:
+            return False
+        if j < L:
+            return True
+        jj = j - L
+        if causal:
+            return jj <= tq
+        return ((mask[b, tq, jj >> 5] >> uint32(jj & 31)) & uint32(1)) != uint32(0)
+
+    from kernels.mla import LAZY
+    ns = dict(cuda=cuda, float32=float32, int32=int32, uint16=uint16, uint32=uint32, uint64=uint64, NEG_INF=NEG_INF,
+              LAZY=LAZY,
+              shfl_xor=shfl_xor, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2, _to_bf16=_to_bf16,
+              core_offset=cuda.jit(device=True, inline="always")(core_offset), load_tile=load_tile, key_ok=key_ok,
+              sw128_offset=cuda.jit(device=True, inline="always")(sw128_offset),
+              cp_wait_ring=cp_wait_ring, cp_wait_all=cp_wait_all, fence_proxy_async=fence_proxy_async,
+              wg_fence=wg_fence, wg_commit=wg_commit, wg_wait0=wg_wait0,
+              desc_k=make_desc(16, 1024, 128), desc_p=make_desc(128, 16 * NK),
+              desc_v=make_desc(*sw128_mn_strides(NK * 128, 1024), 128),
+              wg_s0=make_wgmma(NK, accumulate=False), wg_s=make_wgmma(NK), wg_pv=make_wgmma(NPV, trans_b=True))
+    exec(src, ns)
+    return kernel(max_registers=255)(ns["mla_wg_attention"])
+
+
+def mla_wg_attention(q, cache, lengths, ntok, mask, scale_log2, out, work):
+    """Launch for mla.mla_attention (checked arguments; scale_log2 = scale * log2 e): grid (T h / 64 tiles, splits,
+    B) of 256 threads."""
+    B, T, h, D = q.shape
+    r = out.shape[-1]
+    M = T * h
+    kern = mla_wg_kernel(D, r, mask is None)
+    smem = wg_smem(D, r, MLA_WG_NK, wg_stages(D, r))
+    maskarg = mask if mask is not None else placeholder(q, (1, 1, 1), np.uint32)
+    if work is None:
+        args = (q, cache, lengths, ntok, maskarg, float32(scale_log2), int32(cache.shape[1]), 1,
+                out.reshape(B, 1, M, r), placeholder(q, (1, 1, 1, 2), np.float32))
+        launch_smem(kern, (M // 64, 1, B), 256, smem, args)
+        return out
+    if work.split % MLA_WG_NK:
+        raise ValueError(f"mla_wg_attention: split {work.split} is not a multiple of {MLA_WG_NK} keys")
+    args = (q, cache, lengths, ntok, maskarg, float32(scale_log2), int32(work.split), 0, work.o, work.ml)
+    launch_smem(kern, (M // 64, work.o.shape[1], B), 256, smem, args)
+    merge_splits(work.o, work.ml, out.reshape(B, M, r))
+    return out
