@@ -18,20 +18,20 @@ from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16
 from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
 
 MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
-MLA_WG_NK = 32              # cache rows per step (S is m64nNK per k16 step; 64: two stages fit)
+MLA_WG_NK = 32              # cache rows per step (S is m64nNK per k16 step; four tiles must fit)
 MLA_WG_SMEM = 227 * 1024
 _KERNELS = {}
 
 
 def wg_smem(D, r, nk, stages):
-    """Bytes of shared memory: Q tile, `stages` cache tiles, P, then alpha / max / sum (f32[64] each)."""
-    return 64 * D * 2 + stages * nk * D * 2 + 64 * nk * 2 + 3 * 64 * 4
+    """Bytes of shared memory: Q tile, `stages` cache tiles, two P tiles, then alpha (two rows) / max / sum
+    (f32[64] each)."""
+    return 64 * D * 2 + stages * nk * D * 2 + 2 * 64 * nk * 2 + 4 * 64 * 4
 
 
 def wg_stages(D, r, nk=None):
-    """Most ring stages (<= 4) that fit, 0 if not even 2 do."""
-    nk = nk or MLA_WG_NK
-    return max([s for s in (2, 3, 4) if wg_smem(D, r, nk, s) <= MLA_WG_SMEM], default=0)
+    """4 (tiles i - 1 .. i + 2 of the pipeline) if they fit, else 0."""
+    return 4 if wg_smem(D, r, nk or MLA_WG_NK, 4) <= MLA_WG_SMEM else 0
 
 
 def mla_wg_applies(h, D, r):
@@ -50,52 +50,90 @@ def mla_wg_kernel(D, r, causal, nk=None):
     return _KERNELS[key]
 
 
+SOFTMAX = """\
+masked = c0 + {NK} > plain
+{softmax_in}
+for k in range(2):
+    mx0 = max(mx0, shfl_xor(mx0, 1 << k))
+    mx1 = max(mx1, shfl_xor(mx1, 1 << k))
+if m0 != NEG_INF and mx0 <= m0 + LAZY:     # lazy rescale: keep the old max (P <= 2^LAZY)
+    mx0 = m0
+if m1 != NEG_INF and mx1 <= m1 + LAZY:
+    mx1 = m1
+mz0 = mx0 if mx0 != NEG_INF else float32(0)
+mz1 = mx1 if mx1 != NEG_INF else float32(0)
+tot0, tot1 = float32(0), float32(0)
+{p_out}
+for k in range(2):
+    tot0 += shfl_xor(tot0, 1 << k)
+    tot1 += shfl_xor(tot1, 1 << k)
+al0 = _ex2(m0 - mx0) if mx0 != m0 else float32(1)
+al1 = _ex2(m1 - mx1) if mx1 != m1 else float32(1)
+l0, l1 = l0 * al0 + tot0, l1 * al1 + tot1
+m0, m1 = mx0, mx1
+if t == 0:
+    fsm[sa + r0] = al0
+    fsm[sa + r1] = al1
+"""   # warpgroup 0's online softmax (kernel source, filled in by _make_kernel)
+
+
 def _make_kernel(D, r, causal, NK, stages):
     from kernels.mla import _ex2, _make_cp_piece, _pack2, _row_addr, _slot_addr, _to_bf16
-    from kernels.wgmma import (fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_wait0)
+    from kernels.wgmma import fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_wait0, wg_wait1
     if SIM:
         raise NotImplementedError("mla_wg: wgmma has no simulator twin")
     D8, NPV = D // 8, r // 2
-    QBYTES, TILE = 64 * D * 2, NK * D * 2
-    PB = QBYTES + stages * TILE                 # P tile (bytes), then the f32 stats
-    SF = (PB + 64 * NK * 2) // 4                # f32 index of alpha[64], max[64], sum[64]
+    QBYTES, TILE, PBYTES = 64 * D * 2, NK * D * 2, 64 * NK * 2
+    PB = QBYTES + stages * TILE                 # two P tiles (bytes), then the f32 stats
+    SF = (PB + 2 * PBYTES) // 4                 # f32 index of alpha[2][64], max[64], sum[64]
     NS, NO = NK // 2, NPV // 2                  # accumulators per thread: S (warpgroup 0), O (both)
     QPT = 64 * D8 // 256                        # q units (8 values: 16 bytes of the tile) per thread
     QG = max(g for g in (3, 2, 1) if QPT % g == 0)   # units in flight (two 16-byte loads each)
-    PPT = -(-(NK * D8) // 256)                  # cache pieces per thread and tile
+    PPT = -(-(NK * D8) // 128)                  # cache pieces per loader thread (warpgroup 1) and tile
     sv = [f"s{i}" for i in range(NS)]
     ov = [f"o{i}" for i in range(NO)]
     S, O = ", ".join(sv), ", ".join(ov)
-    # Q and the cache tiles in 128-byte-swizzle atoms (sw128_offset): S's k16 step ks is 32 bytes into the row of
-    # slab ks // 4 (slabs 64 rows * 128 bytes apart in Q, NK * 128 in a cache tile); descriptor units are 16 bytes
-    s_calls = "\n".join(f"            {S} = {'wg_s0' if ks == 0 else 'wg_s'}("
-                        f"dq + uint64({((ks // 4) * 64 * 128 + (ks % 4) * 32) // 16}), "
-                        f"dk + uint64({((ks // 4) * NK * 128 + (ks % 4) * 32) // 16}), {S})" for ks in range(D // 16))
+
+    def s_calls(indent):
+        """S = Q K^T on the tile of descriptor dk. Q and the cache tiles are 128-byte-swizzle atoms (sw128_offset):
+        k16 step ks is 32 bytes into the rows of slab ks // 4 (slabs 64 * 128 bytes apart in Q, NK * 128 in a
+        tile); descriptor units are 16 bytes."""
+        return "\n".join(f"{indent}{S} = {'wg_s0' if ks == 0 else 'wg_s'}("
+                         f"dq + uint64({((ks // 4) * 64 * 128 + (ks % 4) * 32) // 16}), "
+                         f"dk + uint64({((ks // 4) * NK * 128 + (ks % 4) * 32) // 16}), {S})" for ks in range(D // 16))
     # O += P V: P (core matrices) columns 2ks, 2ks+1; V = the cache tile as MN-major B, k16 step = 2 atoms of 8 rows
-    pv_calls = "\n".join(f"        {O} = wg_pv(dp + uint64({16 * ks}), dv + uint64({2048 * ks // 16}), {O})"
+    def pv_calls(indent):
+        return "\n".join(f"{indent}{O} = wg_pv(dp + uint64({16 * ks}), dv + uint64({2048 * ks // 16}), {O})"
                          for ks in range(NK // 16))
     # softmax over S: register i is (row r0 + 8 ((i % 4) // 2), column 8 (i // 4) + 2 t + i % 2)
     lines = []
     for i in range(NS):
         col = f"{8 * (i // 4) + i % 2} + 2 * t"
-        lines.append(f"            x{i} = s{i} * scale")
-        lines.append(f"            if masked and not key_ok(c0 + {col}, hi, L, tq, b, mask):\n"
-                     f"                x{i} = NEG_INF")
+        lines.append(f"x{i} = s{i} * scale")
+        lines.append(f"if masked and not key_ok(c0 + {col}, hi, L, tq, b, mask):\n"
+                     f"    x{i} = NEG_INF")
     xs0 = [f"x{i}" for i in range(NS) if i % 4 < 2]
     xs1 = [f"x{i}" for i in range(NS) if i % 4 >= 2]
-    lines.append(f"            mx0 = max(m0, {', '.join(xs0)})")
-    lines.append(f"            mx1 = max(m1, {', '.join(xs1)})")
+    lines.append(f"mx0 = max(m0, {', '.join(xs0)})")
+    lines.append(f"mx1 = max(m1, {', '.join(xs1)})")
     softmax_in = "\n".join(lines)
     plines = []
     for i in range(0, NS, 2):
         row = "r0" if i % 4 < 2 else "r1"
         mz = "mz0" if i % 4 < 2 else "mz1"
         tot = "tot0" if i % 4 < 2 else "tot1"
-        plines.append(f"            w = _pack2(_ex2(x{i} - {mz}), _ex2(x{i + 1} - {mz}))")
-        plines.append(f"            {tot} += as_f32(w << uint32(16)) + as_f32(w & uint32(0xFFFF0000))")
-        plines.append(f"            wsm[({PB} + core_offset({row}, {8 * (i // 4)} + 2 * t, {NK // 8})) >> 2] = w")
+        plines.append(f"w = _pack2(_ex2(x{i} - {mz}), _ex2(x{i + 1} - {mz}))")
+        plines.append(f"{tot} += as_f32(w << uint32(16)) + as_f32(w & uint32(0xFFFF0000))")
+        plines.append(f"wsm[(pb + core_offset({row}, {8 * (i // 4)} + 2 * t, {NK // 8})) >> 2] = w")
     p_out = "\n".join(plines)
-    rescale = "\n".join(f"            o{i} *= {'al0' if i % 4 < 2 else 'al1'}" for i in range(NO))
+    softmax_body = SOFTMAX.replace("{softmax_in}", softmax_in).replace("{p_out}", p_out).replace("{NK}", str(NK))
+
+    def softmax(indent):
+        """Online softmax of S (registers) for the step at key c0: P as bf16 into the P tile at byte pb, the
+        rescale factors into alpha row sa and (al0, al1)."""
+        return "\n".join(indent + ln if ln else ln for ln in softmax_body.split("\n"))
+    def rescale(indent):
+        return "\n".join(f"{indent}o{i} *= {'al0' if i % 4 < 2 else 'al1'}" for i in range(NO))
     stores = []
     for j in range(NPV // 8):
         col = f"wg * {NPV} + {8 * j} + 2 * t"
@@ -134,8 +172,9 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
             ml_part[b, s, mb + tid, 1] = float32(0)
         return
     row0 = b * cache.shape[1]
-    for p in range({stages - 1}):                 # the ring's first tiles in flight
-        load_tile(usm, cache, row0, lo + p * {NK}, hi, p, tid)
+    if wg == 1:                                   # warpgroup 1 loads the ring: tiles 0, 1, 2 in flight
+        for p in range(3):
+            load_tile(usm, cache, row0, lo + p * {NK}, hi, p, tid - 128)
     qv = cuda.local.array({8 * QG}, uint32)
     for p0 in range(0, {QPT}, {QG}):              # q tile -> bf16, 128-byte swizzle: unit u is 8 values, 8 lanes
         for p in range({QG}):                     # read 256 contiguous bytes and store to 8 bank groups
@@ -155,79 +194,86 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
     plain = min(hi, L)                            # steps ending here see no mask
     nsteps = (hi - lo + {NK - 1}) // {NK}
     dq = desc_k(wsm, 0)
-    dp = desc_p(wsm, {PB})
-    for i in range(nsteps):
-        c0 = lo + i * {NK}
-        cp_wait_ring()
-        fence_proxy_async()                       # this thread's cp.async / st.shared -> the wgmma proxy
-        cuda.syncthreads()                        # tile i landed; step i-1 done with P and its slot
-        load_tile(usm, cache, row0, c0 + {(stages - 1) * NK}, hi, (i + {stages - 1}) % {stages}, tid)
-        kb = {QBYTES} + (i % {stages}) * {TILE}
-        if wg == 0:
-            dk = desc_k(wsm, kb)
-            wg_fence()
-{s_calls}
-            wg_commit()
-            wg_wait0()
-            masked = c0 + {NK} > plain
-{softmax_in}
-            for k in range(2):
-                mx0 = max(mx0, shfl_xor(mx0, 1 << k))
-                mx1 = max(mx1, shfl_xor(mx1, 1 << k))
-            if m0 != NEG_INF and mx0 <= m0 + LAZY:     # lazy rescale: keep the old max (P <= 2^LAZY)
-                mx0 = m0
-            if m1 != NEG_INF and mx1 <= m1 + LAZY:
-                mx1 = m1
-            mz0 = mx0 if mx0 != NEG_INF else float32(0)
-            mz1 = mx1 if mx1 != NEG_INF else float32(0)
-            tot0, tot1 = float32(0), float32(0)
-{p_out}
-            for k in range(2):
-                tot0 += shfl_xor(tot0, 1 << k)
-                tot1 += shfl_xor(tot1, 1 << k)
-            al0 = _ex2(m0 - mx0) if mx0 != m0 else float32(1)
-            al1 = _ex2(m1 - mx1) if mx1 != m1 else float32(1)
-            l0, l1 = l0 * al0 + tot0, l1 * al1 + tot1
-            m0, m1 = mx0, mx1
-            if t == 0:
-                fsm[{SF} + r0] = al0
-                fsm[{SF} + r1] = al1
-        fence_proxy_async()                       # P -> the wgmma proxy
-        cuda.syncthreads()
-        al0, al1 = fsm[{SF} + r0], fsm[{SF} + r1]
-        if al0 != float32(1) or al1 != float32(1):    # rare with the lazy rescale
-{rescale}
-        dv = desc_v(wsm, kb + wg * {NPV // 64 * NK * 128})
+    if wg == 1:
+        cp_wait2()                                # tile 0 landed (tiles 1, 2 may be in flight)
+    fence_proxy_async()                           # cp.async / st.shared -> the wgmma proxy
+    cuda.syncthreads()
+    # Warpgroup 0, step i: after the barrier (P(i) and tile i + 1 visible) it issues S(i + 1), then O += P(i) V(i),
+    # waits for S(i + 1) only and runs softmax(i + 1) beside the P V products on the tensor cores, then waits for
+    # P V (i). Warpgroup 1 keeps tiles i + 1 .. i + 3 in flight (tile i + 3 into the slot of tile i - 1, whose P V
+    # both warpgroups retired before the barrier) and adds its half of P(i) V(i). Two P tiles and two alpha rows
+    # alternate. Every accumulator is retired inside the step that issued it (S(nsteps) runs on the zero tile past
+    # the split's end), so ptxas keeps the wgmmas asynchronous.
+    if wg == 0:                                   # one loop per warpgroup: no path crosses between them
+        dk = desc_k(wsm, {QBYTES})
         wg_fence()
-{pv_calls}
+{s_calls("        ")}
         wg_commit()
         wg_wait0()
-    cp_wait_all()
+        c0, pb, sa = lo, {PB}, {SF}
+{softmax("        ")}
+        for i in range(nsteps):
+            fence_proxy_async()                   # P(i) -> the wgmma proxy
+            cuda.syncthreads()
+            dk = desc_k(wsm, {QBYTES} + ((i + 1) % {stages}) * {TILE})
+            wg_fence()
+{s_calls("            ")}
+            wg_commit()
+            if al0 != float32(1) or al1 != float32(1):    # rare with the lazy rescale
+{rescale("                ")}
+            dp = desc_p(wsm, {PB} + (i & 1) * {PBYTES})
+            dv = desc_v(wsm, {QBYTES} + (i % {stages}) * {TILE})
+            wg_fence()
+{pv_calls("            ")}
+            wg_commit()
+            wg_wait1()                            # S(i + 1) done; P V (i) may still run
+            c0, pb, sa = lo + (i + 1) * {NK}, {PB} + ((i + 1) & 1) * {PBYTES}, {SF} + ((i + 1) & 1) * 64
+{softmax("            ")}
+            wg_wait0()
+    else:
+        for i in range(nsteps):
+            cp_wait1()                            # tile i + 1 landed (tile i + 2 may be in flight)
+            fence_proxy_async()
+            cuda.syncthreads()
+            load_tile(usm, cache, row0, lo + (i + 3) * {NK}, hi, (i + 3) % {stages}, tid - 128)
+            sa = {SF} + (i & 1) * 64
+            al0, al1 = fsm[sa + r0], fsm[sa + r1]
+            if al0 != float32(1) or al1 != float32(1):
+{rescale("                ")}
+            dp = desc_p(wsm, {PB} + (i & 1) * {PBYTES})
+            dv = desc_v(wsm, {QBYTES} + (i % {stages}) * {TILE} + {NPV // 64 * NK * 128})
+            wg_fence()
+{pv_calls("            ")}
+            wg_commit()
+            wg_wait0()
+    wg_wait0()
+    cp_wait0()
     if wg == 0 and t == 0:
-        fsm[{SF + 64} + r0], fsm[{SF + 128} + r0] = m0, l0
-        fsm[{SF + 64} + r1], fsm[{SF + 128} + r1] = m1, l1
+        fsm[{SF + 128} + r0], fsm[{SF + 192} + r0] = m0, l0
+        fsm[{SF + 128} + r1], fsm[{SF + 192} + r1] = m1, l1
     cuda.syncthreads()
-    d0, d1 = fsm[{SF + 128} + r0], fsm[{SF + 128} + r1]
+    d0, d1 = fsm[{SF + 192} + r0], fsm[{SF + 192} + r1]
     inv0, inv1 = float32(1), float32(1)
     if normalize:
         inv0 = float32(1) / d0 if d0 > float32(0) else float32(0)
         inv1 = float32(1) / d1 if d1 > float32(0) else float32(0)
     elif tid < 64:
-        ml_part[b, s, mb + tid, 0] = fsm[{SF + 64} + tid]
-        ml_part[b, s, mb + tid, 1] = fsm[{SF + 128} + tid]
+        ml_part[b, s, mb + tid, 0] = fsm[{SF + 128} + tid]
+        ml_part[b, s, mb + tid, 1] = fsm[{SF + 192} + tid]
 {store_out}
 '''
     cp_piece = _make_cp_piece(D8, NK * D8, sw_rows=NK)
-    cp_wait_ring, cp_wait_all = cp_wait(stages - 2), cp_wait(0)
+    cp_wait0, cp_wait1, cp_wait2 = cp_wait(0), cp_wait(1), cp_wait(2)
 
     @cuda.jit(device=True, inline="always")
     def load_tile(usm, cache, row0, j0, hi, stage, tid):
-        """cp.async of cache rows j0 .. j0 + NK - 1 into ring slot `stage` (128-byte swizzle), rows >= hi as zeros."""
+        """cp.async of cache rows j0 .. j0 + NK - 1 into ring slot `stage` (128-byte swizzle), rows >= hi as zeros,
+        by the 128 threads of warpgroup 1 (tid < 128)."""
         slot = _slot_addr(usm, (QBYTES + stage * TILE) // 2)
         gptr = _row_addr(cache, (row0 + j0) * D)
         gsafe = _row_addr(cache, row0 * D)
         for p in range(PPT):
-            cp_piece(usm, slot, cache, gptr, gsafe, tid + p * 256, hi - j0)
+            cp_piece(usm, slot, cache, gptr, gsafe, tid + p * 128, hi - j0)
         cp_commit()
 
     @cuda.jit(device=True, inline="always")
@@ -248,8 +294,8 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
               shfl_xor=shfl_xor, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2, _to_bf16=_to_bf16,
               core_offset=cuda.jit(device=True, inline="always")(core_offset), load_tile=load_tile, key_ok=key_ok,
               sw128_offset=cuda.jit(device=True, inline="always")(sw128_offset),
-              cp_wait_ring=cp_wait_ring, cp_wait_all=cp_wait_all, fence_proxy_async=fence_proxy_async,
-              wg_fence=wg_fence, wg_commit=wg_commit, wg_wait0=wg_wait0,
+              cp_wait0=cp_wait0, cp_wait1=cp_wait1, cp_wait2=cp_wait2, fence_proxy_async=fence_proxy_async,
+              wg_fence=wg_fence, wg_commit=wg_commit, wg_wait0=wg_wait0, wg_wait1=wg_wait1,
               desc_k=make_desc(16, 1024, 128), desc_p=make_desc(128, 16 * NK),
               desc_v=make_desc(*sw128_mn_strides(NK * 128, 1024), 128),
               wg_s0=make_wgmma(NK, accumulate=False), wg_s=make_wgmma(NK), wg_pv=make_wgmma(NPV, trans_b=True))

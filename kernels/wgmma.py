@@ -61,7 +61,7 @@ if SIM:
     def _no_twin(*args):
         raise NotImplementedError("wgmma has no simulator twin: run kernels/wgmma.py on an sm_90a GPU")
 
-    wg_fence = wg_commit = wg_wait0 = fence_proxy_async = smem_desc = _no_twin
+    wg_fence = wg_commit = wg_wait0 = wg_wait1 = fence_proxy_async = smem_desc = _no_twin
 
     def make_desc(lbo, sbo, swizzle=0):
         return _no_twin
@@ -77,7 +77,8 @@ else:
 
     wg_fence = _statement("wgmma.fence.sync.aligned;")
     wg_commit = _statement("wgmma.commit_group.sync.aligned;")
-    wg_wait0 = _statement("wgmma.wait_group.sync.aligned 0;")
+    wg_wait0 = _statement("wgmma.wait_group.sync.aligned 0;")       # every committed group done
+    wg_wait1 = _statement("wgmma.wait_group.sync.aligned 1;")       # all but the newest group done
     fence_proxy_async = _statement("fence.proxy.async.shared::cta;")   # generic-proxy smem writes -> wgmma reads
 
     _DESC = {}
@@ -180,25 +181,29 @@ def wgmma_tile_kernel(N, K=16, trans_b=False, b_strides=None, swizzle=0):
     calls = "\n".join(
         f"    {acc} = {'wg0' if ks == 0 else 'wg1'}(da + uint64({a_step[ks] // 16}), db + uint64({b_step[ks] // 16}), "
         f"{acc})" for ks in range(K // 16))
-    nwords = a_words + b_rows * b_cols // 2
+    if swizzle:                  # rows narrower than 64 still take 128-byte atom rows
+        a_bytes, b_bytes = 64 * 128 * -(-K // 64), b_rows * 128 * -(-b_cols // 64)
+    else:
+        a_bytes, b_bytes = 64 * K * 2, b_rows * b_cols * 2
+    nwords = (a_bytes + b_bytes) // 4
     src = f'''
 def wgmma_tile(a, b, d):
     sm = cuda.shared.array({nwords}, uint32, alignment=1024)
     tid = cuda.threadIdx.x
-    for i in range(tid, {nwords}, 128):          # word i: a bf16 pair of A (i < {a_words}) or of B
+    for i in range(tid, {a_words + b_rows * b_cols // 2}, 128):   # a bf16 pair of A (i < {a_words}) or of B
         if i < {a_words}:
             row, k = i // {K // 2}, 2 * (i % {K // 2})
             o = {place_a}
             word = uint32(a[row, k]) | (uint32(a[row, k + 1]) << uint32(16))
         else:
             row, k = (i - {a_words}) // {b_cols // 2}, 2 * ((i - {a_words}) % {b_cols // 2})
-            o = {a_words * 4} + {place_b}
+            o = {a_bytes} + {place_b}
             word = uint32(b[row, k]) | (uint32(b[row, k + 1]) << uint32(16))
         sm[o // 4] = word
     fence_proxy_async()
     cuda.syncthreads()
     {acc} = {", ".join(["float32(0)"] * nacc)}
-    da, db = desc_a(sm, 0), desc_b(sm, {a_words * 4})
+    da, db = desc_a(sm, 0), desc_b(sm, {a_bytes})
     wg_fence()
 {calls}
     wg_commit()
