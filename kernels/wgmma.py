@@ -166,7 +166,7 @@ def wgmma_tile_kernel(N, K=16, trans_b=False, b_strides=None, swizzle=0):
     nacc, b_rows, b_cols = N // 2, (K if trans_b else N), (N if trans_b else K)
     a_words = 64 * K // 2
     if swizzle:                  # 8-row atoms 1024 bytes apart; 64-wide slabs rows * 128 apart; k16 = 32 bytes
-        place_a, place_b = f"sw128_offset(row, k, 64)", f"sw128_offset(row, k, {b_rows})"
+        place_a, place_b = "sw128_offset(row, k, 64)", f"sw128_offset(row, k, {b_rows})"
         lbo_a, sbo_a = 16, 1024
         lbo_b, sbo_b = b_strides or (sw128_mn_strides(K * 128, 1024) if trans_b else (16, 1024))
         a_step = [(ks // 4) * 64 * 128 + (ks % 4) * 32 for ks in range(K // 16)]

@@ -52,6 +52,25 @@ def check_knobs(env, knobs, **kw):
             setattr(km, k, v)
 
 
+def check_cp_piece_sw128(env):
+    """The simulator twin of the swizzled cp.async fill (kernels/mla.py _make_cp_piece, sw_rows): every piece of a
+    16-row tile lands where kernels/wgmma.py sw128_offset puts its 8 values, rows >= nvalid as zeros."""
+    from kernels.mla import _make_cp_piece
+    from kernels.wgmma import sw128_offset
+    rng = np.random.default_rng(7)
+    D, rows, nvalid = 128, 16, 13
+    src = rng.integers(1, 60000, size=(rows + 2) * D, dtype=np.uint16)
+    sm = np.full(rows * D, 0xFFFF, np.uint16)
+    cp = _make_cp_piece(D // 8, rows * D // 8, sw_rows=rows)
+    for idx in range(rows * D // 8):
+        cp(sm, 0, src, D, 0, idx, nvalid)                          # tile = rows 1 .. rows of src
+    want = np.empty_like(sm)
+    for row in range(rows):
+        for k in range(D):
+            want[sw128_offset(row, k, rows) // 2] = src[(row + 1) * D + k] if row < nvalid else 0
+    assert (sm == want).all(), np.argwhere(sm != want)[:5]
+
+
 def check_split_sizing(env):
     from kernels.mla import MLA_MIN_SPLIT, mla_work
     one = mla_work(np.zeros, 1, 1, 64, 512, 4097)                    # batch 1: every SM gets a split
@@ -61,6 +80,7 @@ def check_split_sizing(env):
 
 
 SIM_CASES = {
+    "cp_piece_sw128": check_cp_piece_sw128,
     "ring_one_split": lambda env: check(env, seed=1),                                      # 5 steps > 4 stages
     "ring_splits_merge": lambda env: check(env, work=32, seed=2),                          # 5 splits, 2 groups
     "many_splits_auto": lambda env: check(env, B=1, lengths=(300,), ntok=(1,), work="auto", sms=12, seed=3),
@@ -143,18 +163,22 @@ SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32
        "float32[:,:,:,::1], float32[:,:,:,::1])")
 
 
-def test_ptx_wgmma_kernel():
-    """kernels/mla_wg.py compiles for sm_90a: D/16 wgmma for S and NK/16 (MN-major B) for P V per step, no
-    float64, no local memory; ptxas (where installed) fits it in 255 registers without spills."""
+@pytest.mark.parametrize("D,r", [(128, 256)])      # K2's (576, 512): the same code, 4x the compile time
+def test_ptx_wgmma_kernel(D, r):
+    """kernels/mla_wg.py compiles for sm_90a: D/16 wgmma for S(0) and as many for S(i + 1), NK/16 (MN-major B)
+    for P V in each warpgroup's loop, no float64, no local memory; ptxas (where installed) keeps the wgmmas
+    asynchronous (no serialization notice) in 255 registers without spills. Session 10 on the H200 (K2 shapes):
+    254 registers."""
     import re
     import shutil
     import subprocess
     import tempfile
 
     from kernels.mla_wg import MLA_WG_NK, mla_wg_kernel
-    ptx = ptx_or_skip(mla_wg_kernel(576, 512, False).py_func, SIG, cc=(9, 0, "a"))
+    ptx = ptx_or_skip(mla_wg_kernel(D, r, False).py_func, SIG, cc=(9, 0, "a"))
     ops = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16[^;]*,\s*(\d);", ptx)
-    assert sorted(ops) == sorted([(str(MLA_WG_NK), "0")] * 36 + [("256", "1")] * (MLA_WG_NK // 16)), ops
+    want = [(str(MLA_WG_NK), "0")] * (2 * D // 16) + [(str(r // 2), "1")] * (2 * MLA_WG_NK // 16)
+    assert sorted(ops) == sorted(want), ops
     assert not f64_lines(ptx) and not re.search(r"\b(ld|st)\.local", ptx)
     ptxas = shutil.which("ptxas")
     if ptxas:
@@ -165,6 +189,7 @@ def test_ptx_wgmma_kernel():
                                  capture_output=True, text=True)
             assert out.returncode == 0, out.stderr[-500:]
             assert "0 bytes spill stores" in out.stderr, out.stderr[-500:]
+            assert "serialized" not in out.stderr, out.stderr[-800:]
 
 
 @pytest.mark.parametrize("M,D,r", [(8, 576, 512), (32, 576, 512), (48, 576, 512), (6, 160, 128), (64, 160, 128)])
