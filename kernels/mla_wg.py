@@ -3,11 +3,13 @@ heads (h % 64 == 0: the 64 heads of K2 on one GPU), with both products on wgmma 
 mma.sync. 64 heads need 139 kFLOP per 1152-byte cache row: at 70% of copy bandwidth that is 58% of the mma.sync
 roof but 38% of the wgmma one (README, "Kernel performance").
 
-Block (64-row tile = query t, split s, sequence b), two warpgroups, per step of MLA_WG_NK cache rows (a cp.async
-ring in 128-byte-swizzle atoms, so the same bytes are the K-major B of S = Q K^T and the MN-major B of O += P V):
+Block (64-row tile = query t, split s, sequence b), two warpgroups; Q and a ring of 4 tiles of MLA_WG_NK cache
+rows in 128-byte-swizzle atoms (the same bytes are the K-major B of S = Q K^T and the MN-major B of O += P V):
   warpgroup 0: S = Q K^T over the D latent + rope columns (D/16 wgmma m64nNKk16), the online softmax in its
-               registers, P as bf16 into shared memory, the rescale factors beside it;
-  both:        O[:, wg half] = alpha O + P V[:, wg half] (NK/16 wgmma m64n(r/2)k16; 64 x r/2 f32 per warpgroup).
+               registers, P as bf16 into shared memory (two P tiles alternate), the rescale factors beside it;
+  warpgroup 1: the cp.async loads (three tiles ahead);
+  both:        O[:, wg half] = alpha O + P V[:, wg half] (NK/16 wgmma m64n(r/2)k16; 64 x r/2 f32 per warpgroup),
+               issued after S of the next step so the softmax runs beside them.
 Bytes: each cache row of the split once per tile (the tiles of one split share it through L2), q once, the
 partials 64 r 4 per block. Same arguments and outputs as mla.py's kernel (o_part, ml_part, the merge after)."""
 import numpy as np
@@ -78,7 +80,7 @@ if t == 0:
 
 
 def _make_kernel(D, r, causal, NK, stages):
-    from kernels.mla import _ex2, _make_cp_piece, _pack2, _row_addr, _slot_addr, _to_bf16
+    from kernels.mla import _ex2, _make_cp_piece, _pack2, _row_addr, _slot_addr
     from kernels.wgmma import fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_wait0, wg_wait1
     if SIM:
         raise NotImplementedError("mla_wg: wgmma has no simulator twin")
@@ -291,7 +293,7 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
     from kernels.mla import LAZY
     ns = dict(cuda=cuda, float32=float32, int32=int32, uint16=uint16, uint32=uint32, uint64=uint64, NEG_INF=NEG_INF,
               LAZY=LAZY,
-              shfl_xor=shfl_xor, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2, _to_bf16=_to_bf16,
+              shfl_xor=shfl_xor, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
               core_offset=cuda.jit(device=True, inline="always")(core_offset), load_tile=load_tile, key_ok=key_ok,
               sw128_offset=cuda.jit(device=True, inline="always")(sw128_offset),
               cp_wait0=cp_wait0, cp_wait1=cp_wait1, cp_wait2=cp_wait2, fence_proxy_async=fence_proxy_async,
