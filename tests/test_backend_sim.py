@@ -43,6 +43,9 @@ TINY = dict(hidden_size=128, intermediate_size=64, moe_intermediate_size=64, num
 WIDE = dict(hidden_size=1024, intermediate_size=1024, moe_intermediate_size=256, num_attention_heads=8,
             num_key_value_heads=8, q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
             v_head_dim=128, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, vocab_size=4096)
+# K2's 64 heads and 576-wide latent: MLA on kernels/mla_wg.py (warpgroup MMA) on an sm_90 GPU
+WIDE64 = dict(WIDE, num_attention_heads=64, num_key_value_heads=64)
+DIMS = {"tiny": TINY, "wide": WIDE, "wide64": WIDE64}
 
 
 CHECKPOINT_SEEDS = {}        # dims -> seed of the random checkpoint, for failure messages
@@ -53,7 +56,7 @@ def write_pair(d, dims, seed):
     d/draft, both from seed; returns the two folders."""
     from weights.synth import synth_config, write_draft, write_target
     target, draft = os.path.join(d, "target"), os.path.join(d, "draft")
-    write_target(target, synth_config("tiny", layers=2, quant="int4", **(TINY if dims == "tiny" else WIDE)), seed=seed)
+    write_target(target, synth_config("tiny", layers=2, quant="int4", **DIMS[dims]), seed=seed)
     write_draft(draft, target, layers=1, block_size=4, seed=seed + 1,
                 **(dict(heads=2, kv_heads=1, head_dim=32, intermediate=64) if dims == "tiny" else {}))
     return target, draft
@@ -301,7 +304,7 @@ def test_ptx_glue_kernels(name, sig):
 
 # --- GPU: the cuda backend (CuPy arrays, launches on CuPy's current stream) ----------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("dims", ["tiny", "wide"])
+@pytest.mark.parametrize("dims", ["tiny", "wide", "wide64"])
 def test_gpu_cuda_backend(dims):
     cupy = pytest.importorskip("cupy", reason="the cuda extra: pip install -e '.[cuda]'")
     print(dims, "prefill error", check_prefill("cuda", dims, n=9))
