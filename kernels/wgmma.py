@@ -20,7 +20,6 @@ from kernels.device import SIM
 
 LBO, SBO = 128, 256          # a 16-wide K-major tile (2 core matrices per row block): bytes between core matrices
 #                              adjacent in k / in rows
-MN_LBO_IS_K = True           # MN-major descriptors: LBO is the k stride (as for K-major), SBO the n stride
 
 
 def core_offset(row, k, kcores):
@@ -35,11 +34,9 @@ def smem_offset(row, k):
 
 
 def mn_strides(k_stride, n_stride):
-    """(LBO, SBO) of an MN-major operand whose core matrices are k_stride bytes apart along k, n_stride along n."""
-    return (k_stride, n_stride) if MN_LBO_IS_K else (n_stride, k_stride)
-
-
-SW128_MN_LBO_IS_N = True     # 128-byte swizzle, MN-major: LBO is the stride of 64-wide n atoms, SBO of 8-row k groups
+    """(LBO, SBO) of a no-swizzle MN-major operand whose core matrices are k_stride bytes apart along k, n_stride
+    along n: LBO is the k stride, as for K-major (H200, tests/test_wgmma.py; the other order reads out of bounds)."""
+    return k_stride, n_stride
 
 
 def sw128_offset(row, k, rows):
@@ -53,8 +50,9 @@ def sw128_offset(row, k, rows):
 
 def sw128_mn_strides(n_atom_stride, k_group_stride):
     """(LBO, SBO) of a 128-byte-swizzled MN-major operand: 64-wide n atoms n_atom_stride bytes apart, 8-row k groups
-    k_group_stride apart."""
-    return (n_atom_stride, k_group_stride) if SW128_MN_LBO_IS_N else (k_group_stride, n_atom_stride)
+    k_group_stride apart. Here LBO is the n-atom stride (H200, tests/test_wgmma.py; the other order read out of
+    bounds: an illegal address)."""
+    return n_atom_stride, k_group_stride
 
 
 if SIM:
