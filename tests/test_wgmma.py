@@ -22,8 +22,7 @@ def test_smem_offset_core_matrices():
     assert core.min() % 128 == 0 and core.max() - core.min() == 126 and (np.diff(core[:, 0]) == 16).all()
 
 
-@pytest.mark.parametrize("N,K,trans_b,swizzle", [(8, 16, False, 0), (256, 16, False, 0), (64, 32, True, 0),
-                                                 (64, 64, True, 128)])
+@pytest.mark.parametrize("N,K,trans_b,swizzle", [(8, 16, False, 0), (64, 64, True, 128)])   # the GPU test: the rest
 def test_wgmma_ptx_sm90a(N, K, trans_b, swizzle):
     """The tile kernel compiles for sm_90a (numba-cuda's target on Hopper): one m64nNk16 wgmma with N/2
     accumulators, the async-proxy fence before it, no local memory; ptxas accepts it where the toolkit is
