@@ -47,7 +47,7 @@ from kernels.attention import (LOG2E, NEG_INF, attention_ref, launch_smem, merge
                                shfl_xor)
 from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16, mma_bf16  # noqa: E402
 import kernels.mla_wg as _wg  # noqa: E402
-from kernels.mla_wg import mla_wg_applies, mla_wg_attention  # noqa: E402
+from kernels.mla_wg import mla_wg_applies, mla_wg_launch  # noqa: E402
 
 if not SIM:
     from llvmlite import ir
@@ -615,7 +615,8 @@ def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132):
 def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     """mla_attention_ref on the GPU or the simulator (same arguments). work=None: one split per sequence,
     normalized in place (no scratch); else an MlaWork (splits + merge_splits; read lengths/ntok on the device).
-    Launch: grid (row tiles, splits, B) of mla_geometry's threads and shared memory."""
+    Launch: grid (row tiles, splits, B) of mla_geometry's threads and shared memory, or kernels/mla_wg.py's
+    (mla_wg_launch) for 64-head tiles on sm_90."""
     B, T, h, D = q.shape
     r = out.shape[-1]
     if cache.shape[0] != B or cache.shape[2] != D or out.shape != (B, T, h, r) or D % 32 or r % 64:
@@ -625,13 +626,13 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
         raise ValueError(f"mla_attention: mask {mask.shape} is not [B, T, >= T/32] for T = {T}")
     if not (q.flags["C_CONTIGUOUS"] and cache.flags["C_CONTIGUOUS"]):
         raise ValueError("mla_attention: q and cache must be C-contiguous (16-byte loads at flat offsets)")
-    if mla_wg_applies(h, D, r):                   # 64-head tiles on an sm_90 GPU: both products on wgmma
-        return mla_wg_attention(q, cache, lengths, ntok, mask, scale * LOG2E, out, work)
     M = T * h
-    rg, kg, stages, threads, smem = mla_geometry(M, D, r)
-    kern = mla_kernel(rg, kg, stages, mask is None, D, r)
+    if mla_wg_applies(h, D, r):                   # 64-head tiles on an sm_90 GPU: both products on wgmma
+        kern, tiles, threads, smem = mla_wg_launch(M, D, r, mask is None, work)
+    else:
+        rg, kg, stages, threads, smem = mla_geometry(M, D, r)
+        kern, tiles = mla_kernel(rg, kg, stages, mask is None, D, r), -(-M // (16 * rg))
     maskarg = mask if mask is not None else placeholder(q, (1, 1, 1), np.uint32)
-    tiles = -(-M // (16 * rg))
     if work is None:
         o4 = out.reshape(B, 1, M, r)
         args = (q, cache, lengths, ntok, maskarg, float32(scale * LOG2E), int32(cache.shape[1]), 1, o4,

@@ -12,10 +12,9 @@ rows in 128-byte-swizzle atoms (the same bytes are the K-major B of S = Q K^T an
                issued after S of the next step so the softmax runs beside them.
 Bytes: each cache row of the split once per tile (the tiles of one split share it through L2), q once, the
 partials 64 r 4 per block. Same arguments and outputs as mla.py's kernel (o_part, ml_part, the merge after)."""
-import numpy as np
 from numba import cuda, float32, int32, uint16, uint32, uint64
 
-from kernels.attention import NEG_INF, launch_smem, merge_splits, placeholder, shfl_xor
+from kernels.attention import NEG_INF, shfl_xor
 from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16
 from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
 
@@ -25,21 +24,21 @@ MLA_WG_SMEM = 227 * 1024
 _KERNELS = {}
 
 
-def wg_smem(D, r, nk, stages):
+def wg_smem(D, nk, stages):
     """Bytes of shared memory: Q tile, `stages` cache tiles, two P tiles, then alpha (two rows) / max / sum
     (f32[64] each)."""
     return 64 * D * 2 + stages * nk * D * 2 + 2 * 64 * nk * 2 + 4 * 64 * 4
 
 
-def wg_stages(D, r, nk=None):
+def wg_stages(D, nk=None):
     """4 (tiles i - 1 .. i + 2 of the pipeline) if they fit, else 0."""
-    return 4 if wg_smem(D, r, nk or MLA_WG_NK, 4) <= MLA_WG_SMEM else 0
+    return 4 if wg_smem(D, nk or MLA_WG_NK, 4) <= MLA_WG_SMEM else 0
 
 
 def mla_wg_applies(h, D, r):
     """This kernel runs on sm_90 GPUs for 64-head row tiles of widths it can hold (r / 2 <= 256 columns of O per
     warpgroup in registers)."""
-    if SIM or not MLA_WG or h % 64 or D % 64 or r % 128 or r // 2 > 256 or not wg_stages(D, r):
+    if SIM or not MLA_WG or h % 64 or D % 64 or r % 128 or r // 2 > 256 or not wg_stages(D):
         return False
     return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)
 
@@ -48,7 +47,7 @@ def mla_wg_kernel(D, r, causal, nk=None):
     nk = nk or MLA_WG_NK
     key = (D, r, causal, nk)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, r, nk))
+        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk))
     return _KERNELS[key]
 
 
@@ -305,23 +304,9 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
     return kernel(max_registers=255)(ns["mla_wg_attention"])
 
 
-def mla_wg_attention(q, cache, lengths, ntok, mask, scale_log2, out, work):
-    """Launch for mla.mla_attention (checked arguments; scale_log2 = scale * log2 e): grid (T h / 64 tiles, splits,
-    B) of 256 threads."""
-    B, T, h, D = q.shape
-    r = out.shape[-1]
-    M = T * h
-    kern = mla_wg_kernel(D, r, mask is None)
-    smem = wg_smem(D, r, MLA_WG_NK, wg_stages(D, r))
-    maskarg = mask if mask is not None else placeholder(q, (1, 1, 1), np.uint32)
-    if work is None:
-        args = (q, cache, lengths, ntok, maskarg, float32(scale_log2), int32(cache.shape[1]), 1,
-                out.reshape(B, 1, M, r), placeholder(q, (1, 1, 1, 2), np.float32))
-        launch_smem(kern, (M // 64, 1, B), 256, smem, args)
-        return out
-    if work.split % MLA_WG_NK:
-        raise ValueError(f"mla_wg_attention: split {work.split} is not a multiple of {MLA_WG_NK} keys")
-    args = (q, cache, lengths, ntok, maskarg, float32(scale_log2), int32(work.split), 0, work.o, work.ml)
-    launch_smem(kern, (M // 64, work.o.shape[1], B), 256, smem, args)
-    merge_splits(work.o, work.ml, out.reshape(B, M, r))
-    return out
+def mla_wg_launch(M, D, r, causal, work):
+    """(kernel, row tiles, threads, shared bytes) for mla.mla_attention's launch: M = T h query rows in tiles of 64
+    (one query's heads), 256 threads; `work` splits must be whole steps."""
+    if work is not None and work.split % MLA_WG_NK:
+        raise ValueError(f"mla_attention: split {work.split} is not a multiple of {MLA_WG_NK} keys")
+    return mla_wg_kernel(D, r, causal), M // 64, 256, wg_smem(D, MLA_WG_NK, wg_stages(D))

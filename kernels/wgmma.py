@@ -28,11 +28,6 @@ def core_offset(row, k, kcores):
     return ((row >> 3) * kcores + (k >> 3)) * 128 + (row & 7) * 16 + (k & 7) * 2
 
 
-def smem_offset(row, k):
-    """Byte offset of element (row, k), k < 16, of a 16-wide K-major tile (LBO, SBO above)."""
-    return core_offset(row, k, 2)
-
-
 def mn_strides(k_stride, n_stride):
     """(LBO, SBO) of a no-swizzle MN-major operand whose core matrices are k_stride bytes apart along k, n_stride
     along n: LBO is the k stride, as for K-major (H200, tests/test_wgmma.py; the other order reads out of bounds)."""

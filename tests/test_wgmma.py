@@ -14,8 +14,8 @@ from weights.dtypes import bf16_to_f32, f32_to_bf16
 def test_smem_offset_core_matrices():
     """Each core matrix (8 rows x 8 bf16) is 128 contiguous bytes, rows 16 bytes apart; core matrices LBO apart
     along k and SBO apart along rows; a 64 x 16 tile fills [0, 2048) once."""
-    from kernels.wgmma import LBO, SBO, smem_offset
-    offs = np.array([[smem_offset(r, k) for k in range(16)] for r in range(64)])
+    from kernels.wgmma import LBO, SBO, core_offset
+    offs = np.array([[core_offset(r, k, 2) for k in range(16)] for r in range(64)])
     assert sorted(offs.ravel().tolist()) == list(range(0, 2048, 2))
     assert (offs[:, 8:] - offs[:, :8] == LBO).all() and (offs[8:] - offs[:-8] == SBO).all()
     core = offs[8:16, 8:16]
