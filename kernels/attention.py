@@ -167,62 +167,90 @@ def attention_split_kernel(q, k, v, kv_len, has_len, vis, has_vis, scale, split,
 
 
 MERGE_GROUPS = 8            # split groups per merge block (summed in shared memory)
+MERGE_ROWS = 4              # rows per merge block at <= MERGE_ROWS splits: their loads are in flight together
 
 
-@kernel(max_registers=64)                        # up to 1024 threads per block
-def merge_splits_kernel(o_part, ml_part, out):
-    """Flash-decoding merge: out[b, m] = sum_s 2^(max_s - max) o_part[b, s, m] / sum_s 2^(max_s - max) sum_s
-    (maxes in log2 units). Block (row m, sequence b) of (r/4, G) threads: thread (x, y) folds splits y, y+G, ...
-    for columns 4x..4x+3 (16-byte loads, an online max: one pass), the G partial folds meet in shared memory.
-    o_part f32[B, nsplit, M, r] and ml_part f32[B, nsplit, M, 2] contiguous (r % 4 == 0), out f32[B, M, r] (any
-    strides); rows whose splits saw no key get 0. Bytes: the partials once, the output once."""
-    m, b = cuda.blockIdx.x, cuda.blockIdx.y
-    x, y = cuda.threadIdx.x, cuda.threadIdx.y
-    G, X = cuda.blockDim.y, cuda.blockDim.x
-    nsplit, M, r = o_part.shape[1], o_part.shape[2], o_part.shape[3]
-    red = cuda.shared.array(0, float32)
-    ml0, mls = int32(2 * (b * nsplit * M + m)), int32(2 * M)      # flat ml_part[b, s, m, 0] = ml0 + s*mls
-    o0, os_ = (b * nsplit * M + m) * r + 4 * x, M * r               # flat o_part[b, s, m, 4x] = o0 + s*os_
-    mx, den = NEG_INF, float32(0)
-    y0, y1, y2, y3 = float32(0), float32(0), float32(0), float32(0)
-    for s in range(y, nsplit, G):                 # online over this thread's splits: one round trip each
-        ms, ls = as_f32(ld4(ml_part, ml0 + s * mls)), as_f32(ld4(ml_part, ml0 + s * mls + 1))
-        u0, u1, u2, u3 = ld16(o_part, o0 + s * os_)
-        if ms != NEG_INF:
-            mn = max(mx, ms)
-            a, wgt = math.exp2(mx - mn), math.exp2(ms - mn)
-            den = den * a + ls * wgt
-            y0, y1 = y0 * a + as_f32(u0) * wgt, y1 * a + as_f32(u1) * wgt
-            y2, y3 = y2 * a + as_f32(u2) * wgt, y3 * a + as_f32(u3) * wgt
-            mx = mn
-    if y > 0:
-        o = uint32(6 * (y * X + x))
-        red[o], red[o + 1], red[o + 2], red[o + 3], red[o + 4], red[o + 5] = y0, y1, y2, y3, den, mx
-    cuda.syncthreads()
-    if y == 0:
-        for k in range(1, G):
-            o = uint32(6 * (k * X + x))
-            ms = red[o + 5]
-            if ms != NEG_INF:
-                mn = max(mx, ms)
-                a, wgt = math.exp2(mx - mn), math.exp2(ms - mn)
-                den = den * a + red[o + 4] * wgt
-                y0, y1 = y0 * a + red[o] * wgt, y1 * a + red[o + 1] * wgt
-                y2, y3 = y2 * a + red[o + 2] * wgt, y3 * a + red[o + 3] * wgt
-                mx = mn
-        inv = float32(1) / den if den > float32(0) else float32(0)
-        out[b, m, 4 * x], out[b, m, 4 * x + 1] = y0 * inv, y1 * inv
-        out[b, m, 4 * x + 2], out[b, m, 4 * x + 3] = y2 * inv, y3 * inv
+@cuda.jit(device=True, inline="always")
+def _fold(acc, k, ms, ls, u0, u1, u2, u3):
+    """Online merge of one partial (max ms in log2 units, sum ls, 4 values) into acc[k] = (y0..y3, den, max)."""
+    if ms != NEG_INF:
+        mx = acc[k, 5]
+        mn = max(mx, ms)
+        a, wgt = math.exp2(mx - mn), math.exp2(ms - mn)
+        acc[k, 4] = acc[k, 4] * a + ls * wgt
+        acc[k, 0], acc[k, 1] = acc[k, 0] * a + u0 * wgt, acc[k, 1] * a + u1 * wgt
+        acc[k, 2], acc[k, 3] = acc[k, 2] * a + u2 * wgt, acc[k, 3] * a + u3 * wgt
+        acc[k, 5] = mn
+
+
+def _build_merge(RB):
+    @kernel(max_registers=64)                    # up to 1024 threads per block
+    def merge_splits_kernel(o_part, ml_part, out):
+        """Flash-decoding merge: out[b, m] = sum_s 2^(max_s - max) o_part[b, s, m] / sum_s 2^(max_s - max) sum_s
+        (maxes in log2 units). Block (RB rows from m0, sequence b) of (r/4, G) threads: thread (x, y) folds splits
+        y, y+G, ... of each row for columns 4x..4x+3 (16-byte loads, the RB rows' loads in flight together, an
+        online max: one pass), the G partial folds meet in shared memory. One row per block (one load per thread)
+        took 17 us for 64 x 64 rows of 512 at two splits on the H200: latency, not bytes. o_part f32[B, nsplit, M,
+        r] and ml_part f32[B, nsplit, M, 2] contiguous (r % 4 == 0), out f32[B, M, r] (any strides); rows whose
+        splits saw no key get 0. Bytes: the partials once, the output once."""
+        m0, b = cuda.blockIdx.x * RB, cuda.blockIdx.y
+        x, y = cuda.threadIdx.x, cuda.threadIdx.y
+        G, X = cuda.blockDim.y, cuda.blockDim.x
+        nsplit, M, r = o_part.shape[1], o_part.shape[2], o_part.shape[3]
+        red = cuda.shared.array(0, float32)
+        acc = cuda.local.array((RB, 6), float32)        # per row: y0..y3, den, max (registers)
+        for k in range(RB):
+            for j in range(5):
+                acc[k, j] = float32(0)
+            acc[k, 5] = NEG_INF
+        for s in range(y, nsplit, G):             # online over this thread's splits
+            for k in range(RB):                   # rows past M re-read row M - 1 (never written)
+                row = (b * nsplit + s) * M + min(m0 + k, M - 1)      # flat row of o_part / ml_part
+                ms, ls = as_f32(ld4(ml_part, 2 * row)), as_f32(ld4(ml_part, 2 * row + 1))
+                u0, u1, u2, u3 = ld16(o_part, row * r + 4 * x)
+                _fold(acc, k, ms, ls, as_f32(u0), as_f32(u1), as_f32(u2), as_f32(u3))
+        o = uint32(6 * RB * (y * X + x))
+        if y > 0:
+            for k in range(RB):
+                for j in range(6):
+                    red[o + 6 * k + j] = acc[k, j]
+        cuda.syncthreads()
+        if y == 0:
+            for g in range(1, G):
+                o = uint32(6 * RB * (g * X + x))
+                for k in range(RB):
+                    _fold(acc, k, red[o + 6 * k + 5], red[o + 6 * k + 4], red[o + 6 * k], red[o + 6 * k + 1],
+                          red[o + 6 * k + 2], red[o + 6 * k + 3])
+            for k in range(RB):
+                if m0 + k < M:
+                    den = acc[k, 4]
+                    inv = float32(1) / den if den > float32(0) else float32(0)
+                    out[b, m0 + k, 4 * x], out[b, m0 + k, 4 * x + 1] = acc[k, 0] * inv, acc[k, 1] * inv
+                    out[b, m0 + k, 4 * x + 2], out[b, m0 + k, 4 * x + 3] = acc[k, 2] * inv, acc[k, 3] * inv
+    return merge_splits_kernel
+
+
+_MERGE = {}
+
+
+def merge_kernel(rows):
+    """merge_splits_kernel for `rows` rows per block (compiled once per value)."""
+    if rows not in _MERGE:
+        _MERGE[rows] = _build_merge(rows)
+    return _MERGE[rows]
 
 
 def merge_splits(o_part, ml_part, out):
-    """One launch of merge_splits_kernel: grid (M, B), block (r/4, min(8, nsplit)), 24 bytes of shared memory per
-    thread."""
+    """One launch of merge_splits_kernel: grid (M / rows, B), block (r/4, groups), 24 rows bytes of shared memory
+    per thread: MERGE_ROWS rows and a group per split where the splits are few (<= MERGE_ROWS, 48 KB), else one
+    row and min(MERGE_GROUPS, nsplit) groups."""
     B, nsplit, M, r = o_part.shape
     if r % 4:
         raise ValueError(f"merge_splits: value width {r} is not a multiple of 4 (16-byte partial loads)")
-    groups = min(MERGE_GROUPS, nsplit)
-    launch(merge_splits_kernel, (M, B), (r // 4, groups), o_part, ml_part, out, shmem=24 * r // 4 * groups)
+    few = nsplit <= MERGE_ROWS and 24 * MERGE_ROWS * r // 4 * nsplit <= 48 * 1024
+    rows, groups = (MERGE_ROWS, nsplit) if few else (1, min(MERGE_GROUPS, nsplit))
+    launch(merge_kernel(rows), (-(-M // rows), B), (r // 4, groups), o_part, ml_part, out,
+           shmem=24 * rows * r // 4 * groups)
 
 
 class AttnWork:

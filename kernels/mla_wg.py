@@ -37,8 +37,8 @@ def wg_stages(D, nk=None):
 
 def mla_wg_applies(h, D, r):
     """This kernel runs on sm_90 GPUs for 64-head row tiles of widths it can hold (r / 2 <= 256 columns of O per
-    warpgroup in registers)."""
-    if SIM or not MLA_WG or h % 64 or D % 64 or r % 128 or r // 2 > 256 or not wg_stages(D):
+    warpgroup in registers; r <= D: V is the first r latent columns of a cache row)."""
+    if SIM or not MLA_WG or h % 64 or D % 64 or r % 128 or r // 2 > 256 or r > D or not wg_stages(D):
         return False
     return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)
 

@@ -89,7 +89,7 @@ from numba import cuda, float32, int32  # noqa: E402
 
 from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device, kernel, launch, ld16, lane_id,  # noqa: E402
                             pack_bf16x2)
-from kernels.device import block_scan, warp_argmax, warp_sum  # noqa: E402
+from kernels.device import warp_argmax, warp_sum  # noqa: E402
 from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_mainloop,  # noqa: E402
                           _build_prep_unit, _cached, _split_range, _words)
 
@@ -355,6 +355,26 @@ def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_
 
 
 # -------------------------------------------------------------------------------------------------------- plan
+@device
+def _scan_shared(a, nelem):
+    """In-place inclusive prefix sum of shared a[0:nelem] (Hillis-Steele, nelem <= blockDim; every thread calls
+    it). Measured on the H200 (ncu, plan kernel at n = 1, K2's 384 experts): 7.9 us against 14.4 us with
+    device.block_scan (one value per thread, warp shuffles) and 8.9 us with one warp scanning runs of 12."""
+    i = cuda.threadIdx.x
+    d = 1
+    while d < nelem:
+        v = 0
+        if i < nelem:
+            v = a[i]
+            if i >= d:
+                v += a[i - d]
+        cuda.syncthreads()
+        if i < nelem:
+            a[i] = v
+        cuda.syncthreads()
+        d *= 2
+
+
 def _build_plan(xs, perm):
     prep_unit = _cached(_build_prep_unit, xs, perm, 0)
 
@@ -375,7 +395,6 @@ def _build_plan(xs, perm):
         cnt = cuda.shared.array(MAX_E, int32)
         inc = cuda.shared.array(MAX_E, int32)
         iinc = cuda.shared.array(MAX_E, int32)
-        wsum = cuda.shared.array(32, int32)
         ns = n * top_k
         for i in range(tid, ns, bs):
             e = idx[i // top_k, i % top_k] - e0
@@ -387,12 +406,12 @@ def _build_plan(xs, perm):
             if sh_idx[i] >= 0:
                 cuda.atomic.add(cnt, sh_idx[i], 1)
         cuda.syncthreads()
-        c = cnt[tid] if tid < n_exp else 0                           # prefix sums (n_exp <= block): slots and
-        v, _ = block_scan(c, wsum)                                      # items of the experts up to tid
-        vi, _ = block_scan((c + cap - 1) // cap, wsum)
-        if tid < n_exp:
-            inc[tid], iinc[tid] = v, vi
+        for e in range(tid, n_exp, bs):
+            inc[e] = cnt[e]
+            iinc[e] = (cnt[e] + cap - 1) // cap
         cuda.syncthreads()
+        _scan_shared(inc, n_exp)
+        _scan_shared(iinc, n_exp)
         for i in range(tid, ns, bs):
             e = sh_idx[i]
             if e < 0:

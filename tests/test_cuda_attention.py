@@ -172,11 +172,13 @@ def test_ptx_attention(name, sig):
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
 
 
-def test_ptx_merge():
-    """The flash-decoding merge of all three attention kernels: f32 only, no local memory."""
+@pytest.mark.parametrize("rows", [1, 4])
+def test_ptx_merge(rows):
+    """The flash-decoding merge of all three attention kernels (one row or four rows per block): f32 only, no local
+    memory (the four rows' accumulators stay in registers)."""
     import re
-    from kernels.attention import merge_splits_kernel
-    ptx = ptx_or_skip(merge_splits_kernel.py_func, "void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,:])")
+    from kernels.attention import merge_kernel
+    ptx = ptx_or_skip(merge_kernel(rows).py_func, "void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,:])")
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
     assert not re.search(r"(ld|st)\.local", ptx), "local memory"
 

@@ -97,6 +97,8 @@ SIM_CASES = {
     "split_sizing": check_split_sizing,
     "nk32_splits_tree": lambda env: check_knobs(env, dict(MLA_NK=32), B=1, T=3, h=4, lengths=(150,), ntok=(3,),
                                                 work=96, seed=10),
+    "merge_four_rows_past_m": lambda env: check(env, B=2, T=3, h=3, lengths=(50, 20), ntok=(3, 2), work=32,
+                                                seed=12),       # 2 splits: 4-row merge blocks, M = 9 rows
     "two_s_tiles_kg2": lambda env: check_knobs(env, dict(MLA_S_TILES=2, MLA_WIDE_KG=2), B=1, T=13, h=4,
                                                lengths=(70,), ntok=(13,), work=64, seed=11),
 }
@@ -163,7 +165,7 @@ SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32
        "float32[:,:,:,::1], float32[:,:,:,::1])")
 
 
-@pytest.mark.parametrize("D,r", [(128, 256)])      # K2's (576, 512): the same code, 4x the compile time
+@pytest.mark.parametrize("D,r", [(192, 128)])      # K2's (576, 512): the same code, 4x the compile time
 def test_ptx_wgmma_kernel(D, r):
     """kernels/mla_wg.py compiles for sm_90a: D/16 wgmma for S(0) and as many for S(i + 1), NK/16 (MN-major B)
     for P V in each warpgroup's loop, no float64, no local memory; ptxas (where installed) keeps the wgmmas
