@@ -89,13 +89,14 @@ from numba import cuda, float32, int32  # noqa: E402
 
 from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device, kernel, launch, ld16, lane_id,  # noqa: E402
                             pack_bf16x2)
-from kernels.device import warp_argmax, warp_sum  # noqa: E402
+from kernels.device import shfl_idx, warp_argmax, warp_sum  # noqa: E402
 from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_mainloop,  # noqa: E402
                           _build_prep_unit, _cached, _split_range, _words)
 
 MOE_XS = 1            # B operand: activations as bf16 (W4A16); 2 = hi + lo parts (~1e-5 from the f32 reference, slower)
 MAX_E = 1024          # experts per layer the router/plan kernels handle (one thread each)
 MAX_SLOTS = 4096      # tokens * top_k the plan kernel handles
+PLAN_WARP_SLOTS = 32  # routings of up to this many slots (<= 32) are planned by one warp without barriers
 NEG_INF = float32(-np.inf)
 
 
@@ -375,7 +376,43 @@ def _scan_shared(a, nelem):
         d *= 2
 
 
-def _build_plan(xs, perm):
+@device
+def _plan_warp(idx, ns, top_k, e0, n_exp, cap, sorted_slot, item_e, item_start, item_len, n_items, lane):
+    """The plan for ns <= 32 slots by one warp in registers (no shared memory, no barrier): lane i holds slot i's
+    local expert e; its place in the expert-grouped order is (slots of lower experts) + (its rank among e's
+    slots); the first slot of each expert writes that expert's work items after the items of lower experts."""
+    e = int32(-1)
+    if lane < ns:
+        e = int32(idx[lane // top_k, lane % top_k] - e0)
+        if e < 0 or e >= n_exp:
+            e = int32(-1)                                  # an expert of another device
+    cnt, rank, below = int32(0), int32(0), int32(0)
+    for j in range(32):                                    # slots of e, of e before this lane, of lower experts
+        ej = shfl_idx(e, int32(j))
+        if ej == e:
+            cnt += 1
+            if j < lane:
+                rank += 1
+        elif ej >= 0 and ej < e:
+            below += 1
+    nit = int32((cnt + cap - 1) // cap) if e >= 0 and rank == 0 else int32(0)  # on e's first slot only
+    it, total = int32(0), int32(0)
+    for j in range(32):                                    # items of lower experts, and of all
+        ej, nj = shfl_idx(e, int32(j)), shfl_idx(nit, int32(j))
+        total += nj
+        if ej < e:
+            it += nj
+    if e >= 0:
+        sorted_slot[below + rank] = lane
+        for q in range(0, cnt if rank == 0 else 0, cap):
+            item_e[it], item_start[it], item_len[it] = e, below + q, min(cap, cnt - q)
+            it += 1
+    if lane == 0:
+        n_items[0] = total
+
+
+def _build_plan(xs, perm, warp_slots):
+    """The plan kernel; routings of <= warp_slots slots take _plan_warp (PLAN_WARP_SLOTS)."""
     prep_unit = _cached(_build_prep_unit, xs, perm, 0)
 
     @kernel(max_registers=64)                     # 1024-thread blocks
@@ -391,11 +428,15 @@ def _build_plan(xs, perm):
             b = cuda.blockIdx.x - 1
             prep_unit(x, xb, n, kdim, b // per_row, (b % per_row) * bs + tid)
             return
+        ns = n * top_k
+        if ns <= warp_slots:                                            # decode-sized routings: one warp
+            if tid < 32:
+                _plan_warp(idx, ns, top_k, e0, n_exp, cap, sorted_slot, item_e, item_start, item_len, n_items, tid)
+            return
         sh_idx = cuda.shared.array(MAX_SLOTS, int32)
         cnt = cuda.shared.array(MAX_E, int32)
         inc = cuda.shared.array(MAX_E, int32)
         iinc = cuda.shared.array(MAX_E, int32)
-        ns = n * top_k
         for i in range(tid, ns, bs):
             e = idx[i // top_k, i % top_k] - e0
             sh_idx[i] = e if e >= 0 and e < n_exp else -1                # -1: an expert of another device
@@ -611,9 +652,10 @@ def moe_plan(x, idx, experts, ws, cfg_gate_up=GATE_UP_CFG, cfg_down=DOWN_CFG):
         raise ValueError(f"moe: configs {cfg_gate_up}, {cfg_down}: same T, <= {MAX_WARPS} warps per block")
     plan_threads = 32 * math.ceil(n_exp / 32) if SIM else 1024   # simulator: a Python thread per CUDA thread
     grid = 1 + n * math.ceil(h / 8 / plan_threads)
-    launch(_cached(_build_plan, ws.xs, int(fmt == INT4)), grid, plan_threads, idx, int32(n), int32(k),
-           int32(experts.offset), int32(n_exp), int32(8 * cfg_gate_up.T), ws.sorted_slot,
-           ws.item_e, ws.item_start, ws.item_len, ws.n_items, x, ws.xb, int32(h))
+    plan = _cached(_build_plan, ws.xs, int(fmt == INT4), PLAN_WARP_SLOTS)
+    launch(plan, grid, plan_threads, idx, int32(n), int32(k), int32(experts.offset), int32(n_exp),
+           int32(8 * cfg_gate_up.T), ws.sorted_slot, ws.item_e, ws.item_start, ws.item_len, ws.n_items, x, ws.xb,
+           int32(h))
 
 
 def moe_stage(down, experts, wts, ws, cfg=GATE_UP_CFG):

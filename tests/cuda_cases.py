@@ -198,12 +198,20 @@ def routing(rng, n, n_exp, k, mode):
     return idx, rng.random((n, k)).astype(np.float32)
 
 
-def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, seed=0, shared=False, held=None):
+def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, seed=0, shared=False, held=None,
+              warp_slots=None):
     """held=(offset, count): this device holds experts offset.. of n_exp (expert parallelism); the others' slots
-    add nothing."""
+    add nothing. warp_slots: kernels.moe.PLAN_WARP_SLOTS for this check (0: the block plan at any size)."""
     import dataclasses
 
+    import kernels.moe as M
     from kernels.moe import device_experts, moe, moe_ref, moe_workspace
+    if warp_slots is not None:
+        saved, M.PLAN_WARP_SLOTS = M.PLAN_WARP_SLOTS, warp_slots
+        try:
+            return check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4, cfgs, seed, shared, held)
+        finally:
+            M.PLAN_WARP_SLOTS = saved
     rng = np.random.default_rng(seed)
     idx, wts = routing(rng, n, n_exp, k, mode)
     ex = make_experts(rng, n_exp, hidden, inter, int4)
@@ -224,6 +232,37 @@ def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, s
     if sh is not None:
         ref += sh
     assert_close(f"moe n={n} {mode} xs={xs} int4={int4}", env.host(out), ref, 1e-4 if xs == 2 else 2e-2)
+
+
+def check_plan(env, n, n_exp, k, mode, held=None, warp_slots=32, seed=0):
+    """The MoE routing plan alone (kernels.moe.moe_plan) against a NumPy plan, exactly: live slots (experts held
+    here: held=(offset, count)) in expert order, stable inside an expert; then per expert in order, work items
+    of <= cap slots. warp_slots: PLAN_WARP_SLOTS (routings of up to that many slots take the one-warp plan)."""
+    import dataclasses
+
+    import kernels.moe as M
+    rng = np.random.default_rng(seed)
+    idx, _ = routing(rng, n, n_exp, k, mode)
+    e0, count = held if held is not None else (0, n_exp)
+    ex = dataclasses.replace(make_experts(rng, count, 64, 64, True), offset=e0)
+    ws = M.moe_workspace(n + 2, k, 64, 64, count, lambda shape, dtype: poisoned(env, shape, dtype), xs=1)
+    saved, M.PLAN_WARP_SLOTS = M.PLAN_WARP_SLOTS, warp_slots
+    try:
+        M.moe_plan(env.dev(rng.standard_normal((n, 64)).astype(np.float32)), env.dev(idx),
+                   M.device_experts(ex, env.dev), ws)
+    finally:
+        M.PLAN_WARP_SLOTS = saved
+    cap = 8 * M.GATE_UP_CFG.T
+    local = idx.reshape(-1) - e0
+    live = [i for i in np.argsort(local, kind="stable") if 0 <= local[i] < count]
+    items = [(e, start + q, min(cap, c - q)) for e, start, c in
+             [(e, sum(1 for i in live if local[i] < e), int(np.sum(local == e))) for e in range(count)]
+             for q in range(0, c, cap)]
+    got_n = int(env.host(ws.n_items)[0])
+    assert got_n == len(items), f"plan: {got_n} items, want {len(items)}"
+    assert env.host(ws.sorted_slot)[:len(live)].tolist() == live, "plan: slot order"
+    got = list(zip(*(env.host(a)[:got_n].tolist() for a in (ws.item_e, ws.item_start, ws.item_len))))
+    assert got == items, f"plan: items {got[:6]} want {items[:6]}"
 
 
 def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_per_pass=4, token_blocks=None,

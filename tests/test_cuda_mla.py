@@ -203,3 +203,14 @@ def test_ptx_geometries(M, D, r):
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
     assert ptx.count("mma.sync") and ptx.count("ldmatrix") and ptx.count("cp.async.cg")
     assert not re.search(r"(ld|st)\.local", ptx), "local memory"
+
+
+def test_mla_cuts_match_the_kernel():
+    """tools/mla_cuts.py's cuts still find their lines in kernels/mla_wg.py (a stale cut would stop the tool with
+    an error; this keeps it usable for the next measurement), and each one changes the source."""
+    from tools.mla_cuts import CUTS, cut_source
+    base = cut_source("base")
+    for name in CUTS:
+        assert cut_source(name) != base, name
+    with pytest.raises(SystemExit, match="unknown cut"):
+        cut_source("base+nonsense")

@@ -19,7 +19,11 @@ SIM_CASES = {
     "moe_int4_prep_2_blocks_per_row": lambda env: C.check_moe(env, 2, 512, 64, 4, 1, "random", 1, cfgs=SMALL,
                                                               seed=3),
     "moe_int4_70_experts_plan_scans_3_warps": lambda env: C.check_moe(env, 3, 128, 64, 70, 2, "random", 1,
-                                                                      cfgs=SMALL, seed=5),
+                                                                      cfgs=SMALL, seed=5, warp_slots=0),
+    "plan_warp_32_slots": lambda env: C.check_plan(env, 16, 40, 2, "one_hot", held=(0, 24), seed=6),  # 2 items
+    "plan_warp_one_token_held": lambda env: C.check_plan(env, 1, 384, 8, "random", held=(100, 200), seed=7),
+    "plan_block_33_slots": lambda env: C.check_plan(env, 11, 40, 3, "one_hot", held=(0, 32), seed=8),
+    "plan_block_forced_held": lambda env: C.check_plan(env, 5, 70, 4, "random", held=(8, 40), warp_slots=0, seed=9),
     "router_one_group_ragged_block": lambda env: C.check_router(env, 3, 64, 18, 4, 1, 1),   # 8 experts per block
     "router_grouped": lambda env: C.check_router(env, 3, 64, 16, 4, 4, 2),
     "router_passes_over_2_block_rows": lambda env: C.check_router(env, 5, 64, 16, 2, 1, 1, tokens_per_pass=2,

@@ -56,8 +56,9 @@ def _moe():
     cases["router_logits"] = (_build_router_logits(4), (A1(f32), A1(u32), A3(f32), i32, i32, i32), False)
     cases["router_select"] = (_build_router_select(8), (A3(f32), A1(f32), A2(i32), A2(f32)) + (i32,) * 5 + (f32,),
                               False)
-    cases["plan_prep_int4"] = (_build_plan(1, 1), (A2(i32), i32, i32, i32, i32, i32) + (A1(i32),) * 5
-                               + (A2(f32), A1(u32), i32), False)
+    for slots in (0, 32):                                       # block scan only; with the one-warp plan
+        cases[f"plan_prep_int4_warp{slots}"] = (_build_plan(1, 1, slots), (A2(i32), i32, i32, i32, i32, i32)
+                                                + (A1(i32),) * 5 + (A2(f32), A1(u32), i32), False)
     cases["combine"] = (_build_combine(8), (A2(f32), A2(f32), A2(f32), A2(i32)) + (i32,) * 5, False)
     return cases
 
