@@ -626,6 +626,8 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
         raise ValueError(f"mla_attention: mask {mask.shape} is not [B, T, >= T/32] for T = {T}")
     if not (q.flags["C_CONTIGUOUS"] and cache.flags["C_CONTIGUOUS"]):
         raise ValueError("mla_attention: q and cache must be C-contiguous (16-byte loads at flat offsets)")
+    if not out.flags["C_CONTIGUOUS"]:                 # its [B, M, r] view must be itself, not a copy
+        raise ValueError(f"mla_attention: out {out.shape} must be C-contiguous (written through a [B, T h, r] view)")
     M = T * h
     if mla_wg_applies(h, D, r):                   # 64-head tiles on an sm_90 GPU: both products on wgmma
         kern, tiles, threads, smem = mla_wg_launch(M, D, r, mask is None, work)

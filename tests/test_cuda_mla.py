@@ -214,3 +214,14 @@ def test_mla_cuts_match_the_kernel():
         assert cut_source(name) != base, name
     with pytest.raises(SystemExit, match="unknown cut"):
         cut_source("base+nonsense")
+
+
+def test_strided_out_refused():
+    """A strided out would be reshaped into a copy and the attention written there, lost: refused in one line
+    before any launch, the caller's out untouched."""
+    from kernels.mla import mla_attention
+    q, cache = np.zeros((1, 1, 4, 64), np.float32), np.zeros((1, 8, 64), np.uint16)
+    full = np.full((1, 1, 4, 128), np.nan, np.float32)
+    with pytest.raises(ValueError, match=r"out \(1, 1, 4, 64\) must be C-contiguous"):
+        mla_attention(q, cache, np.array([7], np.int32), np.array([1], np.int32), None, 0.1, full[..., ::2])
+    assert np.isnan(full).all()
