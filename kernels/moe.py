@@ -652,7 +652,7 @@ def moe_plan(x, idx, experts, ws, cfg_gate_up=GATE_UP_CFG, cfg_down=DOWN_CFG):
         raise ValueError(f"moe: configs {cfg_gate_up}, {cfg_down}: same T, <= {MAX_WARPS} warps per block")
     plan_threads = 32 * math.ceil(n_exp / 32) if SIM else 1024   # simulator: a Python thread per CUDA thread
     grid = 1 + n * math.ceil(h / 8 / plan_threads)
-    plan = _cached(_build_plan, ws.xs, int(fmt == INT4), PLAN_WARP_SLOTS)
+    plan = _cached(_build_plan, ws.xs, int(fmt == INT4), min(PLAN_WARP_SLOTS, 32))     # a warp holds 32 slots
     launch(plan, grid, plan_threads, idx, int32(n), int32(k), int32(experts.offset), int32(n_exp),
            int32(8 * cfg_gate_up.T), ws.sorted_slot, ws.item_e, ws.item_start, ws.item_len, ws.n_items, x, ws.xb,
            int32(h))
