@@ -295,6 +295,9 @@ MLA_S_TILES = 1             # m16 tiles per warp in S = Q K^T (2: each K fragmen
 MLA_SMEM = 227 * 1024       # shared memory per block on sm_90
 LAZY = float32(8)           # online softmax (log2 units): the running max moves only when a row's max grows by more
 MLA_MIN_SPLIT = 64          # fewest keys per flash-decoding split
+MLA_SPLIT_COST = 128        # a split's fixed cost in cache rows for the split rule (q prologue, partial write, merge
+#                             share: ~8 us of a 64-head block at ~2.1 us per 32 rows, session 11's cuts on the H200)
+MLA_MAX_WAVES = 8           # the split rule adds splits up to this many waves of blocks (bounds the partials' memory)
 _MLA_KERNELS = {}
 
 
@@ -597,15 +600,20 @@ class MlaWork:
 
 
 def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132):
-    """Scratch for up to max_keys cache rows per sequence (committed + new). split=None: as many splits as fit
-    one wave of blocks next to the B row tiles (at least MLA_MIN_SPLIT keys each); zeros = np.zeros or
-    cupy.zeros."""
+    """Scratch for up to max_keys cache rows per sequence (committed + new); zeros = np.zeros or cupy.zeros.
+    split=None: the split count (at least MLA_MIN_SPLIT keys each, at most MLA_MAX_WAVES waves of blocks) that
+    minimizes waves x (keys per split + MLA_SPLIT_COST). Within one wave that is as many splits as fit beside
+    the row tiles (the rule before session 11); it also takes more waves of many splits where one split per
+    tile would leave SMs idle (tiles just above half a wave, or just above a whole one: 68 tiles of a
+    4-sequence 17-node tree on 132 SMs ran 1 split at 209 TFLOP/s against 339 at 7 splits for 17 tiles)."""
     rg, kg, _, _, smem = mla_geometry(T * h, D, r)
     nk = mla_step_keys(rg, kg, D, r)
     if split is None:
         tiles = B * -(-T * h // (16 * rg))
         slots = sms * max(1, MLA_SMEM // smem)
-        nsplit = max(1, min(slots // tiles, -(-max_keys // MLA_MIN_SPLIT)))
+        most = min(-(-max_keys // MLA_MIN_SPLIT), max(1, MLA_MAX_WAVES * slots // tiles))
+        nsplit = min(range(1, most + 1),                                 # the fewest splits among equals
+                     key=lambda ns: -(-tiles * ns // slots) * (-(-max_keys // ns) + MLA_SPLIT_COST))
         split = -(-max_keys // nsplit)
     step = np.lcm(nk, _wg.MLA_WG_NK)              # whole steps of either kernel (mla_wg's for 64-head tiles)
     split = -(-split // step) * step

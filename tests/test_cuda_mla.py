@@ -77,6 +77,13 @@ def check_split_sizing(env):
     assert one.o.shape[1] == -(-4097 // MLA_MIN_SPLIT), one.o.shape
     many = mla_work(np.zeros, 64, 1, 64, 512, 4097)                  # batch 64: about one wave
     assert 64 * many.o.shape[1] <= 132 and many.o.shape[1] >= 2, many.o.shape
+    for B, T, keys in ((4, 17, 65553), (8, 17, 65553), (16, 17, 16401)):  # 68 / 136 / 272 tiles of 64 rows
+        ns = mla_work(np.zeros, B, T, 64, 512, keys).o.shape[1]          # fill the waves with many splits
+        waves = -(-B * T * ns // 132)
+        assert ns > 1 and B * T * ns >= 0.85 * 132 * waves and waves <= 8, (B, T, ns)
+    for B in (1, 9, 64, 1000):                                           # splits always >= MLA_MIN_SPLIT keys
+        w = mla_work(np.zeros, B, 1, 64, 512, 3000)
+        assert 1 <= w.o.shape[1] <= -(-3000 // MLA_MIN_SPLIT) and w.split * (w.o.shape[1] - 1) < 3000, w.split
 
 
 SIM_CASES = {
