@@ -37,11 +37,12 @@ def kv_attention_ref(q, k, v, kv_len, scale, out):
 # Flash-decoding: a block per (kv head, tile of query rows, split of the keys) writes an unnormalized partial
 # (o, max, sum); merge_splits combines the splits. With one split the block writes the normalized rows directly.
 
+import functools  # noqa: E402
 import math  # noqa: E402
 
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
-from kernels.device import SIM, as_f32, as_u32, current_stream, kernel, launch, ld4, ld16  # noqa: E402,F401
+from kernels.device import SIM, as_f32, as_u32, current_stream, device, kernel, launch, ld4, ld16  # noqa: E402,F401
 
 if SIM:
     from kernels.device import shfl_xor  # noqa: E402,F401
@@ -170,7 +171,7 @@ MERGE_GROUPS = 8            # split groups per merge block (summed in shared mem
 MERGE_ROWS = 4              # rows per merge block at <= MERGE_ROWS splits: their loads are in flight together
 
 
-@cuda.jit(device=True, inline="always")
+@device
 def _fold(acc, k, ms, ls, u0, u1, u2, u3):
     """Online merge of one partial (max ms in log2 units, sum ls, 4 values) into acc[k] = (y0..y3, den, max)."""
     if ms != NEG_INF:
@@ -183,7 +184,9 @@ def _fold(acc, k, ms, ls, u0, u1, u2, u3):
         acc[k, 5] = mn
 
 
-def _build_merge(RB):
+@functools.cache
+def merge_kernel(RB):
+    """merge_splits_kernel for RB rows per block (compiled once per value)."""
     @kernel(max_registers=64)                    # up to 1024 threads per block
     def merge_splits_kernel(o_part, ml_part, out):
         """Flash-decoding merge: out[b, m] = sum_s 2^(max_s - max) o_part[b, s, m] / sum_s 2^(max_s - max) sum_s
@@ -228,16 +231,6 @@ def _build_merge(RB):
                     out[b, m0 + k, 4 * x], out[b, m0 + k, 4 * x + 1] = acc[k, 0] * inv, acc[k, 1] * inv
                     out[b, m0 + k, 4 * x + 2], out[b, m0 + k, 4 * x + 3] = acc[k, 2] * inv, acc[k, 3] * inv
     return merge_splits_kernel
-
-
-_MERGE = {}
-
-
-def merge_kernel(rows):
-    """merge_splits_kernel for `rows` rows per block (compiled once per value)."""
-    if rows not in _MERGE:
-        _MERGE[rows] = _build_merge(rows)
-    return _MERGE[rows]
 
 
 def merge_splits(o_part, ml_part, out):
