@@ -214,14 +214,15 @@ if SIM:
     def lane_id():
         return threading.current_thread().thread_id % 32
 
+    def syncwarp():
+        """The simulator's warp exchange is a barrier of the warp (and its shared memory is one array)."""
+        _collective(0, list)
+
     def cp_commit():
         """Simulator: cp.async copies land at once, so groups and waits are no-ops."""
 
     def cp_wait(n):
         return cp_commit
-
-    def l2_prefetch(arr, i, nbytes):
-        """Simulator: no L2 to warm."""
 
 else:
     from llvmlite import ir
@@ -286,22 +287,6 @@ else:
         """cp.async.wait_group n: all but this thread's n most recent groups have landed."""
         return _barrier_op(f"cp.async.wait_group {n};")
 
-    @intrinsic
-    def l2_prefetch(typingctx, arr, idx, nbytes):
-        """Bulk L2 prefetch (sm_90) of nbytes (a multiple of 16, > 0) from flat element idx (16-byte aligned) of a
-        contiguous global array: one thread warms L2 for a later load; nothing waits for it."""
-        if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
-            return None
-        sig = types.void(arr, idx, nbytes)
-        asm = "{ .reg .u64 ga; cvta.to.global.u64 ga, $0; cp.async.bulk.prefetch.L2.global [ga], $1; }"
-
-        def codegen(ctx, b, sig, args):
-            addr = _address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
-            n = ctx.cast(b, args[2], sig.args[2], types.uint32)
-            fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(32)])
-            b.call(ir.InlineAsm(fn, asm, "l,r", side_effect=True), [addr, n])
-        return sig, codegen
-
     def _asm_op(name, asm, cons, argtys, retty):
         """An intrinsic around one inline-PTX instruction; arguments are cast to `argtys` first."""
         def typer(typingctx, *args):
@@ -359,6 +344,11 @@ else:
     @cuda.jit(device=True, forceinline=True)
     def lane_id():
         return int32(cuda.laneid)
+
+    @cuda.jit(device=True, forceinline=True)
+    def syncwarp():
+        """Barrier of the warp's 32 lanes that also orders their shared and global memory accesses."""
+        cuda.syncwarp(FULL)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -103,12 +103,12 @@ if not SIM:
             return _address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         return sig, codegen
 
-    def _make_cp_piece(d8, npieces, sw_rows=0, l2=""):
+    def _make_cp_piece(d8, npieces, sw_rows=0):
         """cp.async of 16-byte piece idx (< npieces) of a tile of rows of d8 pieces: global gptr + 16*idx -> shared
         slot + 16*(idx + idx // d8) (rows padded by 16 bytes), or with sw_rows > 0 into the 128-byte-swizzle layout
         of a tile of sw_rows rows (kernels/wgmma.py sw128_offset; 8 lanes, one 128-byte global row segment, land
         in 8 different bank groups). Rows idx // d8 >= nvalid read nothing (zeros) from gsafe. All 32-bit index
-        math in one PTX block. l2: a prefetch-size qualifier for the copies (".L2::256B") or none."""
+        math in one PTX block."""
         if sw_rows:  # piece c of row kr: slab c >> 3, atom kr >> 3, row kr & 7, chunk (c & 7) ^ (kr & 7)
             place = (f" mul.lo.u32 so, kr, {d8}; sub.u32 c, $2, so; and.b32 t, kr, 7; and.b32 so, c, 7;"
                      " xor.b32 so, so, t; shl.b32 so, so, 4; shl.b32 t, t, 7; add.u32 so, so, t;"
@@ -119,7 +119,7 @@ if not SIM:
         asm = ("{ .reg .u32 kr, so, sz, c, t; .reg .u64 ga, off; .reg .pred ok, in;"
                f" div.u32 kr, $2, {d8}; setp.lt.u32 in, $2, {npieces}; setp.lt.s32 ok, kr, $3;" + place +
                " mul.wide.u32 off, $2, 16; add.u64 ga, $1, off; selp.b64 ga, ga, $4, ok; selp.u32 sz, 16, 0, ok;"
-               f" cvta.to.global.u64 ga, ga; @in cp.async.cg.shared.global{l2} [so], [ga], 16, sz; }}")
+               " cvta.to.global.u64 ga, ga; @in cp.async.cg.shared.global [so], [ga], 16, sz; }")
 
         @intrinsic
         def cp_piece(typingctx, sary, slot, gary, gptr, gsafe, idx, nvalid):
@@ -264,7 +264,7 @@ else:
     def _row_addr(arr, gidx):
         return gidx
 
-    def _make_cp_piece(d8, npieces, sw_rows=0, l2=""):
+    def _make_cp_piece(d8, npieces, sw_rows=0):
         def cp_piece(sm, slot, arr, gptr, gsafe, idx, nvalid):
             if idx < npieces:
                 kr, c = divmod(idx, d8)

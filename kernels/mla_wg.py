@@ -15,13 +15,11 @@ partials 64 r 4 per block. Same arguments and outputs as mla.py's kernel (o_part
 from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from kernels.attention import NEG_INF, shfl_xor
-from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, l2_prefetch, ld16
+from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16
 from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
 
 MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
 MLA_WG_NK = 32              # cache rows per step (S is m64nNK per k16 step; four tiles must fit)
-MLA_WG_L2_AHEAD = 0         # > 0: warm L2 with a bulk prefetch of the tile this many steps past the ring (not timed)
-MLA_WG_CP_L2 = ""           # ".L2::256B": the ring's cp.async with an L2 prefetch-size hint (not timed)
 MLA_WG_SMEM = 227 * 1024
 _KERNELS = {}
 
@@ -47,9 +45,9 @@ def mla_wg_applies(h, D, r):
 
 def mla_wg_kernel(D, r, causal, nk=None):
     nk = nk or MLA_WG_NK
-    key = (D, r, causal, nk, MLA_WG_L2_AHEAD, MLA_WG_CP_L2)
+    key = (D, r, causal, nk)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk), MLA_WG_L2_AHEAD, MLA_WG_CP_L2)
+        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk))
     return _KERNELS[key]
 
 
@@ -80,7 +78,7 @@ if t == 0:
 """   # warpgroup 0's online softmax (kernel source, filled in by _make_kernel)
 
 
-def _make_kernel(D, r, causal, NK, stages, AHEAD=0, CP_L2=""):
+def _make_kernel(D, r, causal, NK, stages):
     from kernels.mla import _ex2, _make_cp_piece, _pack2, _row_addr, _slot_addr
     from kernels.wgmma import fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_wait0, wg_wait1
     if SIM:
@@ -178,9 +176,6 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
     if wg == 1:                                   # warpgroup 1 loads the ring: tiles 0, 1, 2 in flight
         for p in range(3):
             load_tile(usm, cache, row0, lo + p * {NK}, hi, p, tid - 128)
-        if {AHEAD} > 0 and tid == 128:            # and warms L2 for tiles 3 .. 3 + AHEAD - 1
-            for p in range({AHEAD}):
-                l2_ahead(cache, row0, lo + (3 + p) * {NK}, hi)
     qv = cuda.local.array({8 * QG}, uint32)
     for p0 in range(0, {QPT}, {QG}):              # q tile -> bf16, 128-byte swizzle: unit u is 8 values, 8 lanes
         for p in range({QG}):                     # read 256 contiguous bytes and store to 8 bank groups
@@ -242,8 +237,6 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
             fence_proxy_async()
             cuda.syncthreads()
             load_tile(usm, cache, row0, lo + (i + 3) * {NK}, hi, (i + 3) % {stages}, tid - 128)
-            if {AHEAD} > 0 and tid == 128:
-                l2_ahead(cache, row0, lo + (i + 3 + {AHEAD}) * {NK}, hi)
             sa = {SF} + (i & 1) * 64
             al0, al1 = fsm[sa + r0], fsm[sa + r1]
             if al0 != float32(1) or al1 != float32(1):
@@ -270,7 +263,7 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
         ml_part[b, s, mb + tid, 1] = fsm[{SF + 192} + tid]
 {store_out}
 '''
-    cp_piece = _make_cp_piece(D8, NK * D8, sw_rows=NK, l2=CP_L2)
+    cp_piece = _make_cp_piece(D8, NK * D8, sw_rows=NK)
     cp_wait0, cp_wait1, cp_wait2 = cp_wait(0), cp_wait(1), cp_wait(2)
 
     @cuda.jit(device=True, inline="always")
@@ -283,13 +276,6 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
         for p in range(PPT):
             cp_piece(usm, slot, cache, gptr, gsafe, tid + p * 128, hi - j0)
         cp_commit()
-
-    @cuda.jit(device=True, inline="always")
-    def l2_ahead(cache, row0, j0, hi):
-        """Bulk L2 prefetch of cache rows j0 .. min(j0 + NK, hi) - 1 (contiguous rows of one sequence)."""
-        n = min(hi - j0, NK)
-        if n > 0:
-            l2_prefetch(cache, (row0 + j0) * D, n * D * 2)
 
     @cuda.jit(device=True, inline="always")
     def key_ok(j, hi, L, tq, b, mask):
@@ -308,7 +294,6 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
               LAZY=LAZY,
               shfl_xor=shfl_xor, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
               core_offset=cuda.jit(device=True, inline="always")(core_offset), load_tile=load_tile, key_ok=key_ok,
-              l2_ahead=l2_ahead,
               sw128_offset=cuda.jit(device=True, inline="always")(sw128_offset),
               cp_wait0=cp_wait0, cp_wait1=cp_wait1, cp_wait2=cp_wait2, fence_proxy_async=fence_proxy_async,
               wg_fence=wg_fence, wg_commit=wg_commit, wg_wait0=wg_wait0, wg_wait1=wg_wait1,

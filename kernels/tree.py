@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from kernels.attention import launch_smem, shfl_xor
-from kernels.device import SIM, current_stream
+from kernels.device import SIM, current_stream, syncwarp
 from kernels.sample import SAMPLE_CHUNKS
 from kernels.topk import (
     TOPK_MAX,
@@ -38,9 +38,6 @@ if SIM:
     def _f64_bits(x):
         return np.uint64(np.array([x], np.float64).view(np.uint64)[0])
 
-    def _syncwarp():
-        shfl_xor(int32(0), int32(0))            # the simulator's warp exchange is a barrier of the warp
-
     _shfl_u64 = shfl_xor
 else:
     from numba.cuda import libdevice
@@ -48,10 +45,6 @@ else:
     @cuda.jit(device=True, inline="always")
     def _f64_bits(x):
         return uint64(libdevice.double_as_longlong(x))
-
-    @cuda.jit(device=True, inline="always")
-    def _syncwarp():
-        cuda.syncwarp(0xFFFFFFFF)
 
     @cuda.jit(device=True, inline="always")
     def _shfl_u64(value, mask):
@@ -160,7 +153,7 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
             fkey[0] = _score_key(fscore[0])
     nodes = 1
     if t < 32:                                          # warp 0: the pops
-        _syncwarp()
+        syncwarp()
         while nodes <= budget and live > 0:
             bk, be, sk = uint64(0), int32(-1), uint64(0)   # best key and its slot, the second-best key
             for e in range(lane, live, 32):
@@ -203,7 +196,7 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
                     cand = cs + float64(lps[(dep + lane) * kc])
                     hit = lane < room and _score_key(cand) > bound
                 run = _trailing_ones(_ballot(hit))
-            _syncwarp()                               # every lane has read the frontier: write
+            syncwarp()                               # every lane has read the frontier: write
             if lane == 0:
                 nscore[n0], npar[n0], ndepth[n0], nrank[n0] = sc, par, dep, rk
             if chain:                                 # node c_(l+1); entries: sibling of c_(l+1), child of c_run
@@ -240,7 +233,7 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
                     fdepth[be], frank[be] = fdepth[j], frank[j]
             live += new - (0 if g < K else 1)
             nodes = n0 + 1 + run
-            _syncwarp()
+            syncwarp()
         if t == 0:
             nsh[0] = nodes
     cuda.syncthreads()
