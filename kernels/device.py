@@ -159,6 +159,7 @@ if SIM:
 
     ld16_pf = ld16
     ld4_l2 = ld4
+    ld16_l2 = ld16
 
     def as_f32(u):
         return np.float32(_bits_f32(u))
@@ -271,6 +272,7 @@ else:
     ld4 = _make_load(1)
     ld16_pf = _make_load(4, ".L2::256B")    # same, asking L2 to fetch the surrounding 256 bytes
     ld4_l2 = _make_load(1, space=".cg")     # one word cached at L2 only: sees other blocks' writes of this kernel
+    ld16_l2 = _make_load(4, space=".cg")    # four words, the same
 
     def _barrier_op(asm):
         """A no-argument PTX statement that orders memory (side effect, memory clobber)."""

@@ -43,7 +43,8 @@ def mla_attention_ref(q, cache, lengths, ntok, mask, scale, out, work=None):
 
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
-from kernels.attention import (LOG2E, NEG_INF, attention_ref, launch_smem, merge_splits, placeholder,  # noqa: E402
+from kernels.attention import (LOG2E, NEG_INF, attention_ref, last_split_merge, launch_smem, merge_splits,  # noqa: E402
+                               placeholder,
                                shfl_xor)
 from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16, mma_bf16  # noqa: E402
 import kernels.mla_wg as _wg  # noqa: E402
@@ -295,6 +296,12 @@ MLA_S_TILES = 1             # m16 tiles per warp in S = Q K^T (2: each K fragmen
 MLA_SMEM = 227 * 1024       # shared memory per block on sm_90
 LAZY = float32(8)           # online softmax (log2 units): the running max moves only when a row's max grows by more
 MLA_MIN_SPLIT = 64          # fewest keys per flash-decoding split
+MLA_PTX_SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32[:,:,::1], float32, int32, "
+               "int32, float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1], int32[:,::1], int32)")
+# ^ the MLA kernels' argument types (both kernels take the same), for compile_ptx in tests and tools
+MLA_FUSED_MERGE = 0         # up to this many splits the last split block of a row tile merges the partials
+# (attention.last_split_merge) instead of the merge launch. Off: on the H200 (4K context, batch 64, 2 splits) it
+# took 64 heads 129.8 -> 163.4 us and 8 heads 100.3 -> 123.9 us (the last blocks' merge is a slow tail).
 MLA_SPLIT_COST = 128        # a split's fixed cost in cache rows for the split rule (q prologue, partial write, merge
 #                             share: ~8 us of a 64-head block at ~2.1 us per 32 rows, session 11's cuts on the H200)
 MLA_MAX_WAVES = 8           # the split rule adds splits up to this many waves of blocks (bounds the partials' memory)
@@ -387,7 +394,8 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
         cp_commit()
 
     @kernel(max_registers=min(255, 65536 // THREADS // 8 * 8))   # the block fits the register file
-    def mla_attention_kernel(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part):
+    def mla_attention_kernel(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count,
+                             merge):
         """Block (row tile, split s, sequence b) of 32*rg*kg threads over cache rows [s*split, +split) of b:
         query rows m = t*h + head of tile mt. Per step of NK rows (a cp.async ring of `stages` tiles, one barrier
         per phase): warp (wi, gj) sums S = Q K^T over its share of the latent width on tensor cores, the partials
@@ -412,6 +420,8 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
             if tid < MT and mt * MT + tid < M:
                 ml_part[b, s, mt * MT + tid, 0] = NEG_INF
                 ml_part[b, s, mt * MT + tid, 1] = float32(0)
+            if merge:
+                last_split_merge(o_part, ml_part, out, count, b, mt, mt * MT, MT)
             return
         row0 = b * cache.shape[1]
         for p in range(stages - 1):                   # the ring's first tiles in flight
@@ -586,6 +596,8 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
                 if not normalize and col == 0:
                     ml_part[b, s, m, 0] = fsm[row] if live else NEG_INF
                     ml_part[b, s, m, 1] = den if live else float32(0)
+        if merge:                                     # the last split of the tile merges (no merge launch)
+            last_split_merge(o_part, ml_part, out, count, b, mt, mt * MT, MT)
     return mla_attention_kernel
 
 
@@ -597,6 +609,7 @@ class MlaWork:
         nsplit = max(1, -(-max_keys // split))
         self.o = zeros((B, nsplit, M, r), np.float32)
         self.ml = zeros((B, nsplit, M, 2), np.float32)
+        self.count = zeros((B, M), np.int32)     # splits done per row tile (last_split_merge; <= M tiles)
 
 
 def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132):
@@ -622,7 +635,8 @@ def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132):
 
 def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     """mla_attention_ref on the GPU or the simulator (same arguments). work=None: one split per sequence,
-    normalized in place (no scratch); else an MlaWork (splits + merge_splits; read lengths/ntok on the device).
+    normalized in place (no scratch); else an MlaWork (splits; read lengths/ntok on the device), merged by
+    merge_splits (or by the last split block of each row tile: MLA_FUSED_MERGE).
     Launch: grid (row tiles, splits, B) of mla_geometry's threads and shared memory, or kernels/mla_wg.py's
     (mla_wg_launch) for 64-head tiles on sm_90."""
     B, T, h, D = q.shape
@@ -643,14 +657,20 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
         rg, kg, stages, threads, smem = mla_geometry(M, D, r)
         kern, tiles = mla_kernel(rg, kg, stages, mask is None, D, r), -(-M // (16 * rg))
     maskarg = mask if mask is not None else placeholder(q, (1, 1, 1), np.uint32)
+    out3 = out.reshape(B, M, r)
     if work is None:
-        o4 = out.reshape(B, 1, M, r)
-        args = (q, cache, lengths, ntok, maskarg, float32(scale * LOG2E), int32(cache.shape[1]), 1, o4,
-                placeholder(q, (1, 1, 1, 2), np.float32))
+        args = (q, cache, lengths, ntok, maskarg, float32(scale * LOG2E), int32(cache.shape[1]), 1,
+                out.reshape(B, 1, M, r), placeholder(q, (1, 1, 1, 2), np.float32), out3,
+                placeholder(q, (1, 1), np.int32), 0)
         launch_smem(kern, (tiles, 1, B), threads, smem, args)
         return out
     nsplit = work.o.shape[1]
-    args = (q, cache, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0, work.o, work.ml)
+    fused = nsplit <= MLA_FUSED_MERGE
+    if fused and work.count.shape != (B, M):
+        raise ValueError(f"mla_attention: work for {work.count.shape} (B, T h) rows, not {(B, M)}")
+    args = (q, cache, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0, work.o, work.ml, out3,
+            work.count, int32(fused))
     launch_smem(kern, (tiles, nsplit, B), threads, smem, args)
-    merge_splits(work.o, work.ml, out.reshape(B, M, r))
+    if not fused:
+        merge_splits(work.o, work.ml, out3)
     return out

@@ -14,7 +14,7 @@ Bytes: each cache row of the split once per tile (the tiles of one split share i
 partials 64 r 4 per block. Same arguments and outputs as mla.py's kernel (o_part, ml_part, the merge after)."""
 from numba import cuda, float32, int32, uint16, uint32, uint64
 
-from kernels.attention import NEG_INF, shfl_xor
+from kernels.attention import NEG_INF, last_split_merge, shfl_xor
 from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16
 from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
 
@@ -147,7 +147,7 @@ def _make_kernel(D, r, causal, NK, stages):
     zero_s = "\n".join(f"    {v} = float32(0)" for v in sv)
 
     src = f'''
-def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part):
+def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count, merge):
     T, h = q.shape[1], q.shape[2]
     mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
     tid = cuda.threadIdx.x
@@ -171,6 +171,8 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
         elif tid < 64:
             ml_part[b, s, mb + tid, 0] = NEG_INF
             ml_part[b, s, mb + tid, 1] = float32(0)
+        if merge:
+            last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
         return
     row0 = b * cache.shape[1]
     if wg == 1:                                   # warpgroup 1 loads the ring: tiles 0, 1, 2 in flight
@@ -262,6 +264,8 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
         ml_part[b, s, mb + tid, 0] = fsm[{SF + 128} + tid]
         ml_part[b, s, mb + tid, 1] = fsm[{SF + 192} + tid]
 {store_out}
+    if merge:                                     # the last split of the tile merges (no merge launch)
+        last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
 '''
     cp_piece = _make_cp_piece(D8, NK * D8, sw_rows=NK)
     cp_wait0, cp_wait1, cp_wait2 = cp_wait(0), cp_wait(1), cp_wait(2)
@@ -291,7 +295,7 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
 
     from kernels.mla import LAZY
     ns = dict(cuda=cuda, float32=float32, int32=int32, uint16=uint16, uint32=uint32, uint64=uint64, NEG_INF=NEG_INF,
-              LAZY=LAZY,
+              LAZY=LAZY, last_split_merge=last_split_merge,
               shfl_xor=shfl_xor, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
               core_offset=cuda.jit(device=True, inline="always")(core_offset), load_tile=load_tile, key_ok=key_ok,
               sw128_offset=cuda.jit(device=True, inline="always")(sw128_offset),

@@ -7,15 +7,18 @@ import numpy as np
 import pytest
 
 from cudasim import Env, f64_lines, ptx_or_skip, simulator_test, worst
+from kernels.mla import MLA_PTX_SIG as SIG
 from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
 from test_cuda_attention import BF16_NAN, pack_vis, random_tree_vis
 from weights.dtypes import bf16_to_f32, f32_to_bf16
 
 
 def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="none", causal=False, sms=132,
-          scale=None, seed=0):
+          scale=None, seed=0, calls=1):
     """mla_attention against mla_attention_ref. work: "none" (one normalized split), an int (keys per split)
-    or "auto" (mla_work's sizing for `sms` SMs)."""
+    or "auto" (mla_work's sizing for `sms` SMs); with splits the row tiles' counters of the fused merge must be
+    back at zero after each call (what a graph replay needs); calls > 1: again on the same work, output
+    re-poisoned."""
     from kernels.mla import mla_attention, mla_attention_ref, mla_work
     rng = np.random.default_rng(seed)
     lengths, ntok = np.array(lengths, np.int32), np.array(ntok, np.int32)
@@ -30,11 +33,16 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
     out = env.dev(np.full((B, T, h, r), np.nan, np.float32))
     wk = None if work == "none" else mla_work(env.zeros, B, T, h, r, cap, None if work == "auto" else work,
                                                D=D, sms=sms)
-    mla_attention(env.dev(q), env.dev(cache), env.dev(lengths), env.dev(ntok),
-                  None if causal else env.dev(mask), scale, out, wk)
-    got = env.host(out)
-    assert np.isfinite(got).all(), "non-finite output"
-    assert np.abs(got - want).max() <= 8e-3 * max(1.0, np.abs(want).max()), worst(got, want)
+    args = (env.dev(q), env.dev(cache), env.dev(lengths), env.dev(ntok), None if causal else env.dev(mask), scale)
+    for call in range(calls):
+        if call:
+            out = env.dev(np.full((B, T, h, r), np.nan, np.float32))
+        mla_attention(*args, out, wk)
+        got = env.host(out)
+        assert np.isfinite(got).all(), f"call {call}: non-finite output"
+        assert np.abs(got - want).max() <= 8e-3 * max(1.0, np.abs(want).max()), worst(got, want)
+        if wk is not None:
+            assert not env.host(wk.count).any(), f"call {call}: row-tile counters not reset"
     return wk
 
 
@@ -89,7 +97,9 @@ def check_split_sizing(env):
 SIM_CASES = {
     "cp_piece_sw128": check_cp_piece_sw128,
     "ring_one_split": lambda env: check(env, seed=1),                                      # 5 steps > 4 stages
-    "ring_splits_merge": lambda env: check(env, work=32, seed=2),                          # 5 splits, 2 groups
+    "ring_splits_merge": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=8), work=32, seed=2, calls=2),  # 5 splits
+    "merge_fused_dead_rows_empty_seq": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=4), B=3, T=3, h=4,
+                                                               lengths=(45, 0, 64), ntok=(2, 0, 3), work=32, seed=13),
     "many_splits_auto": lambda env: check(env, B=1, lengths=(300,), ntok=(1,), work="auto", sms=12, seed=3),
     "pv_two_tiles_per_warp": lambda env: check(env, B=1, T=16, h=4, D=160, r=128, lengths=(70,),
                                                        ntok=(13,), work=64, seed=4),
@@ -156,6 +166,19 @@ def test_gpu_mma_sync_path(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", ["decode_h64_b9_auto", "tree17_h64", "decode_h8_b5_auto"])
+def test_gpu_fused_merge(case):
+    """The split merge by the last split block of each row tile (kernels.mla.MLA_FUSED_MERGE, off by default:
+    slower on the H200), in both kernels; the row-tile counters end at zero."""
+    import kernels.mla as km
+    saved, km.MLA_FUSED_MERGE = km.MLA_FUSED_MERGE, 1 << 20
+    try:
+        check(Env(gpu=True), **K2, **GPU_CASES[case])
+    finally:
+        km.MLA_FUSED_MERGE = saved
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("D,r", [(192, 128), (576, 512)])
 def test_gpu_wgmma_path_taken(D, r):
     """On an sm_90 GPU, 64-head tiles run kernels/mla_wg.py (and match the reference at a narrow width too)."""
@@ -167,10 +190,6 @@ def test_gpu_wgmma_path_taken(D, r):
 
 
 # --- PTX for sm_90 ------------------------------------------------------------------------------------------------
-
-SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32[:,:,::1], float32, int32, int32, "
-       "float32[:,:,:,::1], float32[:,:,:,::1])")
-
 
 @pytest.mark.parametrize("D,r", [(192, 128)])      # K2's (576, 512): the same code, 4x the compile time
 def test_ptx_wgmma_kernel(D, r):

@@ -64,13 +64,13 @@ def cut_source(variant):
 def check():
     """Every single cut compiles to sm_90a PTX at K2's widths (CPU)."""
     from numba import cuda
-    sig = ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32[:,:,::1], float32, int32, "
-           "int32, float32[:,:,:,::1], float32[:,:,:,::1])")
+
+    from kernels.mla import MLA_PTX_SIG
     for name in ["base", *CUTS]:
         ns = {"__name__": "kernels.mla_wg_cut"}
         exec(compile(cut_source(name), "mla_wg_cut", "exec"), ns)
         kern = ns["_make_kernel"](576, 512, False, 32, 4)
-        cuda.compile_ptx(kern.py_func, sig, cc=(9, 0, "a"))
+        cuda.compile_ptx(kern.py_func, MLA_PTX_SIG, cc=(9, 0, "a"))
         print(f"{name}: compiles", flush=True)
 
 

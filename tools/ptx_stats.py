@@ -154,12 +154,11 @@ def mla_ptx(M, D=576, r=512):
     """PTX of the absorbed MLA kernel for M query rows (T * heads) at K2's latent widths, and its geometry."""
     from numba import cuda
 
-    from kernels.mla import mla_geometry, mla_kernel
+    from kernels.mla import MLA_PTX_SIG, mla_geometry, mla_kernel
     _sm90()
     geo = mla_geometry(M, D, r)
-    sig = ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32[:,:,::1], float32, int32, "
-           "int32, float32[:,:,:,::1], float32[:,:,:,::1])")
-    return cuda.compile_ptx(mla_kernel(geo[0], geo[1], geo[2], False, D, r).py_func, sig, cc=(9, 0))[0], geo
+    kern = mla_kernel(geo[0], geo[1], geo[2], False, D, r)
+    return cuda.compile_ptx(kern.py_func, MLA_PTX_SIG, cc=(9, 0))[0], geo
 
 
 def hot(ptx, sass):
