@@ -97,9 +97,11 @@ def check_split_sizing(env):
 SIM_CASES = {
     "cp_piece_sw128": check_cp_piece_sw128,
     "ring_one_split": lambda env: check(env, seed=1),                                      # 5 steps > 4 stages
-    "ring_splits_merge": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=8), work=32, seed=2, calls=2),  # 5 splits
+    "ring_splits_merge": lambda env: check(env, work=32, seed=2),                          # 5 splits, 2 groups
+    # the merge by the last split block (3 splits: a round of 2, then 1), called twice on the same counters
     "merge_fused_dead_rows_empty_seq": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=4), B=3, T=3, h=4,
-                                                               lengths=(45, 0, 64), ntok=(2, 0, 3), work=32, seed=13),
+                                                               lengths=(45, 0, 64), ntok=(2, 0, 3), work=32, seed=13,
+                                                               calls=2),
     "many_splits_auto": lambda env: check(env, B=1, lengths=(300,), ntok=(1,), work="auto", sms=12, seed=3),
     "pv_two_tiles_per_warp": lambda env: check(env, B=1, T=16, h=4, D=160, r=128, lengths=(70,),
                                                        ntok=(13,), work=64, seed=4),

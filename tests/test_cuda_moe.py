@@ -34,18 +34,15 @@ SIM_CASES = {
     "router_mma_through_the_op_table": lambda env: C.check_router(env, 5, 64, 16, 4, 1, 1, mma="ops"),
     "router_gemv_through_the_op_table": lambda env: C.check_router(env, 2, 64, 16, 4, 1, 1, mma="ops"),
     "router_two_chunks_per_lane": lambda env: C.check_router(env, 2, 512, 8, 2, 1, 1, k_slices=1),
-    # the select's warp: 40 experts (two per lane on 8 lanes), groups of 10 scanned by 8 lanes each
-    "router_grouped_40_experts": lambda env: C.check_router(env, 1, 64, 40, 8, 4, 2, seed=1),
     # more picks than the kept groups hold: the rest are dropped experts (-inf choices), lower index first
     "router_picks_past_the_kept_groups": lambda env: C.check_router(env, 2, 64, 16, 6, 4, 1, seed=2),
-    # groups of one expert (score = that choice), more groups than lanes, more picks than lanes
-    "router_40_groups_of_one_33_picks": lambda env: C.check_router(env, 1, 64, 40, 33, 40, 36, seed=3),
+    # groups of one expert: a group scores its one choice
+    "router_groups_of_one": lambda env: C.check_router(env, 1, 64, 16, 4, 16, 6, seed=3),
 }
 
 SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "moe_int4_70_experts_plan_scans_3_warps": 45,
             "router_twin_experts_exact_ties": 10, "router_mma_logits": 8,
-            "router_mma_through_the_op_table": 11, "router_grouped_40_experts": 8,
-            "router_picks_past_the_kept_groups": 7, "router_40_groups_of_one_33_picks": 19}
+            "router_mma_through_the_op_table": 11, "router_picks_past_the_kept_groups": 6}
 
 
 test_simulator = simulator_test(__name__)
