@@ -658,10 +658,10 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
         kern, tiles = mla_kernel(rg, kg, stages, mask is None, D, r), -(-M // (16 * rg))
     maskarg = mask if mask is not None else placeholder(q, (1, 1, 1), np.uint32)
     out3 = out.reshape(B, M, r)
-    if work is None:
+    if work is None:         # out is o_part: not passed again as out (the simulator copies each argument back)
         args = (q, cache, lengths, ntok, maskarg, float32(scale * LOG2E), int32(cache.shape[1]), 1,
-                out.reshape(B, 1, M, r), placeholder(q, (1, 1, 1, 2), np.float32), out3,
-                placeholder(q, (1, 1), np.int32), 0)
+                out.reshape(B, 1, M, r), placeholder(q, (1, 1, 1, 2), np.float32),
+                placeholder(q, (1, 1, 1), np.float32), placeholder(q, (1, 1), np.int32), 0)
         launch_smem(kern, (tiles, 1, B), threads, smem, args)
         return out
     nsplit = work.o.shape[1]
