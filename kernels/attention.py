@@ -42,7 +42,7 @@ import math  # noqa: E402
 
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
-from kernels.device import (SIM, as_f32, as_u32, current_stream, device, kernel, launch, ld4, ld4_l2,  # noqa: E402,F401
+from kernels.device import (SIM, as_f32, as_u32, device, kernel, launch, ld4, ld4_l2,  # noqa: E402,F401
                             ld16, ld16_l2)
 
 if SIM:
@@ -480,8 +480,8 @@ _SMEM_SET = set()
 
 
 def launch_smem(kern, grid, threads, smem, args):
-    """Launch on the current stream with `smem` bytes of dynamic shared memory, raising the kernel's limit above
-    48 KB first (once per compiled overload; numba has no API for the attribute)."""
+    """device.launch with `smem` bytes of dynamic shared memory, raising the kernel's limit above 48 KB first
+    (once per compiled overload; numba has no API for the attribute)."""
     if not SIM and smem > 48 * 1024:
         types_ = tuple(kern.typeof_pyval(a) for a in args)
         key = (id(kern), types_, smem)
@@ -491,7 +491,7 @@ def launch_smem(kern, grid, threads, smem, args):
             attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             driver.cuKernelSetAttribute(attr, smem, cf.handle, cf.device.id)
             _SMEM_SET.add(key)
-    kern[grid, threads, current_stream(), smem](*args)
+    launch(kern, grid, threads, *args, shmem=smem)
 
 
 # --- tensor-core kernel for kv_attention (f32 K/V rounded to bf16 in shared memory) ----------------------------------
