@@ -263,6 +263,8 @@ def _build_router_select(KS):
                 logit += sl[p]
             s = F1 / (F1 + math.exp(-logit))
             c = s + bias[e]
+            if c != c:                                # NaN (a non-finite x row) loses to every choice: the picks
+                c = NEG_INF                           # stay expert ids (NaN never wins a comparison: id MAX_E)
             sh_s[e] = s
             sh_c[e] = c
         cuda.syncthreads()

@@ -266,13 +266,14 @@ def check_plan(env, n, n_exp, k, mode, held=None, warp_slots=32, seed=0):
 
 
 def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_per_pass=4, token_blocks=None,
-                 k_slices=None, twins=False, mma=None):
+                 k_slices=None, twins=False, mma=None, nan_row=False):
     """Router vs router_ref; a tie in the choice may pick a different expert only when the two choices are
     within float rounding of each other. token_blocks / k_slices: the logits' block rows / k slices (None: the
     default rules). twins: expert e + E/2 has expert e's gate row and bias (exact ties: the lower index must come
     first, the picks must equal the reference's exactly). mma="gemm": the logits from kernels.gemm.gemm (x as hi +
     lo); mma="ops": through the simulator's op table (from ROUTER_MMA_FROM tokens the gate must go through its gemm,
-    below it must not)."""
+    below it must not). nan_row: x[0] is NaN (a garbage row): its picks must still be distinct expert ids; the
+    other rows as usual."""
     from kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
     from kernels.moe import ROUTER_XS, moe_workspace, router, router_ref
     rng = np.random.default_rng(seed)
@@ -281,6 +282,8 @@ def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_p
     bias = (rng.standard_normal(n_exp) * 0.02).astype(np.float32)
     if twins:
         wg[n_exp // 2:], bias[n_exp // 2:] = wg[:n_exp // 2], bias[:n_exp // 2]
+    if nan_row:
+        x[0] = np.nan
     ws = moe_workspace(n, k, hidden, 64, n_exp, lambda shape, dtype: poisoned(env, shape, dtype))
     ii, ww = poisoned(env, (n, k), np.int32), poisoned(env, (n, k), np.float32)
     if mma == "ops":
@@ -303,6 +306,9 @@ def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_p
     ri, rw = router_ref(x, wg, bias, k, n_group, topk_group, True, 2.827, np.empty((n, k), np.int32),
                         np.empty((n, k), np.float32))
     gi, gw = env.host(ii), env.host(ww)
+    if nan_row:
+        assert ((0 <= gi[0]) & (gi[0] < n_exp)).all() and len(set(gi[0])) == k, f"NaN row picked {gi[0]}"
+        x, gi, gw, ri, rw, n = x[1:], gi[1:], gw[1:], ri[1:], rw[1:], n - 1
     if twins:
         np.testing.assert_array_equal(gi, ri, err_msg="router with exact ties (twin experts)")
     choice = 1 / (1 + np.exp(-(x @ bf16_to_f32(wg).T))) + bias                     # [n, E]

@@ -38,6 +38,7 @@ SIM_CASES = {
     "router_picks_past_the_kept_groups": lambda env: C.check_router(env, 2, 64, 16, 6, 4, 1, seed=2),
     # groups of one expert: a group scores its one choice
     "router_groups_of_one": lambda env: C.check_router(env, 1, 64, 16, 4, 16, 6, seed=3),
+    "router_nan_row_picks_experts": lambda env: C.check_router(env, 2, 64, 16, 4, 1, 1, seed=4, nan_row=True),
 }
 
 SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "moe_int4_70_experts_plan_scans_3_warps": 45,
@@ -80,6 +81,12 @@ def test_gpu_router(n, n_group, topk_group):
 @pytest.mark.parametrize("n", [1, 17, 65])
 def test_gpu_router_mma_logits(n):
     C.check_router(Env(gpu=True), n, 7168, 384, 8, 1, 1, mma="gemm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mma", [None, "gemm"])
+def test_gpu_router_nan_row_picks_experts(mma):
+    C.check_router(Env(gpu=True), 5, 7168, 384, 8, 1, 1, nan_row=True, mma=mma)
 
 
 @pytest.mark.gpu
