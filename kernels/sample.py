@@ -49,7 +49,7 @@ import math  # noqa: E402
 from numba import cuda, float32, int32, uint32, uint64  # noqa: E402
 
 from kernels.attention import shfl_xor  # noqa: E402
-from kernels.device import SIM, block_argmax, current_stream  # noqa: E402
+from kernels.device import SIM, block_argmax, launch  # noqa: E402
 from kernels.topk import key_index, order_key  # noqa: E402
 
 SAMPLE_THREADS = 512            # sample_kernel: one block per row
@@ -202,9 +202,9 @@ def sample(logits, temperature, seed, seq, pos, out, work=None):
     greedy = temperature == 0
     args = (logits, float32(1 if greedy else temperature), greedy, uint64(seed), seq, pos)
     if n and work is None:
-        sample_kernel[n, SAMPLE_THREADS, current_stream()](*args, out)
+        launch(sample_kernel, n, SAMPLE_THREADS, *args, out)
     elif n:
         C = sample_chunks(n, V)
-        sample_part_kernel[(C, n), SPLIT_THREADS, current_stream()](*args, work)
-        sample_merge_kernel[-(-n // 128), 128, current_stream()](work, int32(C), int32(V), out)
+        launch(sample_part_kernel, (C, n), SPLIT_THREADS, *args, work)
+        launch(sample_merge_kernel, -(-n // 128), 128, work, int32(C), int32(V), out)
     return out

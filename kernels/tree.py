@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda, float32, float64, int32, int64, uint32, uint64
 
 from kernels.attention import launch_smem, shfl_xor
-from kernels.device import SIM, current_stream, syncwarp
+from kernels.device import SIM, launch, syncwarp
 from kernels.sample import SAMPLE_CHUNKS
 from kernels.topk import (
     TOPK_MAX,
@@ -423,8 +423,8 @@ def tree_build(tb: TreeBuffers, budgets, lengths, bonus, seq_ids):
 def tree_walk(tb: TreeBuffers, lengths, bonus):
     """walk for every sequence from tb.post (the target's samples); advances lengths and bonus in place."""
     B = tb.tokens.shape[0]
-    walk_kernel[B, WALK_THREADS, current_stream()](tb.tokens, tb.parents, tb.ntok, tb.post, lengths, bonus, tb.path,
-                                                   tb.nacc, tb.start, tb.out_tokens)
+    launch(walk_kernel, B, WALK_THREADS, tb.tokens, tb.parents, tb.ntok, tb.post, lengths, bonus, tb.path, tb.nacc,
+           tb.start, tb.out_tokens)
 
 
 def tree_commit(tb: TreeBuffers, cache, hidden=None, feats=None, feat_pos=None):
@@ -435,5 +435,4 @@ def tree_commit(tb: TreeBuffers, cache, hidden=None, feats=None, feat_pos=None):
                 (cache.view(np.uint32), tb.path, tb.nacc, tb.start))
     if hidden is not None:
         chunks = -(-hidden.shape[0] * hidden.shape[3] // (4 * GATHER_THREADS))
-        gather_kernel[(chunks, P, B), GATHER_THREADS, current_stream()](hidden, tb.path, tb.nacc, tb.start, feats,
-                                                                        feat_pos)
+        launch(gather_kernel, (chunks, P, B), GATHER_THREADS, hidden, tb.path, tb.nacc, tb.start, feats, feat_pos)
