@@ -144,18 +144,13 @@ def test_gpu_sample():
 
 # --- PTX for sm_90 ------------------------------------------------------------------------------------------------
 
-def _mla_sig():
-    return ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32[:,:,::1], float32, int32, "
-            "int32, float32[:,:,:,::1], float32[:,:,:,::1])")
-
-
 @pytest.mark.parametrize("M", [8, 64, 1088])
 @pytest.mark.parametrize("causal", [False, True])
 def test_ptx_mla(M, causal):
     import re
-    from kernels.mla import mla_geometry, mla_kernel
+    from kernels.mla import MLA_PTX_SIG, mla_geometry, mla_kernel
     wm, wn, pf, _, _ = mla_geometry(M, 576, 512)
-    ptx = ptx_or_skip(mla_kernel(wm, wn, pf, causal, 576, 512).py_func, _mla_sig())
+    ptx = ptx_or_skip(mla_kernel(wm, wn, pf, causal, 576, 512).py_func, MLA_PTX_SIG)
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
     assert ptx.count("mma.sync") and ptx.count("ldmatrix")
     assert not re.search(r"(ld|st)\.local", ptx), "accumulators spilled to local memory"
