@@ -244,8 +244,9 @@ def last_split_merge(o_part, ml_part, out, count, b, tile, m0, rows):
     after writing its partial rows m0 .. m0 + rows - 1 of sequence b; the last to arrive (count i32[B, tiles],
     zero between calls) merges them into out f32[B, M, r] and puts count[b, tile] back to 0. The partials are
     read at L2 (ld.global.cg: other blocks' writes of this kernel), MERGE_TAIL_ITEMS x MERGE_TAIL_SPLITS 16-byte
-    loads per thread in flight. Saves the merge launch and its pass over the partials in L2 (11.4 us for 64 x 64
-    rows of 512 at two splits on the H200). Every thread of the (1-D) block must call it (barriers inside)."""
+    loads per thread in flight. Meant to save the merge launch (11.4 us for 64 x 64 rows of 512 at two splits on
+    the H200), but slower there (kernels.mla.MLA_FUSED_MERGE: 129.8 -> 163.4 us at 4K context, batch 64, 64 heads).
+    Every thread of the (1-D) block must call it (barriers inside)."""
     last = cuda.shared.array(1, int32)
     cuda.threadfence()
     cuda.syncthreads()
