@@ -341,16 +341,17 @@ def mla_geometry(M, D, r):
     return rg, kg, stages, 32 * rg * kg, _smem_bytes(rg, kg, stages, D, r, nk)
 
 
-def mla_kernel(rg, kg, stages, causal, D, r, nk=None):
+def mla_kernel(rg, kg, stages, causal, D, r, nk=None, fuse=False):
     """The absorbed-attention kernel for one geometry (mla_geometry), latent width D, output width r, nk keys per
-    step (None: mla_step_keys; compiled once per key)."""
-    key = (rg, kg, stages, causal, D, r, mla_step_keys(rg, kg, D, r) if nk is None else nk, _s_tiles(rg))
+    step (None: mla_step_keys; compiled once per key); fuse: with the last split block's merge compiled in (its
+    code costs registers, so the default kernel has none of it)."""
+    key = (rg, kg, stages, causal, D, r, mla_step_keys(rg, kg, D, r) if nk is None else nk, _s_tiles(rg), fuse)
     if key not in _MLA_KERNELS:
         _MLA_KERNELS[key] = _make_mla_kernel(*key)
     return _MLA_KERNELS[key]
 
 
-def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
+def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW, FUSE):
     MT, THREADS = 16 * rg, 32 * rg * kg
     DP, D8, D32 = D + 8, D // 8, D // 32            # Q/K row stride (conflict-free ldmatrix), 16 B pieces, k32 steps
     RGS = rg // SMW                                   # S = Q K^T: warp (wi, gj) has SMW m16 tiles of row group wi
@@ -420,7 +421,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
             if tid < MT and mt * MT + tid < M:
                 ml_part[b, s, mt * MT + tid, 0] = NEG_INF
                 ml_part[b, s, mt * MT + tid, 1] = float32(0)
-            if merge:
+            if FUSE and merge:
                 last_split_merge(o_part, ml_part, out, count, b, mt, mt * MT, MT)
             return
         row0 = b * cache.shape[1]
@@ -596,7 +597,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
                 if not normalize and col == 0:
                     ml_part[b, s, m, 0] = fsm[row] if live else NEG_INF
                     ml_part[b, s, m, 1] = den if live else float32(0)
-        if merge:                                     # the last split of the tile merges (no merge launch)
+        if FUSE and merge:                            # the last split of the tile merges (no merge launch)
             last_split_merge(o_part, ml_part, out, count, b, mt, mt * MT, MT)
     return mla_attention_kernel
 
@@ -651,21 +652,21 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     if not out.flags["C_CONTIGUOUS"]:                 # its [B, M, r] view must be itself, not a copy
         raise ValueError(f"mla_attention: out {out.shape} must be C-contiguous (written through a [B, T h, r] view)")
     M = T * h
+    fused = work is not None and work.o.shape[1] <= MLA_FUSED_MERGE
     if mla_wg_applies(h, D, r):                   # 64-head tiles on an sm_90 GPU: both products on wgmma
-        kern, tiles, threads, smem = mla_wg_launch(M, D, r, mask is None, work)
+        kern, tiles, threads, smem = mla_wg_launch(M, D, r, mask is None, work, fused)
     else:
         rg, kg, stages, threads, smem = mla_geometry(M, D, r)
-        kern, tiles = mla_kernel(rg, kg, stages, mask is None, D, r), -(-M // (16 * rg))
+        kern, tiles = mla_kernel(rg, kg, stages, mask is None, D, r, fuse=fused), -(-M // (16 * rg))
     maskarg = mask if mask is not None else placeholder(q, (1, 1, 1), np.uint32)
     out3 = out.reshape(B, M, r)
-    if work is None:         # out is o_part: not passed again as out (the simulator copies each argument back)
+    if work is None:                              # out is o_part (the out argument is the fused merge's)
         args = (q, cache, lengths, ntok, maskarg, float32(scale * LOG2E), int32(cache.shape[1]), 1,
                 out.reshape(B, 1, M, r), placeholder(q, (1, 1, 1, 2), np.float32),
                 placeholder(q, (1, 1, 1), np.float32), placeholder(q, (1, 1), np.int32), 0)
         launch_smem(kern, (tiles, 1, B), threads, smem, args)
         return out
     nsplit = work.o.shape[1]
-    fused = nsplit <= MLA_FUSED_MERGE
     if fused and work.count.shape != (B, M):
         raise ValueError(f"mla_attention: work for {work.count.shape} (B, T h) rows, not {(B, M)}")
     args = (q, cache, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0, work.o, work.ml, out3,

@@ -43,11 +43,12 @@ def mla_wg_applies(h, D, r):
     return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)
 
 
-def mla_wg_kernel(D, r, causal, nk=None):
+def mla_wg_kernel(D, r, causal, nk=None, fuse=False):
+    """The kernel for latent width D, output width r; fuse: with the last split block's merge compiled in."""
     nk = nk or MLA_WG_NK
-    key = (D, r, causal, nk)
+    key = (D, r, causal, nk, fuse)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk))
+        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk), fuse)
     return _KERNELS[key]
 
 
@@ -78,7 +79,7 @@ if t == 0:
 """   # warpgroup 0's online softmax (kernel source, filled in by _make_kernel)
 
 
-def _make_kernel(D, r, causal, NK, stages):
+def _make_kernel(D, r, causal, NK, stages, FUSE=False):
     from kernels.mla import _ex2, _make_cp_piece, _pack2, _row_addr, _slot_addr
     from kernels.wgmma import fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_wait0, wg_wait1
     if SIM:
@@ -171,7 +172,7 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
         elif tid < 64:
             ml_part[b, s, mb + tid, 0] = NEG_INF
             ml_part[b, s, mb + tid, 1] = float32(0)
-        if merge:
+        if {FUSE} and merge:
             last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
         return
     row0 = b * cache.shape[1]
@@ -264,7 +265,7 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
         ml_part[b, s, mb + tid, 0] = fsm[{SF + 128} + tid]
         ml_part[b, s, mb + tid, 1] = fsm[{SF + 192} + tid]
 {store_out}
-    if merge:                                     # the last split of the tile merges (no merge launch)
+    if {FUSE} and merge:                          # the last split of the tile merges (no merge launch)
         last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
 '''
     cp_piece = _make_cp_piece(D8, NK * D8, sw_rows=NK)
@@ -308,9 +309,9 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
     return kernel(max_registers=255)(ns["mla_wg_attention"])
 
 
-def mla_wg_launch(M, D, r, causal, work):
+def mla_wg_launch(M, D, r, causal, work, fuse=False):
     """(kernel, row tiles, threads, shared bytes) for mla.mla_attention's launch: M = T h query rows in tiles of 64
     (one query's heads), 256 threads; `work` splits must be whole steps."""
     if work is not None and work.split % MLA_WG_NK:
         raise ValueError(f"mla_attention: split {work.split} is not a multiple of {MLA_WG_NK} keys")
-    return mla_wg_kernel(D, r, causal), M // 64, 256, wg_smem(D, MLA_WG_NK, wg_stages(D))
+    return mla_wg_kernel(D, r, causal, fuse=fuse), M // 64, 256, wg_smem(D, MLA_WG_NK, wg_stages(D))

@@ -144,13 +144,14 @@ def test_gpu_sample():
 
 # --- PTX for sm_90 ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("M", [8, 64, 1088])
-@pytest.mark.parametrize("causal", [False, True])
-def test_ptx_mla(M, causal):
+@pytest.mark.parametrize("M,causal,fuse", [(8, False, False), (64, False, False), (1088, False, False),
+                                           (8, True, False), (64, True, False), (1088, True, False), (64, False, True)])
+def test_ptx_mla(M, causal, fuse):
+    """The mma.sync MLA kernel at K2's widths (fuse: with the last split block's merge compiled in)."""
     import re
     from kernels.mla import MLA_PTX_SIG, mla_geometry, mla_kernel
     wm, wn, pf, _, _ = mla_geometry(M, 576, 512)
-    ptx = ptx_or_skip(mla_kernel(wm, wn, pf, causal, 576, 512).py_func, MLA_PTX_SIG)
+    ptx = ptx_or_skip(mla_kernel(wm, wn, pf, causal, 576, 512, fuse=fuse).py_func, MLA_PTX_SIG)
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
     assert ptx.count("mma.sync") and ptx.count("ldmatrix")
     assert not re.search(r"(ld|st)\.local", ptx), "accumulators spilled to local memory"
