@@ -193,7 +193,7 @@ def test_gpu_wgmma_path_taken(D, r):
 
 # --- PTX for sm_90 ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("D,r,fuse", [(192, 128, False), (192, 128, True)])   # K2's (576, 512): 4x the time
+@pytest.mark.parametrize("D,r,fuse", [(192, 128, False)])   # K2's (576, 512): 4x the time; fuse=True: 30 s more
 def test_ptx_wgmma_kernel(D, r, fuse):
     """kernels/mla_wg.py compiles for sm_90a: D/16 wgmma for S(0) and as many for S(i + 1), NK/16 (MN-major B)
     for P V in each warpgroup's loop, no float64, no local memory; ptxas (where installed) keeps the wgmmas
