@@ -297,11 +297,12 @@ MLA_SMEM = 227 * 1024       # shared memory per block on sm_90
 LAZY = float32(8)           # online softmax (log2 units): the running max moves only when a row's max grows by more
 MLA_MIN_SPLIT = 64          # fewest keys per flash-decoding split
 MLA_PTX_SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32[:,:,::1], float32, int32, "
-               "int32, float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1], int32[:,::1], int32)")
+               "int32, float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1], int32[:,::1])")
 # ^ the MLA kernels' argument types (both kernels take the same), for compile_ptx in tests and tools
 MLA_FUSED_MERGE = 0         # up to this many splits the last split block of a row tile merges the partials
-# (attention.last_split_merge) instead of the merge launch. Off: on the H200 (4K context, batch 64, 2 splits) it
-# took 64 heads 129.8 -> 163.4 us and 8 heads 100.3 -> 123.9 us (the last blocks' merge is a slow tail).
+# (attention.last_split_merge) instead of the merge launch. Off: on the H200 (4K context, batch 64, 2 splits,
+# `python -m tools.bench_attention --only mla --quick`) it took 64 heads 129.8 -> 163.4 us (54.3 -> 43.3% of copy)
+# and 8 heads 100.3 -> 123.9 us (70.3 -> 57.1%): the last blocks' merge is a slow tail.
 MLA_SPLIT_COST = 128        # a split's fixed cost in cache rows for the split rule (q prologue, partial write, merge
 #                             share: ~8 us of a 64-head block at ~2.1 us per 32 rows, session 11's cuts on the H200)
 MLA_MAX_WAVES = 8           # the split rule adds splits up to this many waves of blocks (bounds the partials' memory)
@@ -395,8 +396,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW, FUSE):
         cp_commit()
 
     @kernel(max_registers=min(255, 65536 // THREADS // 8 * 8))   # the block fits the register file
-    def mla_attention_kernel(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count,
-                             merge):
+    def mla_attention_kernel(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count):
         """Block (row tile, split s, sequence b) of 32*rg*kg threads over cache rows [s*split, +split) of b:
         query rows m = t*h + head of tile mt. Per step of NK rows (a cp.async ring of `stages` tiles, one barrier
         per phase): warp (wi, gj) sums S = Q K^T over its share of the latent width on tensor cores, the partials
@@ -421,7 +421,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW, FUSE):
             if tid < MT and mt * MT + tid < M:
                 ml_part[b, s, mt * MT + tid, 0] = NEG_INF
                 ml_part[b, s, mt * MT + tid, 1] = float32(0)
-            if FUSE and merge:
+            if FUSE:
                 last_split_merge(o_part, ml_part, out, count, b, mt, mt * MT, MT)
             return
         row0 = b * cache.shape[1]
@@ -597,7 +597,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW, FUSE):
                 if not normalize and col == 0:
                     ml_part[b, s, m, 0] = fsm[row] if live else NEG_INF
                     ml_part[b, s, m, 1] = den if live else float32(0)
-        if FUSE and merge:                            # the last split of the tile merges (no merge launch)
+        if FUSE:                                      # the last split of the tile merges (no merge launch)
             last_split_merge(o_part, ml_part, out, count, b, mt, mt * MT, MT)
     return mla_attention_kernel
 
@@ -652,25 +652,25 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     if not out.flags["C_CONTIGUOUS"]:                 # its [B, M, r] view must be itself, not a copy
         raise ValueError(f"mla_attention: out {out.shape} must be C-contiguous (written through a [B, T h, r] view)")
     M = T * h
-    fused = work is not None and work.o.shape[1] <= MLA_FUSED_MERGE
+    nsplit = 1 if work is None else work.o.shape[1]
+    fused = work is not None and nsplit <= MLA_FUSED_MERGE    # the fused kernels merge (out, count), no launch
     if mla_wg_applies(h, D, r):                   # 64-head tiles on an sm_90 GPU: both products on wgmma
         kern, tiles, threads, smem = mla_wg_launch(M, D, r, mask is None, work, fused)
     else:
         rg, kg, stages, threads, smem = mla_geometry(M, D, r)
         kern, tiles = mla_kernel(rg, kg, stages, mask is None, D, r, fuse=fused), -(-M // (16 * rg))
     maskarg = mask if mask is not None else placeholder(q, (1, 1, 1), np.uint32)
-    out3 = out.reshape(B, M, r)
-    if work is None:                              # out is o_part (the out argument is the fused merge's)
+    if work is None:                              # out is o_part (out, count: the fused kernels')
         args = (q, cache, lengths, ntok, maskarg, float32(scale * LOG2E), int32(cache.shape[1]), 1,
                 out.reshape(B, 1, M, r), placeholder(q, (1, 1, 1, 2), np.float32),
-                placeholder(q, (1, 1, 1), np.float32), placeholder(q, (1, 1), np.int32), 0)
+                placeholder(q, (1, 1, 1), np.float32), placeholder(q, (1, 1), np.int32))
         launch_smem(kern, (tiles, 1, B), threads, smem, args)
         return out
-    nsplit = work.o.shape[1]
     if fused and work.count.shape != (B, M):
         raise ValueError(f"mla_attention: work for {work.count.shape} (B, T h) rows, not {(B, M)}")
+    out3 = out.reshape(B, M, r)
     args = (q, cache, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0, work.o, work.ml, out3,
-            work.count, int32(fused))
+            work.count)
     launch_smem(kern, (tiles, nsplit, B), threads, smem, args)
     if not fused:
         merge_splits(work.o, work.ml, out3)

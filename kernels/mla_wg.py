@@ -148,7 +148,7 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False):
     zero_s = "\n".join(f"    {v} = float32(0)" for v in sv)
 
     src = f'''
-def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count, merge):
+def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count):
     T, h = q.shape[1], q.shape[2]
     mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
     tid = cuda.threadIdx.x
@@ -172,7 +172,7 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
         elif tid < 64:
             ml_part[b, s, mb + tid, 0] = NEG_INF
             ml_part[b, s, mb + tid, 1] = float32(0)
-        if {FUSE} and merge:
+        if {FUSE}:
             last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
         return
     row0 = b * cache.shape[1]
@@ -265,7 +265,7 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
         ml_part[b, s, mb + tid, 0] = fsm[{SF + 128} + tid]
         ml_part[b, s, mb + tid, 1] = fsm[{SF + 192} + tid]
 {store_out}
-    if {FUSE} and merge:                          # the last split of the tile merges (no merge launch)
+    if {FUSE}:                                    # the last split of the tile merges (no merge launch)
         last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
 '''
     cp_piece = _make_cp_piece(D8, NK * D8, sw_rows=NK)
