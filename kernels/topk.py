@@ -177,7 +177,7 @@ def topk_cap(K):
 
 
 if SIM:
-    def _block_reduce(buf, x, is_max):
+    def _block_reduce(buf, x, is_max, nw):
         """Simulator twin of _block_reduce through shared memory (its warp exchanges are slow)."""
         t, n = cuda.threadIdx.x, cuda.blockDim.x
         tmp = cuda.shared.array(TOPK_THREADS, float32)
@@ -212,9 +212,9 @@ if SIM:
 
 
 @cuda.jit(device=True, inline="always")
-def _block_reduce_gpu(buf, x, is_max):
-    """Sum or max of float32 x over the block (blockDim a multiple of 32): warp butterflies, then every thread
-    folds the warps' results from buf (one float per warp) in the same order; barriers inside."""
+def _block_reduce_gpu(buf, x, is_max, nw):
+    """Sum or max of float32 x over the block of nw warps (a constant: the fold below unrolls): warp butterflies,
+    then every thread folds the warps' results from buf (one float per warp) in the same order; barriers inside."""
     for off in (16, 8, 4, 2, 1):
         y = shfl_xor(x, int32(off))
         x = max(x, y) if is_max else x + y
@@ -222,7 +222,7 @@ def _block_reduce_gpu(buf, x, is_max):
         buf[cuda.threadIdx.x // 32] = x
     cuda.syncthreads()
     r = buf[0]
-    for w in range(1, cuda.blockDim.x // 32):
+    for w in range(1, nw):
         r = max(r, buf[w]) if is_max else r + buf[w]
     cuda.syncthreads()
     return r
@@ -372,6 +372,79 @@ def _bitonic_desc(sk, n):
         k *= 2
 
 
+WARP_SORT_MAX = 128             # candidate counts up to this are sorted by one warp in registers (no block barrier)
+
+
+@cuda.jit(device=True, inline="always")
+def _shfl_xor64(x, j):
+    """uint64 x from lane ^ j (two 32-bit shuffles)."""
+    lo = shfl_xor(int32(x & uint64(0xFFFFFFFF)), int32(j))
+    hi = shfl_xor(int32(x >> uint64(32)), int32(j))
+    return (uint64(uint32(hi)) << uint64(32)) | uint64(uint32(lo))
+
+
+@cuda.jit(device=True, inline="always")
+def _cx(a, b, desc):
+    """Compare-exchange of two slots of one lane: (larger, smaller) if desc else (smaller, larger)."""
+    hi, lo = max(a, b), min(a, b)
+    return (hi, lo) if desc else (lo, hi)
+
+
+@cuda.jit(device=True, inline="always")
+def _cx_lane(x, i, j, k):
+    """Element i's key after its compare-exchange with element i ^ j, held by lane ^ j, in a bitonic merge of
+    size k (blocks with i & k == 0 sort larger first)."""
+    y = _shfl_xor64(x, j)
+    return max(x, y) if ((i & j) == 0) == ((i & k) == 0) else min(x, y)
+
+
+@cuda.jit(device=True, inline="always")
+def warp_sort_net(sk, n):
+    """Sort the uint64 keys sk[0:n] (n <= WARP_SORT_MAX) in shared memory, larger first, by the calling warp
+    alone: element lane + 32 e in slot e of its lane, a bitonic network over 128 elements (padded with 0) with
+    shuffles between lanes, written back as sk[0:128]. No block barrier inside (the block's 40-odd barriers of
+    _bitonic_desc were a third of topk_merge_kernel's time at K = 16 on the H200)."""
+    lane = int32(cuda.threadIdx.x) & 31
+    v0 = sk[lane] if lane < n else uint64(0)
+    v1 = sk[lane + 32] if lane + 32 < n else uint64(0)
+    v2 = sk[lane + 64] if lane + 64 < n else uint64(0)
+    v3 = sk[lane + 96] if lane + 96 < n else uint64(0)
+    k = int32(2)
+    while k <= WARP_SORT_MAX:
+        j = k >> 1
+        while j > 0:
+            if j == 64:                           # partners in the same lane: slots 0-2, 1-3
+                v0, v2 = _cx(v0, v2, (lane & k) == 0)
+                v1, v3 = _cx(v1, v3, ((lane + 32) & k) == 0)
+            elif j == 32:                         # slots 0-1, 2-3
+                v0, v1 = _cx(v0, v1, (lane & k) == 0)
+                v2, v3 = _cx(v2, v3, ((lane + 64) & k) == 0)
+            else:
+                v0 = _cx_lane(v0, lane, j, k)
+                v1 = _cx_lane(v1, lane + 32, j, k)
+                v2 = _cx_lane(v2, lane + 64, j, k)
+                v3 = _cx_lane(v3, lane + 96, j, k)
+            j = int32(j >> 1)
+        k = int32(k << 1)
+    sk[lane], sk[lane + 32], sk[lane + 64], sk[lane + 96] = v0, v1, v2, v3
+
+
+if SIM:
+    from kernels.device import syncwarp
+
+    def _warp_sort_desc(sk, n):
+        """Simulator twin of warp_sort_net: lane 0 sorts (the simulator's shuffles cost ~10 s per sort; the
+        network itself has its own simulator case, tests/test_cuda_tree.py warp_sort_net)."""
+        syncwarp()
+        if cuda.threadIdx.x % 32 == 0:
+            keys = sorted((int(sk[i]) for i in range(n)), reverse=True) + [0] * (WARP_SORT_MAX - n)
+            for i in range(WARP_SORT_MAX):
+                sk[i] = keys[i]
+        syncwarp()
+else:
+    _warp_sort_desc = warp_sort_net
+
+
 @cuda.jit(device=True, inline="always")
 def _part_off(j):
     """Offset of topk_part_kernel's register j from the thread's first id (4 consecutive ids per group)."""
@@ -412,16 +485,17 @@ def topk_part_kernel(logits, k, cand, ws):
                 xs[4 * g + e] = logits[b, d, lo + 4 * t + o + e] if o + e < nv else NEG_INF
     cuda.syncthreads()                            # the histogram is zeroed
     m = NEG_INF
-    for j in range(PART_IDS):
-        if _part_off(j) < nv:
-            m = max(m, xs[j])
-            cuda.atomic.add(hist, _bin(xs[j]), 1)
-    m = _block_reduce(red, m, True)
+    for j in range(PART_IDS):                     # no branch per id: ids past the row are -inf, counted in -inf's
+        m = max(m, xs[j])                         # bin here and taken out of it below
+        cuda.atomic.add(hist, _bin(xs[j]), 1)
+    m = _block_reduce(red, m, True, PART_THREADS // 32)   # barriers: the histogram is complete
+    if t == 0 and nv < TOPK_SPAN:                 # thread 0: nv is the chunk's id count
+        hist[_bin(NEG_INF)] -= int32(TOPK_SPAN) - nv
+    mz = m if m > NEG_INF else float32(0)         # exp(-inf - mz) = 0, also in a row of -inf
     sx = float32(0)
     for j in range(PART_IDS):
-        if xs[j] > NEG_INF:                       # ids past the row are -inf
-            sx += math.exp(xs[j] - m)
-    sx = _block_reduce(red, sx, False)            # barriers: the histogram is complete
+        sx += math.exp(xs[j] - mz)
+    sx = _block_reduce(red, sx, False, PART_THREADS // 32)   # barriers: the pad count is out
     tc, above, inside = _threshold_bin(hist, min(k, nv + 4 * t), wsum, ctl, _PART_PER)
     for j in range(_PART_PER):
         i = t + j * nt
@@ -479,8 +553,9 @@ def topk_merge_kernel(logits, cand, ws, ids, lp):
         pre[t] = int32(ws[b, d, TOPK_STAT + 3 * t + 2])
     if t == 0:
         cnt[0] = 0
-    mx = _block_reduce(red, mc, True)                # barriers: sh and pre are complete
-    lse = mx + math.log(_block_reduce(red, sc * math.exp(mc - mx) if sc > float32(0) else float32(0), False))
+    mx = _block_reduce(red, mc, True, TOPK_WARPS)    # barriers: sh and pre are complete
+    lse = mx + math.log(_block_reduce(red, sc * math.exp(mc - mx) if sc > float32(0) else float32(0), False,
+                                      TOPK_WARPS))
     tb, above, inside = _threshold_bin(sh, K, wsum, ctl, _PER)
     n = above + inside
     if t == 0:
@@ -524,7 +599,12 @@ def topk_merge_kernel(logits, cand, ws, ids, lp):
                 sk[slot] = key
         n = K
     cuda.syncthreads()
-    _bitonic_desc(sk, n)
+    if n <= WARP_SORT_MAX:                           # n is the same in every thread
+        if t < 32:
+            _warp_sort_desc(sk, n)
+        cuda.syncthreads()
+    else:
+        _bitonic_desc(sk, n)
     for r in range(t, K, nt):
         key = sk[r]
         ids[b, d, r] = key_index(key)

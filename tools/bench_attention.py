@@ -231,6 +231,25 @@ def profile_mla(case):
     _cp().cuda.runtime.deviceSynchronize()
 
 
+def profile_tree(budget, L=15, V=K2_V):
+    """The tree round's stages launched eagerly three times at one budget, batch 1, for a profiler (ncu -k
+    regex:topk|build|sample|walk|commit)."""
+    from kernels.sample import sample
+    from kernels.tree import tree_buffers, tree_build, tree_topk
+    budget = int(budget)
+    keep = Keep()
+    K, N = min(budget, V), budget + 1
+    tb = tree_buffers(keep.zeros, 1, L, K, N, V)
+    draft_logits, target_logits = keep.normal((1, L, V), 3.0), keep.normal((N, V), 3.0)
+    budgets_d, lengths = keep.arr(_cp().full(1, budget, np.int32)), keep.arr(_cp().full(1, 1000, np.int32))
+    bonus, seq_ids = keep.zeros(1, np.int32), keep.arr(_cp().arange(1, dtype=np.int32))
+    for _ in range(3):
+        tree_topk(draft_logits, tb)
+        tree_build(tb, budgets_d, lengths, bonus, seq_ids)
+        sample(target_logits, 1.0, 7, tb.sample_seq, tb.sample_pos, tb.post, work=tb.sample_work)
+    _cp().cuda.runtime.deviceSynchronize()
+
+
 def bench_prefill(T=1024, h=64):
     """Prompt attention at T tokens: the absorbed kernel (causal mode) vs the naive form on the generic kernel."""
     from kernels.attention import attention
@@ -453,7 +472,10 @@ def main():
     ap.add_argument("--only", choices=["mla", "tree", "prefill", "drafter", "splits"], default=None)
     ap.add_argument("--profile-mla", metavar="H:T:CTX:B", help="run one MLA case three times for a profiler, exit")
     ap.add_argument("--mla-variant", metavar="JSON", help='kernels.mla settings for the mla table, e.g. {"MLA_NK": 64}')
+    ap.add_argument("--profile-tree", metavar="BUDGET", help="run the tree stages three times for a profiler, exit")
     args = ap.parse_args()
+    if args.profile_tree:
+        return profile_tree(args.profile_tree)
     if args.profile_mla:
         return profile_mla(args.profile_mla)
     if args.mla_variant:
