@@ -50,12 +50,13 @@ from numba import cuda, float32, int32, uint32, uint64  # noqa: E402
 
 from kernels.attention import shfl_xor  # noqa: E402
 from kernels.device import SIM, block_argmax, launch  # noqa: E402
-from kernels.topk import key_index, order_key  # noqa: E402
+from kernels.topk import key_index, order_key, shfl_xor64  # noqa: E402
 
 SAMPLE_THREADS = 512            # sample_kernel: one block per row
 SPLIT_THREADS = 64 if SIM else 256  # sample_part_kernel: one block per (vocabulary chunk, row)
 SAMPLE_CHUNKS = 32              # vocabulary chunks per row at most (columns of the workspace)
 SPLIT_BLOCKS = 1024             # the split path aims at about this many blocks (~8 per SM)
+MERGE_ROWS = 4                  # sample_merge_kernel: rows (warps) per block
 _G1, _G2, _G3 = uint64(0xBF58476D1CE4E5B9), uint64(0x94D049BB133111EB), uint64(0x9E3779B97F4A7C15)
 _POS_SALT = uint64(0x5851F42D)
 
@@ -170,14 +171,18 @@ def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, best):
 
 @cuda.jit
 def sample_merge_kernel(best, chunks, vocab, out):
-    """Thread per row: out[i] = the id of the largest of best[i, :chunks] (0 if no chunk had a candidate)."""
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i < out.shape[0]:
-        k = best[i, 0]
-        for c in range(1, chunks):
-            k = max(k, best[i, c])
-        v = key_index(k)
-        out[i] = v if v < vocab else int32(0)
+    """Warp per row (MERGE_ROWS rows per block): lane c reads best[i, c] (all loads at once; a thread per row
+    looping over the chunks took 4.7 us for 17 rows on the H200, its loads in series), a warp max of the keys,
+    then out[i] = the winner's id (0 if no chunk had a candidate)."""
+    i = cuda.blockIdx.x * MERGE_ROWS + cuda.threadIdx.x // 32
+    lane = cuda.threadIdx.x % 32
+    if i < out.shape[0]:                             # the same for the whole warp
+        k = best[i, lane] if lane < chunks else uint64(0)
+        for off in (16, 8, 4, 2, 1):
+            k = max(k, shfl_xor64(k, off))
+        if lane == 0:
+            v = key_index(k)
+            out[i] = v if v < vocab else int32(0)
 
 
 def sample_work(zeros, n):
@@ -206,5 +211,5 @@ def sample(logits, temperature, seed, seq, pos, out, work=None):
     elif n:
         C = sample_chunks(n, V)
         launch(sample_part_kernel, (C, n), SPLIT_THREADS, *args, work)
-        launch(sample_merge_kernel, -(-n // 128), 128, work, int32(C), int32(V), out)
+        launch(sample_merge_kernel, -(-n // MERGE_ROWS), 32 * MERGE_ROWS, work, int32(C), int32(V), out)
     return out

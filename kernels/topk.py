@@ -376,7 +376,7 @@ WARP_SORT_MAX = 128             # candidate counts up to this are sorted by one 
 
 
 @cuda.jit(device=True, inline="always")
-def _shfl_xor64(x, j):
+def shfl_xor64(x, j):
     """uint64 x from lane ^ j (two 32-bit shuffles)."""
     lo = shfl_xor(int32(x & uint64(0xFFFFFFFF)), int32(j))
     hi = shfl_xor(int32(x >> uint64(32)), int32(j))
@@ -394,7 +394,7 @@ def _cx(a, b, desc):
 def _cx_lane(x, i, j, k):
     """Element i's key after its compare-exchange with element i ^ j, held by lane ^ j, in a bitonic merge of
     size k (blocks with i & k == 0 sort larger first)."""
-    y = _shfl_xor64(x, j)
+    y = shfl_xor64(x, j)
     return max(x, y) if ((i & j) == 0) == ((i & k) == 0) else min(x, y)
 
 
