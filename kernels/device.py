@@ -416,9 +416,10 @@ def warp_argmax(v, i):
 
 
 @device
-def block_scan(x, wsum):
-    """Inclusive prefix sum of int32 x over the block's threads (blockDim a multiple of 32, <= 1024) and the
-    total; every thread must call it (barriers inside). wsum: int32 shared scratch, one per warp."""
+def block_scan(x, wsum, nw):
+    """Inclusive prefix sum of int32 x over the block's nw warps of threads (nw = blockDim / 32 <= 32, a constant
+    at the call: the fold over the warps unrolls) and the total; every thread must call it (barriers inside).
+    wsum: int32 shared scratch, one per warp."""
     t = cuda.threadIdx.x
     lane, w = t & 31, t >> 5
     for off in (1, 2, 4, 8, 16):
@@ -429,7 +430,7 @@ def block_scan(x, wsum):
         wsum[w] = x
     cuda.syncthreads()
     base, tot = int32(0), int32(0)
-    for j in range(cuda.blockDim.x >> 5):
+    for j in range(nw):
         s = wsum[j]
         tot += s
         if j < w:

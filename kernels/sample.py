@@ -53,9 +53,11 @@ from kernels.device import SIM, block_argmax, launch  # noqa: E402
 from kernels.topk import key_index, order_key, shfl_xor64  # noqa: E402
 
 SAMPLE_THREADS = 512            # sample_kernel: one block per row
-SPLIT_THREADS = 64 if SIM else 256  # sample_part_kernel: one block per (vocabulary chunk, row)
+# H200 (.whl A/B in session 13, bench/h200_2026-11-30g/sample_ab.txt), us per call at T = 1 for 17 / 33 / 65 / 256
+# rows of 163840: 256 threads and 1024 blocks 18.7 / 27.2 / 43.9 / 138.3; 128 and 2048 17.0 / 25.1 / 43.4 / 139.3
+SPLIT_THREADS = 64 if SIM else 128  # sample_part_kernel: one block per (vocabulary chunk, row)
 SAMPLE_CHUNKS = 32              # vocabulary chunks per row at most (columns of the workspace)
-SPLIT_BLOCKS = 1024             # the split path aims at about this many blocks (~8 per SM)
+SPLIT_BLOCKS = 2048             # the split path aims at about this many blocks (~16 per SM)
 MERGE_ROWS = 4                  # sample_merge_kernel: rows (warps) per block
 _G1, _G2, _G3 = uint64(0xBF58476D1CE4E5B9), uint64(0x94D049BB133111EB), uint64(0x9E3779B97F4A7C15)
 _POS_SALT = uint64(0x5851F42D)

@@ -13,8 +13,9 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from kernels.attention import shfl_xor  # noqa: F401 (re-exported)
-from kernels.attention import launch_smem
+from kernels.attention import LOG2E, launch_smem
 from kernels.device import SIM, as_f32, block_argmax, block_scan, kernel, launch, ld16
+from kernels.mla import _ex2
 
 TOPK_THREADS = 64 if SIM else 512       # topk_merge_kernel's block
 TOPK_WARPS = TOPK_THREADS // 32
@@ -189,7 +190,7 @@ if SIM:
         cuda.syncthreads()
         return r
 
-    def _block_scan(x, wsum):
+    def _block_scan(x, wsum, nw):
         """Simulator twin of device.block_scan through shared memory (the warp exchanges are slow there)."""
         t, n = cuda.threadIdx.x, cuda.blockDim.x
         tmp = cuda.shared.array(TOPK_THREADS, int32)
@@ -290,7 +291,7 @@ def _threshold_bin(hist, kq, wsum, ctl, per):
         s += int32(hist[top - j])
     if t == 0:
         ctl[0], ctl[1], ctl[2] = TOPK_BINS, 0, 0
-    incl, tot = _block_scan(s, wsum)
+    incl, tot = _block_scan(s, wsum, TOPK_BINS // (32 * per))
     cum = incl - s
     if kq > 0 and cum < kq <= incl:
         for j in range(per):
@@ -331,7 +332,7 @@ def _radix_select(row, n, prefix, pmask, need, shift0, hist, wsum, ctl):
         for r in range(0, 256, nt):                  # bins from the top: thread t takes digit 255 - r - t
             dig = 255 - r - t
             cnt = hist[dig] if dig >= 0 else int32(0)
-            incl, tot = _block_scan(cnt, wsum)
+            incl, tot = _block_scan(cnt, wsum, TOPK_WARPS)
             above = carry + incl - cnt
             if dig >= 0 and above < need <= above + cnt:
                 ctl[0] = prefix | (uint64(dig) << sh)
@@ -375,12 +376,13 @@ def _bitonic_desc(sk, n):
 WARP_SORT_MAX = 128             # candidate counts up to this are sorted by one warp in registers (no block barrier)
 
 
-@cuda.jit(device=True, inline="always")
-def shfl_xor64(x, j):
-    """uint64 x from lane ^ j (two 32-bit shuffles)."""
-    lo = shfl_xor(int32(x & uint64(0xFFFFFFFF)), int32(j))
-    hi = shfl_xor(int32(x >> uint64(32)), int32(j))
-    return (uint64(uint32(hi)) << uint64(32)) | uint64(uint32(lo))
+if SIM:
+    shfl_xor64 = shfl_xor
+else:
+    @cuda.jit(device=True, inline="always")
+    def shfl_xor64(x, j):
+        """shfl_xor of a uint64 from lane ^ j (numba shuffles 64-bit signed integers only)."""
+        return uint64(cuda.shfl_xor_sync(0xFFFFFFFF, int64(x), int32(j)))
 
 
 @cuda.jit(device=True, inline="always")
@@ -493,8 +495,8 @@ def topk_part_kernel(logits, k, cand, ws):
         hist[_bin(NEG_INF)] -= int32(TOPK_SPAN) - nv
     mz = m if m > NEG_INF else float32(0)         # exp(-inf - mz) = 0, also in a row of -inf
     sx = float32(0)
-    for j in range(PART_IDS):
-        sx += math.exp(xs[j] - mz)
+    for j in range(PART_IDS):                     # ex2.approx (2 instructions; math.exp is libdevice's expf)
+        sx += _ex2((xs[j] - mz) * LOG2E)
     sx = _block_reduce(red, sx, False, PART_THREADS // 32)   # barriers: the pad count is out
     tc, above, inside = _threshold_bin(hist, min(k, nv + 4 * t), wsum, ctl, _PART_PER)
     for j in range(_PART_PER):

@@ -14,7 +14,7 @@ end a run, so runs never need the rank tuples. Every buffer is preallocated (Tre
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, float64, int32, int64, uint32, uint64
+from numba import cuda, float32, float64, int32, uint32, uint64
 
 from kernels.attention import launch_smem, shfl_xor
 from kernels.device import SIM, launch, syncwarp
@@ -23,6 +23,7 @@ from kernels.topk import (
     TOPK_MAX,
     TOPK_STAT,
     shfl_idx,
+    shfl_xor64,
     topk_cap,
     topk_chunks,
     topk_launch,
@@ -38,18 +39,12 @@ if SIM:
     def _f64_bits(x):
         return np.uint64(np.array([x], np.float64).view(np.uint64)[0])
 
-    _shfl_u64 = shfl_xor
 else:
     from numba.cuda import libdevice
 
     @cuda.jit(device=True, inline="always")
     def _f64_bits(x):
         return uint64(libdevice.double_as_longlong(x))
-
-    @cuda.jit(device=True, inline="always")
-    def _shfl_u64(value, mask):
-        """shfl_xor of a uint64 (numba shuffles 64-bit signed integers only)."""
-        return uint64(cuda.shfl_xor_sync(0xFFFFFFFF, int64(value), mask))
 
 
 if SIM:
@@ -164,7 +159,7 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
                     sk = k
             top = bk
             for off in (16, 8, 4, 2, 1):              # warp top-2 of the keys (equal keys: second = best)
-                ok, os_ = _shfl_u64(top, int32(off)), _shfl_u64(sk, int32(off))
+                ok, os_ = shfl_xor64(top, int32(off)), shfl_xor64(sk, int32(off))
                 sk = max(min(top, ok), max(sk, os_))
                 top = max(top, ok)
             owner = _ballot(bk == top)
