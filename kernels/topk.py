@@ -544,15 +544,16 @@ def topk_merge_kernel(logits, cand, ws, ids, lp):
     pre = cuda.shared.array(_PRE, int32)             # chunk list offsets, then the fast-path flag
     cnt = cuda.shared.array(1, int32)
     hv = cuda.local.array(_PER, float32)
-    for j in range(_PER):                            # every load in flight, then the stores
+    for j in range(_PER):                            # every load in flight (chunk t's stats too), then the stores
         hv[j] = ws[b, d, t + j * nt]
+    mc, sc, kc = float32(-math.inf), float32(0), float32(0)
+    if t < C:
+        mc, sc, kc = ws[b, d, TOPK_STAT + 3 * t], ws[b, d, TOPK_STAT + 3 * t + 1], ws[b, d, TOPK_STAT + 3 * t + 2]
     for j in range(_PER):
         sh[t + j * nt] = int32(hv[j])
         ws[b, d, t + j * nt] = float32(0)            # consumed: ready for the next call
-    mc, sc = float32(-math.inf), float32(0)
-    if t < C:                                        # chunk t's stats
-        mc, sc = ws[b, d, TOPK_STAT + 3 * t], ws[b, d, TOPK_STAT + 3 * t + 1]
-        pre[t] = int32(ws[b, d, TOPK_STAT + 3 * t + 2])
+    if t < C:
+        pre[t] = int32(kc)
     if t == 0:
         cnt[0] = 0
     mx = _block_reduce(red, mc, True, TOPK_WARPS)    # barriers: sh and pre are complete
