@@ -4,8 +4,9 @@ Order: larger value first; among equal values the lower index first (matches np.
 DDTree's per-depth top-K (kernels.tree.tree_topk) is at the end, two launches: every (vocabulary chunk, row)
 block histograms its values by 12-bit order-key bins, keeps the ids at or above its own K-th best's bin as
 candidates and adds those bins to the row's histogram; one block per row finds the row's K-th best bin, which
-is at or above every chunk's, gathers the candidates at or above it and sorts them (bitonic). Rows whose
-candidates overflow (many equal values) take an exact radix select over the row instead.
+is at or above every chunk's, gathers the candidates at or above it and sorts them (one warp in registers up to
+WARP_SORT_MAX of them, else a block-wide bitonic network). Rows whose candidates overflow (many equal values)
+take an exact radix select over the row instead.
 """
 import math
 
@@ -526,10 +527,11 @@ def topk_part_kernel(logits, k, cand, ws):
 def topk_merge_kernel(logits, cand, ws, ids, lp):
     """Block per (depth d, sequence b): the row's threshold bin t* from its histogram (staged in shared memory,
     zeroed in global memory for the next call; t* >= every chunk's t_c, so the chunk lists hold every id at or
-    above t*), the ids at or above t* from the chunk lists into shared memory (dynamic: TOPK_CAP keys), a
-    bitonic sort, the best K to ids i32[B, L, K] in top_logprobs' order with log-probs logit - logsumexp (from
-    the chunks' stats) to lp f32[B, L, K]. Slow exact path (a chunk overflowed or more than TOPK_CAP ids at or
-    above t*): radix passes over the row's logits under t*'s prefix, then the same sort of the K winners.
+    above t*), the ids at or above t* from the chunk lists into shared memory (dynamic: TOPK_CAP keys), a sort
+    (one warp up to WARP_SORT_MAX keys, else the block), the best K to ids i32[B, L, K] in top_logprobs' order
+    with log-probs logit - logsumexp (from the chunks' stats) to lp f32[B, L, K]. Slow exact path (a chunk
+    overflowed or more than TOPK_CAP ids at or above t*): radix passes over the row's logits under t*'s prefix,
+    then the same sort of the K winners.
     Bytes: the histogram (16 KB) and the chunk lists (~C * (K + bin) keys)."""
     d, b = cuda.blockIdx.x, cuda.blockIdx.y
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
