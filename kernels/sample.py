@@ -50,7 +50,7 @@ from numba import cuda, float32, int32, uint32, uint64  # noqa: E402
 
 from kernels.attention import shfl_xor  # noqa: E402
 from kernels.device import SIM, block_argmax, launch  # noqa: E402
-from kernels.topk import key_index, order_key, shfl_xor64  # noqa: E402
+from kernels.topk import key_index, order_key, warp_max_u64  # noqa: E402
 
 SAMPLE_THREADS = 512            # sample_kernel: one block per row
 # H200 (.whl A/B in session 13, bench/h200_2026-11-30g/sample_ab.txt), us per call at T = 1 for 17 / 33 / 65 / 256
@@ -179,9 +179,7 @@ def sample_merge_kernel(best, chunks, vocab, out):
     i = cuda.blockIdx.x * MERGE_ROWS + cuda.threadIdx.x // 32
     lane = cuda.threadIdx.x % 32
     if i < out.shape[0]:                             # the same for the whole warp
-        k = best[i, lane] if lane < chunks else uint64(0)
-        for off in (16, 8, 4, 2, 1):
-            k = max(k, shfl_xor64(k, off))
+        k = warp_max_u64(best[i, lane] if lane < chunks else uint64(0))
         if lane == 0:
             v = key_index(k)
             out[i] = v if v < vocab else int32(0)

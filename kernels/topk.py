@@ -378,12 +378,24 @@ WARP_SORT_MAX = 128             # candidate counts up to this are sorted by one 
 
 
 if SIM:
+    from kernels.device import _collective
     shfl_xor64 = shfl_xor
+
+    def warp_max_u64(k):
+        """Simulator twin of warp_max_u64: one warp exchange (five cost the batch engine case ~50 s)."""
+        return _collective(k, max)[0]
 else:
     @cuda.jit(device=True, inline="always")
     def shfl_xor64(x, j):
         """shfl_xor of a uint64 from lane ^ j (numba shuffles 64-bit signed integers only)."""
         return uint64(cuda.shfl_xor_sync(0xFFFFFFFF, int64(x), int32(j)))
+
+    @cuda.jit(device=True, inline="always")
+    def warp_max_u64(k):
+        """The largest uint64 k of the warp, in every lane (butterfly of 64-bit shuffles)."""
+        for off in (16, 8, 4, 2, 1):
+            k = max(k, shfl_xor64(k, off))
+        return k
 
 
 @cuda.jit(device=True, inline="always")
