@@ -21,7 +21,8 @@ from kernels.mla import _ex2
 TOPK_THREADS = 64 if SIM else 512       # topk_merge_kernel's block
 TOPK_WARPS = TOPK_THREADS // 32
 PART_THREADS = 64 if SIM else 256       # topk_part_kernel's block
-PART_IDS = 32                           # ids per thread of topk_part_kernel, in registers (8 groups of 4)
+PART_IDS = 4 if SIM else 32            # ids per thread of topk_part_kernel, in registers (groups of 4); the
+#                                         simulator's chunk (256 ids) keeps the pads of its 128-id test vocabulary few
 TOPK_SPAN = PART_IDS * PART_THREADS     # vocabulary ids per chunk (one topk_part_kernel block)
 TOPK_MAX = 1024                 # largest K (candidates per depth)
 TOPK_CHUNKS = 64                # vocabulary chunks per row at most (V <= TOPK_CHUNKS * TOPK_SPAN)

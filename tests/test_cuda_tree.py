@@ -197,7 +197,7 @@ SIM_CASES = {
     "build_deeper_wider": lambda env: check_build(env, L=4, K=3, budgets=(16, 20), quantized=True, seed=4),
     "build_chain_dflash": lambda env: check_build(env, L=4, K=1, budgets=(4, 2), seed=5),
     "topk_ties": lambda env: check_topk(env),
-    "topk_chunks": lambda env: check_topk(env, B=1, L=2, V=5000, K=3, seed=8),
+    "topk_chunks": lambda env: check_topk(env, B=1, L=2, V=1100, K=3, seed=8),
     # K = 150: more candidates than one warp sorts (the block's bitonic network); V % 4 != 0: no 16-byte loads
     "topk_chunks_ties": lambda env: check_topk(env, B=1, L=2, V=2101, K=150, seed=9),
     "warp_sort_net": lambda env: check_warp_sort(env),
