@@ -383,7 +383,7 @@ if SIM:
     shfl_xor64 = shfl_xor
 
     def warp_max_u64(k):
-        """Simulator twin of warp_max_u64: one warp exchange (five cost the batch engine case ~50 s)."""
+        """Simulator twin of warp_max_u64: one warp exchange instead of five (each is two simulator barriers)."""
         return _collective(k, max)[0]
 else:
     @cuda.jit(device=True, inline="always")

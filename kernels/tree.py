@@ -38,7 +38,6 @@ WALK_THREADS = 32
 if SIM:
     def _f64_bits(x):
         return np.uint64(np.array([x], np.float64).view(np.uint64)[0])
-
 else:
     from numba.cuda import libdevice
 

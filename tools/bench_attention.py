@@ -231,18 +231,26 @@ def profile_mla(case):
     _cp().cuda.runtime.deviceSynchronize()
 
 
-def profile_tree(budget, L=15, V=K2_V):
+def _tree_case(keep, budget, batch=1, L=15, V=K2_V):
+    """A K2-shaped tree round's inputs: tree buffers for `budget`, drafter logits f32[batch, L, V] and target
+    logits f32[batch (budget + 1), V] ~ N(0, 9), per-sequence budgets / lengths (1000) / bonus / seq ids."""
+    from kernels.tree import tree_buffers
+    cp = _cp()
+    K, N = min(budget, V), budget + 1
+    tb = tree_buffers(keep.zeros, batch, L, K, N, V)
+    draft_logits, target_logits = keep.normal((batch, L, V), 3.0), keep.normal((batch * N, V), 3.0)
+    budgets_d, lengths = keep.arr(cp.full(batch, budget, np.int32)), keep.arr(cp.full(batch, 1000, np.int32))
+    bonus, seq_ids = keep.zeros(batch, np.int32), keep.arr(cp.arange(batch, dtype=np.int32))
+    return tb, draft_logits, target_logits, budgets_d, lengths, bonus, seq_ids
+
+
+def profile_tree(budget):
     """The tree round's stages launched eagerly three times at one budget, batch 1, for a profiler (ncu -k
     regex:topk|build|sample|walk|commit)."""
     from kernels.sample import sample
-    from kernels.tree import tree_buffers, tree_build, tree_topk
-    budget = int(budget)
-    keep = Keep()
-    K, N = min(budget, V), budget + 1
-    tb = tree_buffers(keep.zeros, 1, L, K, N, V)
-    draft_logits, target_logits = keep.normal((1, L, V), 3.0), keep.normal((N, V), 3.0)
-    budgets_d, lengths = keep.arr(_cp().full(1, budget, np.int32)), keep.arr(_cp().full(1, 1000, np.int32))
-    bonus, seq_ids = keep.zeros(1, np.int32), keep.arr(_cp().arange(1, dtype=np.int32))
+    from kernels.tree import tree_build, tree_topk
+    keep = Keep()                                 # holds the arrays behind the numba views
+    tb, draft_logits, target_logits, budgets_d, lengths, bonus, seq_ids = _tree_case(keep, int(budget))
     for _ in range(3):
         tree_topk(draft_logits, tb)
         tree_build(tb, budgets_d, lengths, bonus, seq_ids)
@@ -354,14 +362,15 @@ def bench_splits(caps=(1024, 4096), lengths=(128, 256, 512, 1024, 4000), mins=(0
     return rows
 
 
-def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5, seeds=(1, 2, 3)):
+def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5, seeds=(1, 2, 3), copy_bw_gbs=None):
     """One DDTree round's tree work for K2 shapes: per stage and in total, in microseconds (sampling through the
     split sampler with the tree's workspace; sample_T1_rows: one block per row, for comparison). The target
     logits are N(0, 9): the Gumbel bound skips fewer logs than on a real, peaked distribution. Each stage is the
     median over draws of the logits (cupy seeds `seeds`: the build's pops depend on the tree), the round the
-    median of the draws' sums (their range beside it)."""
+    median of the draws' sums (their range beside it); with copy_bw_gbs, top-K and sampling as % of copy on the
+    logits they read (f32: B L V and B (budget + 1) V values)."""
     from kernels.sample import sample
-    from kernels.tree import tree_buffers, tree_build, tree_commit, tree_topk, tree_walk
+    from kernels.tree import tree_build, tree_commit, tree_topk, tree_walk
     cp = _cp()
 
     def topk_first_stage(logits, tb):
@@ -374,13 +383,8 @@ def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5, seeds=(1, 2, 3)):
         for seed in seeds:                          # the build's work depends on the tree: several draws
             cp.random.seed(seed)
             keep = Keep()
-            K, N = min(Bud, V), Bud + 1
-            tb = tree_buffers(keep.zeros, batch, L, K, N, V)
-            draft_logits = keep.normal((batch, L, V), 3.0)
-            target_logits = keep.normal((batch * N, V), 3.0)
-            budgets_d = keep.arr(cp.full(batch, Bud, np.int32))
-            lengths = keep.arr(cp.full(batch, 1000, np.int32))
-            bonus, seq_ids = keep.zeros(batch, np.int32), keep.arr(cp.arange(batch, dtype=np.int32))
+            N = Bud + 1
+            tb, draft_logits, target_logits, budgets_d, lengths, bonus, seq_ids = _tree_case(keep, Bud, batch, L, V)
             cache = keep.bf16((K2_LAYERS, batch, 4096, K2_D))
             hidden = keep.normal((F, batch, N, K2_HIDDEN))
             feats = keep.zeros((batch, L + 1, F * K2_HIDDEN), np.float32)
@@ -411,6 +415,10 @@ def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5, seeds=(1, 2, 3)):
         row["round_us"] = round(float(np.median(rounds)), 1)
         row["round_us_min_max"] = [round(min(rounds), 1), round(max(rounds), 1)]
         row["pct_of_k2_round"] = round(100 * row["round_us"] / K2_ROUND_US, 1)
+        if copy_bw_gbs:
+            for name, nbytes in (("topk", 4 * batch * L * V), ("sample_T0", 4 * batch * (Bud + 1) * V),
+                                 ("sample_T1", 4 * batch * (Bud + 1) * V)):
+                row[name + "_pct_of_copy"] = round(100 * nbytes / (row[name + "_us"] * 1e3) / copy_bw_gbs, 1)
         rows.append(row)
         print("tree", row, flush=True)
     return rows
@@ -440,7 +448,8 @@ def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None, only=None
         res["wgmma_error"] = repr(e)[:500]
         print("wgmma roof FAILED", repr(e)[:300], flush=True)
     for name, fn in [("mla", lambda: bench_mla(ctxs, [64, 8], [1, 17, 65], copy_bw_gbs, variant=MLA_VARIANT)),
-                     ("tree", lambda: bench_tree([16, 64, 255] if quick else [16, 32, 64, 128, 255])),
+                     ("tree", lambda: bench_tree([16, 64, 255] if quick else [16, 32, 64, 128, 255],
+                                                 copy_bw_gbs=copy_bw_gbs)),
                      ("prefill", lambda: bench_prefill()),
                      ("drafter", lambda: bench_drafter(drafter_cases(quick), copy_bw_gbs)),
                      ("splits", lambda: bench_splits())]:
