@@ -8,13 +8,16 @@ Every op keeps the reference op's signature (backends.NUMPY) and writes into the
 kernels' (GEMM B operand and k-split partials, MoE routing plan and per-slot outputs, router logits) and the model's
 intermediates (`scratch`), is a view of one flat buffer per role, grown to the largest request and then reused: a
 forward whose shapes were seen before allocates only the logits/hidden it returns and the small per-call inputs it
-uploads (tokens, positions, visibility). The simulator poisons scratch (NaN / -1) on every request.
+uploads (tokens, positions, visibility). The simulator poisons scratch (NaN / -1) on every request; the cuda
+table does too with NUMBAENGINE_POISON=1 in the environment (a debugging mode: finds kernels that read what they did
+not write; every scratch request then costs a fill launch).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -447,4 +450,4 @@ def cuda_ops(comm=None) -> KernelOps:
         raise ImportError(f"backend 'cuda' needs CuPy (pip install 'numbaengine[cuda]'): {e}") from None
     if not cuda.is_available():
         raise ValueError("backend 'cuda': numba finds no usable GPU")
-    return KernelOps("cuda", cupy, comm=comm)
+    return KernelOps("cuda", cupy, poison=os.environ.get("NUMBAENGINE_POISON", "") == "1", comm=comm)

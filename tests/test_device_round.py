@@ -56,6 +56,23 @@ def test_gpu_matches_numpy(mode, budget, batch):
 
 
 @pytest.mark.gpu
+def test_gpu_poisoned_scratch_same_tokens(monkeypatch):
+    """NUMBAENGINE_POISON=1: every scratch request on the cuda table is filled with NaN / -1 first, so a kernel
+    reading what it did not write this call shows. Same kernels, same inputs: the tokens must be identical to the
+    plain table's (greedy values do not depend on the tree: each row's logits come from fixed reduction orders)."""
+    from numbaengine import Engine
+    _, dev = engines()
+    monkeypatch.setenv("NUMBAENGINE_POISON", "1")
+    poisoned = Engine.load(PAIR / "target", PAIR / "draft", backend="cuda")
+    assert poisoned.target.ops.poison and not dev.target.ops.poison
+    for mode, budget, batch in (("ddtree", 64, 8), ("ar", 0, 3)):
+        prompts = (PROMPTS * 3)[:batch]
+        got = [r.tokens for r in poisoned.generate_batch(prompts, 24, mode=mode, budget=budget, stop=[])]
+        want = [r.tokens for r in dev.generate_batch(prompts, 24, mode=mode, budget=budget, stop=[])]
+        assert got == want, f"{mode} budget {budget}: poisoned scratch changed the tokens"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_gpu_graph_replay_equals_eager(temperature):
     """Same round launched eagerly and replayed from the captured graph, with and without the parallel branches
