@@ -18,7 +18,7 @@ from numba import cuda, float32, float64, int32, uint32, uint64
 
 from kernels.attention import launch_smem, shfl_xor
 from kernels.device import SIM, launch, syncwarp
-from kernels.sample import SAMPLE_CHUNKS
+from kernels.sample import sample_work
 from kernels.topk import (
     TOPK_MAX,
     TOPK_STAT,
@@ -373,7 +373,7 @@ class TreeBuffers:
     nacc: object         # i32[B]
     start: object        # i32[B]
     out_tokens: object   # i32[B, L+2]
-    sample_work: object  # u64[B*N, SAMPLE_CHUNKS] kernels.sample.sample's workspace for the B*N node rows
+    sample_work: object  # u64[B*N, SAMPLE_CHUNKS + 1] kernels.sample.sample's workspace for the B*N node rows
 
 
 def tree_buffers(zeros, B, L, K, N, V):
@@ -386,7 +386,7 @@ def tree_buffers(zeros, B, L, K, N, V):
                        zeros((B, N), i32), zeros((B, N), i32), zeros((B, N, -(-N // 32)), np.uint32),
                        zeros(B, i32), zeros(B * N, i32), zeros(B * N, i32), zeros(B * N, i32),
                        zeros((B, L + 1), i32), zeros(B, i32), zeros(B, i32), zeros((B, L + 2), i32),
-                       zeros((B * N, SAMPLE_CHUNKS), np.uint64))
+                       sample_work(zeros, B * N))
 
 
 def tree_topk(logits, tb: TreeBuffers):
