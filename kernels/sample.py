@@ -59,8 +59,6 @@ SPLIT_THREADS = 64 if SIM else 128  # sample_part_kernel: one block per (vocabul
 SAMPLE_CHUNKS = 32              # vocabulary chunks per row at most (columns of the workspace)
 SPLIT_BLOCKS = 2048             # the split path aims at about this many blocks (~16 per SM)
 MERGE_ROWS = 4                  # sample_merge_kernel: rows (warps) per block
-GROUP_ROWS = 4 if SIM else 8   # sample_group_kernel: rows of one noise key served by one block
-PLAN_ROWS = 128                 # sample_plan_kernel: rows per block
 _G1, _G2, _G3 = uint64(0xBF58476D1CE4E5B9), uint64(0x94D049BB133111EB), uint64(0x9E3779B97F4A7C15)
 _POS_SALT = uint64(0x5851F42D)
 
@@ -107,8 +105,6 @@ def gumbel_dev(hkey, v):
 
 SCAN_UNROLL = 4                 # ids per thread per step of _scan (loads in flight; 16-byte loads: 4 ids each)
 _VEC_IDS = 4 * SCAN_UNROLL      # (local array sizes must be plain constants)
-GROUP_UNROLL = 8                # sample_group_kernel: ids per thread per step (loads in flight per row)
-_GROUP_STATE = GROUP_ROWS * SPLIT_THREADS
 
 
 @cuda.jit(device=True, inline="always")
@@ -206,95 +202,6 @@ def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, vec, best):
         best[i, c] = order_key(bv, bi)
 
 
-@cuda.jit(device=True, inline="always")
-def _noise_key(seq, pos, j):
-    """Rows with equal (seq, pos) draw the same noise: one uint64 per row to group them by."""
-    return (uint64(uint32(seq[j])) << uint64(32)) | uint64(uint32(pos[j]))
-
-
-@cuda.jit
-def sample_plan_kernel(seq, pos, work):
-    """Block per PLAN_ROWS rows: groups rows of equal noise key (_noise_key; a tree's nodes of one depth) into runs
-    of at most GROUP_ROWS. Row i takes slot rank(i) of the order (key, index) and writes plan[rank] = i |
-    span << 32 to work's last column; span = the rows of its run when i leads one (its offset among its key's
-    rows is a multiple of GROUP_ROWS), else 0. Every thread compares its key with all n (O(n) each, the keys
-    through shared memory in tiles). Bytes: the keys once per block."""
-    sk = cuda.shared.array(PLAN_ROWS, uint64)
-    t = cuda.threadIdx.x
-    i, n, P = cuda.blockIdx.x * PLAN_ROWS + t, seq.shape[0], work.shape[1] - 1
-    key = _noise_key(seq, pos, i) if i < n else uint64(0)
-    less, before, same = 0, 0, 0
-    for j0 in range(0, n, PLAN_ROWS):
-        cuda.syncthreads()                            # the previous tile is read
-        if j0 + t < n:
-            sk[t] = _noise_key(seq, pos, j0 + t)
-        cuda.syncthreads()
-        for jj in range(min(PLAN_ROWS, n - j0)):
-            kj = sk[jj]
-            less += int32(kj < key)
-            same += int32(kj == key)
-            before += int32(kj == key and j0 + jj < i)
-    if i < n:
-        span = min(GROUP_ROWS, same - before) if before % GROUP_ROWS == 0 else 0
-        work[less + before, P] = uint64(i) | (uint64(span) << uint64(32))
-
-
-@cuda.jit
-def sample_group_kernel(logits, temperature, seed, seq, pos, best):
-    """Block per (vocabulary chunk c, plan slot k), grid (C, n), SPLIT_THREADS threads, after
-    sample_plan_kernel: a slot that leads a run of rows with one noise key makes each id's noise draw once for
-    all of them, then per row the Gumbel-max of _scan (skip test against that row's warp best, lowest index on
-    ties; each thread's per-row best and floor in shared memory: a run's row count is known only here, and
-    local arrays indexed by it would live in local memory); each row's chunk winner goes to best[row, c] as
-    order_key. Other slots return at once. Bytes: the logits once; the hashing shrinks by the rows per run (a
-    tree: about its nodes per depth)."""
-    c, k, t, nt = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, SPLIT_THREADS
-    P, V = best.shape[1] - 1, logits.shape[1]
-    span = int32(best[k, P] >> uint64(32))
-    if span == 0:
-        return
-    lo, hi = _chunk(V, c, cuda.gridDim.x)
-    rows = cuda.shared.array(GROUP_ROWS, int32)
-    sv = cuda.shared.array(_GROUP_STATE, float32)   # [GROUP_ROWS][SPLIT_THREADS]: best value, its id, floor
-    si = cuda.shared.array(_GROUP_STATE, int32)
-    sf = cuda.shared.array(_GROUP_STATE, float32)
-    if t < span:
-        rows[t] = int32(best[k + t, P] & uint64(0xFFFFFFFF))
-    for m in range(span):
-        sv[m * nt + t], si[m * nt + t], sf[m * nt + t] = float32(-math.inf), int32(V), float32(-math.inf)
-    cuda.syncthreads()
-    hkey = row_key(seed, seq[rows[0]], pos[rows[0]])
-    inv_t = float32(1) / temperature
-    rs = cuda.local.array(GROUP_UNROLL, float32)
-    xs = cuda.local.array(GROUP_UNROLL, float32)
-    for base in range(lo, hi, GROUP_UNROLL * nt):     # same trip count on every lane
-        for u in range(GROUP_UNROLL):                 # the noise draws, once for the run
-            v = base + u * nt + t
-            if v < hi:
-                rs[u] = uniform_dev(hkey, v)
-        for m in range(span):
-            r = rows[m]
-            for u in range(GROUP_UNROLL):
-                v = base + u * nt + t
-                if v < hi:
-                    xs[u] = logits[r, v]
-            bv, bi, f = sv[m * nt + t], si[m * nt + t], sf[m * nt + t]
-            for u in range(GROUP_UNROLL):
-                v = base + u * nt + t
-                if v < hi and not _bound_skips(xs[u] * inv_t, rs[u], f):
-                    x = xs[u] / temperature + float32(-math.log(float32(-math.log(rs[u]))))
-                    if x > bv:
-                        bv, bi = x, int32(v)
-            f = max(f, bv)
-            for off in (16, 8, 4, 2, 1):
-                f = max(f, shfl_xor(f, int32(off)))
-            sv[m * nt + t], si[m * nt + t], sf[m * nt + t] = bv, bi, f
-    for m in range(span):                             # the same on every thread: block_argmax's barriers
-        v, j = block_argmax(sv[m * nt + t], si[m * nt + t])
-        if t == 0:
-            best[rows[m], c] = order_key(v, j)
-
-
 @cuda.jit
 def sample_merge_kernel(best, chunks, vocab, out):
     """Warp per row (MERGE_ROWS rows per block): lane c reads best[i, c] (all loads at once; a thread per row
@@ -310,9 +217,8 @@ def sample_merge_kernel(best, chunks, vocab, out):
 
 
 def sample_work(zeros, n):
-    """Workspace of the split sampler for up to n rows: u64[n, SAMPLE_CHUNKS + 1], chunk winners and the plan
-    column of sample_plan_kernel."""
-    return zeros((n, SAMPLE_CHUNKS + 1), np.uint64)
+    """Workspace of the split sampler for up to n rows: u64[n, SAMPLE_CHUNKS] chunk winners."""
+    return zeros((n, SAMPLE_CHUNKS), np.uint64)
 
 
 def sample_chunks(n, V):
@@ -329,29 +235,20 @@ def _rows_16b(logits):
 
 def sample(logits, temperature, seed, seq, pos, out, work=None):
     """sample_ref on the GPU or the simulator: logits f32[n, V], seq i32[n], pos i32[n] -> out i32[n].
-    work (sample_work, >= n rows): split every row over vocabulary chunks, for when n rows alone cannot fill the
-    GPU: greedy sample_part_kernel, with noise sample_plan_kernel then sample_group_kernel (rows of one noise
-    key share its draws), then sample_merge_kernel; without it, one block per row."""
+    work (sample_work, >= n rows): split every row over vocabulary chunks (sample_part_kernel, then
+    sample_merge_kernel), for when n rows alone cannot fill the GPU; without it, one block per row. Greedy rows
+    are read with 16-byte loads where _rows_16b allows."""
     n, V = logits.shape
     if seq.shape != (n,) or pos.shape != (n,) or out.shape != (n,):
         raise ValueError(f"sample: seq {seq.shape}, pos {pos.shape}, out {out.shape} must be [{n}]")
-    if work is not None and (work.shape[0] < n or work.shape[1] != SAMPLE_CHUNKS + 1):
-        raise ValueError(f"sample: work {work.shape} is not [>= {n}, {SAMPLE_CHUNKS + 1}] (sample_work)")
+    if work is not None and (work.shape[0] < n or work.shape[1] != SAMPLE_CHUNKS):
+        raise ValueError(f"sample: work {work.shape} is not [>= {n}, {SAMPLE_CHUNKS}] (sample_work)")
     greedy = temperature == 0
-    args = (logits, float32(1 if greedy else temperature), greedy, uint64(seed), seq, pos)
-    vec = greedy and _rows_16b(logits)
+    args = (logits, float32(1 if greedy else temperature), greedy, uint64(seed), seq, pos, greedy and _rows_16b(logits))
     if n and work is None:
-        launch(sample_kernel, n, SAMPLE_THREADS, *args, vec, out)
-        return out
-    if not n:
-        return out
-    if greedy:
+        launch(sample_kernel, n, SAMPLE_THREADS, *args, out)
+    elif n:
         C = sample_chunks(n, V)
-        launch(sample_part_kernel, (C, n), SPLIT_THREADS, *args, vec, work)
-    else:                                            # about n / GROUP_ROWS runs at least: chunks for that many
-        C = sample_chunks(-(-n // GROUP_ROWS), V)
-        launch(sample_plan_kernel, -(-n // PLAN_ROWS), PLAN_ROWS, seq, pos, work)
-        launch(sample_group_kernel, (C, n), SPLIT_THREADS, logits, float32(temperature), uint64(seed), seq, pos,
-               work)
-    launch(sample_merge_kernel, -(-n // MERGE_ROWS), 32 * MERGE_ROWS, work, int32(C), int32(V), out)
+        launch(sample_part_kernel, (C, n), SPLIT_THREADS, *args, work)
+        launch(sample_merge_kernel, -(-n // MERGE_ROWS), 32 * MERGE_ROWS, work, int32(C), int32(V), out)
     return out

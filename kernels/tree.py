@@ -373,7 +373,7 @@ class TreeBuffers:
     nacc: object         # i32[B]
     start: object        # i32[B]
     out_tokens: object   # i32[B, L+2]
-    sample_work: object  # u64[B*N, SAMPLE_CHUNKS + 1] kernels.sample.sample's workspace for the B*N node rows
+    sample_work: object  # u64[B*N, SAMPLE_CHUNKS] kernels.sample.sample's workspace for the B*N node rows
 
 
 def tree_buffers(zeros, B, L, K, N, V):
