@@ -121,7 +121,9 @@ class DeviceRounds:
         if self.parked == self._uploaded:            # unchanged (most rounds): no upload
             return
         self._uploaded = frozenset(self.parked)
-        self._parked_idx = self.ops.asarray(np.array(sorted(self.parked), np.int32)) if self.parked else None
+        with self._on_stream():     # the copy must be ordered before _park's kernel on this (non-blocking) stream:
+            # on the null stream a pageable copy may still be in flight when _park reads it (stale slot ids)
+            self._parked_idx = self.ops.asarray(np.array(sorted(self.parked), np.int32)) if self.parked else None
 
     def _park(self):
         if self._parked_idx is not None:

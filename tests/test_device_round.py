@@ -56,6 +56,30 @@ def test_gpu_matches_numpy(mode, budget, batch):
 
 
 @pytest.mark.gpu
+def test_gpu_uploads_on_round_stream(monkeypatch):
+    """Every host -> device copy of a decode (prompts, retired slots) goes to the rounds' own non-blocking stream: a
+    copy on the null stream is not ordered before their kernels (a pageable copy can still be in flight when they
+    run), which let _park read stale slot ids and reset a live sequence's length (greedy outputs differed between
+    runs, first runs of a process only)."""
+    import cupy
+
+    from numbaengine.ops_cuda import KernelOps
+    _, dev = engines()
+    streams = []
+    real = KernelOps.asarray
+
+    def asarray(self, a, dtype=None):
+        if isinstance(a, np.ndarray):
+            streams.append(cupy.cuda.get_current_stream().ptr)
+        return real(self, a, dtype)
+    monkeypatch.setattr(KernelOps, "asarray", asarray)
+    res = dev.generate_batch(PROMPTS, 24, mode="ddtree", budget=16, stop=[])
+    rounds = next(iter(dev.rounds_cache.values()))
+    assert len({len(r.tokens) for r in res}) == 1 and rounds.parked, "no slot was retired: nothing uploaded"
+    assert streams and set(streams) == {rounds.stream.ptr}, (streams, rounds.stream.ptr)
+
+
+@pytest.mark.gpu
 def test_gpu_poisoned_scratch_same_tokens(monkeypatch):
     """NUMBAENGINE_POISON=1: every scratch request on the cuda table is filled with NaN / -1 first, so a kernel
     reading what it did not write this call shows. Same kernels, same inputs: the tokens must be identical to the
