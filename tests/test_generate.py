@@ -183,6 +183,21 @@ def test_gof_detects_biased_sampler(small):
     assert gof_pvalue(small, 0.7, ops) < 1e-6
 
 
+def test_noise_draw_below_one():
+    """Every id's uniform draw is strictly inside (0, 1), so its Gumbel noise is finite: with 24 bits the largest
+    hash rounded to u = 1.0 (infinite noise: that id won at any logit). Regression: (seed 7, seq 0, pos 1000),
+    id 871885 drew 1.0; and a row where that id has the lowest logit by far must not pick it."""
+    from kernels.sample import gumbel, unit
+    u = unit(np.array([0, 2 ** 64 - 1, 2 ** 63, 2 ** 41 - 1], np.uint64))
+    assert (u > 0).all() and (u < 1).all(), u
+    g = gumbel(7, 0, 1000, 871886)
+    assert np.isfinite(g).all() and g[871885] < 30
+    logits = np.zeros((1, 871886), np.float32)
+    logits[0, 871885] = -100
+    seq, pos = np.zeros(1, np.int32), np.full(1, 1000, np.int32)
+    assert sample_ref(logits, 1.0, 7, seq, pos, np.empty(1, np.int32))[0] != 871885
+
+
 # --- output rules ---------------------------------------------------------------------------------------------------
 
 def test_stop_token_ends_output_inside_a_round(pair, greedy_ar):
