@@ -62,6 +62,18 @@ class DeviceRounds:
         self.layer_ids = self.drafter.layer_ids if self.drafter is not None else ()
         F, H = len(self.layer_ids), cfg.hidden_size
         check_memory(ops, plan_bytes(target, self.drafter, B, self.cap, N, self.Lb, V))
+        self.stream = ops.xp.cuda.Stream(non_blocking=True) if ops.xp is not np else None
+        with self._on_stream():     # zeroed on the rounds' stream: a null-stream memset is not ordered before it
+            self._allocate(ops, cfg, B, L, K, N, V, F, H)
+        self.graphs = graphs and ops.xp is not np    # the simulator has no graphs: it runs every round eagerly
+        self.graph = None
+        self.rounds = 0
+        self.gpu_s = 0.0                             # device time of the rounds (CUDA events around each)
+        self.parked, self._parked_idx, self._uploaded = set(), None, frozenset()  # finished slots (see retire)
+        self._events = (ops.xp.cuda.Event(), ops.xp.cuda.Event()) if self.stream is not None else None
+
+    def _allocate(self, ops, cfg, B, L, K, N, V, F, H):
+        """The device state and the round's fixed buffers (zeros)."""
         self.cache = ops.zeros((cfg.num_hidden_layers, B, self.cap, cfg.latent_dim), np.uint16)
         self.rows = [self.cache[i] for i in range(cfg.num_hidden_layers)]
         self.lengths, self.bonus, self.budgets, self.seq_ids = (ops.zeros(B, np.int32) for _ in range(4))
@@ -81,13 +93,6 @@ class DeviceRounds:
             self.draft_logits = ops.zeros((B, L, V), np.float32)
             self.feats = ops.zeros((B, L + 1, F * H), np.float32)
             self.feat_pos = ops.zeros((B, L + 1), np.int32)
-        self.graphs = graphs and ops.xp is not np    # the simulator has no graphs: it runs every round eagerly
-        self.stream = ops.xp.cuda.Stream(non_blocking=True) if ops.xp is not np else None
-        self.graph = None
-        self.rounds = 0
-        self.gpu_s = 0.0                             # device time of the rounds (CUDA events around each)
-        self.parked, self._parked_idx, self._uploaded = set(), None, frozenset()  # finished slots (see retire)
-        self._events = (ops.xp.cuda.Event(), ops.xp.cuda.Event()) if self.stream is not None else None
 
     # --- prefill (eager, one sequence) -----------------------------------------------------------------------------
 
@@ -99,6 +104,7 @@ class DeviceRounds:
         self.retire([])
         tokens, positions = np.asarray(ids, np.int32), np.arange(T, dtype=np.int32)
         with self._on_stream():
+            self._after_null_stream()
             cache = LatentCache([rows[b] for rows in self.rows], 0)
             logits, hidden = self.base_target.forward(tokens, positions, cache, None, self.layer_ids,
                                                       form=ops.prefill_form)
@@ -113,6 +119,14 @@ class DeviceRounds:
             self.budgets[b:b + 1] = ops.asarray(np.array([self.shape.budget], np.int32))
             self.seq_ids[b:b + 1] = seq
             return int(ops.to_host(self.bonus[b:b + 1])[0])
+
+    def _after_null_stream(self):
+        """The rounds' stream waits for what the null stream holds (weights and other uploads made outside it: a
+        pageable copy returns before its DMA lands, and a non-blocking stream is not ordered after the null one)."""
+        if self.stream is not None:
+            done = self.ops.xp.cuda.Event(disable_timing=True)
+            done.record(self.ops.xp.cuda.Stream.null)
+            self.stream.wait_event(done)
 
     def retire(self, slots):
         """Finished slots keep running inside the graph: they are parked at an empty context before every round

@@ -57,26 +57,32 @@ def test_gpu_matches_numpy(mode, budget, batch):
 
 @pytest.mark.gpu
 def test_gpu_uploads_on_round_stream(monkeypatch):
-    """Every host -> device copy of a decode (prompts, retired slots) goes to the rounds' own non-blocking stream: a
-    copy on the null stream is not ordered before their kernels (a pageable copy can still be in flight when they
-    run), which let _park read stale slot ids and reset a live sequence's length (greedy outputs differed between
-    runs, first runs of a process only)."""
+    """Every host -> device copy of a decode (prompts, retired slots) and every zero-filled buffer of a new
+    DeviceRounds goes to the rounds' own non-blocking stream: work on the null stream is not ordered before their
+    kernels (a pageable copy can still be in flight when they run), which let _park read stale slot ids and reset
+    a live sequence's length (greedy outputs differed between runs, first runs of a process only)."""
     import cupy
 
     from numbaengine.ops_cuda import KernelOps
     _, dev = engines()
     streams = []
-    real = KernelOps.asarray
+    real_asarray, real_zeros = KernelOps.asarray, KernelOps.zeros
 
     def asarray(self, a, dtype=None):
         if isinstance(a, np.ndarray):
-            streams.append(cupy.cuda.get_current_stream().ptr)
-        return real(self, a, dtype)
+            streams.append(("asarray", cupy.cuda.get_current_stream().ptr))
+        return real_asarray(self, a, dtype)
+
+    def zeros(self, shape, dtype=np.float32):
+        streams.append(("zeros", cupy.cuda.get_current_stream().ptr))
+        return real_zeros(self, shape, dtype)
     monkeypatch.setattr(KernelOps, "asarray", asarray)
-    res = dev.generate_batch(PROMPTS, 24, mode="ddtree", budget=16, stop=[])
+    monkeypatch.setattr(KernelOps, "zeros", zeros)
+    res = dev.generate_batch(PROMPTS, 24, mode="ddtree", budget=13, stop=[])    # a shape of its own: new buffers
     rounds = next(iter(dev.rounds_cache.values()))
-    assert len({len(r.tokens) for r in res}) == 1 and rounds.parked, "no slot was retired: nothing uploaded"
-    assert streams and set(streams) == {rounds.stream.ptr}, (streams, rounds.stream.ptr)
+    assert rounds.shape.budget == 13 and len({len(r.tokens) for r in res}) == 1 and rounds.parked
+    assert {k for k, _ in streams} == {"asarray", "zeros"}, streams
+    assert {p for _, p in streams} == {rounds.stream.ptr}, (streams, rounds.stream.ptr)
 
 
 @pytest.mark.gpu
