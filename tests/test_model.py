@@ -153,27 +153,57 @@ def random_tree(rng, n):
     return parents, depth, vis
 
 
+def recording_router(target):
+    """A shallow copy of target whose numpy router also records, per call, each row's gap between its last chosen
+    and first unchosen expert score (a near-tie there flips the routing under float32 reorderings)."""
+    from types import SimpleNamespace
+
+    from kernels.moe import router_ref
+    gaps = []
+
+    def router(x, w_gate, bias, top_k, *rest):
+        choice = 1 / (1 + np.exp(-(x.astype(np.float32) @ bf16_to_f32(w_gate).T))) + bias
+        top = -np.sort(-choice, axis=1)
+        gaps.append(top[:, top_k - 1] - top[:, top_k])
+        return router_ref(x, w_gate, bias, top_k, *rest)
+    target = copy.copy(target)
+    target.ops = SimpleNamespace(**{**vars(target.ops), "router": router})
+    return target, gaps
+
+
 def test_tree_verify_equals_sequential_paths(tiny):
+    """Each node's logits from the tree forward (ancestor mask) equal those of its path run alone. A node whose
+    path has a routing near-tie (gap < 1e-5 in either run: the two runs sum in other orders, so the expert choice
+    may flip) is excused; at most two may be."""
     rng = np.random.default_rng()
-    target = copy.copy(tiny.target)
+    target, gaps = recording_router(tiny.target)
     target.cache_dtype = "float32"   # bf16: a latent computed in another order can round to a neighbouring value
     prompt = rng.integers(0, tiny.cfg.vocab_size, size=7)
     cache, _ = prefill(target, prompt)
     parents, depth, vis = random_tree(rng, 12)
     tokens = rng.integers(0, tiny.cfg.vocab_size, size=13)
     start = cache.length
+    gaps.clear()
     tree_logits, tree_hidden = target.forward(tokens, start + depth, copy.deepcopy(cache), tree_mask=vis,
                                               hidden_layers=(1,))
+    tree_gaps = np.array(gaps)                                                     # [moe layers, 13]
+    excused = []
     for node in range(13):
         path = [node]
         while parents[path[-1]] >= 0:
             path.append(parents[path[-1]])
         path = path[::-1]
+        gaps.clear()
         seq_logits, seq_hidden = target.forward(tokens[path], start + np.arange(len(path)), copy.deepcopy(cache),
                                                 hidden_layers=(1,))
         err = np.abs(seq_logits[-1] - tree_logits[node]).max() / np.abs(seq_logits[-1]).max()
-        assert err < 1e-4, f"node {node} (path {path}): relative error {err:.2e}"
+        gap = min(tree_gaps[:, path].min(), np.min(gaps))
+        if err >= 1e-4 and gap < 1e-5:
+            excused.append((node, float(err), float(gap)))
+            continue
+        assert err < 1e-4, f"node {node} (path {path}): relative error {err:.2e}, smallest routing gap {gap:.1e}"
         assert np.allclose(seq_hidden[0, -1], tree_hidden[0, node], rtol=1e-4, atol=1e-4)
+    assert len(excused) <= 2, f"routing near-ties excused too many nodes: {excused}"
 
 
 def test_commit_moves_rows(tiny):
