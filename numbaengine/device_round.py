@@ -64,35 +64,31 @@ class DeviceRounds:
         check_memory(ops, plan_bytes(target, self.drafter, B, self.cap, N, self.Lb, V))
         self.stream = ops.xp.cuda.Stream(non_blocking=True) if ops.xp is not np else None
         with self._on_stream():     # zeroed on the rounds' stream: a null-stream memset is not ordered before it
-            self._allocate(ops, cfg, B, L, K, N, V, F, H)
+            self.cache = ops.zeros((cfg.num_hidden_layers, B, self.cap, cfg.latent_dim), np.uint16)
+            self.rows = [self.cache[i] for i in range(cfg.num_hidden_layers)]
+            self.lengths, self.bonus, self.budgets, self.seq_ids = (ops.zeros(B, np.int32) for _ in range(4))
+            self.tb = tree_buffers(ops.zeros, B, L, K, N, V)
+            self.logits = ops.zeros((B * N, V), np.float32)
+            self.hidden = ops.zeros((F, B * N, H), np.float32)
+            if self.drafter is not None:
+                dc = self.drafter.cfg
+                nkv = dc.num_key_value_heads
+                self.ctx_kv = [ops.zeros((B, self.cap, 2 * nkv, dc.head_dim), np.float32)
+                               for _ in range(dc.num_hidden_layers)]              # per row: nkv key heads, nkv values
+                self.ctx_k = [kv[:, :, :nkv] for kv in self.ctx_kv]
+                self.ctx_v = [kv[:, :, nkv:] for kv in self.ctx_kv]
+                self.block_tokens = ops.zeros((B, self.Lb), np.int32)
+                self.block_pos = ops.zeros(B * self.Lb, np.int32)
+                self.kv_len = ops.zeros(B, np.int32)
+                self.draft_logits = ops.zeros((B, L, V), np.float32)
+                self.feats = ops.zeros((B, L + 1, F * H), np.float32)
+                self.feat_pos = ops.zeros((B, L + 1), np.int32)
         self.graphs = graphs and ops.xp is not np    # the simulator has no graphs: it runs every round eagerly
         self.graph = None
         self.rounds = 0
         self.gpu_s = 0.0                             # device time of the rounds (CUDA events around each)
         self.parked, self._parked_idx, self._uploaded = set(), None, frozenset()  # finished slots (see retire)
         self._events = (ops.xp.cuda.Event(), ops.xp.cuda.Event()) if self.stream is not None else None
-
-    def _allocate(self, ops, cfg, B, L, K, N, V, F, H):
-        """The device state and the round's fixed buffers (zeros)."""
-        self.cache = ops.zeros((cfg.num_hidden_layers, B, self.cap, cfg.latent_dim), np.uint16)
-        self.rows = [self.cache[i] for i in range(cfg.num_hidden_layers)]
-        self.lengths, self.bonus, self.budgets, self.seq_ids = (ops.zeros(B, np.int32) for _ in range(4))
-        self.tb = tree_buffers(ops.zeros, B, L, K, N, V)
-        self.logits = ops.zeros((B * N, V), np.float32)
-        self.hidden = ops.zeros((F, B * N, H), np.float32)
-        if self.drafter is not None:
-            dc = self.drafter.cfg
-            nkv = dc.num_key_value_heads
-            self.ctx_kv = [ops.zeros((B, self.cap, 2 * nkv, dc.head_dim), np.float32)
-                           for _ in range(dc.num_hidden_layers)]              # per row: nkv key heads, nkv values
-            self.ctx_k = [kv[:, :, :nkv] for kv in self.ctx_kv]
-            self.ctx_v = [kv[:, :, nkv:] for kv in self.ctx_kv]
-            self.block_tokens = ops.zeros((B, self.Lb), np.int32)
-            self.block_pos = ops.zeros(B * self.Lb, np.int32)
-            self.kv_len = ops.zeros(B, np.int32)
-            self.draft_logits = ops.zeros((B, L, V), np.float32)
-            self.feats = ops.zeros((B, L + 1, F * H), np.float32)
-            self.feat_pos = ops.zeros((B, L + 1), np.int32)
 
     # --- prefill (eager, one sequence) -----------------------------------------------------------------------------
 
