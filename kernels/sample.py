@@ -114,13 +114,12 @@ SCAN_UNROLL = 4                 # ids per thread per step of _scan (loads in fli
 _VEC_IDS = 4 * SCAN_UNROLL      # (local array sizes must be plain constants)
 
 
-NOISE_MAX = 16.6356             # the largest noise: u <= 1 - 2^-24 (unit), -log(-log u) <= 16.63553
-
-
 @cuda.jit(device=True, inline="always")
-def _stays_below(bound, xt, floor):
-    """True when `bound`, an upper bound of id value xt = x / T plus its noise, stays below `floor` (a value some
-    id of the row reaches) by more than the roundings of x / T and lg2.approx's error: that id cannot win."""
+def _bound_skips(xt, r, floor):
+    """True when id value xt = x / T with uniform draw r provably stays below `floor` (a value some id of the row
+    reaches) whatever its noise: -log(-log r) <= -log(1 - r) (since -log r >= 1 - r), bounded with lg2.approx plus
+    a margin far above its error and the roundings of x / T; such an id skips the two logs."""
+    bound = xt - _log2_approx(float32(1) - r) * float32(0.6931472)
     return bound + (abs(xt) + abs(floor)) * float32(1e-6) + float32(1e-3) < floor
 
 
@@ -129,10 +128,9 @@ def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec):
     """This thread's best (value, index) over its ids of logits[i, lo:hi] (the block steps over the range with
     SCAN_UNROLL ids per thread per step, each thread's ids in increasing order: its first hit has the lowest
     index); (-inf, V) if none. Greedy with vec (rows contiguous, 16-byte aligned, lo and hi multiples of 4):
-    SCAN_UNROLL 16-byte loads per step, 4 ids each. With noise, an id that _stays_below the warp's best so far
-    whatever its draw (x / T + NOISE_MAX) skips the hash, one that stays below it with its draw's bound skips the
-    logs, so the winner and its value are those of computing every id. Every lane of a warp must call it (warp
-    max inside)."""
+    SCAN_UNROLL 16-byte loads per step, 4 ids each. With noise, ids that _bound_skips against the warp's best
+    so far skip the logs, so the winner and its value are those of computing every id. Every lane of a warp must
+    call it (warp max inside)."""
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     bv, bi = float32(-math.inf), int32(logits.shape[1])
     if greedy and vec:
@@ -166,12 +164,9 @@ def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec):
                 continue
             x = xs[u]
             if not greedy:
-                xt = x * inv_t
-                if _stays_below(xt + float32(NOISE_MAX), xt, floor):   # no draw can lift it: no hash either
+                r = uniform_dev(hkey, v)
+                if _bound_skips(x * inv_t, r, floor):
                     continue
-                r = uniform_dev(hkey, v)                  # -log(-log r) <= -log(1 - r), since -log r >= 1 - r
-                if _stays_below(xt - _log2_approx(float32(1) - r) * float32(0.6931472), xt, floor):
-                    continue                              # the two logs skipped
                 x = x / temperature + float32(-math.log(float32(-math.log(r))))
             if x > bv:
                 bv, bi = x, int32(v)
