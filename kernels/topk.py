@@ -4,8 +4,9 @@ Order: larger value first; among equal values the lower index first (matches np.
 DDTree's per-depth top-K (kernels.tree.tree_topk) is at the end, two launches: every (vocabulary chunk, row)
 block histograms its values by 12-bit order-key bins, keeps the ids at or above its own K-th best's bin as
 candidates and adds those bins to the row's histogram; one block per row finds the row's K-th best bin, which
-is at or above every chunk's, gathers the candidates at or above it and sorts them (one warp in registers up to
-WARP_SORT_MAX of them, else a block-wide bitonic network). Rows whose candidates overflow (many equal values)
+is at or above every chunk's, gathers the candidates at or above it, keeps those at or above the K-th best's
+sub-bin (next 8 key bits) and orders them: one warp sorts up to WARP_SORT_MAX in registers, up to RANK_MAX each
+finds its rank by counting, beyond that a block-wide bitonic network. Rows whose candidates overflow (many equal values)
 take an exact radix select over the row instead.
 """
 import math
@@ -376,6 +377,9 @@ def _bitonic_desc(sk, n):
 
 
 WARP_SORT_MAX = 128             # candidate counts up to this are sorted by one warp in registers (no block barrier)
+RANK_MAX = 512                  # above that and up to this, each candidate's rank is counted (no barrier per stage;
+#                                 n^2 compares: ~n/32 warps x n shared loads; the block bitonic beyond)
+_CAP_PER = TOPK_CAP // TOPK_THREADS     # candidates per thread of topk_merge_kernel's compaction
 
 
 if SIM:
@@ -397,6 +401,68 @@ else:
         for off in (16, 8, 4, 2, 1):
             k = max(k, shfl_xor64(k, off))
         return k
+
+
+@cuda.jit(device=True, inline="always")
+def _refine(sk, n, tb, need, hist, wsum, ctl, cnt):
+    """Shrink the candidates sk[0:n] (bins >= tb; `need` of those in bin tb are wanted) to the ones at or above the
+    sub-bin of bin tb (next 8 key bits) that holds the need-th best: one shared histogram, a digit scan from the
+    top, an in-place compaction. Returns the new count (>= the wanted; equal values share a sub-bin). Every
+    thread must call it (barriers inside)."""
+    t, nt = cuda.threadIdx.x, cuda.blockDim.x
+    for i in range(t, 256, nt):
+        hist[i] = 0
+    if t == 0:
+        ctl[0] = 0
+    cuda.syncthreads()
+    for i in range(t, n, nt):
+        key = sk[i]
+        if int32(key >> uint64(TOPK_BIN_SHIFT)) == tb:
+            cuda.atomic.add(hist, int32((key >> uint64(TOPK_BIN_SHIFT - 8)) & uint64(0xFF)), 1)
+    cuda.syncthreads()
+    carry = int32(0)
+    for r in range(0, 256, nt):                      # digits from the top: thread t takes digit 255 - r - t
+        dig = 255 - r - t
+        c = hist[dig] if dig >= 0 else int32(0)
+        incl, tot = _block_scan(c, wsum, TOPK_WARPS)
+        above = carry + incl - c
+        if dig >= 0 and above < need <= above + c:
+            ctl[0] = dig
+        carry += tot
+    ks = cuda.local.array(_CAP_PER, uint64)
+    for j in range(_CAP_PER):                        # every key read before any is moved
+        i = t + j * nt
+        ks[j] = sk[i] if i < n else uint64(0)
+    if t == 0:
+        cnt[0] = 0
+    cuda.syncthreads()
+    ts = ctl[0]
+    for j in range(_CAP_PER):
+        key = ks[j]
+        kb = int32(key >> uint64(TOPK_BIN_SHIFT))
+        keep = t + j * nt < n and (kb > tb or int32((key >> uint64(TOPK_BIN_SHIFT - 8)) & uint64(0xFF)) >= ts)
+        slot = _append(cnt, keep)
+        if keep:
+            sk[slot] = key
+    cuda.syncthreads()
+    m = cnt[0]
+    cuda.syncthreads()
+    return m
+
+
+@cuda.jit(device=True, inline="always")
+def _rank_write(sk, n, ids, lp, b, d, lse):
+    """The best K = ids.shape[2] of the distinct keys sk[0:n] to ids[b, d, rank] / lp (value - lse), each key's
+    rank counted against all n (broadcast shared loads; no sort, no barrier)."""
+    t, nt = cuda.threadIdx.x, cuda.blockDim.x
+    for i in range(t, n, nt):
+        key = sk[i]
+        r = int32(0)
+        for j in range(n):
+            r += int32(sk[j] > key)
+        if r < ids.shape[2]:
+            ids[b, d, r] = key_index(key)
+            lp[b, d, r] = key_value(key) - lse
 
 
 @cuda.jit(device=True, inline="always")
@@ -540,8 +606,9 @@ def topk_part_kernel(logits, k, cand, ws):
 def topk_merge_kernel(logits, cand, ws, ids, lp):
     """Block per (depth d, sequence b): the row's threshold bin t* from its histogram (staged in shared memory,
     zeroed in global memory for the next call; t* >= every chunk's t_c, so the chunk lists hold every id at or
-    above t*), the ids at or above t* from the chunk lists into shared memory (dynamic: TOPK_CAP keys), a sort
-    (one warp up to WARP_SORT_MAX keys, else the block), the best K to ids i32[B, L, K] in top_logprobs' order
+    above t*), the ids at or above t* from the chunk lists into shared memory (dynamic: TOPK_CAP keys), beyond
+    WARP_SORT_MAX of them only those at or above the K-th best's sub-bin (_refine), an order (one warp sorts up to
+    WARP_SORT_MAX keys, rank counting up to RANK_MAX, else the block's bitonic sort), the best K to ids i32[B, L, K] in top_logprobs' order
     with log-probs logit - logsumexp (from the chunks' stats) to lp f32[B, L, K]. Slow exact path (a chunk
     overflowed or more than TOPK_CAP ids at or above t*): radix passes over the row's logits under t*'s prefix,
     then the same sort of the K winners.
@@ -588,14 +655,15 @@ def topk_merge_kernel(logits, cand, ws, ids, lp):
         pre[C + 1] = 1 if ok else 0
     cuda.syncthreads()
     ks = cuda.local.array(4, uint64)
-    if pre[C + 1] != 0:
+    fast = pre[C + 1] != 0
+    if fast:
         total = pre[C]
+        c = 0                                        # the chunk of list slot i: a thread's i only grow
         for base in range(0, total, 4 * nt):         # uniform trip count per warp (warp-aggregated appends)
             for u in range(4):                       # four loads in flight per thread
                 i = base + u * nt + t
                 ks[u] = uint64(0)
                 if i < total:
-                    c = 0
                     while pre[c + 1] <= i:
                         c += 1
                     ks[u] = cand[b, d, c, i - pre[c]]
@@ -617,7 +685,12 @@ def topk_merge_kernel(logits, cand, ws, ids, lp):
                 sk[slot] = key
         n = K
     cuda.syncthreads()
-    if n <= WARP_SORT_MAX:                           # n is the same in every thread
+    if fast and n > WARP_SORT_MAX:                   # n, fast: the same in every thread
+        n = _refine(sk, n, tb, K - above, hist, wsum, ctl, cnt)
+    if n > WARP_SORT_MAX and n <= RANK_MAX:
+        _rank_write(sk, n, ids, lp, b, d, lse)
+        return
+    if n <= WARP_SORT_MAX:
         if t < 32:
             _warp_sort_desc(sk, n)
         cuda.syncthreads()

@@ -16,6 +16,16 @@ import numpy as np
 
 K2_D, K2_R, K2_V, K2_LAYERS, K2_HIDDEN = 576, 512, 163840, 61, 7168
 K2_ROUND_US = 1300.0        # one K2 token-step at batch 1 on 8 GPUs: ~33 GB / 8 / 4.25 TB/s
+K2_EXPERT_BYTES = 3 * 7168 * 2048 * (0.5 + 2 / 32)   # one routed expert: INT4 weights + a bf16 scale per 32
+
+
+def k2_verify_floor_us(tokens, experts=384, topk=8, moe_layers=60):
+    """Byte floor of a K2 round verifying `tokens` tokens at batch 1 on 8 GPUs (4.25 TB/s each): the one-token
+    step (K2_ROUND_US) plus the routed experts the other tokens add, each token's top-8 drawn at random (expected
+    distinct experts per layer: 384 (1 - (1 - 8/384)^n)). Correlated routing reads fewer; K2_ROUND_US is the
+    floor whatever the routing."""
+    distinct = experts * (1 - (1 - topk / experts) ** tokens)
+    return K2_ROUND_US + moe_layers * (distinct - topk) * K2_EXPERT_BYTES / 8 / 4.25e12 * 1e6
 
 
 def _cp():
@@ -415,6 +425,8 @@ def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5, seeds=(1, 2, 3), copy_bw_gbs
         row["round_us"] = round(float(np.median(rounds)), 1)
         row["round_us_min_max"] = [round(min(rounds), 1), round(max(rounds), 1)]
         row["pct_of_k2_round"] = round(100 * row["round_us"] / K2_ROUND_US, 1)
+        row["k2_verify_floor_us"] = round(k2_verify_floor_us(Bud + 1), 0)
+        row["pct_of_k2_verify_floor"] = round(100 * row["round_us"] / row["k2_verify_floor_us"], 2)
         if copy_bw_gbs:
             for name, nbytes in (("topk", 4 * batch * L * V), ("sample_T0", 4 * batch * (Bud + 1) * V),
                                  ("sample_T1", 4 * batch * (Bud + 1) * V)):
