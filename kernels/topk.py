@@ -4,10 +4,10 @@ Order: larger value first; among equal values the lower index first (matches np.
 DDTree's per-depth top-K (kernels.tree.tree_topk) is at the end, two launches: every (vocabulary chunk, row)
 block histograms its values by 12-bit order-key bins, keeps the ids at or above its own K-th best's bin as
 candidates and adds those bins to the row's histogram; one block per row finds the row's K-th best bin, which
-is at or above every chunk's, gathers the candidates at or above it, keeps those at or above the K-th best's
-sub-bin (next 8 key bits) and orders them: one warp sorts up to WARP_SORT_MAX in registers, up to RANK_MAX each
-finds its rank by counting, beyond that a block-wide bitonic network. Rows whose candidates overflow (many equal values)
-take an exact radix select over the row instead.
+is at or above every chunk's, gathers the candidates at or above it (beyond REFINE_FROM of them only those at
+or above the K-th best's sub-bin, the next 8 key bits) and orders them: up to RANK_MAX each finds its rank by
+counting the larger ones, beyond that a block-wide bitonic network sorts them. Rows whose candidates overflow
+(many equal values) take an exact radix select over the row instead.
 """
 import math
 
@@ -376,10 +376,11 @@ def _bitonic_desc(sk, n):
         k *= 2
 
 
-WARP_SORT_MAX = 128             # candidate counts up to this are sorted by one warp in registers (no block barrier)
-RANK_MAX = 512                  # above that and up to this, each candidate's rank is counted (no barrier per stage;
-#                                 n^2 compares: ~n/32 warps x n shared loads; the block bitonic beyond)
+REFINE_FROM = 128               # more candidates than this: first cut to the K-th best's sub-bin (_refine)
+RANK_MAX = 512                  # up to this many, each candidate's rank is counted (n^2 / P compares per block, no
+#                                 barrier); beyond, the block's bitonic network (a barrier per stage)
 _CAP_PER = TOPK_CAP // TOPK_THREADS     # candidates per thread of topk_merge_kernel's compaction
+GATHER_UNROLL = 8               # chunk-list keys per thread per round of topk_merge_kernel's gather (loads in flight)
 
 
 if SIM:
@@ -451,80 +452,41 @@ def _refine(sk, n, tb, need, hist, wsum, ctl, cnt):
 
 
 @cuda.jit(device=True, inline="always")
+def _count_above(sk, key, j0, j1):
+    """How many of the keys sk[j0:j1] are larger than key (four independent counts: loads in flight)."""
+    c0, c1, c2, c3 = int32(0), int32(0), int32(0), int32(0)
+    j = j0
+    while j + 4 <= j1:
+        c0 = int32(c0 + (sk[j] > key))
+        c1 = int32(c1 + (sk[j + 1] > key))
+        c2 = int32(c2 + (sk[j + 2] > key))
+        c3 = int32(c3 + (sk[j + 3] > key))
+        j += 4
+    while j < j1:
+        c0 = int32(c0 + (sk[j] > key))
+        j += 1
+    return int32(c0 + c1 + int32(c2 + c3))
+
+
+@cuda.jit(device=True, inline="always")
 def _rank_write(sk, n, ids, lp, b, d, lse):
-    """The best K = ids.shape[2] of the distinct keys sk[0:n] to ids[b, d, rank] / lp (value - lse), each key's
-    rank counted against all n (broadcast shared loads; no sort, no barrier)."""
+    """The best K = ids.shape[2] of the distinct keys sk[0:n] to ids[b, d, rank] / lp (value - lse), a key's rank
+    being the count of larger keys: P = 4, 2 or 1 adjacent lanes per key (as many as the block holds) each count a
+    share, summed by shuffles. Broadcast shared loads, no sort, no barrier. Every thread must call it."""
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
-    for i in range(t, n, nt):
-        key = sk[i]
-        r = int32(0)
-        for j in range(n):
-            r += int32(sk[j] > key)
-        if r < ids.shape[2]:
+    P = 4 if 4 * n <= nt else (2 if 2 * n <= nt else 1)
+    m = (n + P - 1) // P
+    for base in range(0, n * P, nt):                 # the same trip count in every thread (shuffles inside)
+        i, p = (base + t) // P, (base + t) % P
+        key = sk[i] if i < n else uint64(0)
+        r = _count_above(sk, key, min(p * m, n), min(p * m + m, n))
+        if P >= 2:
+            r = int32(r + shfl_xor(r, 1))
+        if P == 4:
+            r = int32(r + shfl_xor(r, 2))
+        if p == 0 and i < n and r < ids.shape[2]:
             ids[b, d, r] = key_index(key)
             lp[b, d, r] = key_value(key) - lse
-
-
-@cuda.jit(device=True, inline="always")
-def _cx(a, b, desc):
-    """Compare-exchange of two slots of one lane: (larger, smaller) if desc else (smaller, larger)."""
-    hi, lo = max(a, b), min(a, b)
-    return (hi, lo) if desc else (lo, hi)
-
-
-@cuda.jit(device=True, inline="always")
-def _cx_lane(x, i, j, k):
-    """Element i's key after its compare-exchange with element i ^ j, held by lane ^ j, in a bitonic merge of
-    size k (blocks with i & k == 0 sort larger first)."""
-    y = shfl_xor64(x, j)
-    return max(x, y) if ((i & j) == 0) == ((i & k) == 0) else min(x, y)
-
-
-@cuda.jit(device=True, inline="always")
-def warp_sort_net(sk, n):
-    """Sort the uint64 keys sk[0:n] (n <= WARP_SORT_MAX) in shared memory, larger first, by the calling warp
-    alone: element lane + 32 e in slot e of its lane, a bitonic network over 128 elements (padded with 0) with
-    shuffles between lanes, written back as sk[0:128]. No block barrier inside (the block's 40-odd barriers of
-    _bitonic_desc were a third of topk_merge_kernel's time at K = 16 on the H200)."""
-    lane = int32(cuda.threadIdx.x) & 31
-    v0 = sk[lane] if lane < n else uint64(0)
-    v1 = sk[lane + 32] if lane + 32 < n else uint64(0)
-    v2 = sk[lane + 64] if lane + 64 < n else uint64(0)
-    v3 = sk[lane + 96] if lane + 96 < n else uint64(0)
-    k = int32(2)
-    while k <= WARP_SORT_MAX:
-        j = k >> 1
-        while j > 0:
-            if j == 64:                           # partners in the same lane: slots 0-2, 1-3
-                v0, v2 = _cx(v0, v2, (lane & k) == 0)
-                v1, v3 = _cx(v1, v3, ((lane + 32) & k) == 0)
-            elif j == 32:                         # slots 0-1, 2-3
-                v0, v1 = _cx(v0, v1, (lane & k) == 0)
-                v2, v3 = _cx(v2, v3, ((lane + 64) & k) == 0)
-            else:
-                v0 = _cx_lane(v0, lane, j, k)
-                v1 = _cx_lane(v1, lane + 32, j, k)
-                v2 = _cx_lane(v2, lane + 64, j, k)
-                v3 = _cx_lane(v3, lane + 96, j, k)
-            j = int32(j >> 1)
-        k = int32(k << 1)
-    sk[lane], sk[lane + 32], sk[lane + 64], sk[lane + 96] = v0, v1, v2, v3
-
-
-if SIM:
-    from kernels.device import syncwarp
-
-    def _warp_sort_desc(sk, n):
-        """Simulator twin of warp_sort_net: lane 0 sorts (the simulator's shuffles cost ~10 s per sort; the
-        network itself has its own simulator case, tests/test_cuda_tree.py warp_sort_net)."""
-        syncwarp()
-        if cuda.threadIdx.x % 32 == 0:
-            keys = sorted((int(sk[i]) for i in range(n)), reverse=True) + [0] * (WARP_SORT_MAX - n)
-            for i in range(WARP_SORT_MAX):
-                sk[i] = keys[i]
-        syncwarp()
-else:
-    _warp_sort_desc = warp_sort_net
 
 
 @cuda.jit(device=True, inline="always")
@@ -607,8 +569,8 @@ def topk_merge_kernel(logits, cand, ws, ids, lp):
     """Block per (depth d, sequence b): the row's threshold bin t* from its histogram (staged in shared memory,
     zeroed in global memory for the next call; t* >= every chunk's t_c, so the chunk lists hold every id at or
     above t*), the ids at or above t* from the chunk lists into shared memory (dynamic: TOPK_CAP keys), beyond
-    WARP_SORT_MAX of them only those at or above the K-th best's sub-bin (_refine), an order (one warp sorts up to
-    WARP_SORT_MAX keys, rank counting up to RANK_MAX, else the block's bitonic sort), the best K to ids i32[B, L, K] in top_logprobs' order
+    REFINE_FROM of them only those at or above the K-th best's sub-bin (_refine), their order (rank counting up to
+    RANK_MAX keys, else the block's bitonic sort), the best K to ids i32[B, L, K] in top_logprobs' order
     with log-probs logit - logsumexp (from the chunks' stats) to lp f32[B, L, K]. Slow exact path (a chunk
     overflowed or more than TOPK_CAP ids at or above t*): radix passes over the row's logits under t*'s prefix,
     then the same sort of the K winners.
@@ -654,20 +616,20 @@ def topk_merge_kernel(logits, cand, ws, ids, lp):
         pre[C] = acc
         pre[C + 1] = 1 if ok else 0
     cuda.syncthreads()
-    ks = cuda.local.array(4, uint64)
+    ks = cuda.local.array(GATHER_UNROLL, uint64)
     fast = pre[C + 1] != 0
     if fast:
         total = pre[C]
         c = 0                                        # the chunk of list slot i: a thread's i only grow
-        for base in range(0, total, 4 * nt):         # uniform trip count per warp (warp-aggregated appends)
-            for u in range(4):                       # four loads in flight per thread
+        for base in range(0, total, GATHER_UNROLL * nt):   # uniform trip count per warp (warp-aggregated appends)
+            for u in range(GATHER_UNROLL):           # every load in flight first
                 i = base + u * nt + t
                 ks[u] = uint64(0)
                 if i < total:
                     while pre[c + 1] <= i:
                         c += 1
                     ks[u] = cand[b, d, c, i - pre[c]]
-            for u in range(4):
+            for u in range(GATHER_UNROLL):
                 take = base + u * nt + t < total and int32(ks[u] >> uint64(TOPK_BIN_SHIFT)) >= tb
                 slot = _append(cnt, take)
                 if take and slot < TOPK_CAP:
@@ -685,17 +647,12 @@ def topk_merge_kernel(logits, cand, ws, ids, lp):
                 sk[slot] = key
         n = K
     cuda.syncthreads()
-    if fast and n > WARP_SORT_MAX:                   # n, fast: the same in every thread
+    if fast and n > REFINE_FROM:                     # n, fast: the same in every thread
         n = _refine(sk, n, tb, K - above, hist, wsum, ctl, cnt)
-    if n > WARP_SORT_MAX and n <= RANK_MAX:
+    if n <= RANK_MAX:
         _rank_write(sk, n, ids, lp, b, d, lse)
         return
-    if n <= WARP_SORT_MAX:
-        if t < 32:
-            _warp_sort_desc(sk, n)
-        cuda.syncthreads()
-    else:
-        _bitonic_desc(sk, n)
+    _bitonic_desc(sk, n)
     for r in range(t, K, nt):
         key = sk[r]
         ids[b, d, r] = key_index(key)

@@ -6,10 +6,8 @@ import pytest
 
 from cudasim import Env, f64_lines, ptx_or_skip, simulator_test
 from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
-from numba import cuda, uint64
 
 from kernels.mla import mask_bits
-from kernels.topk import warp_sort_net
 from numbaengine.ddtree import build_tree, draft_tree, top_logprobs, walk
 
 
@@ -163,36 +161,6 @@ def check_sample_split(env, n=5, V=700, temperatures=(0, 0.7, 1.0), seed=6):
         assert env.host(out).tolist() == want.tolist(), f"temperature {t}"
 
 
-def _sort_kernel(keys, n):
-    """One warp: keys u64[128] through shared memory, warp_sort_net on the first n (module level: the simulator
-    swaps the kernel's global `cuda`)."""
-    sk = cuda.shared.array(128, uint64)
-    for i in range(cuda.threadIdx.x, 128, 32):
-        sk[i] = keys[i]
-    cuda.syncthreads()
-    warp_sort_net(sk, n)
-    cuda.syncthreads()
-    for i in range(cuda.threadIdx.x, 128, 32):
-        keys[i] = sk[i]
-
-
-def check_warp_sort(env, sizes=(100,), seed=17):
-    """kernels.topk.warp_sort_net (one warp, shuffles) sorts uint64 keys larger first (every stage of its
-    128-key network runs whatever n is): equal keys, the top bit set; the slots past n come back 0."""
-    from kernels.device import launch
-    rng = np.random.default_rng(seed)
-    kern = cuda.jit(_sort_kernel)
-    for n in sizes:
-        keys = rng.integers(1, 2 ** 62, 128, dtype=np.uint64) | (rng.integers(0, 2, 128).astype(np.uint64)
-                                                                 << np.uint64(63))
-        keys[3:9] = keys[2]                                                        # equal keys
-        d = env.dev(keys.copy())
-        launch(kern, 1, 32, d, np.int32(n))
-        got = env.host(d)
-        assert got[:n].tolist() == sorted(keys[:n].tolist(), reverse=True), f"n = {n}"
-        assert (got[n:] == 0).all(), f"n = {n}: padding"
-
-
 SIM_CASES = {
     "build_ties_batch": lambda env: check_build(env),
     "build_deeper_wider": lambda env: check_build(env, L=4, K=3, budgets=(16, 20), quantized=True, seed=4),
@@ -203,7 +171,6 @@ SIM_CASES = {
     # the sub-bin cut (_refine) leaves ~K, ranked by counting; the rounded row keeps ~650 (the block's bitonic
     # network); the slow path's K by counting. V % 4 != 0: no 16-byte loads
     "topk_chunks_ties": lambda env: check_topk(env, B=2, L=2, V=2101, K=150, seed=10),
-    "warp_sort_net": lambda env: check_warp_sort(env),
     "build_exhausted": lambda env: check_build(env, L=2, K=2, budgets=(9, 3, 6), quantized=True, seed=12),
     "build_runs": lambda env: check_build(env, L=5, K=12, budgets=(40, 33, 7), quantized=True, seed=21),
     "build_runs_peaked": lambda env: check_build(env, L=7, K=6, budgets=(45, 20), quantized=False, seed=22,

@@ -41,9 +41,9 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     # S=4 26.2 / 48.5, S=3 25.1 / 52.5, S=2 23.3 / 53.6 (default 47.4 / 70.4). ncu, S=3 with B, n = 1: still 128
     # registers, 3 blocks per SM by shared memory (18.8% occupancy), 1.29 waves of the 512 units, DRAM 25%.
     # session 15: down's 128-row blocks make 448 units at n = 1 for 528 resident blocks (4 per SM): SMs with 4 units
-    # next to SMs with 3 (ceil(3.39) = 4: 85% balance at best); 64-row blocks make 896 (ceil(6.79) = 7: 97%)
-    "dn_wk2": dict(dn=dict(WR=2, WK=2)),
-    "dn_r1": dict(dn=dict(R=1)),
+    # next to SMs with 3 (ceil(3.39) = 4: 85% balance at best); 64-row blocks make 896 (ceil(6.79) = 7: 97%), yet
+    # measured (n = 1 / 17, % of copy; default 53.8 / 76.1): down WR=2 WK=2 50.8 / 73.9, down R=1 53.3 / 74.3
+    # (bench/h200_2026-11-30i/moe_down_rows_rejected.json): the balance is not what down at n = 1 lacks.
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=2: the activations as hi + lo bf16 parts
 # (the default before session 8). Session 8 (then xs=2 by default; % of copy in kernels.gemm's XS_DEFAULT and
