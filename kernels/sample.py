@@ -1,10 +1,10 @@
 """Token choice per row: argmax at temperature 0, else Gumbel-max with counter-based noise.
 
-The noise of vocab id v for (seed, seq, pos) is a pure function of those four integers (splitmix64 mixing),
-so it needs no generator state and the GPU computes the same numbers. It is keyed by the ABSOLUTE POSITION
-of the token being chosen: every tree node at one position shares it, which makes DDTree's committed
-tokens equal to autoregressive sampling's for the same seed, and each committed token an exact draw
-from softmax(logits / T) given its prefix.
+The noise of vocab id v for (seed, seq, pos) is a pure function of those four integers (splitmix64 mixing; ids
+2m and 2m + 1 take the two halves of one hash), so it needs no generator state and the GPU computes the same
+numbers. It is keyed by the ABSOLUTE POSITION of the token being chosen: every tree node at one position shares
+it, which makes DDTree's committed tokens equal to autoregressive sampling's for the same seed, and each committed
+token an exact draw from softmax(logits / T) given its prefix.
 """
 import numpy as np
 
@@ -19,19 +19,22 @@ def mix64(z):
     return z ^ (z >> np.uint64(31))
 
 
-def unit(z):
-    """Hashes z u64[...] -> u f32 = (k + 1/2) 2^-23 from their top 23 bits k: exact in float32, so 0 < u < 1.
-    (With 24 bits, k = 2^24 - 1 rounded up to u = 1.0, an infinite Gumbel: that id won whatever its logit, in
-    about 1% of the rows of a 163840-id vocabulary.)"""
-    return ((z >> np.uint64(41)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
+def unit(z, odd=0):
+    """Hashes z u64[...] -> u f32 = (k + 1/2) 2^-23 from 23 of their bits k (63-41 where odd is 0, 31-9 where it
+    is 1): exact in float32, so 0 < u < 1. (With 24 bits, k = 2^24 - 1 rounded up to u = 1.0, an infinite Gumbel:
+    that id won whatever its logit, in about 1% of the rows of a 163840-id vocabulary.)"""
+    half = np.where(np.asarray(odd) != 0, z & np.uint64(0xFFFFFFFF), z >> np.uint64(32))
+    return ((half >> np.uint64(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
 
 
 def uniform(seed, seq, pos, vocab):
-    """u f32[vocab] in (0, 1) (unit of the ids' hashes), for one (seed, seq, pos)."""
+    """u f32[vocab] in (0, 1) for one (seed, seq, pos): ids 2m and 2m + 1 share the hash mix64(h ^ m) and take
+    disjoint halves of it (unit), one hash per two ids."""
     with np.errstate(over="ignore"):
         h = mix64(np.uint64(seed) ^ mix64(np.uint64(seq) ^ mix64(np.uint64(pos) + np.uint64(0x5851F42D))))
-        z = mix64(h ^ np.arange(vocab, dtype=np.uint64))
-    return unit(z)
+        v = np.arange(vocab, dtype=np.uint64)
+        z = mix64(h ^ (v >> np.uint64(1)))
+    return unit(z, v & np.uint64(1))
 
 
 def gumbel(seed, seq, pos, vocab):
@@ -97,21 +100,16 @@ def row_key(seed, seq, pos):
 
 
 @cuda.jit(device=True, inline="always")
-def uniform_dev(hkey, v):
-    """uniform's draw u in (0, 1) for vocab id v (unit: 23 bits, exact in float32)."""
-    z = mix64_dev(hkey ^ uint64(v))
-    return (float32(uint32(z >> uint64(41))) + float32(0.5)) * float32(1.1920928955078125e-07)   # 2**-23
+def unit_dev(z, odd):
+    """unit's draw u in (0, 1) from the pair hash z of ids 2m, 2m + 1: its high half for the even id (odd = 0),
+    its low half for the odd one; 23 bits, exact in float32."""
+    half = uint32(z) if odd else uint32(z >> uint64(32))
+    return (float32(int32(half >> uint32(9))) + float32(0.5)) * float32(1.1920928955078125e-07)   # 2**-23
 
 
-@cuda.jit(device=True, inline="always")
-def gumbel_dev(hkey, v):
-    """-log(-log(u)) with u = uniform's 24-bit draw for vocab id v."""
-    u = uniform_dev(hkey, v)
-    return float32(-math.log(float32(-math.log(u))))
-
-
-SCAN_UNROLL = 4                 # ids per thread per step of _scan (loads in flight; 16-byte loads: 4 ids each)
+SCAN_UNROLL = 4                 # ids (greedy, 16-byte loads: 4 ids each) or id pairs per thread per step of _scan
 _VEC_IDS = 4 * SCAN_UNROLL      # (local array sizes must be plain constants)
+_PAIR_IDS = 2 * SCAN_UNROLL
 
 
 @cuda.jit(device=True, inline="always")
@@ -127,10 +125,10 @@ def _bound_skips(xt, r, floor):
 def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec):
     """This thread's best (value, index) over its ids of logits[i, lo:hi] (the block steps over the range with
     SCAN_UNROLL ids per thread per step, each thread's ids in increasing order: its first hit has the lowest
-    index); (-inf, V) if none. Greedy with vec (rows contiguous, 16-byte aligned, lo and hi multiples of 4):
-    SCAN_UNROLL 16-byte loads per step, 4 ids each. With noise, ids that _bound_skips against the warp's best
-    so far skip the logs, so the winner and its value are those of computing every id. Every lane of a warp must
-    call it (warp max inside)."""
+    index); (-inf, V) if none; lo even. Greedy with vec (rows contiguous, 16-byte aligned, lo and hi multiples of
+    4): SCAN_UNROLL 16-byte loads per step, 4 ids each. Else SCAN_UNROLL id pairs (2m, 2m + 1) per step, one noise
+    hash per pair (uniform); ids that _bound_skips against the warp's best so far skip the logs, so the winner and
+    its value are those of computing every id. Every lane of a warp must call it (warp max inside)."""
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     bv, bi = float32(-math.inf), int32(logits.shape[1])
     if greedy and vec:
@@ -152,24 +150,29 @@ def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec):
         return bv, bi
     floor = float32(-math.inf)
     inv_t = float32(1) / temperature
-    xs = cuda.local.array(SCAN_UNROLL, float32)
-    for base in range(lo, hi, SCAN_UNROLL * nt):      # same trip count on every lane
+    xs = cuda.local.array(_PAIR_IDS, float32)
+    for base in range(lo, hi, 2 * SCAN_UNROLL * nt):  # same trip count on every lane
+        for u in range(SCAN_UNROLL):                  # every load in flight first
+            v = base + 2 * (u * nt + t)
+            for e in range(2):
+                if v + e < hi:
+                    xs[2 * u + e] = logits[i, v + e]
         for u in range(SCAN_UNROLL):
-            v = base + u * nt + t
-            if v < hi:
-                xs[u] = logits[i, v]
-        for u in range(SCAN_UNROLL):
-            v = base + u * nt + t
+            v = base + 2 * (u * nt + t)               # even: ids v and v + 1 share a hash
             if v >= hi:
                 continue
-            x = xs[u]
-            if not greedy:
-                r = uniform_dev(hkey, v)
-                if _bound_skips(x * inv_t, r, floor):
+            z = mix64_dev(hkey ^ uint64(v >> 1)) if not greedy else uint64(0)
+            for e in range(2):
+                if v + e >= hi:
                     continue
-                x = x / temperature + float32(-math.log(float32(-math.log(r))))
-            if x > bv:
-                bv, bi = x, int32(v)
+                x = xs[2 * u + e]
+                if not greedy:
+                    r = unit_dev(z, e)
+                    if _bound_skips(x * inv_t, r, floor):
+                        continue
+                    x = x / temperature + float32(-math.log(float32(-math.log(r))))
+                if x > bv:
+                    bv, bi = x, int32(v + e)
         if not greedy:
             floor = max(floor, bv)
             for off in (16, 8, 4, 2, 1):
