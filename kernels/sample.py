@@ -72,18 +72,6 @@ MERGE_ROWS = 4                  # sample_merge_kernel: rows (warps) per block
 _G1, _G2, _G3 = uint64(0xBF58476D1CE4E5B9), uint64(0x94D049BB133111EB), uint64(0x9E3779B97F4A7C15)
 _POS_SALT = uint64(0x5851F42D)
 
-if SIM:
-    def _log2_approx(w):
-        return -math.inf if w == 0 else math.log2(w)
-else:
-    from numba.cuda import libdevice
-
-    @cuda.jit(device=True, inline="always")
-    def _log2_approx(w):
-        """lg2.approx: absolute error below 1e-5 for w in [2**-25, 1]; -inf at 0."""
-        return libdevice.fast_log2f(w)
-
-
 @cuda.jit(device=True, inline="always")
 def mix64_dev(z):
     """splitmix64 finalizer (wrapping uint64 math), the device twin of mix64."""
@@ -100,11 +88,10 @@ def row_key(seed, seq, pos):
 
 
 @cuda.jit(device=True, inline="always")
-def unit_dev(z, odd):
-    """unit's draw u in (0, 1) from the pair hash z of ids 2m, 2m + 1: its high half for the even id (odd = 0),
-    its low half for the odd one; 23 bits, exact in float32."""
-    half = uint32(z) if odd else uint32(z >> uint64(32))
-    return (float32(int32(half >> uint32(9))) + float32(0.5)) * float32(1.1920928955078125e-07)   # 2**-23
+def _bits23(z, odd):
+    """unit's 23 bits k of the pair hash z of ids 2m, 2m + 1: from its high half for the even id (odd = 0), its
+    low half for the odd one; the draw is u = (k + 1/2) 2^-23."""
+    return int32((uint32(z) if odd else uint32(z >> uint64(32))) >> uint32(9))
 
 
 SCAN_UNROLL = 4                 # ids (greedy, 16-byte loads: 4 ids each) or id pairs per thread per step of _scan
@@ -113,11 +100,13 @@ _PAIR_IDS = 2 * SCAN_UNROLL
 
 
 @cuda.jit(device=True, inline="always")
-def _bound_skips(xt, r, floor):
-    """True when id value xt = x / T with uniform draw r provably stays below `floor` (a value some id of the row
-    reaches) whatever its noise: -log(-log r) <= -log(1 - r) (since -log r >= 1 - r), bounded with lg2.approx plus
-    a margin far above its error and the roundings of x / T; such an id skips the two logs."""
-    bound = xt - _log2_approx(float32(1) - r) * float32(0.6931472)
+def _bound_skips(xt, k, floor):
+    """True when id value xt = x / T with the draw u = (k + 1/2) 2^-23 provably stays below `floor` (a value some
+    id of the row reaches) whatever its noise: -log(-log u) <= -log(1 - u) (since -log u >= 1 - u), and with
+    j = 2^23 - 1 - k, 1 - u = (j + 1/2) 2^-23 >= 2^-(clz(j) - 8), so -log(1 - u) <= (clz(j) - 8) ln 2 (24 ln 2 at
+    j = 0): integer work, no log; plus a margin far above the roundings of x / T. Such an id skips the two logs."""
+    j = int32(int32(0x7FFFFF) - k)                  # (int32 - int32 is int64 in numba: clz would count 64 bits)
+    bound = xt + float32(int32(cuda.clz(j) - 8)) * float32(0.6931472)   # float32(ln 2) > ln 2
     return bound + (abs(xt) + abs(floor)) * float32(1e-6) + float32(1e-3) < floor
 
 
@@ -167,9 +156,10 @@ def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec):
                     continue
                 x = xs[2 * u + e]
                 if not greedy:
-                    r = unit_dev(z, e)
-                    if _bound_skips(x * inv_t, r, floor):
+                    k = _bits23(z, e)
+                    if _bound_skips(x * inv_t, k, floor):
                         continue
+                    r = (float32(k) + float32(0.5)) * float32(1.1920928955078125e-07)   # unit's u: (k + 1/2) 2^-23
                     x = x / temperature + float32(-math.log(float32(-math.log(r))))
                 if x > bv:
                     bv, bi = x, int32(v + e)

@@ -183,6 +183,20 @@ def test_gof_detects_biased_sampler(small):
     assert gof_pvalue(small, 0.7, ops) < 1e-6
 
 
+def test_noise_log_bound():
+    """The sampler's skip test (kernels.sample._bound_skips) bounds each id's noise -log(-log u) <= -log(1 - u) by
+    (clz(2^23 - 1 - k) - 8) ln 2, integer work for u = (k + 1/2) 2^-23: above the true value for every one of the
+    2^23 draws (exactness) and within ln 2 of it (the skip stays useful)."""
+    k = np.arange(2 ** 23, dtype=np.int64)
+    u = (k + 0.5) / 2.0 ** 23
+    j = (2 ** 23 - 1) - k
+    clz = 32 - np.where(j > 0, np.floor(np.log2(np.maximum(j, 1))) + 1, 0)      # 32-bit count of leading zeros
+    bound = (clz - 8) * np.float64(np.float32(0.6931472))
+    true = -np.log1p(-u)
+    assert (bound >= true).all() and (bound - true <= np.log(2) + 1e-6).all()
+    assert (-np.log(-np.log(u)) <= true + 1e-12).all()
+
+
 def test_noise_draw_below_one():
     """Every id's uniform draw is strictly inside (0, 1), so its Gumbel noise is finite: with 24 bits the largest
     hash rounded to u = 1.0 (infinite noise: that id won at any logit). Regression: (seed 7, seq 0, pos 1000),

@@ -44,6 +44,11 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     # next to SMs with 3 (ceil(3.39) = 4: 85% balance at best); 64-row blocks make 896 (ceil(6.79) = 7: 97%), yet
     # measured (n = 1 / 17, % of copy; default 53.8 / 76.1): down WR=2 WK=2 50.8 / 73.9, down R=1 53.3 / 74.3
     # (bench/h200_2026-11-30i/moe_down_rows_rejected.json): the balance is not what down at n = 1 lacks.
+    # session 15, deeper unroll (n = 1 / 17; default 53.8 / 75.6): U=3 both stages 51.1 / 70.5, U=4 48.1 / 63.5,
+    # gate_up U=3 51.5 / 73.2 (moe_unroll_rejected.json). ncu at n = 1 (ncu_moe1_details.txt): gate_up 50.6 us at
+    # 58% of DRAM bandwidth, down 31.2 us at 48%; 128 registers, 4 blocks of 4 warps per SM (23% / 20% achieved
+    # occupancy), 0.42 issued warps per scheduler, 58% / 51% of stall cycles on long scoreboard (global loads);
+    # down's SMs are active 83% of its elapsed cycles (0.85 waves), gate_up's 91%.
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=2: the activations as hi + lo bf16 parts
 # (the default before session 8). Session 8 (then xs=2 by default; % of copy in kernels.gemm's XS_DEFAULT and
