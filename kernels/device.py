@@ -159,10 +159,6 @@ if SIM:
 
     ld16_pf = ld16
     ld4_l2 = ld4
-
-    def prefetch_l2(arr, i):
-        """Simulator twin of prefetch_l2: checks the element exists, moves nothing."""
-        assert 0 <= i < _flat(arr).size, f"prefetch_l2: element {i} outside the array"
     ld16_l2 = ld16
 
     def as_f32(u):
@@ -276,19 +272,6 @@ else:
     ld4 = _make_load(1)
     ld16_pf = _make_load(4, ".L2::256B")    # same, asking L2 to fetch the surrounding 256 bytes
     ld4_l2 = _make_load(1, space=".cg")     # one word cached at L2 only: sees other blocks' writes of this kernel
-
-    @intrinsic
-    def prefetch_l2(typingctx, arr, idx):
-        """prefetch.global.L2 of flat element idx of a contiguous array: its line is fetched into L2 with no
-        register waiting for it (memory-level parallelism beyond the loads in flight)."""
-        if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
-            return None
-
-        def codegen(ctx, b, sig, args):
-            addr = _address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
-            fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64)])
-            b.call(ir.InlineAsm(fn, "prefetch.global.L2 [$0];", "l", side_effect=True), [addr])
-        return types.void(arr, idx), codegen
     ld16_l2 = _make_load(4, space=".cg")    # four words, the same
 
     def _barrier_op(asm):

@@ -30,8 +30,7 @@ from numba import cuda, float32, int32, uint32
 
 from kernels.attention import launch_smem
 from kernels.device import (F0, SIM, as_f32, bf16_hi, bf16_lo, cp_commit, cp_wait, device, int4_pair, kernel, launch,
-                            ld16, ld16_pf, ld4, ld4_l2, ld8, lane_id, mma_bf16, pack_bf16x2, prefetch_l2,
-                            split_bf16x2)
+                            ld16, ld16_pf, ld4, ld4_l2, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
 from kernels.memo import memo_f32
 from weights.dtypes import bf16_to_f32
 
@@ -299,20 +298,15 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
     return step
 
 
-def _build_mainloop(fmt, T, R, XS, G, U, PF=0, BF=0, PD=0):
-    """Device function: steps [s0, s1) of one warp, U steps per iteration (their loads can be in flight together).
-    PD > 0: each step first asks L2 for this lane's weights of step s + PD (prefetch_l2; no register waits)."""
+def _build_mainloop(fmt, T, R, XS, G, U, PF=0, BF=0):
+    """Device function: steps [s0, s1) of one warp, U steps per iteration (their loads can be in flight together)."""
     step = _cached(_build_step, fmt, T, R, XS, G, PF, BF)
-    WPS = 4 * G if fmt == INT4 else 16              # u32 words of a row per step (a lane reads a quarter)
 
     @device
     def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, acc):
         s = s0
         while s + U <= s1:
             for u in range(U):
-                if PD and s + u + PD < s1:
-                    for h in range(2 * R):
-                        prefetch_l2(w, aoff[h] + (s + u + PD) * WPS + t * (WPS // 4))
                 step(w, sc, xb, s + u, t, half, aoff, soff, boff, acc)
             s += U
         while s < s1:

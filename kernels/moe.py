@@ -485,11 +485,11 @@ def _perm8(i):
     return (i & ~7) | ((i & 3) << 1) | ((i >> 2) & 1)
 
 
-def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, PD=0):
+def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None):
     """One expert GEMM stage over the work items (persistent grid). down=0: gate_up with rows interleaved per tile
     (8 gate rows, then the matching 8 up rows) and silu(gate) * up written as the next B operand (act);
     down=1: rows in order, output * routing weight written per slot (y)."""
-    mainloop = _cached(_build_mainloop, fmt, T, R, XS, G, U, PF, 0, PD)
+    mainloop = _cached(_build_mainloop, fmt, T, R, XS, G, U, PF)
     block_reduce = _cached(_build_block_reduce, R, T)
     NACC, NA = R * T * 4, 2 * R
     KSTEP = 32 * G if fmt == INT4 else 32
@@ -602,7 +602,6 @@ class ExpertConfig:
     T: int = 1
     blocks_per_sm: int = 4
     PF: int = 1           # weight loads with an L2 256-byte prefetch hint (measured: +5-6 points)
-    PD: int = 0           # > 0: prefetch.global.L2 of the weights PD steps ahead (kernels.gemm._build_mainloop)
     min_blocks: int = 0   # > 0: launch bounds asking ptxas to fit that many blocks per SM (caps registers)
 
 
@@ -671,8 +670,7 @@ def moe_stage(down, experts, wts, ws, cfg=GATE_UP_CFG):
         raise ValueError(f"moe: wts {wts.shape} is not [n <= {ws.n_max}, {ws.top_k}]")
     g = int4_group_block(kdim) if fmt == INT4 else 1
     bounds = (32 * cfg.WR * cfg.WK, cfg.min_blocks) if cfg.min_blocks else None
-    kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds,
-                   cfg.PD)
+    kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds)
     rblocks = math.ceil(nrows / 16 / (cfg.WR * cfg.R))
     grid = min(ws.n_max * ws.top_k * rblocks, _sm_count() * cfg.blocks_per_sm)
     words = _words(w)

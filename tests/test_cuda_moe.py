@@ -1,21 +1,15 @@
 """numba.cuda router and MoE kernels (INT4 W4A16 and bf16 experts) against router_ref / moe_ref: on the simulator
 (a child process, tiny shapes) and on a GPU (K2 shapes, marked gpu). Routing cases: random, an expert with no tokens,
 all tokens on one expert (several work items for it), a shared-expert add."""
-from dataclasses import replace
-
 import pytest
 
 import cuda_cases as C
 from cudasim import Env, simulator_test
-
 from kernels.moe import ExpertConfig
 
 SMALL = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2), ExpertConfig(R=2, WR=1, WK=1, T=1, blocks_per_sm=2))
 SIM_CASES = {
     "moe_int4_random": lambda env: C.check_moe(env, 5, 128, 64, 4, 2, "random", 1, cfgs=SMALL),
-    # L2 prefetch 1 step ahead in both stages (prefetch_l2's simulator twin checks each address is in the array)
-    "moe_int4_prefetch": lambda env: C.check_moe(env, 5, 128, 64, 4, 2, "random", 1,
-                                                 cfgs=tuple(replace(c, PD=1) for c in SMALL), seed=11),
     "moe_int4_one_expert_two_items_shared": lambda env: C.check_moe(env, 9, 128, 64, 4, 2, "one_hot", 1, cfgs=SMALL,
                                                                      shared=True),
     "moe_int4_unused_expert_hi_lo": lambda env: C.check_moe(env, 3, 128, 64, 4, 2, "skip", 2, cfgs=SMALL),
@@ -60,14 +54,6 @@ test_simulator = simulator_test(__name__)
 @pytest.mark.parametrize("n,n_exp,mode", [(1, 16, "random"), (17, 16, "skip"), (65, 8, "random")])
 def test_gpu_moe_int4(n, n_exp, mode):
     C.check_moe(Env(gpu=True), n, 7168, 2048, n_exp, 8, mode, 2)
-
-
-@pytest.mark.gpu
-def test_gpu_moe_int4_prefetch():
-    """The expert GEMMs with prefetch_l2 of the weights 4 steps ahead (ExpertConfig.PD), K2 widths."""
-    from kernels.moe import DOWN_CFG, GATE_UP_CFG
-    C.check_moe(Env(gpu=True), 9, 7168, 2048, 16, 8, "random", 1, cfgs=(replace(GATE_UP_CFG, PD=4),
-                                                                        replace(DOWN_CFG, PD=4)))
 
 
 @pytest.mark.gpu

@@ -49,9 +49,6 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     # 58% of DRAM bandwidth, down 31.2 us at 48%; 128 registers, 4 blocks of 4 warps per SM (23% / 20% achieved
     # occupancy), 0.42 issued warps per scheduler, 58% / 51% of stall cycles on long scoreboard (global loads);
     # down's SMs are active 83% of its elapsed cycles (0.85 waves), gate_up's 91%.
-    "pd2": dict(gu=dict(PD=2), dn=dict(PD=2)),
-    "pd4": dict(gu=dict(PD=4), dn=dict(PD=4)),
-    "pd8": dict(gu=dict(PD=8), dn=dict(PD=8)),
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=2: the activations as hi + lo bf16 parts
 # (the default before session 8). Session 8 (then xs=2 by default; % of copy in kernels.gemm's XS_DEFAULT and

@@ -124,7 +124,7 @@ def expert_gemm_ptx(down, cfg=None):
     _sm90()
     c = cfg or (DOWN_CFG if down else GATE_UP_CFG)
     bounds = (32 * c.WR * c.WK, c.min_blocks) if c.min_blocks else None
-    kern = _build_expert_gemm(INT4, down, c.T, c.R, MOE_XS, 4, c.U, 1, c.PF, bounds, c.PD)
+    kern = _build_expert_gemm(INT4, down, c.T, c.R, MOE_XS, 4, c.U, 1, c.PF, bounds)
     u32, u16, i32, f32 = ty.uint32, ty.uint16, ty.int32, ty.float32
     sig = (u32[::1], u32[:, ::1], u16[:, ::1], u16[::1], f32[:, ::1], f32[:, ::1]) + (i32[::1],) * 5 + (i32,) * 5
     return cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))[0], c
