@@ -48,7 +48,9 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     # gate_up U=3 51.5 / 73.2 (moe_unroll_rejected.json). ncu at n = 1 (ncu_moe1_details.txt): gate_up 50.6 us at
     # 58% of DRAM bandwidth, down 31.2 us at 48%; 128 registers, 4 blocks of 4 warps per SM (23% / 20% achieved
     # occupancy), 0.42 issued warps per scheduler, 58% / 51% of stall cycles on long scoreboard (global loads);
-    # down's SMs are active 83% of its elapsed cycles (0.85 waves), gate_up's 91%.
+    # down's SMs are active 83% of its elapsed cycles (0.85 waves), gate_up's 91%. Also session 15: each step first
+    # prefetching (prefetch.global.L2) this lane's weights PD steps ahead, no register held: PD 2 / 4 / 8 at n = 1 /
+    # 17: 47.1 / 63.0, 45.0 / 62.3, 41.5 / 55.0 (default 53.8 / 77.8; moe_prefetch_rejected.json; commit 094345f).
 }
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=2: the activations as hi + lo bf16 parts
 # (the default before session 8). Session 8 (then xs=2 by default; % of copy in kernels.gemm's XS_DEFAULT and
