@@ -282,15 +282,6 @@ def _bin_floor(tb):
 
 
 @cuda.jit(device=True, inline="always")
-def _published(ctl):
-    """ctl[0:3] (int32, shared) as some thread of the block wrote them, in every thread (barriers around)."""
-    cuda.syncthreads()
-    r0, r1, r2 = ctl[0], ctl[1], ctl[2]
-    cuda.syncthreads()
-    return r0, r1, r2
-
-
-@cuda.jit(device=True, inline="always")
 def _threshold_bin(hist, kq, wsum, ctl, per):
     """(bin, above, inside) for counts hist[0:TOPK_BINS] (any number type): the highest bin such that the bins
     from it up hold >= kq items, the items above it and in it; (TOPK_BINS, 0, 0) for kq = 0. Thread t scans
@@ -312,33 +303,18 @@ def _threshold_bin(hist, kq, wsum, ctl, per):
                 ctl[0], ctl[1], ctl[2] = top - j, cum, c
                 break
             cum += c
-    return _published(ctl)
+    cuda.syncthreads()
+    r0, r1, r2 = ctl[0], ctl[1], ctl[2]
+    cuda.syncthreads()
+    return r0, r1, r2
 
 
 @cuda.jit(device=True, inline="always")
-def _digit_from_top(hist, need, wsum, ctl):
-    """(digit, items above it, items in it) for the 256 counts hist: the digit holding the need-th item counted
-    from the top (need >= 1). ctl: int32[3] shared. Every thread must call it (barriers inside)."""
-    t, nt = cuda.threadIdx.x, cuda.blockDim.x
-    carry = int32(0)
-    for r in range(0, 256, nt):                      # digits from the top: thread t takes digit 255 - r - t
-        dig = 255 - r - t
-        c = hist[dig] if dig >= 0 else int32(0)
-        incl, tot = _block_scan(c, wsum, TOPK_WARPS)
-        above = carry + incl - c
-        if dig >= 0 and above < need <= above + c:
-            ctl[0], ctl[1], ctl[2] = dig, above, c
-        carry += tot
-    return _published(ctl)
-
-
-@cuda.jit(device=True, inline="always")
-def _radix_select(row, n, prefix, pmask, need, shift0, hist, wsum, ctl, ctl32):
+def _radix_select(row, n, prefix, pmask, need, shift0, hist, wsum, ctl):
     """Exact slow path: refine (prefix, pmask) over the order keys of row f32[n] (read from global memory each
     pass) by 8-bit digits from bit shift0 down, until exactly `need` keys under the starting prefix are kept.
     Returns (prefix, mask): the keys with (key & mask) >= prefix are the ones above the start prefix plus those
-    `need`. hist: int32[256] shared; ctl: uint64[4], ctl32: int32[3] shared. Every thread must call it (barriers
-    inside)."""
+    `need`. hist: int32[256] shared; ctl: uint64[4] shared. Every thread must call it (barriers inside)."""
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     if t == 0:
         ctl[0], ctl[1], ctl[2], ctl[3] = prefix, pmask, uint64(need), uint64(0)
@@ -355,12 +331,18 @@ def _radix_select(row, n, prefix, pmask, need, shift0, hist, wsum, ctl, ctl32):
             if (key & pmask) == prefix:
                 cuda.atomic.add(hist, int32((key >> sh) & uint64(0xFF)), 1)
         cuda.syncthreads()
-        dig, above, cnt = _digit_from_top(hist, need, wsum, ctl32)
-        if t == 0:
-            ctl[0] = prefix | (uint64(dig) << sh)
-            ctl[1] = pmask | (uint64(0xFF) << sh)
-            ctl[2] = uint64(need - above)
-            ctl[3] = uint64(1) if cnt == need - above else uint64(0)
+        carry = int32(0)
+        for r in range(0, 256, nt):                  # bins from the top: thread t takes digit 255 - r - t
+            dig = 255 - r - t
+            cnt = hist[dig] if dig >= 0 else int32(0)
+            incl, tot = _block_scan(cnt, wsum, TOPK_WARPS)
+            above = carry + incl - cnt
+            if dig >= 0 and above < need <= above + cnt:
+                ctl[0] = prefix | (uint64(dig) << sh)
+                ctl[1] = pmask | (uint64(0xFF) << sh)
+                ctl[2] = uint64(need - above)
+                ctl[3] = uint64(1) if cnt == need - above else uint64(0)
+            carry += tot
         cuda.syncthreads()
         shift = shift - 8 if shift >= 8 else (0 if shift > 0 else -1)   # ..., 12, 4, 0 (overlap is harmless)
     cuda.syncthreads()
@@ -431,13 +413,23 @@ def _refine(sk, n, tb, need, hist, wsum, ctl, cnt):
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     for i in range(t, 256, nt):
         hist[i] = 0
+    if t == 0:
+        ctl[0] = 0
     cuda.syncthreads()
     for i in range(t, n, nt):
         key = sk[i]
         if int32(key >> uint64(TOPK_BIN_SHIFT)) == tb:
             cuda.atomic.add(hist, int32((key >> uint64(TOPK_BIN_SHIFT - 8)) & uint64(0xFF)), 1)
     cuda.syncthreads()
-    ts, _, _ = _digit_from_top(hist, need, wsum, ctl)
+    carry = int32(0)
+    for r in range(0, 256, nt):                      # digits from the top: thread t takes digit 255 - r - t
+        dig = 255 - r - t
+        c = hist[dig] if dig >= 0 else int32(0)
+        incl, tot = _block_scan(c, wsum, TOPK_WARPS)
+        above = carry + incl - c
+        if dig >= 0 and above < need <= above + c:
+            ctl[0] = dig
+        carry += tot
     ks = cuda.local.array(_CAP_PER, uint64)
     for j in range(_CAP_PER):                        # every key read before any is moved
         i = t + j * nt
@@ -445,6 +437,7 @@ def _refine(sk, n, tb, need, hist, wsum, ctl, cnt):
     if t == 0:
         cnt[0] = 0
     cuda.syncthreads()
+    ts = ctl[0]
     for j in range(_CAP_PER):
         key = ks[j]
         kb = int32(key >> uint64(TOPK_BIN_SHIFT))
@@ -644,7 +637,7 @@ def topk_merge_kernel(logits, cand, ws, ids, lp):
     else:
         row = logits[b, d]
         prefix, pmask = _radix_select(row, V, uint64(tb) << uint64(TOPK_BIN_SHIFT),
-                                      uint64(0xFFF) << uint64(TOPK_BIN_SHIFT), K - above, 44, hist, wsum, ctl64, ctl)
+                                      uint64(0xFFF) << uint64(TOPK_BIN_SHIFT), K - above, 44, hist, wsum, ctl64)
         for base in range(0, V, nt):
             i = base + t
             key = order_key(row[min(i, V - 1)], i)
