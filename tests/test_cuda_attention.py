@@ -92,10 +92,6 @@ def check_sample(env, n=3, V=700, temperatures=(0, 0.7, 1.0), seed=2):
         assert env.host(out).tolist() == want.tolist(), f"temperature {t}"
 
 
-# CPU seconds per simulator case on one core (2026-11-30; cases not listed take about 1): tests/cudasim.py
-# deals the cases onto the cores by them
-SIM_COST = {"sample": 12, "kv_attention_splits": 5, "kv_attention_tc_2x2_warps": 4, "kv_attention_tc_splits": 3,
-            "kv_attention_one_split": 3, "kv_attention_tc_one_split": 3}
 SIM_CASES = {
     "attention_masked_splits": lambda env: check_attention(env),
     "attention_gqa_nomask": lambda env: check_attention(env, masked=False, split=False, seed=7),

@@ -61,13 +61,6 @@ def check_ab_refuses(env):
         assert np.isnan(env.host(out)).all()
 
 
-# CPU seconds per simulator case on one core (2026-11-30; cases not listed take about 1): tests/cudasim.py
-# deals the cases onto the cores by them
-SIM_COST = {"argmax_topk": 8, "gemm_ring_b_in_ring_split_fused": 5,
-            "ops_gemm_tall_one_launch_and_strided_blocks": 5, "gemm_fused_reduce_2tiles_6splits": 4,
-            "gemm_65_rows_prepped_in_one_block": 3, "gemm_ab_fused_reduce_2warp_rows": 3,
-            "gemm_ring_fused_reduce_split": 2, "gemm_ring_b_in_ring_bf16_activations": 2,
-            "gemm_ab_3tiles_r1_prep_pads_rows": 2, "gemm_ab_2tiles_split": 2}
 SIM_CASES = {
     "shared_arrays_one_per_line": lambda env: C.check_shared_arrays(env),
     "gemm_2tiles_split_in_and_across_blocks": lambda env: C.check_gemm(env, 9, 40, 96, 2,

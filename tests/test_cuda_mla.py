@@ -94,12 +94,6 @@ def check_split_sizing(env):
         assert 1 <= w.o.shape[1] <= -(-3000 // MLA_MIN_SPLIT) and w.split * (w.o.shape[1] - 1) < 3000, w.split
 
 
-# CPU seconds per simulator case on one core (2026-11-30; cases not listed take about 1): tests/cudasim.py
-# deals the cases onto the cores by them
-SIM_COST = {"pv_two_tiles_per_warp": 22, "merge_fused_dead_rows_empty_seq": 8, "two_s_tiles_kg2": 7,
-            "ring_splits_merge": 6, "many_splits_auto": 5, "five_row_tiles_causal": 5, "ring_one_split": 5,
-            "three_row_groups": 4, "default_model_decode": 4, "nk32_splits_tree": 3, "sharp_scores_rescale": 3,
-            "dead_rows_empty_seq": 3, "merge_four_rows_past_m": 2}
 SIM_CASES = {
     "cp_piece_sw128": check_cp_piece_sw128,
     "ring_one_split": lambda env: check(env, seed=1),                                      # 5 steps > 4 stages

@@ -41,13 +41,9 @@ SIM_CASES = {
     "router_nan_row_picks_experts": lambda env: C.check_router(env, 2, 64, 16, 4, 1, 1, seed=4, nan_row=True),
 }
 
-# CPU seconds per simulator case on one core (2026-11-30; cases not listed take about 1): tests/cudasim.py
-# deals the cases onto the cores by them
-SIM_COST = {"router_twin_experts_exact_ties": 21, "moe_int4_prep_2_blocks_per_row": 15,
-            "moe_int4_70_experts_plan_scans_3_warps": 14, "moe_int4_one_expert_two_items_shared": 11,
-            "moe_int4_random": 9, "moe_int4_unused_expert_hi_lo": 7, "moe_int4_expert_parallel_shard": 4,
-            "moe_bf16_experts": 4, "router_passes_over_2_block_rows": 3, "router_k_slices_uneven": 2,
-            "router_one_group_ragged_block": 2, "router_mma_through_the_op_table": 2}
+SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "moe_int4_70_experts_plan_scans_3_warps": 45,
+            "router_twin_experts_exact_ties": 10, "router_mma_logits": 8,
+            "router_mma_through_the_op_table": 11, "router_picks_past_the_kept_groups": 6}
 
 
 test_simulator = simulator_test(__name__)

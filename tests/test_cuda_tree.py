@@ -161,11 +161,6 @@ def check_sample_split(env, n=5, V=700, temperatures=(0, 0.7, 1.0), seed=6):
         assert env.host(out).tolist() == want.tolist(), f"temperature {t}"
 
 
-# CPU seconds per simulator case on one core (2026-11-30; cases not listed take about 1): tests/cudasim.py
-# deals the cases onto the cores by them
-SIM_COST = {"build_runs": 61, "build_runs_peaked": 46, "topk_chunks_ties": 45, "sample_split": 29,
-            "build_deeper_wider": 27, "topk_chunks": 16, "draft_pipeline": 15, "walk_commit_gather": 13,
-            "build_exhausted": 12, "build_ties_batch": 12, "topk_ties": 12, "build_chain_dflash": 2}
 SIM_CASES = {
     "build_ties_batch": lambda env: check_build(env),
     "build_deeper_wider": lambda env: check_build(env, L=4, K=3, budgets=(16, 20), quantized=True, seed=4),
