@@ -58,6 +58,9 @@ _CHILDREN = {}               # module -> [(Popen, stdout file, stderr file)], st
 
 
 CASE_SECONDS = 3.0           # a simulator case's assumed CPU time where its module's SIM_COST does not say
+# Measured (session 15, 2-core box): SIM_COST for every module (the tree module's ~290 s then no longer all on one
+# core; ~500 / 506 s of simulator work per core instead of ~650 / 360) made the whole suite slower, 909 vs 686 s:
+# the uneven dealing leaves a core to the main pytest process, which waits on the children's results in turn.
 _CORE_LOAD = {}              # core -> seconds of simulator cases pinned to it so far
 
 
