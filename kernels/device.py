@@ -239,6 +239,16 @@ else:
         size = ctx.get_abi_sizeof(ctx.get_data_type(aty.dtype))
         return b.add(b.ptrtoint(a.data, i64), b.mul(idx, ir.Constant(i64, size)))
 
+    def _smem_addr(context, builder, aryty, ary, idxty, idx):
+        """32-bit shared-window address of element idx of a 1-D shared array (32-bit math: fewer registers)."""
+        arr = context.make_array(aryty)(context, builder, value=ary)
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        cvta = ir.InlineAsm(ir.FunctionType(i64, [i64]), "cvta.to.shared.u64 $0, $1;", "=l,l")
+        base = builder.trunc(builder.call(cvta, [builder.ptrtoint(arr.data, i64)]), i32)
+        i = context.cast(builder, idx, idxty, types.int32)
+        size = context.get_abi_sizeof(context.get_data_type(aryty.dtype))
+        return builder.add(base, builder.mul(i, ir.Constant(i32, size)))
+
     def _make_load(words, hint="", space=".nc"):
         ordered = space != ".nc"     # not reorderable across barriers/fences: it reads data this kernel writes
         regs = ",".join(f"${k}" for k in range(words))

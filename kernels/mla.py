@@ -56,17 +56,7 @@ if not SIM:
     from numba.cuda import libdevice
     from numba.cuda.extending import intrinsic
 
-    from kernels.device import _address, _asm_op, _cvt_pair
-
-    def _smem_addr(context, builder, aryty, ary, idxty, idx):
-        """32-bit shared-window address of element idx of a 1-D shared array (32-bit math: fewer registers)."""
-        arr = context.make_array(aryty)(context, builder, value=ary)
-        i64, i32 = ir.IntType(64), ir.IntType(32)
-        cvta = ir.InlineAsm(ir.FunctionType(i64, [i64]), "cvta.to.shared.u64 $0, $1;", "=l,l")
-        base = builder.trunc(builder.call(cvta, [builder.ptrtoint(arr.data, i64)]), i32)
-        i = context.cast(builder, idx, idxty, types.int32)
-        size = context.get_abi_sizeof(context.get_data_type(aryty.dtype))
-        return builder.add(base, builder.mul(i, ir.Constant(i32, size)))
+    from kernels.device import _address, _asm_op, _cvt_pair, _smem_addr
 
     def _make_ldsm(trans):
         """ldmatrix .x4 (optionally .trans): this lane passes the address of its row (uint16 element idx)."""

@@ -46,6 +46,7 @@ def check_gemm(env, m, n, k, xs, cfg=None, seed=0):
     ref = gemm_ref(x, w, np.empty((m, n), np.float32))
     scale = (np.abs(x) @ np.abs(bf16_to_f32(w)).T).max()
     assert_close(f"gemm m={m} n={n} k={k} xs={xs}", env.host(out), ref, 2e-5 if xs == 2 else 4e-3, scale)
+    return env.host(out)
 
 
 def check_shared_arrays(env, threads=64):

@@ -3,8 +3,10 @@ device copy bandwidth measured in the same run. Prints a table, writes JSON.
 
     python -m tools.bench_kernels --out bench_kernels.json [--quick]
 
-Times are CUDA-event means over many replays after warm-up, two ways: `graph` replays a CUDA graph of the op's
-launches (launch overhead excluded: the kernel cost), `eager` calls the Python launcher in a loop (numba's launch
+Times are CUDA-event means over many replays after warm-up, three ways: `graph` replays a CUDA graph of one call
+(each replay pays the host's graph launch, ~8 us: a floor for the small GEMMs), `chain` replays a graph of CHAIN_MIN or
+more calls back to back on distinct weight copies (more bytes than L2 holds, as a captured round runs its layers: the
+time per call, the headline % for the MoE and the GEMMs), `eager` calls the Python launcher in a loop (numba's launch
 path included). Bytes are what must cross HBM: for the MoE the distinct live experts' packed weights and scales
 (activations are tiny); for a GEMM the bf16 weight. % copy = GB/s over the copy bandwidth (bytes read + written).
 If tools/bench_attention.py exists, its run(results, copy_bw) adds the attention kernels.
@@ -19,6 +21,8 @@ import numpy as np
 
 H, I, E, TOPK, GROUP = 7168, 2048, 384, 8, 32
 NS = (1, 4, 9, 17, 33, 65)
+CHAIN_BYTES = 160 << 20   # a chain's distinct weight copies hold at least this many bytes (3x the 50 MB L2) ...
+CHAIN_MIN = 8      # ... and it has at least this many calls (the host's ~8 us graph launch spread over them)
 ROUTER_GATES = 24      # distinct K2 gates (5.5 MB each) per timed router graph: more than the 50 MB L2
 K2_GEMMS = {"lm_head": (163840, 7168), "q_kv_a": (2112, 7168), "o": (7168, 8192), "shared_gate_up": (4096, 7168),
             "shared_down": (7168, 2048), "q_b": (12288, 1536), "kv_b": (32768, 512), "q_a": (1536, 7168),
@@ -62,7 +66,20 @@ GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S
                  # x as the mma's A operand, weights as B (GemmConfig.AB: no register moves; not timed yet)
                  "ab": ((1, 9, 17), dict(S=0, RB=0, BF=0, AB=1, xs=1)),
                  "ab_u2": ((17,), dict(S=0, RB=0, BF=0, AB=1, U=2, xs=1)),
-                 "ab_r1": ((17, 33, 65), dict(S=0, RB=0, BF=0, AB=1, R=1, xs=1))}   # R=2 spills from 3 m16 tiles
+                 "ab_r1": ((17, 33, 65), dict(S=0, RB=0, BF=0, AB=1, R=1, xs=1)),   # R=2 spills from 3 m16 tiles
+                 # weights through per-warp bulk-copy rings (GemmConfig.BS): S slots of BS k-steps
+                 "bulk_b4s2": (GEMM_MS, dict(S=2, BS=4, RB=0, R=1)),
+                 "bulk_b4s3": (GEMM_MS, dict(S=3, BS=4, RB=0, R=1)),
+                 "bulk_b8s2": (GEMM_MS, dict(S=2, BS=8, RB=0, R=1)),
+                 "bulk_b2s4": (GEMM_MS, dict(S=4, BS=2, RB=0, R=1)),
+                 "bulk_b4s2_fr": (GEMM_MS, dict(S=2, BS=4, RB=0, R=1, FR=1)),
+                 "bulk_b4s2_r2": (GEMM_MS, dict(S=2, BS=4, RB=0, R=2)),
+                 "bulk_b2s2": (GEMM_MS, dict(S=2, BS=2, RB=0, R=1)),
+                 "bulk_b1s3": (GEMM_MS, dict(S=3, BS=1, RB=0, R=1)),
+                 # the k split from another warp target (gemm_config target_warps; the k order stays a function of n, k)
+                 "tw1k_r1": ((1, 17, 33), dict(tw=1056, R=1)), "tw2k_r1": ((1, 17, 33), dict(tw=2112, R=1)),
+                 "tw2k": ((1, 17, 33), dict(tw=2112)), "tw8k": ((1, 17, 33), dict(tw=8192)),
+                 "tw2k_r1_u8": ((1,), dict(tw=2112, R=1, U=8)), "tw1k_r1_u8": ((1,), dict(tw=1056, R=1, U=8))}
 GEMM_DEFAULT_ONLY = ("q_a", "kv_a")     # stacked into q_kv_a: the default cut only
 HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
 HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured yet)
@@ -159,23 +176,40 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
     rows = results.setdefault("moe", [])
 
     def run(n, xs, gu_cfg, dn_cfg, tag, stages=False):
-        idx, wts = routing(rng, n)
-        distinct = len(np.unique(idx))
+        def layer_args():
+            idx, wts = routing(rng, n)
+            x = dv(cp.random.standard_normal((n, H), dtype=cp.float32))
+            return len(np.unique(idx)), x, dv(cp.asarray(idx)), dv(cp.asarray(wts))
+
+        def layer_parts(x, di, dw):
+            return {"plan+prep": lambda: moe_plan(x, di, ex, ws, gu_cfg, dn_cfg),
+                    "gate_up": lambda: moe_stage(0, ex, dw, ws, gu_cfg),
+                    "down": lambda: moe_stage(1, ex, dw, ws, dn_cfg),
+                    "combine": lambda: moe_combine(out, None, ws, di, ex)}
+
+        ws, out = wss[xs], dv(cp.zeros((n, H), cp.float32))
+        layers = [layer_args() for _ in range(CHAIN_MIN)]   # each its own routing: as consecutive layers read
+        distinct, x, di, dw = layers[0]
         nbytes = distinct * EXPERT_BYTES
-        x, out = dv(cp.random.standard_normal((n, H), dtype=cp.float32)), dv(cp.zeros((n, H), cp.float32))
-        di, dw, ws = dv(cp.asarray(idx)), dv(cp.asarray(wts)), wss[xs]
-        parts = {"plan+prep": lambda: moe_plan(x, di, ex, ws, gu_cfg, dn_cfg),
-                 "gate_up": lambda: moe_stage(0, ex, dw, ws, gu_cfg),
-                 "down": lambda: moe_stage(1, ex, dw, ws, dn_cfg),
-                 "combine": lambda: moe_combine(out, None, ws, di, ex)}
+        parts = layer_parts(x, di, dw)
 
         def full():
             for f in parts.values():
                 f()
+
+        chain_parts = [layer_parts(*a[1:]) for a in layers]
+
+        def chained():
+            for p in chain_parts:
+                for f in p.values():
+                    f()
         reps = reps_for(nbytes)
         g_ms, e_ms = timed(cp, full, reps)
+        c_ms = timed(cp, chained, max(2, reps // CHAIN_MIN))[0] / CHAIN_MIN
+        c_bytes = np.mean([a[0] for a in layers]) * EXPERT_BYTES
         row = dict(op="moe_int4", tag=tag, n=n, xs=xs, distinct_experts=distinct, bytes=nbytes, graph_ms=g_ms,
-                   eager_ms=e_ms, gbps=nbytes / g_ms / 1e6, pct_copy=100 * nbytes / g_ms / 1e6 / copy_bw,
+                   eager_ms=e_ms, gbps=nbytes / g_ms / 1e6, pct_copy_single=100 * nbytes / g_ms / 1e6 / copy_bw,
+                   chain_ms=c_ms, chain_bytes=c_bytes, pct_copy=100 * c_bytes / c_ms / 1e6 / copy_bw,
                    gate_up_cfg=gu_cfg.__dict__, down_cfg=dn_cfg.__dict__)
         if stages:   # each stage alone (its graph replays the same plan: run the plan first)
             full()
@@ -187,8 +221,8 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
             row["down_pct_copy"] = 100 * dn_bytes / row["down_ms"] / 1e6 / copy_bw
         rows.append(row)
         print(f"moe  {tag:>14} n={n:3d} xs={xs} experts={distinct:3d} {nbytes / 1e6:8.1f} MB  "
-              f"graph {g_ms * 1e3:8.1f} us"
-              f"  eager {e_ms * 1e3:8.1f} us  {row['gbps']:7.0f} GB/s  {row['pct_copy']:5.1f}%"
+              f"graph {g_ms * 1e3:8.1f} us {row['pct_copy_single']:5.1f}%  chain {c_ms * 1e3:8.1f} us "
+              f"{c_bytes / c_ms / 1e6:7.0f} GB/s {row['pct_copy']:5.1f}%  eager {e_ms * 1e3:8.1f} us"
               + (f"  [gate_up {row['gate_up_ms'] * 1e3:.1f} us {row['gate_up_pct_copy']:.0f}%, down "
                  f"{row['down_ms'] * 1e3:.1f} us {row['down_pct_copy']:.0f}%, plan+prep {row['plan+prep_ms'] * 1e3:.1f}"
                  f" us, combine {row['combine_ms'] * 1e3:.1f} us]" if stages else ""), flush=True)
@@ -246,32 +280,44 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
     reported); then the per-head GEMMs."""
     from kernels.gemm import (SMEM_MAX, GemmWorkspace, gemm, gemm_config, gemm_smem, gemm_workspace_words,
                               token_tiles)
+    bench_read_floor(cp, cuda, results, copy_bw)
     dv = cuda.as_cuda_array
     rows = results.setdefault("gemm", [])
     xb_words = -(-max(NS) // 8) * 8 * 2 * 8192 // 2        # tiled B: token rows padded to 8
     ws = GemmWorkspace(dv(cp.zeros(xb_words, cp.uint32)), dv(cp.zeros(64 * max(NS) * 32768, cp.float32)),
                        dv(cp.zeros(1 << 14, cp.uint32)))
 
-    def run(name, w, m, n, k, tag, over):
+    def run(name, ws_chain, m, n, k, tag, over):
         x, out = dv(cp.random.standard_normal((m, k), dtype=cp.float32)), dv(cp.zeros((m, n), cp.float32))
-        cfg = replace(gemm_config(m, n, k), **{f: v for f, v in over.items() if f != "xs"})
+        cfg = replace(gemm_config(m, n, k, target_warps=over.get("tw", 4096)),
+                      **{f: v for f, v in over.items() if f not in ("xs", "tw")})
         nbytes, xs = n * k * 2, over.get("xs", cfg.XS)
         need = gemm_workspace_words(m, n, k, xs, cfg)
         T = token_tiles(m, cfg)
         if (need[0] > ws.xb.size or need[1] > ws.part.size or cfg.WR * cfg.WK > 8
                 or gemm_smem(T, cfg, xs * T * cfg.RB) > SMEM_MAX):
             return 0.0
+        w = ws_chain[0]
         g_ms, e_ms = timed(cp, lambda: gemm(x, w, out, ws, xs=xs, cfg=cfg), reps_for(nbytes))
+        calls = max(CHAIN_MIN, len(ws_chain))
+
+        def chained():
+            for i in range(calls):
+                gemm(x, ws_chain[i % len(ws_chain)], out, ws, xs=xs, cfg=cfg)
+        c_ms = timed(cp, chained, max(2, reps_for(nbytes) // calls))[0] / calls
         row = dict(op="gemm", name=name, tag=tag, m=m, n=n, k=k, xs=xs, cfg=cfg.__dict__, bytes=nbytes,
-                   graph_ms=g_ms, eager_ms=e_ms, gbps=nbytes / g_ms / 1e6, pct_copy=100 * nbytes / g_ms / 1e6 / copy_bw)
+                   graph_ms=g_ms, eager_ms=e_ms, pct_copy_single=100 * nbytes / g_ms / 1e6 / copy_bw,
+                   chain_ms=c_ms, chain_copies=len(ws_chain), gbps=nbytes / c_ms / 1e6,
+                   pct_copy=100 * nbytes / c_ms / 1e6 / copy_bw)
         rows.append(row)
         print(f"gemm {name:>15} {tag:>13} m={m:3d} n={n:6d} k={k:5d} {nbytes / 1e6:8.1f} MB  graph "
-              f"{g_ms * 1e3:8.1f} us  eager {e_ms * 1e3:8.1f} us  {row['gbps']:7.0f} GB/s "
-              f"{row['pct_copy']:5.1f}%  xs={xs} {cfg}", flush=True)
+              f"{g_ms * 1e3:8.1f} us {row['pct_copy_single']:5.1f}%  chain {c_ms * 1e3:8.1f} us "
+              f"{row['gbps']:7.0f} GB/s {row['pct_copy']:5.1f}%  eager {e_ms * 1e3:8.1f} us  xs={xs} {cfg}", flush=True)
         return row["pct_copy"]
 
     for name, (n, k) in K2_GEMMS.items():
-        w = dv(rand_bf16(cp, (n, k), 0.02))
+        w0 = rand_bf16(cp, (n, k), 0.02)
+        w = [dv(w0)] + [dv(w0.copy()) for _ in range(1, min(32, -(-CHAIN_BYTES // (2 * n * k))))]
         best = {m: ("default", run(name, w, m, n, k, "default", {})) for m in GEMM_MS}
         for tag, (ms, over) in ({} if quick or name in GEMM_DEFAULT_ONLY else _chosen(GEMM_VARIANTS, tags)).items():
             for m in ms:
@@ -282,8 +328,58 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
                     best[m] = (tag, pct)
         results.setdefault("gemm_best", {})[name] = {m: b[0] for m, b in best.items()}
         print(f"gemm {name:>15} best: " + ", ".join(f"m={m} {t} {p:.1f}%" for m, (t, p) in best.items()), flush=True)
-        del w
+        del w, w0
     bench_head_gemm(cp, cuda, results, copy_bw, True)     # head variants: not this session's
+
+
+READ_MB = (8, 16, 30, 59, 117, 235)     # the K2 projections' weight sizes, and two larger
+
+
+def bench_read_floor(cp, cuda, results, copy_bw):
+    """The yardstick of one streaming kernel: a pure read (16-byte loads, 4 in flight per thread, every SM full) of
+    the same bytes in the same chain as the GEMMs (distinct copies, more than L2 holds): what launch, ramp-up and
+    tail cost a kernel of that size with no arithmetic at all."""
+    from kernels.device import kernel, launch, ld16
+    from numba import uint32
+
+    @kernel()
+    def read_k(w, out, nwords):
+        """XOR of all words (kept, so no load is dead). Launch: grid (4 * SMs), block 512; reads nwords * 4 bytes."""
+        i = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * 4
+        step = cuda.gridDim.x * cuda.blockDim.x * 4
+        acc = uint32(0)
+        while i + 3 * step < nwords:
+            a0, a1, a2, a3 = ld16(w, i)
+            b0, b1, b2, b3 = ld16(w, i + step)
+            c0, c1, c2, c3 = ld16(w, i + 2 * step)
+            d0, d1, d2, d3 = ld16(w, i + 3 * step)
+            acc ^= a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1 ^ b2 ^ b3 ^ c0 ^ c1 ^ c2 ^ c3 ^ d0 ^ d1 ^ d2 ^ d3
+            i += 4 * step
+        while i < nwords:
+            a0, a1, a2, a3 = ld16(w, i)
+            acc ^= a0 ^ a1 ^ a2 ^ a3
+            i += step
+        if acc == uint32(0x9E3779B9):
+            out[0] = acc
+
+    sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
+    dv = cuda.as_cuda_array
+    out = dv(cp.zeros(1, cp.uint32))
+    for mb in READ_MB:
+        nwords = (mb << 20) // 4
+        ws = [dv(cp.zeros(nwords, cp.uint32)) for _ in range(max(1, min(32, -(-CHAIN_BYTES // (4 * nwords)))))]
+        calls = max(CHAIN_MIN, len(ws))
+
+        def chained():
+            for i in range(calls):
+                launch(read_k, 4 * sms, 512, ws[i % len(ws)], out, np.int32(nwords))
+        c_ms = timed(cp, chained, max(2, reps_for(4 * nwords) // calls))[0] / calls
+        row = dict(op="read", mb=mb, bytes=4 * nwords, chain_ms=c_ms, gbps=4 * nwords / c_ms / 1e6,
+                   pct_copy=100 * 4 * nwords / c_ms / 1e6 / copy_bw)
+        results.setdefault("read_floor", []).append(row)
+        print(f"read floor {mb:4d} MB  chain {c_ms * 1e3:7.1f} us  {row['gbps']:6.0f} GB/s {row['pct_copy']:5.1f}%",
+              flush=True)
+        ws.clear()
 
 
 def bench_head_gemm(cp, cuda, results, copy_bw, quick):
