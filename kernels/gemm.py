@@ -26,13 +26,11 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, uint32
 
 from kernels.attention import launch_smem
-from kernels.bulk import bulk_load, mbar_expect, mbar_fence_init, mbar_init, mbar_wait
 from kernels.device import (F0, SIM, as_f32, bf16_hi, bf16_lo, cp_commit, cp_wait, device, int4_pair, kernel, launch,
-                            ld16, ld16_pf, ld4, ld4_l2, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2,
-                            syncwarp)
+                            ld16, ld16_pf, ld4, ld4_l2, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
 from kernels.memo import memo_f32
 from weights.dtypes import bf16_to_f32
 
@@ -370,71 +368,6 @@ def _build_ring_mainloop(T, R, XS, S, BF=0, RB=0):
     return mainloop
 
 
-def bulk_row_words(BS):
-    """u32 words of one weight row of a bulk ring slot: BS k-steps (16 words each) + padding, so that the 8 lanes of a
-    quarter-warp (rows g, g + 1; chunks t = 0..3) read their 16-byte pieces from 8 different bank groups."""
-    return 16 * BS + (16 if BS % 2 == 0 else 32)
-
-
-def bulk_bytes(R, S, BS, warps):
-    """Dynamic shared bytes of the bulk rings of a block: per warp S slots of 16R weight rows."""
-    return 4 * warps * S * 16 * R * bulk_row_words(BS)
-
-
-def _build_bulk_mainloop(T, R, XS, S, BS, BF=0):
-    """Device function: steps [s0, s1) of one warp (bf16 weights) with its 16R weight rows streaming through an
-    S-slot ring of BS-step stages in dynamic shared memory, filled by bulk copies (kernels/bulk.py: lane l < 16R
-    copies row l's piece of a stage, one mbarrier per slot), S - 1 stages in flight. The A words are read back in
-    the register path's k order and fed to the same mma step: results are bitwise those of `_build_mainloop`.
-    loff[0]: word offset of this lane's copy row (row tile0*16 + lane, clamped to the last row)."""
-    mma_step = _cached(_build_bf16_mma, T, R, XS, BF)
-    ROWS, RW = 16 * R, bulk_row_words(BS)
-    SLOT, NBAR, NQ = ROWS * RW, MAX_WARPS * S, 8 * R
-
-    @device
-    def issue(ring, rb, bars, bb, w, wrow, s0, s1, i, lane):
-        slot = i % S
-        sa = s0 + i * BS
-        cnt = min(BS, s1 - sa)
-        if lane == 0:
-            mbar_expect(bars, bb + slot, ROWS * cnt * 64)
-        syncwarp()
-        if lane < ROWS:
-            bulk_load(ring, rb + slot * SLOT + lane * RW, w, wrow + sa * 16, cnt * 64, bars, bb + slot)
-
-    @device
-    def mainloop(w, sc, xb, s0, s1, t, half, aoff, loff, boff, acc):
-        ring = cuda.shared.array(0, uint32)
-        bars = cuda.shared.array(NBAR, uint64)
-        lane = lane_id()
-        warp = cuda.threadIdx.x // 32
-        rb, bb = warp * S * SLOT, warp * S
-        if lane == 0:
-            for p in range(S):
-                mbar_init(bars, bb + p)
-            mbar_fence_init()
-        syncwarp()
-        nst = (s1 - s0 + BS - 1) // BS
-        for p in range(S - 1):                      # the ring's first S - 1 stages in flight
-            if p < nst:
-                issue(ring, rb, bars, bb, w, loff[0], s0, s1, p, lane)
-        qa = cuda.local.array(NQ, uint32)
-        for i in range(nst):
-            if i + S - 1 < nst:                     # into the slot stage i - 1 used (its reads ended at a syncwarp)
-                issue(ring, rb, bars, bb, w, loff[0], s0, s1, i + S - 1, lane)
-            slot = i % S
-            mbar_wait(bars, bb + slot, (i // S) & 1)
-            base = rb + slot * SLOT + (lane // 4) * RW + t * 4
-            sa = s0 + i * BS
-            for j in range(BS):
-                if sa + j < s1:
-                    for h in range(2 * R):          # rows g (h even) and g + 8 of row tile h // 2
-                        qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = lds16(ring, base + 8 * h * RW + 16 * j)
-                    mma_step(qa, xb, sa + j, t, half, boff, acc)
-            syncwarp()
-    return mainloop
-
-
 # --------------------------------------------------------------------------------------------------- kernels
 @device
 def _split_range(piece, pieces, steps):
@@ -479,13 +412,9 @@ def red_bytes(R, T, WR, WK):
     return 4 * (WK - 1) * WR * R * T * 4 * 32
 
 
-def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0, BS=0):
-    if BS:
-        mainloop = _cached(_build_bulk_mainloop, T, R, XS, S, BS, BF)
-    elif S:
-        mainloop = _cached(_build_ring_mainloop, T, R, XS, S, BF, RB)
-    else:
-        mainloop = _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, BF)
+def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
+    mainloop = (_cached(_build_ring_mainloop, T, R, XS, S, BF, RB) if S
+                else _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, BF))
     AB = BF == 4                                    # x as the A operand: T tiles of 16 token rows
     block_reduce = _cached(_build_block_reduce, 2 * R if AB else R, T, 1)
     NACC, NA, TROWS = R * T * 4 * (2 if AB else 1), 2 * R, 16 if AB else 8
@@ -514,8 +443,6 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0, BS=0):
         aoff = cuda.local.array(NA, int32)
         boff = cuda.local.array(T, int32)
         acc = cuda.local.array(NACC, float32)
-        loff = cuda.local.array(1, int32)           # (bulk rings) the row this lane copies
-        loff[0] = min(tile0 * 16 + lane % (16 * R), n - 1) * half
         for r in range(R):
             row = (tile0 + r) * 16 + g
             aoff[2 * r] = min(row, n - 1) * half
@@ -527,7 +454,7 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0, BS=0):
                 boff[tt] = (r0 + min(tt * 8 + g, mb - 1)) * (kdim if BF else XS * half)
         for i in range(NACC):
             acc[i] = F0
-        mainloop(w, w, xb, s0, s1, t, half, aoff, loff, boff, acc)
+        mainloop(w, w, xb, s0, s1, t, half, aoff, aoff, boff, acc)
         block_reduce(acc, wr, wk, nwr, nwk, lane)
         if wk == 0:
             for h in range(NACC // (4 * T)):         # weight tiles: m16 tiles r, or (AB) n8 tiles h = 2r, 2r + 1
@@ -619,6 +546,18 @@ RB_STAGES = 2      # ring depth with the B fragments in the ring (3 to 5 token t
 RB_MIN_BYTES = 48 << 20    # weights from which 3-4 token tiles take the B-in-ring cut (5 tiles: always)
 
 
+TARGET_WARPS = 2112    # warps the k split aims at (16 per SM on the H200's 132). Session 16, H200, % of copy at m = 1 /
+#   17 / 33 timed in a chain of calls over distinct weight copies (tools/bench_kernels.py --only gemm --variants tw...,
+#   bench/h200_2026-11-30j/gemm_tw.json), 4096 warps with R=2 (before) -> 2112 with the R and U below: q_kv_a 47.8 /
+#   36.2 / 30.1 -> 52.3 / 40.2 / 33.4, kv_b 50.2 / 33.8 / 25.8 -> 59.2 / 50.0 / 40.9, shared_gate_up 64.5 / 51.8 /
+#   44.8 -> 65.7 / 53.7 / 45.9, shared_down 47.1 / 35.4 / 30.5 -> 50.7 / 38.9 / 32.0, q_b 52.2 / 40.2 / 33.3 -> 55.0 /
+#   40.3 / 33.2, o 75.0 / 66.2 / 57.4 -> 75.1 / 64.4 / 56.5 (lm_head: no k split either way). One row tile per warp
+#   (R=1) at one token tile with 8 steps of loads in flight (U=8; U=4 or 2 with R=1 lost 1.5-13 points) and at 2-3
+#   tiles below R2_MIN_BYTES (R=1 at 3 tiles lost 2-9 points on o and lm_head); R=2 at 4-5 tiles (mixed, -4 to +3);
+#   1056 warps lost on o and shared_gate_up (40 / 41% at m = 1), 8192 lost everywhere but q_b at m = 1.
+R2_MIN_BYTES = 100 << 20   # weights from which 2-3 token tiles take two row tiles per warp (o, lm_head)
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     """How one GEMM is cut. split = WK * SB k-pieces (chosen from n, k only: batch invariance);
@@ -639,8 +578,6 @@ class GemmConfig:
     #                    the B operand, which takes a weight row's 16-byte load as two k16 fragments without register
     #                    moves (python -m tools.ptx_stats --sass --gemm: 40 of 84 SASS per step at m = 17 are moves).
     #                    8R accumulators per token tile: R=1 from 3 tiles (above 40 per lane they go to local memory)
-    BS: int = 0        # > 0 (with S >= 2): weights stream through per-warp S-slot rings of BS-step stages filled by
-    #                    bulk copies (cp.async.bulk + mbarrier: no registers held by the loads in flight); same results
 
 
 @dataclass
@@ -652,12 +589,12 @@ class GemmWorkspace:
     sync: object = None
 
 
-def gemm_config(m, n, k, target_warps=4096, small=None):
+def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
     """Default cut: enough k-pieces that about `target_warps` warps stream weights (n, k decide the k split).
-    Per token tiles T, from tools/bench_kernels.py on the H200 (K2 shapes, m = 1, 17, 33): R=2 up to T=5 (R=1
-    lost up to 55% on all but kv_a); above one tile, 256-thread blocks capped at 128 registers (MB=2: uncapped lost
+    Per token tiles T, from tools/bench_kernels.py on the H200 (K2 shapes, m = 1, 17, 33; session 16 changed R and U,
+    see TARGET_WARPS): above one tile, 256-thread blocks capped at 128 registers (MB=2: uncapped lost
     12-30% except on kv_a and lm_head at T=3) and the k-split reduce as its own launch (the in-GEMM last-block
-    reduce lost 1-7 us there, within 0.7 us at T=1); U=4 at T=1 with a k split (+0.2-5.6 points of copy), U=1 at
+    reduce lost 1-7 us there, within 0.7 us at T=1); U=1 at
     T=3 (2-19% faster; lost up to 19% at T=5).
     cp.async weight ring (S=4) only at one token tile without a k split, measured on the H200 (tools/bench_kernels.py,
     % of copy, ring vs registers): lm_head m=1 94.2 vs 89.9; with a k split it lost 13-27 points at m=1 (o 59.4 vs
@@ -669,9 +606,9 @@ def gemm_config(m, n, k, target_warps=4096, small=None):
     wk = next(w for w in (8, 4, 2, 1) if pieces >= 2 * w or w == 1)
     sb = max(1, pieces // wk)
     T = min(math.ceil(m / 8), TILES_MAX)
-    R = 2 if T <= 5 else 1
+    R = 2 if 3 < T <= 5 or (T <= 3 and 2 * n * k >= R2_MIN_BYTES) else 1
     wr = max(1, 8 // wk)
-    U = (4 if sb > 1 else 2) if T == 1 else (1 if T == 3 else 2)
+    U = 8 if T == 1 else (1 if T == 3 else 2)
     # reading f32 x in the kernel saves a launch (wins at one token tile) but costs conversions per tile (loses above;
     # also on small weights: doing so with the last-block reduce at T > 1 for weights under 4 MB took the default
     # pair's DDTree-16 round from 1.12 to 1.54 ms on the H200, verify 0.78 -> 1.03 ms, although it saved 2 launches
@@ -725,10 +662,7 @@ def gemm_sync_words(m, n, k, cfg=None):
 def gemm_smem(T, cfg, nb=0):
     """Dynamic shared bytes of the GEMM kernel: the cp.async rings (nb B chunks per stage), or the in-block k-split
     exchange if larger."""
-    if cfg.BS:
-        ring = bulk_bytes(cfg.R, cfg.S, cfg.BS, cfg.WR * cfg.WK)
-    else:
-        ring = 4 * ring_words(cfg.R, cfg.S, cfg.WR * cfg.WK, nb) if cfg.S else 0
+    ring = 4 * ring_words(cfg.R, cfg.S, cfg.WR * cfg.WK, nb) if cfg.S else 0
     return max(ring, red_bytes(cfg.R * (2 if cfg.AB else 1), T, cfg.WR, cfg.WK))
 
 
@@ -752,8 +686,6 @@ def gemm(x, w, out, ws, xs=None, cfg=None):
     if cfg.AB and (xs != 1 or cfg.S or m > 8 * TILES_ONE_BLOCK):
         raise ValueError(f"gemm: the AB cut needs bf16 activations (xs=1), no ring and at most "
                          f"{8 * TILES_ONE_BLOCK} rows (got xs={xs}, {cfg}, m={m})")
-    if cfg.BS and (cfg.S < 2 or cfg.RB or cfg.AB):
-        raise ValueError(f"gemm: bulk rings (BS={cfg.BS}) need S >= 2 slots, RB=0 and AB=0 (got {cfg})")
     T, zb = token_tiles(m, cfg), 1
     fused = cfg.BF and contiguous(x) and not cfg.AB
     if T > TILES_MAX and fused and not cfg.S and not nsync:
@@ -771,7 +703,7 @@ def gemm(x, w, out, ws, xs=None, cfg=None):
     threads = 32 * cfg.WR * cfg.WK
     rb = int(bool(cfg.S and cfg.RB and not fused))
     kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, 1 if fused else (4 if cfg.AB else 2), int(nsync > 0),
-                   (threads, cfg.MB) if cfg.MB else None, cfg.S, rb, cfg.BS)
+                   (threads, cfg.MB) if cfg.MB else None, cfg.S, rb)
     grid = (math.ceil(n / 16 / (cfg.WR * cfg.R)), cfg.SB, zb)
     part = ws.part[:npart].reshape(cfg.SB, m, n) if npart else ws.part[:1].reshape(1, 1, 1)
     sync = (ws.sync[:nsync],) if nsync else ()

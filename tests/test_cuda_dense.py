@@ -48,26 +48,6 @@ def check_ops_gemm_tall(env, m=73, n=16, k=64):
                        (np.abs(x) @ np.abs(C.bf16_to_f32(w)).T).max())
 
 
-def check_gemm_bulk(env, m, n, k, xs, cfg):
-    """Weights through bulk-copy rings: right against gemm_ref and bit for bit the register mainloop's result with
-    the same k split (what keeps a token's output independent of the cut its batch size picks)."""
-    from dataclasses import replace
-    bulk = C.check_gemm(env, m, n, k, xs, cfg)
-    regs = C.check_gemm(env, m, n, k, xs, replace(cfg, S=0, BS=0))
-    assert np.array_equal(bulk, regs), "bulk-ring GEMM differs from the register mainloop"
-
-
-def check_bulk_refuses(env):
-    """A bulk cut with fewer than 2 slots is refused with a one-line error, nothing written."""
-    from kernels.gemm import GemmWorkspace, gemm
-    x, w = np.ones((3, 64), np.float32), C.rand_bf16(np.random.default_rng(0), 16, 64)
-    ws = GemmWorkspace(env.zeros((4096,), np.uint32), env.zeros((4096,), np.float32))
-    out = C.poisoned(env, (3, 16), np.float32)
-    with pytest.raises(ValueError, match="bulk rings"):
-        gemm(env.dev(x), env.dev(w), out, ws, 1, GemmConfig(R=1, WR=1, WK=1, SB=1, S=1, BS=2))
-    assert np.isnan(env.host(out)).all()
-
-
 def check_ab_refuses(env):
     """The AB cut with hi + lo parts or a ring is refused with a one-line error, nothing written."""
     from kernels.gemm import GemmWorkspace, gemm
@@ -120,15 +100,6 @@ SIM_CASES = {
     "gemm_ab_3tiles_r1_prep_pads_rows": lambda env: C.check_gemm(env, 40, 24, 64, 1,
                                                                   GemmConfig(R=1, WR=2, WK=1, SB=1, BF=0, AB=1)),
     "gemm_ab_bad_cut": lambda env: check_ab_refuses(env),
-    # weights through bulk-copy rings (cp.async.bulk + mbarrier): ring wraps, rows past n, a partial last stage,
-    # k split in and across blocks with the fused reduce, x prepared (tiled B) or read as f32
-    "gemm_bulk_wraps_rows_past_n": lambda env: check_gemm_bulk(env, 9, 40, 256, 2,
-                                                               GemmConfig(R=1, WR=1, WK=1, SB=1, S=3, BS=2)),
-    "gemm_bulk_split_fused_partial_stage": lambda env: check_gemm_bulk(env, 5, 48, 320, 1, GemmConfig(
-        R=2, WR=1, WK=2, SB=2, S=2, BS=3)),
-    "gemm_bulk_prep_3tiles_2warp_rows": lambda env: check_gemm_bulk(env, 17, 80, 192, 1, GemmConfig(
-        R=1, WR=2, WK=1, SB=1, BF=0, FR=0, S=2, BS=1)),
-    "gemm_bulk_bad_cut": lambda env: check_bulk_refuses(env),
     "rmsnorm": lambda env: C.check_norm(env, 3, 100, False),
     "add_rmsnorm": lambda env: C.check_norm(env, 3, 100, True),
     "add_rmsnorm_keep": lambda env: C.check_norm(env, 2, 70, "keep"),
@@ -142,14 +113,12 @@ SIM_CASES = {
 }
 
 
-@pytest.mark.parametrize("T,R,BF,S,RB,BS", [(1, 2, 1, 0, 0, 0), (3, 2, 2, 0, 0, 0), (5, 2, 1, 0, 0, 0),
-                                            (1, 2, 1, 4, 0, 0), (3, 2, 2, 4, 0, 0), (9, 1, 2, 3, 0, 0),
-                                            (3, 2, 2, 3, 1, 0), (9, 1, 2, 2, 1, 0), (2, 2, 4, 0, 0, 0),
-                                            (3, 1, 4, 0, 0, 0), (5, 1, 4, 0, 0, 0), (1, 1, 1, 3, 0, 4),
-                                            (3, 2, 2, 2, 0, 3)])
-def test_ptx_gemm_fused_reduce(T, R, BF, S, RB, BS):
-    """The GEMM with the in-kernel k-split reduce (and the cp.async ring when S, the bulk ring when BS) compiles for
-    sm_90: no float64, accumulators and weight fragments in registers."""
+@pytest.mark.parametrize("T,R,BF,S,RB", [(1, 2, 1, 0, 0), (3, 2, 2, 0, 0), (5, 2, 1, 0, 0), (1, 2, 1, 4, 0),
+                                         (3, 2, 2, 4, 0), (9, 1, 2, 3, 0), (3, 2, 2, 3, 1), (9, 1, 2, 2, 1),
+                                         (2, 2, 4, 0, 0), (3, 1, 4, 0, 0), (5, 1, 4, 0, 0)])
+def test_ptx_gemm_fused_reduce(T, R, BF, S, RB):
+    """The GEMM with the in-kernel k-split reduce (and the cp.async ring when S) compiles for sm_90: no float64,
+    accumulators and weight fragments in registers."""
     import re
 
     from numba import types as ty
@@ -158,13 +127,11 @@ def test_ptx_gemm_fused_reduce(T, R, BF, S, RB, BS):
     from kernels.gemm import _build_gemm
     u32, f32 = ty.uint32[::1], ty.float32
     sig = ((f32[::1] if BF == 1 else u32), u32, f32[:, :], f32[:, :, :], u32) + (ty.int32,) * 5
-    ptx = ptx_or_skip(_build_gemm(T, R, 1 if BF == 4 else 2, 2, 1, BF, 1, (256, 2), S, RB, BS).py_func, sig)
+    ptx = ptx_or_skip(_build_gemm(T, R, 1 if BF == 4 else 2, 2, 1, BF, 1, (256, 2), S, RB).py_func, sig)
     assert not f64_lines(ptx), "float64 instructions:\n" + "\n".join(f64_lines(ptx)[:5])
     assert "mma.sync.aligned.m16n8k16" in ptx and "atom.global.add.u32" in ptx
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory"
-    assert ("cp.async.cg.shared.global" in ptx) == bool(S and not BS)
-    assert ("cp.async.bulk.shared::cluster.global" in ptx and "mbarrier.try_wait" in ptx) == bool(BS)
-    assert ("ld.shared.v4" in ptx) == bool(S)
+    assert ("cp.async.cg.shared.global" in ptx and "ld.shared.v4" in ptx) == bool(S)
 
 
 test_simulator = simulator_test(__name__)
@@ -193,22 +160,6 @@ def test_gpu_gemm_cuts(over, m):
             cfg = replace(cfg, R=1)
         if cfg.WR * cfg.WK <= 8 and gemm_smem(T, cfg, 2 * T * cfg.RB) <= SMEM_MAX:
             C.check_gemm(Env(gpu=True), m, n, k, 1 if cfg.AB else 2, cfg)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 17, 33, 65])
-@pytest.mark.parametrize("over", [dict(S=2, BS=4, R=1), dict(S=3, BS=3, R=1, BF=0, FR=1), dict(S=2, BS=8, R=2),
-                                  dict(S=4, BS=2, R=1, WR=1)], ids=str)
-def test_gpu_gemm_bulk(over, m):
-    """Weights through bulk-copy rings on K2 shapes (k split in and across blocks; lm_head without one): right, and
-    bit for bit the register mainloop's result with the same k split."""
-    from dataclasses import replace
-
-    from kernels.gemm import SMEM_MAX, gemm_config, gemm_smem, token_tiles
-    for n, k in (K2_GEMMS["q_kv_a"], K2_GEMMS["shared_down"], K2_GEMMS["kv_b"], (163840, 7168)):   # + lm_head
-        cfg = replace(gemm_config(m, n, k), RB=0, **over)
-        if cfg.WR * cfg.WK <= 8 and gemm_smem(token_tiles(m, cfg), cfg) <= SMEM_MAX:
-            check_gemm_bulk(Env(gpu=True), m, n, k, 1, cfg)
 
 
 @pytest.mark.gpu

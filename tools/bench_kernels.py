@@ -59,7 +59,7 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
 # tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=2: the activations as hi + lo bf16 parts
 # (the default before session 8). Session 8 (then xs=2 by default; % of copy in kernels.gemm's XS_DEFAULT and
 # gemm_config comments): B in a 3-stage ring lost to 2 stages everywhere (lm_head m = 17: 74.8 vs 81.5)
-GEMM_MS = (1, 17, 33, 65)
+GEMM_MS = (1, 9, 17, 33, 65)
 GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
                  "rb2": ((17,), dict(S=2, RB=1)), "rb2w4": ((17, 33), dict(S=2, RB=1, WR=4)),
                  "xs2": ((17, 33, 65), dict(xs=2)),
@@ -67,16 +67,14 @@ GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S
                  "ab": ((1, 9, 17), dict(S=0, RB=0, BF=0, AB=1, xs=1)),
                  "ab_u2": ((17,), dict(S=0, RB=0, BF=0, AB=1, U=2, xs=1)),
                  "ab_r1": ((17, 33, 65), dict(S=0, RB=0, BF=0, AB=1, R=1, xs=1)),   # R=2 spills from 3 m16 tiles
-                 # weights through per-warp bulk-copy rings (GemmConfig.BS): S slots of BS k-steps
-                 "bulk_b4s2": (GEMM_MS, dict(S=2, BS=4, RB=0, R=1)),
-                 "bulk_b4s3": (GEMM_MS, dict(S=3, BS=4, RB=0, R=1)),
-                 "bulk_b8s2": (GEMM_MS, dict(S=2, BS=8, RB=0, R=1)),
-                 "bulk_b2s4": (GEMM_MS, dict(S=4, BS=2, RB=0, R=1)),
-                 "bulk_b4s2_fr": (GEMM_MS, dict(S=2, BS=4, RB=0, R=1, FR=1)),
-                 "bulk_b4s2_r2": (GEMM_MS, dict(S=2, BS=4, RB=0, R=2)),
-                 "bulk_b2s2": (GEMM_MS, dict(S=2, BS=2, RB=0, R=1)),
-                 "bulk_b1s3": (GEMM_MS, dict(S=3, BS=1, RB=0, R=1)),
-                 # the k split from another warp target (gemm_config target_warps; the k order stays a function of n, k)
+                 # session 16: the weights through per-warp rings filled by bulk copies (cp.async.bulk, one per
+                 # row per stage of BS k-steps, an mbarrier per slot; bit for bit the register path's result, GPU
+                 # tests passed; commit 1a68953 has it) lost on every shape and size, % of copy chained at m = 1 /
+                 # 17 (default 47.1 / 35.9 q_kv_a, 73.3 / 65.1 o, 96.4 / 89.3 lm_head): BS=4 S=2 30.6 / 26.4, 47.4
+                 # / 42.3, 84.1 / 49.7; BS=4 S=3 25.1 / 22.6; BS=8 S=2 25.0 / 22.9; BS=2 S=4 28.6 / 24.3; R=2 28.0 /
+                 # 23.7 (bench/h200_2026-11-30j/gemm_bulk.json; not profiled: 256-byte copies, smem-limited warps)
+                 # the k split from another warp target (gemm_config target_warps; the k order stays a function of n, k;
+                 # session 16: kernels/gemm.py TARGET_WARPS took 2112 from these)
                  "tw1k_r1": ((1, 17, 33), dict(tw=1056, R=1)), "tw2k_r1": ((1, 17, 33), dict(tw=2112, R=1)),
                  "tw2k": ((1, 17, 33), dict(tw=2112)), "tw8k": ((1, 17, 33), dict(tw=8192)),
                  "tw2k_r1_u8": ((1,), dict(tw=2112, R=1, U=8)), "tw1k_r1_u8": ((1,), dict(tw=1056, R=1, U=8))}
