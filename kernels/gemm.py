@@ -606,7 +606,7 @@ def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
     wk = next(w for w in (8, 4, 2, 1) if pieces >= 2 * w or w == 1)
     sb = max(1, pieces // wk)
     T = min(math.ceil(m / 8), TILES_MAX)
-    R = 2 if 3 < T <= 5 or (T <= 3 and 2 * n * k >= R2_MIN_BYTES) else 1
+    R = 2 if 3 < T <= 5 or (1 < T <= 3 and 2 * n * k >= R2_MIN_BYTES) else 1
     wr = max(1, 8 // wk)
     U = 8 if T == 1 else (1 if T == 3 else 2)
     # reading f32 x in the kernel saves a launch (wins at one token tile) but costs conversions per tile (loses above;

@@ -287,7 +287,7 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
 
     def run(name, ws_chain, m, n, k, tag, over):
         x, out = dv(cp.random.standard_normal((m, k), dtype=cp.float32)), dv(cp.zeros((m, n), cp.float32))
-        cfg = replace(gemm_config(m, n, k, target_warps=over.get("tw", 4096)),
+        cfg = replace(gemm_config(m, n, k, **({"target_warps": over["tw"]} if "tw" in over else {})),
                       **{f: v for f, v in over.items() if f not in ("xs", "tw")})
         nbytes, xs = n * k * 2, over.get("xs", cfg.XS)
         need = gemm_workspace_words(m, n, k, xs, cfg)
