@@ -112,3 +112,13 @@ def test_ptx_stats_dense_gemm_mainloop():
     ptx, cfg, per_step = dense_gemm_ptx(17, 2112, 7168)
     mma = opcode_counts(hot_block(ptx))["mma"]
     assert per_step == 2 * cfg.R * 3 * cfg.XS and mma and mma % per_step == 0, (mma, per_step, cfg)
+
+
+def test_ptx_stats_load_placement_and_cap():
+    """The load-placement count (global loads of a SASS hot block, those before its first HMMA) and the register cap
+    the tools hand ptxas for a cut's launch bounds (compile_ptx of a py_func drops them)."""
+    from tools.ptx_stats import load_placement, reg_cap
+    block = ["LDG.E.128", "IMAD", "LDG.E.64", "HMMA.16816.F32.BF16", "LDG.E.128", "HMMA.16816.F32.BF16"]
+    assert load_placement(block) == (3, 2)
+    assert load_placement(["LDG.E", "FFMA"]) == (1, 1)       # no mma: every load counts as early
+    assert (reg_cap(128, 4), reg_cap(256, 4), reg_cap(512), reg_cap(32)) == (128, 64, 128, 255)

@@ -46,10 +46,10 @@ def _assemble(ptx, d, *flags):
     return cubin, r.stderr
 
 
-def sass_of(ptx):
-    """SASS text (nvdisasm -c) of a PTX module assembled by ptxas for sm_90."""
+def sass_of(ptx, *flags):
+    """SASS text (nvdisasm -c) of a PTX module assembled by ptxas for sm_90 (extra ptxas flags)."""
     with tempfile.TemporaryDirectory() as d:
-        cubin, _ = _assemble(ptx, d)
+        cubin, _ = _assemble(ptx, d, *flags)
         return subprocess.run([_tools()[1], "-c", cubin], capture_output=True, text=True, check=True).stdout
 
 
@@ -65,12 +65,17 @@ def _tools():
     return ptxas, nvdisasm
 
 
-def ptxas_info(ptx, threads):
+def reg_cap(threads, blocks=1):
+    """Registers per thread when `blocks` blocks of `threads` share the register file (what launch bounds ask for;
+    compile_ptx of a kernel's py_func drops its launch bounds, so the tools pass the cap to ptxas themselves)."""
+    return min(255, 65536 // (threads * blocks) // 8 * 8)
+
+
+def ptxas_info(ptx, threads, blocks=1):
     """ptxas -v's register and spill line for the module, capped as the kernels cap themselves (the register file
-    over `threads`: kernels.mla's max_registers)."""
-    cap = min(255, 65536 // threads // 8 * 8)
+    over `threads` x `blocks`: kernels.mla's max_registers, the expert GEMMs' min_blocks)."""
     with tempfile.TemporaryDirectory() as d:
-        _, err = _assemble(ptx, d, "-v", f"-maxrregcount={cap}")
+        _, err = _assemble(ptx, d, "-v", f"-maxrregcount={reg_cap(threads, blocks)}")
     keep = [ln.split(":", 1)[-1].strip() for ln in err.splitlines() if "registers" in ln or "spill" in ln]
     return " | ".join(keep)
 
@@ -95,6 +100,15 @@ def sass_hot_block(sass):
             cur.append(m.group(1))
     blocks.append(cur)
     return max(blocks, key=lambda b: sum(op.startswith("HMMA") for op in b))
+
+
+def load_placement(block):
+    """(global loads in a SASS hot block, those issued before its first HMMA): the loads a warp has in flight when
+    its first mma of an iteration waits. Under a register cap ptxas issues later steps' loads between the mma of
+    earlier ones, so an unroll of U steps need not put U steps of loads in flight."""
+    first = next((i for i, op in enumerate(block) if op.startswith("HMMA")), len(block))
+    loads = [i for i, op in enumerate(block) if op.startswith("LDG")]
+    return len(loads), sum(i < first for i in loads)
 
 
 def opcode_counts(block):
@@ -185,6 +199,9 @@ def main(argv=None):
     ap.add_argument("--gemm", metavar="NAME:M", help="a K2 dense GEMM (tools.bench_kernels.K2_GEMMS) at M rows")
     ap.add_argument("--cut", metavar="JSON", help='with --gemm: GemmConfig fields to change, e.g. {"AB": 1}')
     ap.add_argument("--mla", metavar="M", type=int, help="the MLA kernel for M query rows: registers, spills, SASS")
+    ap.add_argument("--moe-cut", metavar="JSON", help='expert GEMMs: ExpertConfig fields to change, e.g. {"R": 1, '
+                                                      '"WR": 4, "U": 8} (with --sass: registers, spills and load '
+                                                      'placement at the cut\'s register cap)')
     args = ap.parse_args(argv)
     if args.gemm:
         from tools.bench_kernels import K2_GEMMS
@@ -201,11 +218,22 @@ def main(argv=None):
         print(f"mla M={args.mla}: {16 * rg} rows x {threads} threads, {stages} stages, {smem // 1024} KB shared")
         print(ptxas_info(ptx, threads))
         return
+    import dataclasses
+
+    from kernels.moe import DOWN_CFG, GATE_UP_CFG
     for down in (0, 1):
-        ptx, cfg = expert_gemm_ptx(down)
+        cut = dataclasses.replace(DOWN_CFG if down else GATE_UP_CFG, **json.loads(args.moe_cut or "{}"))
+        ptx, cfg = expert_gemm_ptx(down, cut)
         steps = cfg.U                                   # the unrolled mainloop holds U k-steps
-        print(f"expert {'down' if down else 'gate_up'} (R={cfg.R}, U={cfg.U}): "
-              f"{counts(hot(ptx, args.sass), args.sass, steps)}")
+        name = "down" if down else "gate_up"
+        if not args.sass:
+            print(f"expert {name} (R={cfg.R}, U={cfg.U}): {counts(hot_block(ptx), False, steps)}")
+            continue
+        threads, blocks = 32 * cfg.WR * cfg.WK, max(1, cfg.min_blocks)
+        block = sass_hot_block(sass_of(ptx, f"-maxrregcount={reg_cap(threads, blocks)}"))
+        nld, early = load_placement(block)
+        print(f"expert {name} {cfg}: {counts(block, True, steps)}\n  {ptxas_info(ptx, threads, blocks)}\n"
+              f"  hot loop: {nld} global loads, {early} before its first mma")
 
 
 if __name__ == "__main__":
