@@ -212,6 +212,10 @@ def main(argv=None):
         block = hot(ptx, args.sass)
         steps = sum(op.lower().startswith(("hmma", "mma")) for op in block) / mma
         print(f"gemm {name} m={m or 1} {cfg}: {counts(block, args.sass, steps)}")
+        if args.sass:
+            threads, blocks = 32 * cfg.WR * cfg.WK, max(1, cfg.MB)
+            nld, early = load_placement(sass_hot_block(sass_of(ptx, f"-maxrregcount={reg_cap(threads, blocks)}")))
+            print(f"  {ptxas_info(ptx, threads, blocks)}\n  hot loop: {nld} global loads, {early} before its first mma")
         return
     if args.mla:
         ptx, (rg, kg, stages, threads, smem) = mla_ptx(args.mla)
