@@ -15,19 +15,21 @@ import json
 import math
 from pathlib import Path
 
-from kernels.gemm import MAX_WARPS, SMALL_WEIGHTS, gemm_config
+from kernels.gemm import MAX_WARPS, SMALL_WEIGHTS, TARGET_WARPS, gemm_config
 from tools.bench import ROOT, copy_bandwidth, run_case
 
 
 def big(**over):
     """The cut for large weights (prep launch and k-split reduce launch above one token tile), with `over`."""
-    return lambda m, n, k, target_warps=4096: dataclasses.replace(gemm_config(m, n, k, target_warps, small=0), **over)
+    def rule(m, n, k, target_warps=TARGET_WARPS):
+        return dataclasses.replace(gemm_config(m, n, k, target_warps, small=0), **over)
+    return rule
 
 
 def small_r2(max_tiles):
     """The small-weights cut with two row tiles per warp (half the blocks) up to `max_tiles` token tiles: the default
     before session 6 (max_tiles 5); R=1 (the default now) won on the pair's AR and DDTree rounds at 1 and 3 tiles."""
-    def rule(m, n, k, target_warps=4096, small=None):
+    def rule(m, n, k, target_warps=TARGET_WARPS, small=None):
         cfg = gemm_config(m, n, k, target_warps, small)
         if 2 * n * k >= (SMALL_WEIGHTS if small is None else small) or math.ceil(m / 8) > max_tiles:
             return cfg
