@@ -99,8 +99,8 @@ def check_args(mode, budget, max_new_tokens, temperature, drafter):
         raise ValueError(f"budget: {budget!r} is not an integer in 0..{MAX_BUDGET} (drafted tree nodes per round)")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
-    if not temperature >= 0:
-        raise ValueError(f"temperature: must be >= 0, got {temperature!r}")
+    if not 0 <= temperature < float("inf"):
+        raise ValueError(f"temperature: must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if mode != "ar" and drafter is None:
         raise ValueError(f"mode {mode!r} needs a draft model (none is loaded); use mode 'ar' without one")
 

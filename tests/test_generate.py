@@ -275,6 +275,8 @@ def test_stats(pair):
     (dict(prompt="hello"), "^prompt: 'hello' is not a list of token ids"),
     (dict(n=0), "^max_new_tokens:"),
     (dict(temperature=-1.0), "^temperature:"),
+    (dict(temperature=float("nan")), "^temperature: must be a finite number"),
+    (dict(temperature=float("inf")), "^temperature: must be a finite number"),
     (dict(drafter=None), "needs a draft model"),
 ])
 def test_bad_arguments(pair, kw, match):
