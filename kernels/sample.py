@@ -37,6 +37,30 @@ def uniform(seed, seq, pos, vocab):
     return unit(z, v & np.uint64(1))
 
 
+NOISE_GROUP = 64        # ids per noise-bound group (32 hash pairs): noise_bound_ref / noise_bound_kernel
+NOISE_BOUNDS = False    # the tree round samples with per-(seq, pos) noise bounds (kernels.tree); not timed on a GPU yet
+
+
+def noise_groups(vocab):
+    return -(-vocab // NOISE_GROUP)
+
+
+def noise_bound_ref(seed, seq, pos, vocab):
+    """f32[noise_groups(vocab)]: per group of NOISE_GROUP ids, an upper bound on the largest Gumbel noise of its ids
+    under (seed, seq, pos): (clz(2^23 - 1 - k) - 8) ln 2 for the group's largest 23-bit draw k (see _bound_skips)."""
+    with np.errstate(over="ignore"):
+        h = mix64(np.uint64(seed) ^ mix64(np.uint64(seq) ^ mix64(np.uint64(pos) + np.uint64(0x5851F42D))))
+        v = np.arange(vocab, dtype=np.uint64)
+        z = mix64(h ^ (v >> np.uint64(1)))
+    half = np.where(v & np.uint64(1), z & np.uint64(0xFFFFFFFF), z >> np.uint64(32))
+    k = (half >> np.uint64(9)).astype(np.int64)
+    kmax = np.full(noise_groups(vocab) * NOISE_GROUP, 0, np.int64)
+    kmax[:vocab] = k
+    j = (2 ** 23 - 1 - kmax.reshape(-1, NOISE_GROUP).max(axis=1)).astype(np.uint32)
+    clz = 32 - np.where(j > 0, np.floor(np.log2(np.maximum(j, 1))).astype(np.int64) + 1, 0)
+    return ((clz - 8).astype(np.float32) * np.float32(0.6931472)).astype(np.float32)
+
+
 def gumbel(seed, seq, pos, vocab):
     return -np.log(-np.log(uniform(seed, seq, pos, vocab)))
 
@@ -100,24 +124,58 @@ _PAIR_IDS = 2 * SCAN_UNROLL
 
 
 @cuda.jit(device=True, inline="always")
-def _bound_skips(xt, k, floor):
-    """True when id value xt = x / T with the draw u = (k + 1/2) 2^-23 provably stays below `floor` (a value some
-    id of the row reaches) whatever its noise: -log(-log u) <= -log(1 - u) (since -log u >= 1 - u), and with
-    j = 2^23 - 1 - k, 1 - u = (j + 1/2) 2^-23 >= 2^-(clz(j) - 8), so -log(1 - u) <= (clz(j) - 8) ln 2 (24 ln 2 at
-    j = 0): integer work, no log; plus a margin far above the roundings of x / T. Such an id skips the two logs."""
+def _noise_bound(k):
+    """Upper bound on the Gumbel noise -log(-log u) of the draw u = (k + 1/2) 2^-23: -log(-log u) <= -log(1 - u)
+    (since -log u >= 1 - u), and with j = 2^23 - 1 - k, 1 - u = (j + 1/2) 2^-23 >= 2^-(clz(j) - 8), so
+    -log(1 - u) <= (clz(j) - 8) ln 2 (24 ln 2 at j = 0): integer work, no log; increasing in k."""
     j = int32(int32(0x7FFFFF) - k)                  # (int32 - int32 is int64 in numba: clz would count 64 bits)
-    bound = xt + float32(int32(cuda.clz(j) - 8)) * float32(0.6931472)   # float32(ln 2) > ln 2
-    return bound + (abs(xt) + abs(floor)) * float32(1e-6) + float32(1e-3) < floor
+    return float32(int32(cuda.clz(j) - 8)) * float32(0.6931472)   # float32(ln 2) > ln 2
 
 
 @cuda.jit(device=True, inline="always")
-def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec):
+def _stays_below(xt, bound, floor):
+    """xt + noise <= xt + bound provably stays below `floor` (a value some id of the row reaches), with a margin far
+    above the roundings of x / T."""
+    return xt + bound + (abs(xt) + abs(floor)) * float32(1e-6) + float32(1e-3) < floor
+
+
+@cuda.jit(device=True, inline="always")
+def _bound_skips(xt, k, floor):
+    """True when id value xt = x / T with the draw k provably stays below `floor` whatever its noise: such an id
+    skips the two logs."""
+    return _stays_below(xt, _noise_bound(k), floor)
+
+
+@cuda.jit
+def noise_bound_kernel(seed, key_seq, key_pos, vocab, bnd):
+    """Thread per (id group g, noise key q), grid (ceil(groups / 256), keys), block 256: bnd[q, g] = the noise bound
+    of the largest draw among ids [64g, 64g + 64) under (seed, key_seq[q], key_pos[q]) (noise_bound_ref): 32 pair
+    hashes per thread. Moves only bnd (4 bytes per group and key)."""
+    g, q = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, cuda.blockIdx.y
+    if g >= bnd.shape[1]:
+        return
+    h = row_key(seed, key_seq[q], key_pos[q])
+    kmax = int32(0)
+    for p in range(NOISE_GROUP // 2):
+        v = g * NOISE_GROUP + 2 * p
+        if v < vocab:
+            z = mix64_dev(h ^ uint64(v >> 1))
+            kmax = max(kmax, _bits23(z, 0))
+            if v + 1 < vocab:
+                kmax = max(kmax, _bits23(z, 1))
+    bnd[q, g] = _noise_bound(kmax)
+
+
+@cuda.jit(device=True, inline="always")
+def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec, bnd, kr):
     """This thread's best (value, index) over its ids of logits[i, lo:hi] (the block steps over the range with
     SCAN_UNROLL ids per thread per step, each thread's ids in increasing order: its first hit has the lowest
     index); (-inf, V) if none; lo even. Greedy with vec (rows contiguous, 16-byte aligned, lo and hi multiples of
     4): SCAN_UNROLL 16-byte loads per step, 4 ids each. Else SCAN_UNROLL id pairs (2m, 2m + 1) per step, one noise
     hash per pair (uniform); ids that _bound_skips against the warp's best so far skip the logs, so the winner and
-    its value are those of computing every id. Every lane of a warp must call it (warp max inside)."""
+    its value are those of computing every id. With kr >= 0 (row kr of a noise_bound_kernel table bnd for this
+    row's noise key), a pair whose two ids stay below that best under their group's bound skips the hash too.
+    Every lane of a warp must call it (warp max inside)."""
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     bv, bi = float32(-math.inf), int32(logits.shape[1])
     if greedy and vec:
@@ -150,6 +208,11 @@ def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec):
             v = base + 2 * (u * nt + t)               # even: ids v and v + 1 share a hash
             if v >= hi:
                 continue
+            if kr >= 0 and not greedy:                # the group's bound (NOISE_GROUP even: one group per pair)
+                gb = bnd[kr, v // NOISE_GROUP]
+                if _stays_below(xs[2 * u] * inv_t, gb, floor) and (
+                        v + 1 >= hi or _stays_below(xs[2 * u + 1] * inv_t, gb, floor)):
+                    continue
             z = mix64_dev(hkey ^ uint64(v >> 1)) if not greedy else uint64(0)
             for e in range(2):
                 if v + e >= hi:
@@ -170,13 +233,25 @@ def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec):
     return bv, bi
 
 
+@cuda.jit(device=True, inline="always")
+def _key_row(i, seq, pos, bnd, krow, key_seq, key_pos):
+    """Row of the noise-bound table for row i, or -1: none given (an empty krow), or its key is not row i's own
+    (seq, pos): a wrong table row would bound the wrong noise, so it is not used."""
+    if krow.shape[0] == 0:
+        return int32(-1)
+    q = krow[i]
+    ok = 0 <= q < bnd.shape[0] and key_seq[q] == seq[i] and key_pos[q] == pos[i]
+    return q if ok else int32(-1)
+
+
 @cuda.jit
-def sample_kernel(logits, temperature, greedy, seed, seq, pos, vec, out):
+def sample_kernel(logits, temperature, greedy, seed, seq, pos, vec, bnd, krow, key_seq, key_pos, out):
     """Block per row, SAMPLE_THREADS threads strided over the vocabulary: argmax of logits (greedy) or of
     logits / temperature + gumbel noise; lowest index wins ties. Bytes: the logits once."""
     i, t = cuda.blockIdx.x, cuda.threadIdx.x
     V = logits.shape[1]
-    bv, bi = _scan(logits, i, 0, V, temperature, greedy, row_key(seed, seq[i], pos[i]), vec)
+    kr = _key_row(i, seq, pos, bnd, krow, key_seq, key_pos)
+    bv, bi = _scan(logits, i, 0, V, temperature, greedy, row_key(seed, seq[i], pos[i]), vec, bnd, kr)
     bv, bi = block_argmax(bv, bi)
     if t == 0:
         out[i] = bi if bi < V else int32(0)
@@ -191,12 +266,13 @@ def _chunk(V, c, C):
 
 
 @cuda.jit
-def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, vec, best):
+def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, vec, bnd, krow, key_seq, key_pos, best):
     """Block per (vocabulary chunk c, row i), grid (C, n): the chunk's winner as order_key(value, id) in
     best u64[>= n, >= C] (value -inf, id V when the chunk has none). Bytes: the logits once."""
     c, i, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     lo, hi = _chunk(logits.shape[1], c, cuda.gridDim.x)
-    bv, bi = _scan(logits, i, lo, hi, temperature, greedy, row_key(seed, seq[i], pos[i]), vec)
+    kr = _key_row(i, seq, pos, bnd, krow, key_seq, key_pos)
+    bv, bi = _scan(logits, i, lo, hi, temperature, greedy, row_key(seed, seq[i], pos[i]), vec, bnd, kr)
     bv, bi = block_argmax(bv, bi)
     if t == 0:
         best[i, c] = order_key(bv, bi)
@@ -233,18 +309,39 @@ def _rows_16b(logits):
     return logits.shape[1] % 4 == 0 and contiguous(logits) and _address(logits) % 16 == 0
 
 
-def sample(logits, temperature, seed, seq, pos, out, work=None):
+def sample(logits, temperature, seed, seq, pos, out, work=None, noise=None):
     """sample_ref on the GPU or the simulator: logits f32[n, V], seq i32[n], pos i32[n] -> out i32[n].
     work (sample_work, >= n rows): split every row over vocabulary chunks (sample_part_kernel, then
     sample_merge_kernel), for when n rows alone cannot fill the GPU; without it, one block per row. Greedy rows
-    are read with 16-byte loads where _rows_16b allows."""
+    are read with 16-byte loads where _rows_16b allows.
+    noise = (bnd f32[keys, noise_groups(V)], krow i32[n], key_seq i32[keys], key_pos i32[keys]): rows that share a
+    noise key (a tree's nodes of one depth) share one table of per-group noise bounds, made first by
+    noise_bound_kernel (one hash per id pair per KEY, not per row); a row skips the hashes of the pairs that
+    provably cannot win. krow[i] names row i's key; a row whose named key is not its own (seq, pos) ignores the
+    table. Same result as without."""
     n, V = logits.shape
     if seq.shape != (n,) or pos.shape != (n,) or out.shape != (n,):
         raise ValueError(f"sample: seq {seq.shape}, pos {pos.shape}, out {out.shape} must be [{n}]")
     if work is not None and (work.shape[0] < n or work.shape[1] != SAMPLE_CHUNKS):
         raise ValueError(f"sample: work {work.shape} is not [>= {n}, {SAMPLE_CHUNKS}] (sample_work)")
     greedy = temperature == 0
-    args = (logits, float32(1 if greedy else temperature), greedy, uint64(seed), seq, pos, greedy and _rows_16b(logits))
+    if noise is not None:
+        bnd, krow, key_seq, key_pos = noise
+        keys = bnd.shape[0]
+        if bnd.shape[1:] != (noise_groups(V),) or krow.shape != (n,) or key_seq.shape != (keys,) or \
+                key_pos.shape != (keys,):
+            raise ValueError(f"sample: noise table {bnd.shape}, krow {krow.shape}, keys {key_seq.shape} / "
+                             f"{key_pos.shape} do not fit {n} rows of {V} ids ([keys, {noise_groups(V)}], [{n}], "
+                             f"[keys])")
+        if greedy or not n:
+            noise = None
+        elif keys:
+            launch(noise_bound_kernel, (-(-bnd.shape[1] // 256), keys), 256, uint64(seed), key_seq, key_pos,
+                   int32(V), bnd)
+    if noise is None:      # no table: views of the call's own arrays (no allocation; an empty krow means none)
+        bnd, krow, key_seq, key_pos = logits[:1, :1], seq[:0], seq, pos
+    args = (logits, float32(1 if greedy else temperature), greedy, uint64(seed), seq, pos,
+            greedy and _rows_16b(logits), bnd, krow, key_seq, key_pos)
     if n and work is None:
         launch(sample_kernel, n, SAMPLE_THREADS, *args, out)
     elif n:
