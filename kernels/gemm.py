@@ -594,8 +594,7 @@ def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
     Per token tiles T, from tools/bench_kernels.py on the H200 (K2 shapes, m = 1, 17, 33; session 16 changed R and U,
     see TARGET_WARPS): above one tile, 256-thread blocks capped at 128 registers (MB=2: uncapped lost
     12-30% except on kv_a and lm_head at T=3) and the k-split reduce as its own launch (the in-GEMM last-block
-    reduce lost 1-7 us there, within 0.7 us at T=1); U=1 at
-    T=3 (2-19% faster; lost up to 19% at T=5).
+    reduce lost 1-7 us there, within 0.7 us at T=1); U=1 at T=3 (2-19% faster; lost up to 19% at T=5).
     cp.async weight ring (S=4) only at one token tile without a k split, measured on the H200 (tools/bench_kernels.py,
     % of copy, ring vs registers): lm_head m=1 94.2 vs 89.9; with a k split it lost 13-27 points at m=1 (o 59.4 vs
     75.9, q_b 49.5 vs 76.3, kv_b 51.0 vs 73.2, shared_down 44.2 vs 65.6); above one tile it lost up to 10 points
