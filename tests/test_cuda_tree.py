@@ -165,7 +165,7 @@ def check_sample_split(env, n=5, V=700, temperatures=(0, 0.7, 1.0), seed=6):
         assert env.host(out).tolist() == want.tolist(), f"temperature {t}"
 
 
-def check_sample_noise_bounds(env, V=1536, t=0.7, seed=7):
+def check_sample_noise_bounds(env, V=1024, t=0.7, seed=7):
     """sample with a per-key noise-bound table (tree rows: nodes of one depth share (seq, pos)) == sample_ref; the
     table == noise_bound_ref. Through sample() (split rows; a row whose krow names another key ignores the table),
     then one chunk per row (a block steps over the row: the skips start after its first step). Rows: x / T = -noise
@@ -187,7 +187,7 @@ def check_sample_noise_bounds(env, V=1536, t=0.7, seed=7):
         first = 2 * SCAN_UNROLL * SPLIT_THREADS                                # ids of a block's first step
         w = first + int(np.argmin(slack[first:]))
         logits[r] = (t * (-g + 0.01 * rng.normal(size=V))).astype(np.float32)
-        logits[r, w], logits[r, w ^ 1] = t * (-g[w] + 0.1), -1000.0                # (its pair partner far below)
+        logits[r, w], logits[r, w ^ 1] = t * (-g[w] + 0.05), -1000.0               # (its pair partner far below)
     logits[1] = 0.0                                                              # flat: the largest noise wins
     logits[2] *= 10                                                              # peaked
     logits[4, ::3] = -np.inf
