@@ -244,19 +244,6 @@ def _key_row(i, seq, pos, bnd, krow, key_seq, key_pos):
     return q if ok else int32(-1)
 
 
-@cuda.jit
-def sample_kernel(logits, temperature, greedy, seed, seq, pos, vec, bnd, krow, key_seq, key_pos, out):
-    """Block per row, SAMPLE_THREADS threads strided over the vocabulary: argmax of logits (greedy) or of
-    logits / temperature + gumbel noise; lowest index wins ties. Bytes: the logits once."""
-    i, t = cuda.blockIdx.x, cuda.threadIdx.x
-    V = logits.shape[1]
-    kr = _key_row(i, seq, pos, bnd, krow, key_seq, key_pos)
-    bv, bi = _scan(logits, i, 0, V, temperature, greedy, row_key(seed, seq[i], pos[i]), vec, bnd, kr)
-    bv, bi = block_argmax(bv, bi)
-    if t == 0:
-        out[i] = bi if bi < V else int32(0)
-
-
 @cuda.jit(device=True, inline="always")
 def _chunk(V, c, C):
     """Ids [lo, hi) of vocabulary chunk c of C (chunk widths a multiple of 4: 16-byte loads stay aligned)."""
@@ -265,17 +252,37 @@ def _chunk(V, c, C):
     return lo, min(lo + width, V)
 
 
-@cuda.jit
-def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, vec, bnd, krow, key_seq, key_pos, best):
-    """Block per (vocabulary chunk c, row i), grid (C, n): the chunk's winner as order_key(value, id) in
-    best u64[>= n, >= C] (value -inf, id V when the chunk has none). Bytes: the logits once."""
-    c, i, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    lo, hi = _chunk(logits.shape[1], c, cuda.gridDim.x)
-    kr = _key_row(i, seq, pos, bnd, krow, key_seq, key_pos)
-    bv, bi = _scan(logits, i, lo, hi, temperature, greedy, row_key(seed, seq[i], pos[i]), vec, bnd, kr)
-    bv, bi = block_argmax(bv, bi)
-    if t == 0:
-        best[i, c] = order_key(bv, bi)
+def _row_kernels(noise):
+    """(sample_kernel, sample_part_kernel) reading the noise-bound table (noise=True) or with its lookups compiled
+    out (the split kernel holds 64 registers instead of 70); both take the table's arguments."""
+    @cuda.jit
+    def sample_kernel(logits, temperature, greedy, seed, seq, pos, vec, bnd, krow, key_seq, key_pos, out):
+        """Block per row, SAMPLE_THREADS threads strided over the vocabulary: argmax of logits (greedy) or of
+        logits / temperature + gumbel noise; lowest index wins ties. Bytes: the logits once."""
+        i, t = cuda.blockIdx.x, cuda.threadIdx.x
+        V = logits.shape[1]
+        kr = _key_row(i, seq, pos, bnd, krow, key_seq, key_pos) if noise else int32(-1)
+        bv, bi = _scan(logits, i, 0, V, temperature, greedy, row_key(seed, seq[i], pos[i]), vec, bnd, kr)
+        bv, bi = block_argmax(bv, bi)
+        if t == 0:
+            out[i] = bi if bi < V else int32(0)
+
+    @cuda.jit
+    def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, vec, bnd, krow, key_seq, key_pos, best):
+        """Block per (vocabulary chunk c, row i), grid (C, n): the chunk's winner as order_key(value, id) in
+        best u64[>= n, >= C] (value -inf, id V when the chunk has none). Bytes: the logits once."""
+        c, i, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+        lo, hi = _chunk(logits.shape[1], c, cuda.gridDim.x)
+        kr = _key_row(i, seq, pos, bnd, krow, key_seq, key_pos) if noise else int32(-1)
+        bv, bi = _scan(logits, i, lo, hi, temperature, greedy, row_key(seed, seq[i], pos[i]), vec, bnd, kr)
+        bv, bi = block_argmax(bv, bi)
+        if t == 0:
+            best[i, c] = order_key(bv, bi)
+    return sample_kernel, sample_part_kernel
+
+
+sample_kernel, sample_part_kernel = _row_kernels(False)
+sample_kernel_noise, sample_part_kernel_noise = _row_kernels(True)
 
 
 @cuda.jit
@@ -342,10 +349,12 @@ def sample(logits, temperature, seed, seq, pos, out, work=None, noise=None):
         bnd, krow, key_seq, key_pos = logits[:1, :1], seq[:0], seq, pos
     args = (logits, float32(1 if greedy else temperature), greedy, uint64(seed), seq, pos,
             greedy and _rows_16b(logits), bnd, krow, key_seq, key_pos)
+    rows_k, part_k = (sample_kernel_noise, sample_part_kernel_noise) if noise is not None else (sample_kernel,
+                                                                                                 sample_part_kernel)
     if n and work is None:
-        launch(sample_kernel, n, SAMPLE_THREADS, *args, out)
+        launch(rows_k, n, SAMPLE_THREADS, *args, out)
     elif n:
         C = sample_chunks(n, V)
-        launch(sample_part_kernel, (C, n), SPLIT_THREADS, *args, work)
+        launch(part_k, (C, n), SPLIT_THREADS, *args, work)
         launch(sample_merge_kernel, -(-n // MERGE_ROWS), 32 * MERGE_ROWS, work, int32(C), int32(V), out)
     return out

@@ -173,7 +173,8 @@ def check_sample_noise_bounds(env, V=1024, t=0.7, seed=7):
     than the true one by that slack skips it), flat, peaked, -inf."""
     from kernels.device import launch
     from kernels.sample import (MERGE_ROWS, NOISE_GROUP, SCAN_UNROLL, SPLIT_THREADS, gumbel, noise_bound_ref,
-                                noise_groups, sample, sample_merge_kernel, sample_part_kernel, sample_ref, sample_work)
+                                noise_groups, sample, sample_merge_kernel, sample_part_kernel_noise, sample_ref,
+                                sample_work)
     rng = np.random.default_rng(seed)
     n, keys = 5, 3
     key_seq, key_pos = np.array([3, 3, 5], np.int32), np.array([40, 41, 40], np.int32)
@@ -202,7 +203,7 @@ def check_sample_noise_bounds(env, V=1024, t=0.7, seed=7):
     for q in range(keys):
         assert np.array_equal(env.host(bnd)[q], noise_bound_ref(99, key_seq[q], key_pos[q], V)), f"key {q}"
     out = env.dev(np.full(n, -1, np.int32))
-    launch(sample_part_kernel, (1, n), SPLIT_THREADS, dl, np.float32(t), False, np.uint64(99), ds, dp, False,
+    launch(sample_part_kernel_noise, (1, n), SPLIT_THREADS, dl, np.float32(t), False, np.uint64(99), ds, dp, False,
            *noise, work)
     launch(sample_merge_kernel, -(-n // MERGE_ROWS), 32 * MERGE_ROWS, work, np.int32(1), np.int32(V), out)
     assert env.host(out).tolist() == want.tolist(), "one chunk per row"
@@ -308,6 +309,8 @@ SIGS = {
 SAMPLE_SIGS = {
     "sample_part_kernel": "void(float32[:,::1], float32, boolean, uint64, int32[::1], int32[::1], boolean, "
                           "float32[:,::1], int32[::1], int32[::1], int32[::1], uint64[:,::1])",
+    "sample_part_kernel_noise": "void(float32[:,::1], float32, boolean, uint64, int32[::1], int32[::1], boolean, "
+                                "float32[:,::1], int32[::1], int32[::1], int32[::1], uint64[:,::1])",
     "noise_bound_kernel": "void(uint64, int32[::1], int32[::1], int32, float32[:,::1])",
     "sample_merge_kernel": "void(uint64[:,::1], int32, int32, int32[::1])",
 }
@@ -319,7 +322,7 @@ def test_ptx_sample_split(name):
     ptx = ptx_or_skip(getattr(S, name).py_func, SAMPLE_SIGS[name])
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
     assert ".local" not in ptx, "registers spilled to local memory"
-    if name == "sample_part_kernel":
+    if name.startswith("sample_part_kernel"):
         assert "ld.global.nc.v4" in ptx, "greedy rows: no 16-byte loads"
 
 
