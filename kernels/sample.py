@@ -19,22 +19,31 @@ def mix64(z):
     return z ^ (z >> np.uint64(31))
 
 
-def unit(z, odd=0):
-    """Hashes z u64[...] -> u f32 = (k + 1/2) 2^-23 from 23 of their bits k (63-41 where odd is 0, 31-9 where it
-    is 1): exact in float32, so 0 < u < 1. (With 24 bits, k = 2^24 - 1 rounded up to u = 1.0, an infinite Gumbel:
-    that id won whatever its logit, in about 1% of the rows of a 163840-id vocabulary.)"""
+def bits23(z, odd=0):
+    """Hashes z u64[...] -> their 23-bit draws k: bits 63-41 where odd is 0, 31-9 where it is 1."""
     half = np.where(np.asarray(odd) != 0, z & np.uint64(0xFFFFFFFF), z >> np.uint64(32))
-    return ((half >> np.uint64(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
+    return half >> np.uint64(9)
 
 
-def uniform(seed, seq, pos, vocab):
-    """u f32[vocab] in (0, 1) for one (seed, seq, pos): ids 2m and 2m + 1 share the hash mix64(h ^ m) and take
-    disjoint halves of it (unit), one hash per two ids."""
+def unit(z, odd=0):
+    """Hashes z u64[...] -> u f32 = (k + 1/2) 2^-23 from their draws k (bits23): exact in float32, so 0 < u < 1.
+    (With 24 bits, k = 2^24 - 1 rounded up to u = 1.0, an infinite Gumbel: that id won whatever its logit, in about
+    1% of the rows of a 163840-id vocabulary.)"""
+    return (bits23(z, odd).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
+
+
+def pair_hashes(seed, seq, pos, vocab):
+    """(z u64[vocab], odd u64[vocab]) for one (seed, seq, pos): ids 2m and 2m + 1 share the hash mix64(h ^ m) and
+    take disjoint halves of it (odd = id & 1), one hash per two ids."""
     with np.errstate(over="ignore"):
         h = mix64(np.uint64(seed) ^ mix64(np.uint64(seq) ^ mix64(np.uint64(pos) + np.uint64(0x5851F42D))))
         v = np.arange(vocab, dtype=np.uint64)
-        z = mix64(h ^ (v >> np.uint64(1)))
-    return unit(z, v & np.uint64(1))
+        return mix64(h ^ (v >> np.uint64(1))), v & np.uint64(1)
+
+
+def uniform(seed, seq, pos, vocab):
+    """u f32[vocab] in (0, 1) for one (seed, seq, pos) (pair_hashes, unit)."""
+    return unit(*pair_hashes(seed, seq, pos, vocab))
 
 
 NOISE_GROUP = 64        # ids per noise-bound group (32 hash pairs): noise_bound_ref / noise_bound_kernel
@@ -47,17 +56,11 @@ def noise_groups(vocab):
 
 def noise_bound_ref(seed, seq, pos, vocab):
     """f32[noise_groups(vocab)]: per group of NOISE_GROUP ids, an upper bound on the largest Gumbel noise of its ids
-    under (seed, seq, pos): (clz(2^23 - 1 - k) - 8) ln 2 for the group's largest 23-bit draw k (see _bound_skips)."""
-    with np.errstate(over="ignore"):
-        h = mix64(np.uint64(seed) ^ mix64(np.uint64(seq) ^ mix64(np.uint64(pos) + np.uint64(0x5851F42D))))
-        v = np.arange(vocab, dtype=np.uint64)
-        z = mix64(h ^ (v >> np.uint64(1)))
-    half = np.where(v & np.uint64(1), z & np.uint64(0xFFFFFFFF), z >> np.uint64(32))
-    k = (half >> np.uint64(9)).astype(np.int64)
-    kmax = np.full(noise_groups(vocab) * NOISE_GROUP, 0, np.int64)
-    kmax[:vocab] = k
-    j = (2 ** 23 - 1 - kmax.reshape(-1, NOISE_GROUP).max(axis=1)).astype(np.uint32)
-    clz = 32 - np.where(j > 0, np.floor(np.log2(np.maximum(j, 1))).astype(np.int64) + 1, 0)
+    under (seed, seq, pos): (clz(2^23 - 1 - k) - 8) ln 2 for the group's largest draw k (see _noise_bound)."""
+    k = np.zeros(noise_groups(vocab) * NOISE_GROUP, np.int64)
+    k[:vocab] = bits23(*pair_hashes(seed, seq, pos, vocab))
+    j = 2 ** 23 - 1 - k.reshape(-1, NOISE_GROUP).max(axis=1)
+    clz = 32 - np.frexp(j.astype(np.float64))[1]              # frexp's exponent is j's bit length (0 for j = 0)
     return ((clz - 8).astype(np.float32) * np.float32(0.6931472)).astype(np.float32)
 
 

@@ -123,6 +123,21 @@ def reps_for(nbytes, budget_ms=40.0):
     return int(min(200, max(5, budget_ms / max(nbytes / 4e9, 1e-3))))
 
 
+def chain_copies(nbytes):
+    """Distinct copies of an op's nbytes of weights a chain cycles through: more than CHAIN_BYTES in all (<= 32)."""
+    return max(1, min(32, -(-CHAIN_BYTES // nbytes)))
+
+
+def chained_ms(cp, call, copies, nbytes):
+    """ms per call of one graph of max(CHAIN_MIN, copies) calls back to back, call(i) on copy i % copies."""
+    calls = max(CHAIN_MIN, copies)
+
+    def chain():
+        for i in range(calls):
+            call(i % copies)
+    return timed(cp, chain, max(2, reps_for(nbytes) // calls))[0] / calls
+
+
 def copy_bandwidth(cp, nbytes=2 << 30):
     """Device-to-device copy GB/s counting bytes read + written (the 100% line); best of cudaMemcpy and a copy
     kernel."""
@@ -199,15 +214,10 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
             for f in parts.values():
                 f()
 
-        chain_parts = [layer_parts(*a[1:]) for a in layers]
-
-        def chained():
-            for p in chain_parts:
-                for f in p.values():
-                    f()
+        chain_parts = [list(layer_parts(*a[1:]).values()) for a in layers]
         reps = reps_for(nbytes)
         g_ms, e_ms = timed(cp, full, reps)
-        c_ms = timed(cp, chained, max(2, reps // CHAIN_MIN))[0] / CHAIN_MIN
+        c_ms = chained_ms(cp, lambda i: [f() for f in chain_parts[i]], CHAIN_MIN, nbytes)
         c_bytes = np.mean([a[0] for a in layers]) * EXPERT_BYTES
         row = dict(op="moe_int4", tag=tag, n=n, xs=xs, distinct_experts=distinct, bytes=nbytes, graph_ms=g_ms,
                    eager_ms=e_ms, gbps=nbytes / g_ms / 1e6, pct_copy_single=100 * nbytes / g_ms / 1e6 / copy_bw,
@@ -301,12 +311,7 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
             return 0.0
         w = ws_chain[0]
         g_ms, e_ms = timed(cp, lambda: gemm(x, w, out, ws, xs=xs, cfg=cfg), reps_for(nbytes))
-        calls = max(CHAIN_MIN, len(ws_chain))
-
-        def chained():
-            for i in range(calls):
-                gemm(x, ws_chain[i % len(ws_chain)], out, ws, xs=xs, cfg=cfg)
-        c_ms = timed(cp, chained, max(2, reps_for(nbytes) // calls))[0] / calls
+        c_ms = chained_ms(cp, lambda i: gemm(x, ws_chain[i], out, ws, xs=xs, cfg=cfg), len(ws_chain), nbytes)
         row = dict(op="gemm", name=name, tag=tag, m=m, n=n, k=k, xs=xs, cfg=cfg.__dict__, bytes=nbytes,
                    graph_ms=g_ms, eager_ms=e_ms, pct_copy_single=100 * nbytes / g_ms / 1e6 / copy_bw,
                    chain_ms=c_ms, chain_copies=len(ws_chain), gbps=nbytes / c_ms / 1e6,
@@ -319,7 +324,7 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
 
     for name, (n, k) in K2_GEMMS.items():
         w0 = rand_bf16(cp, (n, k), 0.02)
-        w = [dv(w0)] + [dv(w0.copy()) for _ in range(1, min(32, -(-CHAIN_BYTES // (2 * n * k))))]
+        w = [dv(w0)] + [dv(w0.copy()) for _ in range(1, chain_copies(2 * n * k))]
         best = {m: ("default", run(name, w, m, n, k, "default", {})) for m in GEMM_MS}
         for tag, (ms, over) in ({} if quick or name in GEMM_DEFAULT_ONLY else _chosen(GEMM_VARIANTS, tags)).items():
             for m in ms:
@@ -369,13 +374,9 @@ def bench_read_floor(cp, cuda, results, copy_bw):
     out = dv(cp.zeros(1, cp.uint32))
     for mb in READ_MB:
         nwords = (mb << 20) // 4
-        ws = [dv(cp.zeros(nwords, cp.uint32)) for _ in range(max(1, min(32, -(-CHAIN_BYTES // (4 * nwords)))))]
-        calls = max(CHAIN_MIN, len(ws))
-
-        def chained():
-            for i in range(calls):
-                launch(read_k, 4 * sms, 512, ws[i % len(ws)], out, np.int32(nwords))
-        c_ms = timed(cp, chained, max(2, reps_for(4 * nwords) // calls))[0] / calls
+        ws = [dv(cp.zeros(nwords, cp.uint32)) for _ in range(chain_copies(4 * nwords))]
+        c_ms = chained_ms(cp, lambda i: launch(read_k, 4 * sms, 512, ws[i], out, np.int32(nwords)), len(ws),
+                          4 * nwords)
         row = dict(op="read", mb=mb, bytes=4 * nwords, chain_ms=c_ms, gbps=4 * nwords / c_ms / 1e6,
                    pct_copy=100 * 4 * nwords / c_ms / 1e6 / copy_bw)
         results.setdefault("read_floor", []).append(row)

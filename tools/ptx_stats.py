@@ -111,6 +111,14 @@ def load_placement(block):
     return len(loads), sum(i < first for i in loads)
 
 
+def capped(ptx, threads, blocks=1):
+    """(SASS hot block, a report of registers, spills and load placement) of `ptx` assembled at the register cap
+    of `blocks` blocks of `threads` (what the kernel's launch bounds ask for)."""
+    block = sass_hot_block(sass_of(ptx, f"-maxrregcount={reg_cap(threads, blocks)}"))
+    nld, early = load_placement(block)
+    return block, f"  {ptxas_info(ptx, threads, blocks)}\n  hot loop: {nld} global loads, {early} before its first mma"
+
+
 def opcode_counts(block):
     """Counter of the opcodes' first component (fma, and, mma, ld, ...), predicates stripped."""
     ops = (re.sub(r"^@!?%p\d+\s+", "", ins) for ins in block)
@@ -175,11 +183,6 @@ def mla_ptx(M, D=576, r=512):
     return cuda.compile_ptx(kern.py_func, MLA_PTX_SIG, cc=(9, 0))[0], geo
 
 
-def hot(ptx, sass):
-    """The hot block of `ptx`: SASS opcodes (sass=True: ptxas + nvdisasm) or PTX instructions."""
-    return sass_hot_block(sass_of(ptx)) if sass else hot_block(ptx)
-
-
 def counts(block, sass, steps):
     """One line of per-step counts of a hot block (`steps` k-steps in it): total, the ten most common opcodes,
     and in SASS the register moves (IMAD.MOV / MOV: operands rearranged for an mma, say)."""
@@ -209,13 +212,9 @@ def main(argv=None):
         if name not in K2_GEMMS:
             raise SystemExit(f"--gemm {name}: not one of {', '.join(K2_GEMMS)}")
         ptx, cfg, mma = dense_gemm_ptx(int(m or 1), *K2_GEMMS[name], json.loads(args.cut) if args.cut else None)
-        block = hot(ptx, args.sass)
+        block, report = capped(ptx, 32 * cfg.WR * cfg.WK, max(1, cfg.MB)) if args.sass else (hot_block(ptx), "")
         steps = sum(op.lower().startswith(("hmma", "mma")) for op in block) / mma
-        print(f"gemm {name} m={m or 1} {cfg}: {counts(block, args.sass, steps)}")
-        if args.sass:
-            threads, blocks = 32 * cfg.WR * cfg.WK, max(1, cfg.MB)
-            nld, early = load_placement(sass_hot_block(sass_of(ptx, f"-maxrregcount={reg_cap(threads, blocks)}")))
-            print(f"  {ptxas_info(ptx, threads, blocks)}\n  hot loop: {nld} global loads, {early} before its first mma")
+        print(f"gemm {name} m={m or 1} {cfg}: {counts(block, args.sass, steps)}" + ("\n" + report if report else ""))
         return
     if args.mla:
         ptx, (rg, kg, stages, threads, smem) = mla_ptx(args.mla)
@@ -233,11 +232,8 @@ def main(argv=None):
         if not args.sass:
             print(f"expert {name} (R={cfg.R}, U={cfg.U}): {counts(hot_block(ptx), False, steps)}")
             continue
-        threads, blocks = 32 * cfg.WR * cfg.WK, max(1, cfg.min_blocks)
-        block = sass_hot_block(sass_of(ptx, f"-maxrregcount={reg_cap(threads, blocks)}"))
-        nld, early = load_placement(block)
-        print(f"expert {name} {cfg}: {counts(block, True, steps)}\n  {ptxas_info(ptx, threads, blocks)}\n"
-              f"  hot loop: {nld} global loads, {early} before its first mma")
+        block, report = capped(ptx, 32 * cfg.WR * cfg.WK, max(1, cfg.min_blocks))
+        print(f"expert {name} {cfg}: {counts(block, True, steps)}\n{report}")
 
 
 if __name__ == "__main__":
