@@ -594,7 +594,11 @@ def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
     Per token tiles T, from tools/bench_kernels.py on the H200 (K2 shapes, m = 1, 17, 33; session 16 changed R and U,
     see TARGET_WARPS): above one tile, 256-thread blocks capped at 128 registers (MB=2: uncapped lost
     12-30% except on kv_a and lm_head at T=3) and the k-split reduce as its own launch (the in-GEMM last-block
-    reduce lost 1-7 us there, within 0.7 us at T=1); U=1 at T=3 (2-19% faster; lost up to 19% at T=5).
+    reduce lost 1-7 us there, within 0.7 us at T=1); U=1 at T=3 (2-19% faster; lost up to 19% at T=5). One tile
+    is capped at 128 registers too (MB=2: two 8-warp blocks per SM, one wave; uncapped it took 162 registers, one
+    block per SM): session 17, H200, chained % of copy at m = 1, uncapped -> MB=2 (bench/h200_2026-12-01/
+    gemm_mb2.json, variant t1_mb2): o 75.1 -> 82.4, shared_gate_up 65.7 -> 70.5, q_b 54.9 -> 59.2, shared_down
+    51.0 -> 54.3, q_kv_a 52.0 -> 54.0, kv_b 58.1 -> 58.7, lm_head 99.4 -> 99.7; U=6 with it no better.
     cp.async weight ring (S=4) only at one token tile without a k split, measured on the H200 (tools/bench_kernels.py,
     % of copy, ring vs registers): lm_head m=1 94.2 vs 89.9; with a k split it lost 13-27 points at m=1 (o 59.4 vs
     75.9, q_b 49.5 vs 76.3, kv_b 51.0 vs 73.2, shared_down 44.2 vs 65.6); above one tile it lost up to 10 points
@@ -634,7 +638,7 @@ def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
         wk = next(w for w in (8, 4, 2, 1) if steps >= 2 * w or w == 1)
         return GemmConfig(R=1, WR=max(1, min(MAX_WARPS // wk, tiles)), WK=wk, SB=1, U=U, BF=1,
                           MB=2 if T > 1 else 0, FR=0, S=0, XS=SMALL_XS)
-    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2 if T > 1 else 0, FR=int(T == 1), S=S,
+    return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2, FR=int(T == 1), S=S,
                       RB=RB)
 
 

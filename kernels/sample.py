@@ -19,49 +19,22 @@ def mix64(z):
     return z ^ (z >> np.uint64(31))
 
 
-def bits23(z, odd=0):
-    """Hashes z u64[...] -> their 23-bit draws k: bits 63-41 where odd is 0, 31-9 where it is 1."""
-    half = np.where(np.asarray(odd) != 0, z & np.uint64(0xFFFFFFFF), z >> np.uint64(32))
-    return half >> np.uint64(9)
-
-
 def unit(z, odd=0):
-    """Hashes z u64[...] -> u f32 = (k + 1/2) 2^-23 from their draws k (bits23): exact in float32, so 0 < u < 1.
-    (With 24 bits, k = 2^24 - 1 rounded up to u = 1.0, an infinite Gumbel: that id won whatever its logit, in about
-    1% of the rows of a 163840-id vocabulary.)"""
-    return (bits23(z, odd).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
-
-
-def pair_hashes(seed, seq, pos, vocab):
-    """(z u64[vocab], odd u64[vocab]) for one (seed, seq, pos): ids 2m and 2m + 1 share the hash mix64(h ^ m) and
-    take disjoint halves of it (odd = id & 1), one hash per two ids."""
-    with np.errstate(over="ignore"):
-        h = mix64(np.uint64(seed) ^ mix64(np.uint64(seq) ^ mix64(np.uint64(pos) + np.uint64(0x5851F42D))))
-        v = np.arange(vocab, dtype=np.uint64)
-        return mix64(h ^ (v >> np.uint64(1))), v & np.uint64(1)
+    """Hashes z u64[...] -> u f32 = (k + 1/2) 2^-23 from 23 of their bits k (63-41 where odd is 0, 31-9 where it
+    is 1): exact in float32, so 0 < u < 1. (With 24 bits, k = 2^24 - 1 rounded up to u = 1.0, an infinite Gumbel:
+    that id won whatever its logit, in about 1% of the rows of a 163840-id vocabulary.)"""
+    half = np.where(np.asarray(odd) != 0, z & np.uint64(0xFFFFFFFF), z >> np.uint64(32))
+    return ((half >> np.uint64(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
 
 
 def uniform(seed, seq, pos, vocab):
-    """u f32[vocab] in (0, 1) for one (seed, seq, pos) (pair_hashes, unit)."""
-    return unit(*pair_hashes(seed, seq, pos, vocab))
-
-
-NOISE_GROUP = 64        # ids per noise-bound group (32 hash pairs): noise_bound_ref / noise_bound_kernel
-NOISE_BOUNDS = False    # the tree round samples with per-(seq, pos) noise bounds (kernels.tree); not timed on a GPU yet
-
-
-def noise_groups(vocab):
-    return -(-vocab // NOISE_GROUP)
-
-
-def noise_bound_ref(seed, seq, pos, vocab):
-    """f32[noise_groups(vocab)]: per group of NOISE_GROUP ids, an upper bound on the largest Gumbel noise of its ids
-    under (seed, seq, pos): (clz(2^23 - 1 - k) - 8) ln 2 for the group's largest draw k (see _noise_bound)."""
-    k = np.zeros(noise_groups(vocab) * NOISE_GROUP, np.int64)
-    k[:vocab] = bits23(*pair_hashes(seed, seq, pos, vocab))
-    j = 2 ** 23 - 1 - k.reshape(-1, NOISE_GROUP).max(axis=1)
-    clz = 32 - np.frexp(j.astype(np.float64))[1]              # frexp's exponent is j's bit length (0 for j = 0)
-    return ((clz - 8).astype(np.float32) * np.float32(0.6931472)).astype(np.float32)
+    """u f32[vocab] in (0, 1) for one (seed, seq, pos): ids 2m and 2m + 1 share the hash mix64(h ^ m) and take
+    disjoint halves of it (unit), one hash per two ids."""
+    with np.errstate(over="ignore"):
+        h = mix64(np.uint64(seed) ^ mix64(np.uint64(seq) ^ mix64(np.uint64(pos) + np.uint64(0x5851F42D))))
+        v = np.arange(vocab, dtype=np.uint64)
+        z = mix64(h ^ (v >> np.uint64(1)))
+    return unit(z, v & np.uint64(1))
 
 
 def gumbel(seed, seq, pos, vocab):
@@ -86,7 +59,7 @@ import math  # noqa: E402
 from numba import cuda, float32, int32, int64, uint32, uint64  # noqa: E402
 
 from kernels.attention import shfl_xor  # noqa: E402
-from kernels.device import SIM, as_f32, block_argmax, launch, ld16  # noqa: E402
+from kernels.device import SIM, as_f32, block_argmax, kernel, launch, ld16  # noqa: E402
 from kernels.topk import key_index, order_key, warp_max_u64  # noqa: E402
 
 SAMPLE_THREADS = 512            # sample_kernel: one block per row
@@ -121,114 +94,82 @@ def _bits23(z, odd):
     return int32((uint32(z) if odd else uint32(z >> uint64(32))) >> uint32(9))
 
 
-SCAN_UNROLL = 4                 # ids (greedy, 16-byte loads: 4 ids each) or id pairs per thread per step of _scan
+SCAN_UNROLL = 4                 # units (4 ids by a 16-byte load, or 2 ids) per thread per step of _scan
 _VEC_IDS = 4 * SCAN_UNROLL      # (local array sizes must be plain constants)
-_PAIR_IDS = 2 * SCAN_UNROLL
-
-
-@cuda.jit(device=True, inline="always")
-def _noise_bound(k):
-    """Upper bound on the Gumbel noise -log(-log u) of the draw u = (k + 1/2) 2^-23: -log(-log u) <= -log(1 - u)
-    (since -log u >= 1 - u), and with j = 2^23 - 1 - k, 1 - u = (j + 1/2) 2^-23 >= 2^-(clz(j) - 8), so
-    -log(1 - u) <= (clz(j) - 8) ln 2 (24 ln 2 at j = 0): integer work, no log; increasing in k."""
-    j = int32(int32(0x7FFFFF) - k)                  # (int32 - int32 is int64 in numba: clz would count 64 bits)
-    return float32(int32(cuda.clz(j) - 8)) * float32(0.6931472)   # float32(ln 2) > ln 2
-
-
-@cuda.jit(device=True, inline="always")
-def _stays_below(xt, bound, floor):
-    """xt + noise <= xt + bound provably stays below `floor` (a value some id of the row reaches), with a margin far
-    above the roundings of x / T."""
-    return xt + bound + (abs(xt) + abs(floor)) * float32(1e-6) + float32(1e-3) < floor
 
 
 @cuda.jit(device=True, inline="always")
 def _bound_skips(xt, k, floor):
-    """True when id value xt = x / T with the draw k provably stays below `floor` whatever its noise: such an id
-    skips the two logs."""
-    return _stays_below(xt, _noise_bound(k), floor)
-
-
-@cuda.jit
-def noise_bound_kernel(seed, key_seq, key_pos, vocab, bnd):
-    """Thread per (id group g, noise key q), grid (ceil(groups / 256), keys), block 256: bnd[q, g] = the noise bound
-    of the largest draw among ids [64g, 64g + 64) under (seed, key_seq[q], key_pos[q]) (noise_bound_ref): 32 pair
-    hashes per thread. Moves only bnd (4 bytes per group and key)."""
-    g, q = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, cuda.blockIdx.y
-    if g >= bnd.shape[1]:
-        return
-    h = row_key(seed, key_seq[q], key_pos[q])
-    kmax = int32(0)
-    for p in range(NOISE_GROUP // 2):
-        v = g * NOISE_GROUP + 2 * p
-        if v < vocab:
-            z = mix64_dev(h ^ uint64(v >> 1))
-            kmax = max(kmax, _bits23(z, 0))
-            if v + 1 < vocab:
-                kmax = max(kmax, _bits23(z, 1))
-    bnd[q, g] = _noise_bound(kmax)
+    """True when id value xt = x / T with the draw u = (k + 1/2) 2^-23 provably stays below `floor` (a value some
+    id of the row reaches) whatever its noise: -log(-log u) <= -log(1 - u) (since -log u >= 1 - u), and with
+    j = 2^23 - 1 - k, 1 - u = (j + 1/2) 2^-23 >= 2^-(clz(j) - 8), so -log(1 - u) <= (clz(j) - 8) ln 2 (24 ln 2 at
+    j = 0): integer work, no log; plus a margin far above the roundings of x / T. Such an id skips the two logs."""
+    j = int32(int32(0x7FFFFF) - k)                  # (int32 - int32 is int64 in numba: clz would count 64 bits)
+    bound = xt + float32(int32(cuda.clz(j) - 8)) * float32(0.6931472)   # float32(ln 2) > ln 2
+    return bound + (abs(xt) + abs(floor)) * float32(1e-6) + float32(1e-3) < floor
 
 
 @cuda.jit(device=True, inline="always")
-def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec, bnd, kr):
+def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec):
     """This thread's best (value, index) over its ids of logits[i, lo:hi] (the block steps over the range with
-    SCAN_UNROLL ids per thread per step, each thread's ids in increasing order: its first hit has the lowest
-    index); (-inf, V) if none; lo even. Greedy with vec (rows contiguous, 16-byte aligned, lo and hi multiples of
-    4): SCAN_UNROLL 16-byte loads per step, 4 ids each. Else SCAN_UNROLL id pairs (2m, 2m + 1) per step, one noise
-    hash per pair (uniform); ids that _bound_skips against the warp's best so far skip the logs, so the winner and
-    its value are those of computing every id. With kr >= 0 (row kr of a noise_bound_kernel table bnd for this
-    row's noise key), a pair whose two ids stay below that best under their group's bound skips the hash too.
-    Every lane of a warp must call it (warp max inside)."""
+    SCAN_UNROLL units of ids per thread per step, each thread's ids in increasing order: its first hit has the
+    lowest index); (-inf, V) if none; lo even. A unit is 4 ids read by one 16-byte load with vec (rows contiguous,
+    16-byte aligned, lo and hi multiples of 4), else 2 ids; every load of a step is in flight before any is used.
+    Greedy: the largest value. Else x / T + gumbel noise, one noise hash per id pair (2m, 2m + 1) (uniform); ids
+    that _bound_skips against the warp's best so far skip the logs, so the winner and its value are those of
+    computing every id. Every lane of a warp must call it (warp max inside)."""
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     bv, bi = float32(-math.inf), int32(logits.shape[1])
+    xs = cuda.local.array(_VEC_IDS, float32)          # unit u's ids at xs[4u:4u + W]
+    row = int64(i) * logits.shape[1]
     if greedy and vec:
-        xs4 = cuda.local.array(_VEC_IDS, float32)
-        row = int64(i) * logits.shape[1]
         for base in range(lo, hi, 4 * SCAN_UNROLL * nt):
             for u in range(SCAN_UNROLL):              # every load in flight first
                 v = base + 4 * (u * nt + t)
                 if v < hi:
                     w0, w1, w2, w3 = ld16(logits, row + v)
-                    xs4[4 * u], xs4[4 * u + 1], xs4[4 * u + 2], xs4[4 * u + 3] = (
+                    xs[4 * u], xs[4 * u + 1], xs[4 * u + 2], xs[4 * u + 3] = (
                         as_f32(w0), as_f32(w1), as_f32(w2), as_f32(w3))
             for u in range(SCAN_UNROLL):
                 v = base + 4 * (u * nt + t)
                 if v < hi:
                     for e in range(4):
-                        if xs4[4 * u + e] > bv:
-                            bv, bi = xs4[4 * u + e], int32(v + e)
+                        if xs[4 * u + e] > bv:
+                            bv, bi = xs[4 * u + e], int32(v + e)
         return bv, bi
     floor = float32(-math.inf)
     inv_t = float32(1) / temperature
-    xs = cuda.local.array(_PAIR_IDS, float32)
-    for base in range(lo, hi, 2 * SCAN_UNROLL * nt):  # same trip count on every lane
+    W = 4 if vec else 2                               # ids per unit
+    for base in range(lo, hi, W * SCAN_UNROLL * nt):  # same trip count on every lane
         for u in range(SCAN_UNROLL):                  # every load in flight first
-            v = base + 2 * (u * nt + t)
-            for e in range(2):
-                if v + e < hi:
-                    xs[2 * u + e] = logits[i, v + e]
+            v = base + W * (u * nt + t)
+            if v < hi:
+                if vec:
+                    w0, w1, w2, w3 = ld16(logits, row + v)
+                    xs[4 * u], xs[4 * u + 1], xs[4 * u + 2], xs[4 * u + 3] = (
+                        as_f32(w0), as_f32(w1), as_f32(w2), as_f32(w3))
+                else:
+                    xs[4 * u] = logits[i, v]
+                    if v + 1 < hi:
+                        xs[4 * u + 1] = logits[i, v + 1]
         for u in range(SCAN_UNROLL):
-            v = base + 2 * (u * nt + t)               # even: ids v and v + 1 share a hash
-            if v >= hi:
-                continue
-            if kr >= 0 and not greedy:                # the group's bound (NOISE_GROUP even: one group per pair)
-                gb = bnd[kr, v // NOISE_GROUP]
-                if _stays_below(xs[2 * u] * inv_t, gb, floor) and (
-                        v + 1 >= hi or _stays_below(xs[2 * u + 1] * inv_t, gb, floor)):
+            for pr in range(2):                       # the unit's id pairs (one without vec)
+                v = base + W * (u * nt + t) + 2 * pr  # even: ids v and v + 1 share a hash
+                if v >= hi or (pr and not vec):
                     continue
-            z = mix64_dev(hkey ^ uint64(v >> 1)) if not greedy else uint64(0)
-            for e in range(2):
-                if v + e >= hi:
-                    continue
-                x = xs[2 * u + e]
-                if not greedy:
-                    k = _bits23(z, e)
-                    if _bound_skips(x * inv_t, k, floor):
+                z = mix64_dev(hkey ^ uint64(v >> 1)) if not greedy else uint64(0)
+                for e in range(2):
+                    if v + e >= hi:
                         continue
-                    r = (float32(k) + float32(0.5)) * float32(1.1920928955078125e-07)   # unit's u: (k + 1/2) 2^-23
-                    x = x / temperature + float32(-math.log(float32(-math.log(r))))
-                if x > bv:
-                    bv, bi = x, int32(v + e)
+                    x = xs[4 * u + 2 * pr + e]
+                    if not greedy:
+                        k = _bits23(z, e)
+                        if _bound_skips(x * inv_t, k, floor):
+                            continue
+                        r = (float32(k) + float32(0.5)) * float32(1.1920928955078125e-07)   # u = (k + 1/2) 2^-23
+                        x = x / temperature + float32(-math.log(float32(-math.log(r))))
+                    if x > bv:
+                        bv, bi = x, int32(v + e)
         if not greedy:
             floor = max(floor, bv)
             for off in (16, 8, 4, 2, 1):
@@ -236,15 +177,16 @@ def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec, bnd, kr):
     return bv, bi
 
 
-@cuda.jit(device=True, inline="always")
-def _key_row(i, seq, pos, bnd, krow, key_seq, key_pos):
-    """Row of the noise-bound table for row i, or -1: none given (an empty krow), or its key is not row i's own
-    (seq, pos): a wrong table row would bound the wrong noise, so it is not used."""
-    if krow.shape[0] == 0:
-        return int32(-1)
-    q = krow[i]
-    ok = 0 <= q < bnd.shape[0] and key_seq[q] == seq[i] and key_pos[q] == pos[i]
-    return q if ok else int32(-1)
+@cuda.jit
+def sample_kernel(logits, temperature, greedy, seed, seq, pos, vec, out):
+    """Block per row, SAMPLE_THREADS threads strided over the vocabulary: argmax of logits (greedy) or of
+    logits / temperature + gumbel noise; lowest index wins ties. Bytes: the logits once."""
+    i, t = cuda.blockIdx.x, cuda.threadIdx.x
+    V = logits.shape[1]
+    bv, bi = _scan(logits, i, 0, V, temperature, greedy, row_key(seed, seq[i], pos[i]), vec)
+    bv, bi = block_argmax(bv, bi)
+    if t == 0:
+        out[i] = bi if bi < V else int32(0)
 
 
 @cuda.jit(device=True, inline="always")
@@ -255,37 +197,20 @@ def _chunk(V, c, C):
     return lo, min(lo + width, V)
 
 
-def _row_kernels(noise):
-    """(sample_kernel, sample_part_kernel) reading the noise-bound table (noise=True) or with its lookups compiled
-    out (the split kernel holds 64 registers instead of 70); both take the table's arguments."""
-    @cuda.jit
-    def sample_kernel(logits, temperature, greedy, seed, seq, pos, vec, bnd, krow, key_seq, key_pos, out):
-        """Block per row, SAMPLE_THREADS threads strided over the vocabulary: argmax of logits (greedy) or of
-        logits / temperature + gumbel noise; lowest index wins ties. Bytes: the logits once."""
-        i, t = cuda.blockIdx.x, cuda.threadIdx.x
-        V = logits.shape[1]
-        kr = _key_row(i, seq, pos, bnd, krow, key_seq, key_pos) if noise else int32(-1)
-        bv, bi = _scan(logits, i, 0, V, temperature, greedy, row_key(seed, seq[i], pos[i]), vec, bnd, kr)
-        bv, bi = block_argmax(bv, bi)
-        if t == 0:
-            out[i] = bi if bi < V else int32(0)
-
-    @cuda.jit
-    def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, vec, bnd, krow, key_seq, key_pos, best):
-        """Block per (vocabulary chunk c, row i), grid (C, n): the chunk's winner as order_key(value, id) in
-        best u64[>= n, >= C] (value -inf, id V when the chunk has none). Bytes: the logits once."""
-        c, i, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-        lo, hi = _chunk(logits.shape[1], c, cuda.gridDim.x)
-        kr = _key_row(i, seq, pos, bnd, krow, key_seq, key_pos) if noise else int32(-1)
-        bv, bi = _scan(logits, i, lo, hi, temperature, greedy, row_key(seed, seq[i], pos[i]), vec, bnd, kr)
-        bv, bi = block_argmax(bv, bi)
-        if t == 0:
-            best[i, c] = order_key(bv, bi)
-    return sample_kernel, sample_part_kernel
-
-
-sample_kernel, sample_part_kernel = _row_kernels(False)
-sample_kernel_noise, sample_part_kernel_noise = _row_kernels(True)
+@kernel(launch_bounds=(SPLIT_THREADS, 8))
+def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, vec, best):
+    """Block per (vocabulary chunk c, row i), grid (C, n): the chunk's winner as order_key(value, id) in
+    best u64[>= n, >= C] (value -inf, id V when the chunk has none). Bytes: the logits once. Capped at 64
+    registers (8 blocks per SM; 128 uncapped since the sampled rows take 16-byte loads): H200, us per call at
+    T = 0 / T = 1 on 17 / 65 / 256 rows of 163840 (bench/h200_2026-12-01/sample_ab2.json): sampled rows on 4-byte
+    loads (before) 6.3 / 17.3, 13.5 / 41.1, 46.8 / 121.3; 16-byte loads uncapped 8.1 / 21.5, 17.7 / 49.1, 50.8 /
+    123.3; capped at 80 6.7 / 16.7, 15.4 / 44.5, 49.1 / 105.6; at 64 (this) 6.7 / 16.8, 14.6 / 43.6, 45.5 / 103.9."""
+    c, i, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+    lo, hi = _chunk(logits.shape[1], c, cuda.gridDim.x)
+    bv, bi = _scan(logits, i, lo, hi, temperature, greedy, row_key(seed, seq[i], pos[i]), vec)
+    bv, bi = block_argmax(bv, bi)
+    if t == 0:
+        best[i, c] = order_key(bv, bi)
 
 
 @cuda.jit
@@ -319,45 +244,22 @@ def _rows_16b(logits):
     return logits.shape[1] % 4 == 0 and contiguous(logits) and _address(logits) % 16 == 0
 
 
-def sample(logits, temperature, seed, seq, pos, out, work=None, noise=None):
+def sample(logits, temperature, seed, seq, pos, out, work=None):
     """sample_ref on the GPU or the simulator: logits f32[n, V], seq i32[n], pos i32[n] -> out i32[n].
     work (sample_work, >= n rows): split every row over vocabulary chunks (sample_part_kernel, then
-    sample_merge_kernel), for when n rows alone cannot fill the GPU; without it, one block per row. Greedy rows
-    are read with 16-byte loads where _rows_16b allows.
-    noise = (bnd f32[keys, noise_groups(V)], krow i32[n], key_seq i32[keys], key_pos i32[keys]): rows that share a
-    noise key (a tree's nodes of one depth) share one table of per-group noise bounds, made first by
-    noise_bound_kernel (one hash per id pair per KEY, not per row); a row skips the hashes of the pairs that
-    provably cannot win. krow[i] names row i's key; a row whose named key is not its own (seq, pos) ignores the
-    table. Same result as without."""
+    sample_merge_kernel), for when n rows alone cannot fill the GPU; without it, one block per row. Rows are read
+    with 16-byte loads where _rows_16b allows."""
     n, V = logits.shape
     if seq.shape != (n,) or pos.shape != (n,) or out.shape != (n,):
         raise ValueError(f"sample: seq {seq.shape}, pos {pos.shape}, out {out.shape} must be [{n}]")
     if work is not None and (work.shape[0] < n or work.shape[1] != SAMPLE_CHUNKS):
         raise ValueError(f"sample: work {work.shape} is not [>= {n}, {SAMPLE_CHUNKS}] (sample_work)")
     greedy = temperature == 0
-    if noise is not None:
-        bnd, krow, key_seq, key_pos = noise
-        keys = bnd.shape[0]
-        if bnd.shape[1:] != (noise_groups(V),) or krow.shape != (n,) or key_seq.shape != (keys,) or \
-                key_pos.shape != (keys,):
-            raise ValueError(f"sample: noise table {bnd.shape}, krow {krow.shape}, keys {key_seq.shape} / "
-                             f"{key_pos.shape} do not fit {n} rows of {V} ids ([keys, {noise_groups(V)}], [{n}], "
-                             f"[keys])")
-        if greedy or not n:
-            noise = None
-        elif keys:
-            launch(noise_bound_kernel, (-(-bnd.shape[1] // 256), keys), 256, uint64(seed), key_seq, key_pos,
-                   int32(V), bnd)
-    if noise is None:      # no table: views of the call's own arrays (no allocation; an empty krow means none)
-        bnd, krow, key_seq, key_pos = logits[:1, :1], seq[:0], seq, pos
-    args = (logits, float32(1 if greedy else temperature), greedy, uint64(seed), seq, pos,
-            greedy and _rows_16b(logits), bnd, krow, key_seq, key_pos)
-    rows_k, part_k = (sample_kernel_noise, sample_part_kernel_noise) if noise is not None else (sample_kernel,
-                                                                                                 sample_part_kernel)
+    args = (logits, float32(1 if greedy else temperature), greedy, uint64(seed), seq, pos, _rows_16b(logits))
     if n and work is None:
-        launch(rows_k, n, SAMPLE_THREADS, *args, out)
+        launch(sample_kernel, n, SAMPLE_THREADS, *args, out)
     elif n:
         C = sample_chunks(n, V)
-        launch(part_k, (C, n), SPLIT_THREADS, *args, work)
+        launch(sample_part_kernel, (C, n), SPLIT_THREADS, *args, work)
         launch(sample_merge_kernel, -(-n // MERGE_ROWS), 32 * MERGE_ROWS, work, int32(C), int32(V), out)
     return out

@@ -18,7 +18,7 @@ from numba import cuda, float32, float64, int32, uint32, uint64
 
 from kernels.attention import launch_smem, shfl_xor
 from kernels.device import SIM, launch, syncwarp
-from kernels.sample import noise_groups, sample_work
+from kernels.sample import sample_work
 from kernels.topk import (
     TOPK_MAX,
     TOPK_STAT,
@@ -105,16 +105,14 @@ def _tie_break(fkey, top, live, fpar, frank, fdepth, npar, nrank):
 
 @cuda.jit
 def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, depths, positions, vis, ntok,
-                 sample_seq, sample_pos, sample_key, key_seq, key_pos):
+                 sample_seq, sample_pos):
     """Block per sequence b (BUILD_THREADS): warp 0 pops the budgets[b] best prefixes of the candidate lists
     ids/lp i32/f32[B, L, K] in the reference heap's pop order (scores summed root to leaf in float64, compared
     as uint64 keys; rank tuples only on equal scores), one argmax plus a sibling or chain run (up to 31 more
     pops) per step (module docstring), then the block writes tokens, parents, depths, positions
     (= lengths[b] + depth) i32[B, N], vis u32[B, N, W] (bit j of row i: node j is i or an ancestor),
     ntok[b] = nodes incl. the root, and per node the sampling keys sample_seq / sample_pos (= position + 1)
-    i32[B*N], with the node's noise key sample_key = b*(L+1) + depth and each key's (key_seq, key_pos) i32[B*(L+1)]
-    (a tree's nodes of one depth share the sampler's noise). Rows past ntok[b] are padding (token 0, parent -1, no
-    visibility, the key of depth 0). Dynamic shared memory
+    i32[B*N]. Rows past ntok[b] are padding (token 0, parent -1, no visibility). Dynamic shared memory
     (build_smem): frontier and node arrays (48 B per node) and lp[b, :, :min(K, N)]."""
     b, t, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
     lane = t & 31
@@ -249,10 +247,6 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
         positions[b, i] = start + dep
         sample_seq[b * N + i] = seq_ids[b]
         sample_pos[b * N + i] = start + dep + 1
-        sample_key[b * N + i] = b * (L + 1) + dep
-    for d in range(t, L + 1, nt):
-        key_seq[b * (L + 1) + d] = seq_ids[b]
-        key_pos[b * (L + 1) + d] = start + d + 1
     words = cuda.local.array(VIS_WORDS, uint32)
     for i in range(t, N, nt):                        # ancestor-or-self bits: one walk to the root per node
         for w in range(W):
@@ -380,15 +374,6 @@ class TreeBuffers:
     start: object        # i32[B]
     out_tokens: object   # i32[B, L+2]
     sample_work: object  # u64[B*N, SAMPLE_CHUNKS] kernels.sample.sample's workspace for the B*N node rows
-    sample_key: object   # i32[B*N] noise key of each node row: b*(L+1) + depth
-    key_seq: object      # i32[B*(L+1)] the keys' (seq, pos)
-    key_pos: object      # i32[B*(L+1)]
-    noise_bnd: object    # f32[B*(L+1), noise_groups(V)] per-key noise bounds (kernels.sample.noise_bound_kernel)
-
-    @property
-    def noise(self):
-        """The sampler's noise-table argument for the node rows (kernels.sample.sample's noise=)."""
-        return self.noise_bnd, self.sample_key, self.key_seq, self.key_pos
 
 
 def tree_buffers(zeros, B, L, K, N, V):
@@ -401,8 +386,7 @@ def tree_buffers(zeros, B, L, K, N, V):
                        zeros((B, N), i32), zeros((B, N), i32), zeros((B, N, -(-N // 32)), np.uint32),
                        zeros(B, i32), zeros(B * N, i32), zeros(B * N, i32), zeros(B * N, i32),
                        zeros((B, L + 1), i32), zeros(B, i32), zeros(B, i32), zeros((B, L + 2), i32),
-                       sample_work(zeros, B * N), zeros(B * N, i32), zeros(B * (L + 1), i32), zeros(B * (L + 1), i32),
-                       zeros((B * (L + 1), noise_groups(V)), np.float32))
+                       sample_work(zeros, B * N))
 
 
 def tree_topk(logits, tb: TreeBuffers):
@@ -427,7 +411,7 @@ def tree_build(tb: TreeBuffers, budgets, lengths, bonus, seq_ids):
     smem = build_smem(L, K, N)
     launch_smem(build_kernel, B, BUILD_THREADS, smem if smem + 64 <= 48 * 1024 else max(smem, 48 * 1024 + 8),
                 (tb.ids, tb.lp, budgets, lengths, bonus, seq_ids, tb.tokens, tb.parents, tb.depths, tb.positions,
-                 tb.vis, tb.ntok, tb.sample_seq, tb.sample_pos, tb.sample_key, tb.key_seq, tb.key_pos))
+                 tb.vis, tb.ntok, tb.sample_seq, tb.sample_pos))
 
 
 def tree_walk(tb: TreeBuffers, lengths, bonus):

@@ -20,7 +20,6 @@ from time import perf_counter
 
 import numpy as np
 
-import kernels.sample
 from kernels.sample import sample
 from kernels.tree import tree_buffers, tree_build, tree_commit, tree_topk, tree_walk
 from numbaengine import generate as gen
@@ -179,7 +178,7 @@ class DeviceRounds:
                                  LatentVis(self.lengths, tb.ntok, tb.vis), self.logits, self.hidden, self.layer_ids)
         mark("walk")
         sample(self.logits, self.shape.temperature, self.shape.seed, tb.sample_seq, tb.sample_pos, tb.post,
-               tb.sample_work, noise=tb.noise if kernels.sample.NOISE_BOUNDS else None)
+               tb.sample_work)
         tree_walk(tb, self.lengths, self.bonus)                      # lengths += tau, bonus = the next token
         mark("commit")
         if self.drafter is None:

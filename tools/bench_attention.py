@@ -409,9 +409,6 @@ def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5, seeds=(1, 2, 3), copy_bw_gbs
                 "sample_T1": lambda: sample(target_logits, 1.0, 7, tb.sample_seq, tb.sample_pos, tb.post,
                                             work=tb.sample_work),
                 "sample_T1_rows": lambda: sample(target_logits, 1.0, 7, tb.sample_seq, tb.sample_pos, tb.post),
-                # the per-(seq, depth) noise-bound table first (kernels.sample.NOISE_BOUNDS; not the default yet)
-                "sample_T1_noise": lambda: sample(target_logits, 1.0, 7, tb.sample_seq, tb.sample_pos, tb.post,
-                                                  work=tb.sample_work, noise=tb.noise),
                 "walk": lambda: tree_walk(tb, lengths, bonus),          # advances lengths: cache has room
                 "commit": lambda: tree_commit(tb, cache, hidden, feats, feat_pos),
                 "topk_part": lambda: topk_first_stage(draft_logits, tb),   # last: leaves the row histogram dirty
@@ -432,8 +429,7 @@ def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5, seeds=(1, 2, 3), copy_bw_gbs
         row["pct_of_k2_verify_floor"] = round(100 * row["round_us"] / row["k2_verify_floor_us"], 2)
         if copy_bw_gbs:
             for name, nbytes in (("topk", 4 * batch * L * V), ("sample_T0", 4 * batch * (Bud + 1) * V),
-                                 ("sample_T1", 4 * batch * (Bud + 1) * V),
-                                 ("sample_T1_noise", 4 * batch * (Bud + 1) * V)):
+                                 ("sample_T1", 4 * batch * (Bud + 1) * V)):
                 row[name + "_pct_of_copy"] = round(100 * nbytes / (row[name + "_us"] * 1e3) / copy_bw_gbs, 1)
         rows.append(row)
         print("tree", row, flush=True)

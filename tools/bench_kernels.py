@@ -78,10 +78,11 @@ GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S
                  "tw1k_r1": ((1, 17, 33), dict(tw=1056, R=1)), "tw2k_r1": ((1, 17, 33), dict(tw=2112, R=1)),
                  "tw2k": ((1, 17, 33), dict(tw=2112)), "tw8k": ((1, 17, 33), dict(tw=8192)),
                  "tw2k_r1_u8": ((1,), dict(tw=2112, R=1, U=8)), "tw1k_r1_u8": ((1,), dict(tw=1056, R=1, U=8)),
-                 # not measured yet: the one-tile cut uses 162 registers (python -m tools.ptx_stats --sass --gemm
-                 # q_kv_a:1), so one 8-warp block per SM and 2 waves of blocks; capped at 128 (2 blocks per SM, one
-                 # wave) ptxas still issues 18 of the 32 loads before the first mma (27 uncapped)
-                 "t1_mb2": ((1,), dict(MB=2)), "t1_mb2_u6": ((1,), dict(MB=2, U=6))}
+                 # session 17: the one-tile cut uncapped (162 registers: one 8-warp block per SM, 2 waves) lost to
+                 # MB=2 (128 registers, one wave; now the default) on every shape, % of copy at m = 1: o 75.1 vs
+                 # 82.4, shared_gate_up 65.7 vs 70.5, q_b 54.9 vs 59.2 (bench/h200_2026-12-01/gemm_mb2.json); MB=2
+                 # U=6 no better (82.3, 68.5, 58.8)
+                 "t1_uncapped": ((1,), dict(MB=0))}
 GEMM_DEFAULT_ONLY = ("q_a", "kv_a")     # stacked into q_kv_a: the default cut only
 HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
 HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured yet)
