@@ -594,11 +594,16 @@ def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
     Per token tiles T, from tools/bench_kernels.py on the H200 (K2 shapes, m = 1, 17, 33; session 16 changed R and U,
     see TARGET_WARPS): above one tile, 256-thread blocks capped at 128 registers (MB=2: uncapped lost
     12-30% except on kv_a and lm_head at T=3) and the k-split reduce as its own launch (the in-GEMM last-block
-    reduce lost 1-7 us there, within 0.7 us at T=1); U=1 at T=3 (2-19% faster; lost up to 19% at T=5). One tile
+    reduce lost 1-7 us there, within 0.7 us at T=1). One tile
     is capped at 128 registers too (MB=2: two 8-warp blocks per SM, one wave; uncapped it took 162 registers, one
     block per SM): session 17, H200, chained % of copy at m = 1, uncapped -> MB=2 (bench/h200_2026-12-01/
     gemm_mb2.json, variant t1_mb2): o 75.1 -> 82.4, shared_gate_up 65.7 -> 70.5, q_b 54.9 -> 59.2, shared_down
     51.0 -> 54.3, q_kv_a 52.0 -> 54.0, kv_b 58.1 -> 58.7, lm_head 99.4 -> 99.7; U=6 with it no better.
+    Steps in flight above one tile, same session (gemm_t23.json; U=1 at T=3 had been 2-19% faster under the older
+    4096-warp split): T=3 U=1 -> 2 (register path: weights under RB_MIN_BYTES) q_kv_a 40.2 -> 42.4, q_b 40.4 -> 44.0,
+    kv_b 50.0 -> 53.7, shared_down 38.8 -> 41.7 at m = 17; T=2 with R=1 U=2 -> 4 q_b 47.1 -> 50.8, kv_b 55.4 -> 59.8,
+    shared_gate_up 58.1 -> 61.4, shared_down 44.3 -> 46.8, q_kv_a 44.4 -> 44.3 at m = 9 (o and lm_head, R=2: U=4
+    0.5-0.7 points lower, kept at 2).
     cp.async weight ring (S=4) only at one token tile without a k split, measured on the H200 (tools/bench_kernels.py,
     % of copy, ring vs registers): lm_head m=1 94.2 vs 89.9; with a k split it lost 13-27 points at m=1 (o 59.4 vs
     75.9, q_b 49.5 vs 76.3, kv_b 51.0 vs 73.2, shared_down 44.2 vs 65.6); above one tile it lost up to 10 points
@@ -611,7 +616,7 @@ def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
     T = min(math.ceil(m / 8), TILES_MAX)
     R = 2 if 3 < T <= 5 or (1 < T <= 3 and 2 * n * k >= R2_MIN_BYTES) else 1
     wr = max(1, 8 // wk)
-    U = 8 if T == 1 else (1 if T == 3 else 2)
+    U = 8 if T == 1 else (4 if T == 2 and R == 1 else 2)
     # reading f32 x in the kernel saves a launch (wins at one token tile) but costs conversions per tile (loses above;
     # also on small weights: doing so with the last-block reduce at T > 1 for weights under 4 MB took the default
     # pair's DDTree-16 round from 1.12 to 1.54 ms on the H200, verify 0.78 -> 1.03 ms, although it saved 2 launches
@@ -635,9 +640,10 @@ def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
         # m*rows*splits partials); the large cut without a split across blocks (one warp along k) 1.14.
         # One row tile per warp (R=1: twice the blocks, half the work per warp), session 6, same tool, round ms
         # AR / DDTree-16: R=2 0.508 / 0.850, R=1 from 2 token tiles 0.513 / 0.778, R=1 always 0.489 / 0.759.
+        # Steps in flight as timed on the pair before session 17 changed them for large weights (not re-timed).
         wk = next(w for w in (8, 4, 2, 1) if steps >= 2 * w or w == 1)
-        return GemmConfig(R=1, WR=max(1, min(MAX_WARPS // wk, tiles)), WK=wk, SB=1, U=U, BF=1,
-                          MB=2 if T > 1 else 0, FR=0, S=0, XS=SMALL_XS)
+        return GemmConfig(R=1, WR=max(1, min(MAX_WARPS // wk, tiles)), WK=wk, SB=1,
+                          U=8 if T == 1 else (1 if T == 3 else 2), BF=1, MB=2 if T > 1 else 0, FR=0, S=0, XS=SMALL_XS)
     return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2, FR=int(T == 1), S=S,
                       RB=RB)
 

@@ -63,7 +63,8 @@ GEMM_MS = (1, 9, 17, 33, 65)
 GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
                  "rb2": ((17,), dict(S=2, RB=1)), "rb2w4": ((17, 33), dict(S=2, RB=1, WR=4)),
                  "xs2": ((17, 33, 65), dict(xs=2)),
-                 # x as the mma's A operand, weights as B (GemmConfig.AB: no register moves; not timed yet)
+                 # x as the mma's A operand, weights as B (GemmConfig.AB: no register moves; session 10 NOT better,
+                 # README; re-timed in session 17 against the 2112-warp k split)
                  "ab": ((1, 9, 17), dict(S=0, RB=0, BF=0, AB=1, xs=1)),
                  "ab_u2": ((17,), dict(S=0, RB=0, BF=0, AB=1, U=2, xs=1)),
                  "ab_r1": ((17, 33, 65), dict(S=0, RB=0, BF=0, AB=1, R=1, xs=1)),   # R=2 spills from 3 m16 tiles
@@ -82,7 +83,10 @@ GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S
                  # MB=2 (128 registers, one wave; now the default) on every shape, % of copy at m = 1: o 75.1 vs
                  # 82.4, shared_gate_up 65.7 vs 70.5, q_b 54.9 vs 59.2 (bench/h200_2026-12-01/gemm_mb2.json); MB=2
                  # U=6 no better (82.3, 68.5, 58.8)
-                 "t1_uncapped": ((1,), dict(MB=0))}
+                 "t1_uncapped": ((1,), dict(MB=0)),
+                 # session 17: steps in flight and row tiles at 2-3 token tiles under the 2112-warp k split
+                 "t2_u4": ((9,), dict(U=4)), "t2_u1": ((9,), dict(U=1)), "t3_u2": ((17,), dict(U=2)),
+                 "t3_r2": ((17,), dict(R=2))}
 GEMM_DEFAULT_ONLY = ("q_a", "kv_a")     # stacked into q_kv_a: the default cut only
 HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
 HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured yet)
