@@ -62,7 +62,7 @@ ATT_KPAD = ATT_DMAX + 1       # padded key rows: no bank conflicts across keys
 ATT_ACC = ATT_ROWS * ATT_DMAX // ATT_THREADS
 
 
-@cuda.jit
+@kernel()
 def attention_split_kernel(q, k, v, kv_len, has_len, vis, has_vis, scale, split, normalize, o_part, ml_part):
     """One (split, row tile, sequence * kv head) per block, ATT_THREADS threads: rows r = i*g + gh of kv head j are
     query i, head j*g + gh. q f32[B, n, h, d], k f32[B, S, hk, d], v f32[B, S, hk, dv]; sequence b sees keys

@@ -58,11 +58,57 @@ INT4_MAGIC = uint32(0x43004300)        # bf16 pair (128.0, 128.0): OR a nibble u
 INT4_OFFSET2 = uint32(0xC308C308)      # bf16 pair (-136.0, -136.0): 128 + u - 136 = u - 8, exact
 
 
+# Programmatic dependent launch (PDL), an experiment, OFF: with NUMBAENGINE_PDL=1 (read at import) every kernel made
+# by kernel() starts with grid_dep() and launch() gives it the PDL launch attribute, so its blocks may start while
+# the previous kernel drains. H200, session 17: a graph of pure-read kernels (python -m tools.pdl_probe,
+# bench/h200_2026-12-01/pdl_probe.json) 8 / 30 / 59 MB took 4.03 / 9.50 / 16.03 -> 3.21 / 8.71 / 15.30 us per
+# kernel, and a producer / consumer chain under PDL read no stale word; but the K2 x 2 layers AR step got SLOWER,
+# 1.297-1.300 -> 1.405 ms (`python -m tools.bench --synth-k2 2 --modes ar`, k2_pdl.log; 16 GPU tests of
+# test_device_round / test_backend_sim passed with it). Not explained yet: the trigger at each kernel's start lets
+# the next kernel's waiting blocks hold SM slots, which may starve parallel graph branches (to try: the trigger
+# after the main loop, or none).
+PDL = os.environ.get("NUMBAENGINE_PDL") == "1"
+
+
 def kernel(**opts):
-    """`cuda.jit` for kernels; drops the options the simulator does not know."""
+    """`cuda.jit` for kernels; drops the options the simulator does not know. With PDL the kernel's body runs after
+    grid_dep(): the next kernel may launch (griddepcontrol.launch_dependents) and this one waits until the
+    previous kernel has finished and its writes are visible (griddepcontrol.wait); nothing of the body (no read,
+    no write) runs before the wait, so every ordering of a plain launch holds."""
     if SIM:
         return cuda.jit
-    return cuda.jit(**opts)
+    if not PDL:
+        return cuda.jit(**opts)
+
+    def deco(fn):
+        import inspect
+        names = ", ".join(inspect.signature(fn).parameters)
+        ns = {"_grid_dep": grid_dep, "_body": device(fn)}
+        exec(f"def {fn.__name__}({names}):\n    _grid_dep()\n    _body({names})\n", ns)
+        wrapper = ns[fn.__name__]
+        wrapper.__doc__, wrapper.__module__, wrapper.__qualname__ = fn.__doc__, fn.__module__, fn.__qualname__
+        k = cuda.jit(**opts)(wrapper)
+        k.grid_dep = True               # launch() gives it the PDL attribute
+        return k
+    return deco
+
+
+class _PDL:
+    """Context: numba's launches inside carry the PDL attribute (numba builds a cuda.core LaunchConfig in
+    numba.cuda.dispatcher per launch; it is swapped for one that sets programmatic_stream_serialization)."""
+    def __enter__(self):
+        import functools
+
+        import numba.cuda.dispatcher as D
+        self.D, self.orig = D, D.LaunchConfig
+        D.LaunchConfig = functools.partial(self.orig, programmatic_stream_serialization=True)
+
+    def __exit__(self, *exc):
+        self.D.LaunchConfig = self.orig
+
+
+def pdl():
+    return _PDL()
 
 
 def device(fn):
@@ -294,6 +340,14 @@ else:
         return op
 
     cp_commit = _barrier_op("cp.async.commit_group;")
+    _launch_dependents = _barrier_op("griddepcontrol.launch_dependents;")
+    _wait_previous = _barrier_op("griddepcontrol.wait;")
+
+    @cuda.jit(device=True, forceinline=True)
+    def grid_dep():
+        """The next kernel may launch; wait for the previous one (PDL; no-ops without the launch attribute)."""
+        _launch_dependents()
+        _wait_previous()
 
     def cp_wait(n):
         """cp.async.wait_group n: all but this thread's n most recent groups have landed."""
@@ -511,5 +565,9 @@ def launch(kern, grid, block, *args, shmem=0):
     if SIM:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         args = [FakeCUDAArray(a) if isinstance(a, np.ndarray) and a.ndim > 0 else a for a in args]
+    elif PDL and getattr(kern, "grid_dep", False):
+        with pdl():
+            kern[grid, block, current_stream(), shmem](*args)
+        return
     kern[grid, block, current_stream(), shmem](*args)
 

@@ -177,7 +177,7 @@ def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec):
     return bv, bi
 
 
-@cuda.jit
+@kernel()
 def sample_kernel(logits, temperature, greedy, seed, seq, pos, vec, out):
     """Block per row, SAMPLE_THREADS threads strided over the vocabulary: argmax of logits (greedy) or of
     logits / temperature + gumbel noise; lowest index wins ties. Bytes: the logits once."""
@@ -213,7 +213,7 @@ def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, vec, best):
         best[i, c] = order_key(bv, bi)
 
 
-@cuda.jit
+@kernel()
 def sample_merge_kernel(best, chunks, vocab, out):
     """Warp per row (MERGE_ROWS rows per block): lane c reads best[i, c] (all loads at once; a thread per row
     looping over the chunks took 4.7 us for 17 rows on the H200, its loads in series), a warp max of the keys,

@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda, float32, float64, int32, uint32, uint64
 
 from kernels.attention import launch_smem, shfl_xor
-from kernels.device import SIM, launch, syncwarp
+from kernels.device import SIM, kernel, launch, syncwarp
 from kernels.sample import sample_work
 from kernels.topk import (
     TOPK_MAX,
@@ -103,7 +103,7 @@ def _tie_break(fkey, top, live, fpar, frank, fdepth, npar, nrank):
     return be
 
 
-@cuda.jit
+@kernel()
 def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, depths, positions, vis, ntok,
                  sample_seq, sample_pos):
     """Block per sequence b (BUILD_THREADS): warp 0 pops the budgets[b] best prefixes of the candidate lists
@@ -261,7 +261,7 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
         ntok[b] = nodes
 
 
-@cuda.jit
+@kernel()
 def walk_kernel(tokens, parents, ntok, post, lengths, bonus, path, nacc, start_out, out_tokens):
     """One warp per sequence: follow the children whose token equals the target's sample post[b*N + node]
     (i32[B*N]); path i32[B, P] (accepted node ids, root first), nacc[b] = m, start_out[b] = the old length
@@ -301,7 +301,7 @@ COMMIT_THREADS = 64 if SIM else 256
 GATHER_THREADS = 64 if SIM else 256
 
 
-@cuda.jit
+@kernel()
 def commit_kernel(cache, path, nacc, start):
     """Block per (layer, sequence): cache rows start+path[i] move to start+i (0 < i < nacc), all rows read into
     shared memory before any is written, four independent loads in flight per thread. cache u32[layers, B, cap,
@@ -328,7 +328,7 @@ def commit_kernel(cache, path, nacc, start):
             cache[layer, b, s0 + i, k % D2] = buf[k]
 
 
-@cuda.jit
+@kernel()
 def gather_kernel(hidden, path, nacc, start, feats, feat_pos):
     """Block per (column chunk, accepted slot i, sequence b), 4 * blockDim columns per block:
     feats[b, i] = concat_f hidden[f, b, path[b, i]] (the drafter context's new rows, target_layer_ids order)
