@@ -66,15 +66,16 @@ INT4_OFFSET2 = uint32(0xC308C308)      # bf16 pair (-136.0, -136.0): 128 + u - 1
 # 1.297-1.300 -> 1.405 ms (`python -m tools.bench --synth-k2 2 --modes ar`, k2_pdl.log; 16 GPU tests of
 # test_device_round / test_backend_sim passed with it). Not explained yet: the trigger at each kernel's start lets
 # the next kernel's waiting blocks hold SM slots, which may starve parallel graph branches (to try: the trigger
-# after the main loop, or none).
-PDL = os.environ.get("NUMBAENGINE_PDL") == "1"
+# after the main loop, or none: NUMBAENGINE_PDL=wait keeps the wait and drops the trigger, so the next kernel
+# launches when this one ends; the probe's pure-read chain gained 0.2-0.3 us per kernel that way, not timed on K2).
+PDL = {"1": "trigger", "trigger": "trigger", "wait": "wait"}.get(os.environ.get("NUMBAENGINE_PDL", ""))
 
 
 def kernel(**opts):
     """`cuda.jit` for kernels; drops the options the simulator does not know. With PDL the kernel's body runs after
-    grid_dep(): the next kernel may launch (griddepcontrol.launch_dependents) and this one waits until the
-    previous kernel has finished and its writes are visible (griddepcontrol.wait); nothing of the body (no read,
-    no write) runs before the wait, so every ordering of a plain launch holds."""
+    grid_dep(): the next kernel may launch (griddepcontrol.launch_dependents; not in PDL "wait" mode) and this one
+    waits until the previous kernel has finished and its writes are visible (griddepcontrol.wait); nothing of the
+    body (no read, no write) runs before the wait, so every ordering of a plain launch holds."""
     if SIM:
         return cuda.jit
     if not PDL:
@@ -83,7 +84,7 @@ def kernel(**opts):
     def deco(fn):
         import inspect
         names = ", ".join(inspect.signature(fn).parameters)
-        ns = {"_grid_dep": grid_dep, "_body": device(fn)}
+        ns = {"_grid_dep": grid_dep if PDL == "trigger" else _wait_previous, "_body": device(fn)}
         exec(f"def {fn.__name__}({names}):\n    _grid_dep()\n    _body({names})\n", ns)
         wrapper = ns[fn.__name__]
         wrapper.__doc__, wrapper.__module__, wrapper.__qualname__ = fn.__doc__, fn.__module__, fn.__qualname__

@@ -125,25 +125,29 @@ def test_ptx_stats_load_placement_and_cap():
 
 
 def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
-    """With kernels.device.PDL (the NUMBAENGINE_PDL experiment) a kernel made by kernel() lets the next one launch
-    and waits for the previous one before its body's first global load or store; and the launch attribute exists
+    """With kernels.device.PDL (the NUMBAENGINE_PDL experiment) a kernel made by kernel() waits for the previous one
+    before its body's first global load or store (and in "trigger" mode first lets the next one launch); the
+    launch attribute exists
     in this cuda.core (kernels.device.pdl swaps numba's LaunchConfig for one that sets it)."""
     import numba.cuda.dispatcher as D
     from numba import cuda
 
     import kernels.device as dev
-    monkeypatch.setattr(dev, "PDL", True)
+    for mode in ("trigger", "wait"):
+        monkeypatch.setattr(dev, "PDL", mode)
 
-    @dev.kernel()
-    def axpy(x, y):
-        i = cuda.grid(1)
-        if i < x.shape[0]:
-            y[i] += x[i] * 2.0
-    assert axpy.grid_dep
-    ptx = ptx_or_skip(axpy.py_func, "void(float32[::1], float32[::1])")
-    body = ptx[ptx.index(".entry"):]
-    first_mem = min(body.index(op) for op in ("ld.global", "st.global") if op in body)
-    assert body.index("griddepcontrol.launch_dependents") < body.index("griddepcontrol.wait") < first_mem
+        @dev.kernel()
+        def axpy(x, y):
+            i = cuda.grid(1)
+            if i < x.shape[0]:
+                y[i] += x[i] * 2.0
+        assert axpy.grid_dep
+        ptx = ptx_or_skip(axpy.py_func, "void(float32[::1], float32[::1])")
+        body = ptx[ptx.index(".entry"):]
+        first_mem = min(body.index(op) for op in ("ld.global", "st.global") if op in body)
+        assert body.index("griddepcontrol.wait") < first_mem, mode
+        trigger = body.find("griddepcontrol.launch_dependents")
+        assert (0 <= trigger < body.index("griddepcontrol.wait")) if mode == "trigger" else trigger < 0, mode
     with dev.pdl():
         cfg = D.LaunchConfig(grid=1, block=32)
     assert cfg.programmatic_stream_serialization and D.LaunchConfig is not None
