@@ -331,6 +331,17 @@ else:
     ld4_l2 = _make_load(1, space=".cg")     # one word cached at L2 only: sees other blocks' writes of this kernel
     ld16_l2 = _make_load(4, space=".cg")    # four words, the same
 
+    @intrinsic
+    def prefetch_l2(typingctx, arr, idx):
+        """prefetch.global.L2 of flat element idx of a contiguous array (no register held)."""
+        sig = types.void(arr, idx)
+
+        def codegen(ctx, b, sig, args):
+            addr = _address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+            fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64)])
+            b.call(ir.InlineAsm(fn, "prefetch.global.L2 [$0];", "l", side_effect=True), [addr])
+        return sig, codegen
+
     def _barrier_op(asm):
         """A no-argument PTX statement that orders memory (side effect, memory clobber)."""
         @intrinsic

@@ -104,6 +104,17 @@ def event_time(cp, fn, reps, stream):
     return cp.cuda.get_elapsed_time(start, end) / reps
 
 
+def capture(s, launches):
+    """A CUDA graph of launches() captured on CuPy stream s (the current stream), uploaded."""
+    s.begin_capture()
+    try:
+        launches()
+    finally:
+        graph = s.end_capture()
+    graph.upload(s)
+    return graph
+
+
 def timed(cp, launches, reps):
     """(graph ms, eager ms) of the launch sequence `launches()`, on a fresh non-blocking stream."""
     s = cp.cuda.Stream(non_blocking=True)
@@ -111,12 +122,7 @@ def timed(cp, launches, reps):
         launches()                                   # warm-up: compiles, loads modules
         s.synchronize()
         eager = event_time(cp, launches, reps, s)
-        s.begin_capture()
-        try:
-            launches()
-        finally:
-            graph = s.end_capture()
-        graph.upload(s)
+        graph = capture(s, launches)
         graph.launch(s)
         s.synchronize()
         replay = event_time(cp, lambda: graph.launch(s), reps, s)
@@ -347,18 +353,29 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
 READ_MB = (8, 16, 30, 59, 117, 235)     # the K2 projections' weight sizes, and two larger
 
 
-def bench_read_floor(cp, cuda, results, copy_bw):
-    """The yardstick of one streaming kernel: a pure read (16-byte loads, 4 in flight per thread, every SM full) of
-    the same bytes in the same chain as the GEMMs (distinct copies, more than L2 holds): what launch, ramp-up and
-    tail cost a kernel of that size with no arithmetic at all."""
-    from kernels.device import kernel, launch, ld16
-    from numba import uint32
+def read_kernel(trigger=False, wait=False, prefetch=False):
+    """The read floor's kernel: XOR of all words (kept, so no load is dead), 4 x 16-byte loads in flight per thread.
+    Launch: grid (4 * SMs), block 512; reads nwords * 4 bytes. For tools/pdl_probe, at its start: an optional PDL
+    trigger of the next kernel, an L2 prefetch of this thread's first 4 x 16 bytes, the PDL wait (plain cuda.jit:
+    nothing else added)."""
+    from numba import cuda, uint32
 
-    @kernel()
+    from kernels.device import ld16
+    if trigger or wait or prefetch:
+        from kernels.device import _launch_dependents, _wait_previous, prefetch_l2
+
+    @cuda.jit
     def read_k(w, out, nwords):
-        """XOR of all words (kept, so no load is dead). Launch: grid (4 * SMs), block 512; reads nwords * 4 bytes."""
         i = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * 4
         step = cuda.gridDim.x * cuda.blockDim.x * 4
+        if trigger:
+            _launch_dependents()
+        if prefetch:
+            for j in range(4):
+                if i + j * step < nwords:
+                    prefetch_l2(w, i + j * step)
+        if wait:
+            _wait_previous()
         acc = uint32(0)
         while i + 3 * step < nwords:
             a0, a1, a2, a3 = ld16(w, i)
@@ -373,6 +390,15 @@ def bench_read_floor(cp, cuda, results, copy_bw):
             i += step
         if acc == uint32(0x9E3779B9):
             out[0] = acc
+    return read_k
+
+
+def bench_read_floor(cp, cuda, results, copy_bw):
+    """The yardstick of one streaming kernel: a pure read (16-byte loads, 4 in flight per thread, every SM full) of
+    the same bytes in the same chain as the GEMMs (distinct copies, more than L2 holds): what launch, ramp-up and
+    tail cost a kernel of that size with no arithmetic at all."""
+    from kernels.device import launch
+    read_k = read_kernel()
 
     sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
     dv = cuda.as_cuda_array

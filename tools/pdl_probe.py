@@ -22,86 +22,20 @@ import numpy as np
 READ_MB = (8, 30, 59)
 
 
-def _ops():
-    """(wait, trigger, prefetch_l2) device intrinsics: griddepcontrol.wait / .launch_dependents, prefetch.global.L2."""
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
+def step_kernel():
+    """y = (x * mul + add) ^ xor (uint32), after the PDL trigger and wait."""
+    from numba import cuda
 
-    from kernels.device import _address, _barrier_op
-
-    @intrinsic
-    def prefetch_l2(typingctx, arr, idx):
-        sig = types.void(arr, idx)
-
-        def codegen(ctx, b, sig, args):
-            addr = _address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
-            fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64)])
-            b.call(ir.InlineAsm(fn, "prefetch.global.L2 [$0];", "l", side_effect=True), [addr])
-        return sig, codegen
-    return _barrier_op("griddepcontrol.wait;"), _barrier_op("griddepcontrol.launch_dependents;"), prefetch_l2
-
-
-def read_kernel(wait, trigger, prefetch):
-    """The read floor's kernel (XOR of every word, 4 x 16-byte loads in flight per thread) with, at its start, an
-    optional trigger of the next kernel's launch, an L2 prefetch of this thread's first 4 x 16 bytes, and the wait
-    for the previous kernel. Launch: grid 4 * SMs, block 512."""
-    from numba import cuda, uint32
-
-    from kernels.device import ld16
-    gdc_wait, gdc_trigger, prefetch_l2 = _ops()
+    from kernels.device import _launch_dependents, _wait_previous
 
     @cuda.jit
-    def read_k(w, out, nwords):
-        i = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * 4
-        step = cuda.gridDim.x * cuda.blockDim.x * 4
-        if trigger:
-            gdc_trigger()
-        if prefetch:
-            for j in range(4):
-                if i + j * step < nwords:
-                    prefetch_l2(w, i + j * step)
-        if wait:
-            gdc_wait()
-        acc = uint32(0)
-        while i + 3 * step < nwords:
-            a0, a1, a2, a3 = ld16(w, i)
-            b0, b1, b2, b3 = ld16(w, i + step)
-            c0, c1, c2, c3 = ld16(w, i + 2 * step)
-            d0, d1, d2, d3 = ld16(w, i + 3 * step)
-            acc ^= a0 ^ a1 ^ a2 ^ a3 ^ b0 ^ b1 ^ b2 ^ b3 ^ c0 ^ c1 ^ c2 ^ c3 ^ d0 ^ d1 ^ d2 ^ d3
-            i += 4 * step
-        while i < nwords:
-            a0, a1, a2, a3 = ld16(w, i)
-            acc ^= a0 ^ a1 ^ a2 ^ a3
-            i += step
-        if acc == uint32(0x9E3779B9):
-            out[0] = acc
-    return read_k
-
-
-def step_kernels():
-    """(produce, consume): y = 3x + 1 with an early trigger, then z = y ^ 0x5BD1E995 after the wait (uint32)."""
-    from numba import cuda, uint32
-
-    gdc_wait, gdc_trigger, _ = _ops()
-
-    @cuda.jit
-    def produce(x, y):
-        gdc_trigger()
-        gdc_wait()
+    def step(x, y, mul, add, xor):
+        _launch_dependents()
+        _wait_previous()
         i = cuda.grid(1)
         if i < x.shape[0]:
-            y[i] = x[i] * uint32(3) + uint32(1)
-
-    @cuda.jit
-    def consume(y, z):
-        gdc_trigger()
-        gdc_wait()
-        i = cuda.grid(1)
-        if i < y.shape[0]:
-            z[i] = y[i] ^ uint32(0x5BD1E995)
-    return produce, consume
+            y[i] = (x[i] * mul + add) ^ xor
+    return step
 
 
 def pdl_launch(kern, grid, block, *args):
@@ -140,7 +74,8 @@ def gemm_chain(cp, cuda, copy_bw, res, name="q_kv_a", m=1):
 
 def check_chain(cp, cuda, n=16 << 20, rounds=12):
     """A graph of `rounds` produce / consume pairs launched with PDL (x -> y -> z -> y -> ...) == NumPy."""
-    produce, consume = step_kernels()
+    step = step_kernel()
+    u = np.uint32
     dv = cuda.as_cuda_array
     x0 = cp.random.randint(0, 2 ** 31, n, dtype=cp.uint32)
     a, b = dv(x0.copy()), dv(cp.zeros(n, cp.uint32))
@@ -148,16 +83,12 @@ def check_chain(cp, cuda, n=16 << 20, rounds=12):
 
     def chain():
         for _ in range(rounds):
-            pdl_launch(produce, blocks, 256, a, b)
-            pdl_launch(consume, blocks, 256, b, a)
+            pdl_launch(step, blocks, 256, a, b, u(3), u(1), u(0))                # produce: y = 3x + 1
+            pdl_launch(step, blocks, 256, b, a, u(1), u(0), u(0x5BD1E995))       # consume: z = y ^ 0x5BD1E995
+    from tools.bench_kernels import capture
     s = cp.cuda.Stream(non_blocking=True)
     with s:
-        s.begin_capture()
-        try:
-            chain()
-        finally:
-            g = s.end_capture()
-        g.launch(s)
+        capture(s, chain).launch(s)
         s.synchronize()
     want = x0.get()
     for _ in range(rounds):
@@ -176,7 +107,7 @@ def main():
     from numba import cuda
 
     from kernels.device import launch
-    from tools.bench_kernels import chain_copies, chained_ms, copy_bandwidth
+    from tools.bench_kernels import chain_copies, chained_ms, copy_bandwidth, read_kernel
     res = {"cuda_core": getattr(cuda_core, "__version__", "?")}
     D.LaunchConfig(grid=1, block=32, programmatic_stream_serialization=True)     # raises if cuda.core lacks PDL
     res["wrong_words_in_pdl_chain"] = check_chain(cp, cuda)
@@ -187,7 +118,7 @@ def main():
     out = dv(cp.zeros(1, cp.uint32))
     variants = {"plain": (0, 0, 0, False), "pdl_wait": (1, 0, 0, True), "pdl_trigger_wait": (1, 1, 0, True),
                 "pdl_trigger_prefetch_wait": (1, 1, 1, True), "pdl_trigger_no_wait": (0, 1, 0, True)}
-    kerns = {tag: read_kernel(*v[:3]) for tag, v in variants.items()}
+    kerns = {tag: read_kernel(trigger=bool(v[1]), wait=bool(v[0]), prefetch=bool(v[2])) for tag, v in variants.items()}
     res["read"] = []
     for mb in READ_MB:
         nwords = (mb << 20) // 4
