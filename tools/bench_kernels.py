@@ -63,8 +63,8 @@ GEMM_MS = (1, 9, 17, 33, 65)
 GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
                  "rb2": ((17,), dict(S=2, RB=1)), "rb2w4": ((17, 33), dict(S=2, RB=1, WR=4)),
                  "xs2": ((17, 33, 65), dict(xs=2)),
-                 # x as the mma's A operand, weights as B (GemmConfig.AB: no register moves; session 10 NOT better,
-                 # README; re-timed in session 17 against the 2112-warp k split)
+                 # x as the mma's A operand, weights as B (GemmConfig.AB: no register moves; session 10 NOT better;
+                 # session 17 again not at m <= 17, but at m = 33 on weights under 100 MB, README)
                  "ab": ((1, 9, 17), dict(S=0, RB=0, BF=0, AB=1, xs=1)),
                  "ab_u2": ((17,), dict(S=0, RB=0, BF=0, AB=1, U=2, xs=1)),
                  "ab_r1": ((17, 33, 65), dict(S=0, RB=0, BF=0, AB=1, R=1, xs=1)),   # R=2 spills from 3 m16 tiles
@@ -84,7 +84,10 @@ GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S
                  # 82.4, shared_gate_up 65.7 vs 70.5, q_b 54.9 vs 59.2 (bench/h200_2026-12-01/gemm_mb2.json); MB=2
                  # U=6 no better (82.3, 68.5, 58.8)
                  "t1_uncapped": ((1,), dict(MB=0)),
-                 # session 17: steps in flight and row tiles at 2-3 token tiles under the 2112-warp k split
+                 # session 17 (gemm_t23.json): steps in flight and row tiles at 2-3 token tiles under the 2112-warp
+                 # k split; t2_u4 (R=1 shapes) and t3_u2 won and are the defaults now (these tags then time the
+                 # default again); U=1 at 2 tiles lost 2-13 points, R=2 at 3 tiles lost up to 4; ab / ab_r1: see
+                 # README (m = 33, weights under 100 MB: ab_r1 +1-4 points, not a default yet)
                  "t2_u4": ((9,), dict(U=4)), "t2_u1": ((9,), dict(U=1)), "t3_u2": ((17,), dict(U=2)),
                  "t3_r2": ((17,), dict(R=2))}
 GEMM_DEFAULT_ONLY = ("q_a", "kv_a")     # stacked into q_kv_a: the default cut only
