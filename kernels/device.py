@@ -7,6 +7,8 @@ warp through a per-warp barrier. Kernels call the helpers only, so one kernel so
 
 bf16 values travel as raw bits: `uint16` arrays, or `uint32` words holding a pair (element 0 in the low half).
 """
+import contextlib
+import functools
 import os
 import threading
 import weakref
@@ -94,22 +96,17 @@ def kernel(**opts):
     return deco
 
 
-class _PDL:
+@contextlib.contextmanager
+def pdl():
     """Context: numba's launches inside carry the PDL attribute (numba builds a cuda.core LaunchConfig in
     numba.cuda.dispatcher per launch; it is swapped for one that sets programmatic_stream_serialization)."""
-    def __enter__(self):
-        import functools
-
-        import numba.cuda.dispatcher as D
-        self.D, self.orig = D, D.LaunchConfig
-        D.LaunchConfig = functools.partial(self.orig, programmatic_stream_serialization=True)
-
-    def __exit__(self, *exc):
-        self.D.LaunchConfig = self.orig
-
-
-def pdl():
-    return _PDL()
+    import numba.cuda.dispatcher as D
+    orig = D.LaunchConfig
+    D.LaunchConfig = functools.partial(orig, programmatic_stream_serialization=True)
+    try:
+        yield
+    finally:
+        D.LaunchConfig = orig
 
 
 def device(fn):

@@ -127,8 +127,8 @@ def test_ptx_stats_load_placement_and_cap():
 def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
     """With kernels.device.PDL (the NUMBAENGINE_PDL experiment) a kernel made by kernel() waits for the previous one
     before its body's first global load or store (and in "trigger" mode first lets the next one launch); the
-    launch attribute exists
-    in this cuda.core (kernels.device.pdl swaps numba's LaunchConfig for one that sets it)."""
+    launch attribute exists in this cuda.core (kernels.device.pdl swaps numba's LaunchConfig for one that sets it,
+    and puts the original back)."""
     import numba.cuda.dispatcher as D
     from numba import cuda
 
@@ -148,7 +148,8 @@ def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
         assert body.index("griddepcontrol.wait") < first_mem, mode
         trigger = body.find("griddepcontrol.launch_dependents")
         assert (0 <= trigger < body.index("griddepcontrol.wait")) if mode == "trigger" else trigger < 0, mode
+    orig = D.LaunchConfig
     with dev.pdl():
         cfg = D.LaunchConfig(grid=1, block=32)
-    assert cfg.programmatic_stream_serialization and D.LaunchConfig is not None
+    assert cfg.programmatic_stream_serialization and D.LaunchConfig is orig
     assert not getattr(D.LaunchConfig(grid=1, block=32), "programmatic_stream_serialization", False)
