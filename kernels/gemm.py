@@ -230,46 +230,15 @@ def _build_bf16_mma(T, R, XS, BF):
     return mma_step
 
 
-def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
-    """Device function: one k-step of one warp over R weight tiles x T token tiles, accumulating into acc.
-
-    bf16: a step is 32 columns; w = uint32 words of bf16 pairs, row r at aoff[r] (words).
-    int4: a step is 32*G columns (G groups); w = uint32 words of the word-transposed layout, sc = u16 scales.
-    B: xb words [row, XS, k/2] at boff[tt] (BF=0), or x itself as f32 [row, k] at boff[tt] (BF=1, bf16 weights
-    only: converted to bf16 hi[/lo] in registers, no prep launch). PF=1: weight loads ask L2 for 256 bytes.
-    acc[(r*T + tt)*4 + i]: the mma D fragment of tile (r, tt)."""
-    NQ, NQ4, NDA, ND = 8 * R, 2 * R * G, 8 * R, 4 * R
-    lda = ld16_pf if PF else ld16
-    if fmt == BF16:
-        mma_step = _cached(_build_bf16_mma, T, R, XS, BF)
-
-        @device
-        def step(w, sc, xb, s, t, half, aoff, soff, boff, acc):
-            qa = cuda.local.array(NQ, uint32)
-            for h in range(2 * R):
-                qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = lda(w, aoff[h] + s * 16 + t * 4)
-            mma_step(qa, xb, s, t, half, boff, acc)
-        return step
+def _build_int4_mma(T, R, XS, G):
+    """Device function: the tensor-core work of one INT4 k-step (32*G columns) of one warp: qa u32[2R*G] the lane's
+    weight words (index h*G + j: row half h = 2r (row g) / 2r+1 (row g+8) of row tile r, scale group j), sa f32[2R*G]
+    their group scales; B from xb at boff[tt] as in `_build_step`. Shared by the register path and moe.py's bulk
+    rings (the same arithmetic, so the same bits)."""
+    NDA, ND = 8 * R, 4 * R
 
     @device
-    def step(w, sc, xb, s, t, half, aoff, soff, boff, acc):
-        qa = cuda.local.array(NQ4, uint32)
-        sa = cuda.local.array(NQ4, float32)
-        for h in range(2 * R):
-            if G == 4:
-                q0, q1, q2, q3 = lda(w, aoff[h] + s * 16 + t * 4)
-                qa[h * G], qa[h * G + 1], qa[h * G + 2], qa[h * G + 3] = q0, q1, q2, q3
-                s0, s1 = ld8(sc, soff[h] + s * 4)
-                sa[h * G], sa[h * G + 1], sa[h * G + 2], sa[h * G + 3] = (bf16_lo(s0), bf16_hi(s0),
-                                                                          bf16_lo(s1), bf16_hi(s1))
-            elif G == 2:
-                q0, q1 = ld8(w, aoff[h] + s * 8 + t * 2)
-                qa[h * G], qa[h * G + 1] = q0, q1
-                s0 = ld4(sc, soff[h] + s * 2)
-                sa[h * G], sa[h * G + 1] = bf16_lo(s0), bf16_hi(s0)
-            else:
-                qa[h] = ld4(w, aoff[h] + s * 4 + t)
-                sa[h] = bf16_lo(uint32(sc[soff[h] + s]))
+    def int4_mma(qa, sa, xb, s, t, half, boff, acc):
         for j in range(G):
             da = cuda.local.array(NDA, uint32)
             for r in range(R):
@@ -295,6 +264,52 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
                     acc[i + 1] += sg * d[4 * r + 1]
                     acc[i + 2] += sg8 * d[4 * r + 2]
                     acc[i + 3] += sg8 * d[4 * r + 3]
+    return int4_mma
+
+
+def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
+    """Device function: one k-step of one warp over R weight tiles x T token tiles, accumulating into acc.
+
+    bf16: a step is 32 columns; w = uint32 words of bf16 pairs, row r at aoff[r] (words).
+    int4: a step is 32*G columns (G groups); w = uint32 words of the word-transposed layout, sc = u16 scales.
+    B: xb words [row, XS, k/2] at boff[tt] (BF=0), or x itself as f32 [row, k] at boff[tt] (BF=1, bf16 weights
+    only: converted to bf16 hi[/lo] in registers, no prep launch). PF=1: weight loads ask L2 for 256 bytes.
+    acc[(r*T + tt)*4 + i]: the mma D fragment of tile (r, tt)."""
+    NQ, NQ4 = 8 * R, 2 * R * G
+    lda = ld16_pf if PF else ld16
+    if fmt == BF16:
+        mma_step = _cached(_build_bf16_mma, T, R, XS, BF)
+
+        @device
+        def step(w, sc, xb, s, t, half, aoff, soff, boff, acc):
+            qa = cuda.local.array(NQ, uint32)
+            for h in range(2 * R):
+                qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = lda(w, aoff[h] + s * 16 + t * 4)
+            mma_step(qa, xb, s, t, half, boff, acc)
+        return step
+
+    int4_mma = _cached(_build_int4_mma, T, R, XS, G)
+
+    @device
+    def step(w, sc, xb, s, t, half, aoff, soff, boff, acc):
+        qa = cuda.local.array(NQ4, uint32)
+        sa = cuda.local.array(NQ4, float32)
+        for h in range(2 * R):
+            if G == 4:
+                q0, q1, q2, q3 = lda(w, aoff[h] + s * 16 + t * 4)
+                qa[h * G], qa[h * G + 1], qa[h * G + 2], qa[h * G + 3] = q0, q1, q2, q3
+                s0, s1 = ld8(sc, soff[h] + s * 4)
+                sa[h * G], sa[h * G + 1], sa[h * G + 2], sa[h * G + 3] = (bf16_lo(s0), bf16_hi(s0),
+                                                                          bf16_lo(s1), bf16_hi(s1))
+            elif G == 2:
+                q0, q1 = ld8(w, aoff[h] + s * 8 + t * 2)
+                qa[h * G], qa[h * G + 1] = q0, q1
+                s0 = ld4(sc, soff[h] + s * 2)
+                sa[h * G], sa[h * G + 1] = bf16_lo(s0), bf16_hi(s0)
+            else:
+                qa[h] = ld4(w, aoff[h] + s * 4 + t)
+                sa[h] = bf16_lo(uint32(sc[soff[h] + s]))
+        int4_mma(qa, sa, xb, s, t, half, boff, acc)
     return step
 
 

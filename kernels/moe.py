@@ -85,13 +85,15 @@ def moe_ref(x, idx, wts, experts, out):
 # =============================================================================================================
 import math  # noqa: E402
 
-from numba import cuda, float32, int32  # noqa: E402
+from numba import cuda, float32, int32, uint32, uint64  # noqa: E402
 
 from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device, kernel, launch, ld16, lane_id,  # noqa: E402
                             pack_bf16x2)
-from kernels.device import shfl_idx, warp_argmax, warp_sum  # noqa: E402
-from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_mainloop,  # noqa: E402
-                          _build_prep_unit, _cached, _split_range, _words)
+from kernels.attention import launch_smem  # noqa: E402
+from kernels.device import shfl_idx, syncwarp, warp_argmax, warp_sum  # noqa: E402
+from kernels.bulk import bulk_load, mbar_expect, mbar_fence_init, mbar_init, mbar_wait  # noqa: E402
+from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_int4_mma, _build_mainloop,  # noqa: E402
+                          _build_prep_unit, _cached, _split_range, _words, lds16)
 
 MOE_XS = 1            # B operand: activations as bf16 (W4A16); 2 = hi + lo parts (~1e-5 from the f32 reference, slower)
 MAX_E = 1024          # experts per layer the router/plan kernels handle (one thread each)
@@ -117,31 +119,72 @@ def int4_tiles(packed, xp=np):
     return xp.ascontiguousarray(xp.swapaxes(t, -1, -2)).reshape(*lead, n, words)
 
 
+BULK_WORDS = 288     # u32 words of one (row tile, k-step) chunk of the bulk layout: 2 x 128 weight words + 32 of scales
+
+
+def int4_bulk_tiles(words, scales, R, down, xp=np):
+    """int4_tiles words u32[E, N, K/8] + scales u16[E, N, K/32] -> u32[E, N/(16R), K/128, R*BULK_WORDS], made once
+    at load time for the bulk-copy expert GEMM: the R row tiles of one warp are one contiguous chunk per k-step (a
+    stage of the ring is one bulk copy), and a chunk is in the order the lanes read it from shared memory.
+    Chunk of row tile p, k-step s: words [128h, 128h+128) = rows (g = 0..7) of half h, each its 16 words of the step
+    (lane g*4+t reads words 4t..4t+3 of row g: one 16-byte piece per lane, conflict-free); words [256, 288) = the
+    scales u16[g, h, j] (lane reads its 4 of each half with one 16-byte load). Rows of (p, h, g): gate_up h=0 the gate
+    row 8p+g, h=1 the up row N/2+8p+g (kernel's interleave); down 16p+8h+g. Needs K % 128 == 0 and (N/16) % R == 0."""
+    E, N, KW = words.shape
+    ks, P = KW // 16, N // 16
+    if KW % 16 or N % 16 or P % R or scales.shape != (E, N, KW // 4):
+        raise ValueError(f"int4_bulk_tiles: words {words.shape} / scales {scales.shape}, R={R}: need K % 128 == 0, "
+                         f"N % (16R) == 0 and scales [E, N, K/32]")
+    if down:
+        w, sc = words.reshape(E, P, 2, 8, ks, 16), scales.reshape(E, P, 2, 8, ks, 4)       # e p h g s .
+    else:
+        w = xp.swapaxes(words.reshape(E, 2, P, 8, ks, 16), 1, 2)
+        sc = xp.swapaxes(scales.reshape(E, 2, P, 8, ks, 4), 1, 2)
+    w = xp.ascontiguousarray(w.transpose(0, 1, 4, 2, 3, 5)).reshape(E, P, ks, 256)            # e p s (h g w)
+    sc = xp.ascontiguousarray(sc.transpose(0, 1, 4, 3, 2, 5)).reshape(E, P, ks, 64).view(xp.uint32)  # (g h j)
+    t = xp.concatenate([w.view(xp.uint32), sc], axis=-1).reshape(E, P // R, R, ks, BULK_WORDS)
+    return xp.ascontiguousarray(xp.swapaxes(t, 2, 3)).reshape(E, P // R, ks, R * BULK_WORDS)
+
+
 @dataclass
 class DeviceExperts:
     """One layer's routed experts on the device. int4: gate_up u32[E, 2I, H/8] and down u32[E, H, I/8] in the
-    `int4_tiles` layout, scales u16 [E, out, in/32] as in the checkpoint; bf16: u16 weights, scales None."""
+    `int4_tiles` layout, scales u16 [E, out, in/32] as in the checkpoint; or (tiled = R > 0) both in the bulk layout
+    of `int4_bulk_tiles` with the scales inside (scale fields None); bf16: u16 weights, scales None."""
     gate_up: object
     down: object
     gate_up_scale: object = None
     down_scale: object = None
     group: int = 32
     offset: int = 0          # global id of local expert 0 (expert parallelism: this device holds a range)
+    tiled: int = 0           # R of the bulk layout (0: int4_tiles rows + separate scales)
 
     @property
     def int4(self) -> bool:
-        return self.gate_up_scale is not None
+        return self.gate_up_scale is not None or self.tiled > 0
 
 
-def device_experts(experts: Experts, to_device) -> DeviceExperts:
-    """Host Experts -> DeviceExperts (INT4 words re-laid by int4_tiles; `to_device` copies a NumPy array)."""
+def device_experts(experts: Experts, to_device, tiled=None) -> DeviceExperts:
+    """Host Experts -> DeviceExperts (INT4 words re-laid by int4_tiles, or with tiled = R > 0 by int4_bulk_tiles;
+    default MOE_TILED where the shapes allow it; `to_device` copies a NumPy array)."""
     if not experts.int4:
         return DeviceExperts(to_device(experts.gate_up), to_device(experts.down), offset=experts.offset)
     if experts.group != 32:
         raise ValueError(f"device_experts: group size {experts.group} is not 32")
-    return DeviceExperts(to_device(int4_tiles(experts.gate_up).view(np.uint32)),
-                         to_device(int4_tiles(experts.down).view(np.uint32)),
-                         to_device(experts.gate_up_scale), to_device(experts.down_scale), offset=experts.offset)
+    gu, dn = int4_tiles(experts.gate_up).view(np.uint32), int4_tiles(experts.down).view(np.uint32)
+    if tiled is None:
+        tiled = MOE_TILED if bulk_fits(gu.shape[2] * 8, gu.shape[1] // 2, MOE_TILED) else 0
+    if tiled:
+        return DeviceExperts(to_device(int4_bulk_tiles(gu, experts.gate_up_scale, tiled, 0)),
+                             to_device(int4_bulk_tiles(dn, experts.down_scale, tiled, 1)), offset=experts.offset,
+                             tiled=tiled)
+    return DeviceExperts(to_device(gu), to_device(dn), to_device(experts.gate_up_scale),
+                         to_device(experts.down_scale), offset=experts.offset)
+
+
+def bulk_fits(hidden, inter, R):
+    """Whether experts of these widths take the bulk layout with R row tiles per chunk (K % 128, N % 16R)."""
+    return R > 0 and hidden % 128 == 0 and inter % 128 == 0 and hidden % (16 * R) == 0 and (2 * inter) % (16 * R) == 0
 
 
 @dataclass
@@ -485,11 +528,79 @@ def _perm8(i):
     return (i & ~7) | ((i & 3) << 1) | ((i >> 2) & 1)
 
 
-def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None):
+def _build_bulk_mainloop(T, R, XS, S, U):
+    """Device function, the INT4 expert mainloop over a bulk-layout weight array (`int4_bulk_tiles`): k-steps
+    [s0, s1) of the warp's R row tiles stream through an S-slot ring in dynamic shared memory, U k-steps (U chunks of
+    R*BULK_WORDS words, contiguous) per slot, each slot filled by ONE cp.async.bulk issued by lane 0 and completed on
+    the slot's mbarrier (kernels/bulk.py). All S slots are in flight; a slot is refilled right after the warp has
+    read it (a syncwarp between). No register holds a load in flight, so the depth is S*U*R*1152 bytes per warp.
+    The lanes read back the register path's words and scales and run the same `_build_int4_mma`: same bits.
+    aoff[0]: word offset of the warp's chunk run (row-tile group) in w; sc and soff unused."""
+    int4_mma = _cached(_build_int4_mma, T, R, XS, 4)
+    CH = R * BULK_WORDS                  # words per k-step
+    SLOT, NBAR, NQ = U * CH, MAX_WARPS * S, 8 * R
+
+    @device
+    def issue(ring, rb, bars, bb, w, wb, s0, s1, i):
+        slot = i % S
+        cnt = min(U, s1 - s0 - i * U)
+        mbar_expect(bars, bb + slot, cnt * CH * 4)
+        bulk_load(ring, rb + slot * SLOT, w, wb + (s0 + i * U) * CH, cnt * CH * 4, bars, bb + slot)
+
+    @device
+    def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, acc):
+        ring = cuda.shared.array(0, uint32)
+        bars = cuda.shared.array(NBAR, uint64)
+        lane = lane_id()
+        warp = cuda.threadIdx.x // 32
+        rb, bb = warp * S * SLOT, warp * S
+        nst = (s1 - s0 + U - 1) // U
+        if lane == 0:
+            for p in range(S):
+                mbar_init(bars, bb + p)
+            mbar_fence_init()
+            for p in range(S):
+                if p < nst:
+                    issue(ring, rb, bars, bb, w, aoff[0], s0, s1, p)
+        syncwarp()
+        qa = cuda.local.array(NQ, uint32)
+        sa = cuda.local.array(NQ, float32)
+        for i in range(nst):
+            slot = i % S
+            mbar_wait(bars, bb + slot, (i // S) & 1)
+            for u in range(U):
+                s = s0 + i * U + u
+                if s < s1:
+                    base = rb + slot * SLOT + u * CH
+                    for r in range(R):
+                        for h in range(2):
+                            q0, q1, q2, q3 = lds16(ring, base + r * BULK_WORDS + h * 128 + lane * 4)
+                            k = (2 * r + h) * 4
+                            qa[k], qa[k + 1], qa[k + 2], qa[k + 3] = q0, q1, q2, q3
+                        c0, c1, c2, c3 = lds16(ring, base + r * BULK_WORDS + 256 + (lane // 4) * 4)
+                        k = 2 * r * 4
+                        sa[k], sa[k + 1], sa[k + 2], sa[k + 3] = bf16_lo(c0), bf16_hi(c0), bf16_lo(c1), bf16_hi(c1)
+                        sa[k + 4], sa[k + 5], sa[k + 6], sa[k + 7] = (bf16_lo(c2), bf16_hi(c2), bf16_lo(c3),
+                                                                      bf16_hi(c3))
+                    int4_mma(qa, sa, xb, s, t, half, boff, acc)
+            syncwarp()                                  # every lane has read the slot: refill it
+            if lane == 0 and i + S < nst:
+                issue(ring, rb, bars, bb, w, aoff[0], s0, s1, i + S)
+    return mainloop
+
+
+def bulk_ring_bytes(cfg):
+    """Dynamic shared bytes of a block's bulk rings (ExpertConfig with S > 0)."""
+    return 4 * cfg.WR * cfg.WK * cfg.S * cfg.U * cfg.R * BULK_WORDS
+
+
+def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S=0):
     """One expert GEMM stage over the work items (persistent grid). down=0: gate_up with rows interleaved per tile
     (8 gate rows, then the matching 8 up rows) and silu(gate) * up written as the next B operand (act);
-    down=1: rows in order, output * routing weight written per slot (y)."""
-    mainloop = _cached(_build_mainloop, fmt, T, R, XS, G, U, PF)
+    down=1: rows in order, output * routing weight written per slot (y). S > 0: INT4 weights in the bulk layout
+    through S-slot bulk-copy rings (`_build_bulk_mainloop`; w is then u32 [E, words of one expert])."""
+    mainloop = (_cached(_build_bulk_mainloop, T, R, XS, S, U) if S
+                else _cached(_build_mainloop, fmt, T, R, XS, G, U, PF))
     block_reduce = _cached(_build_block_reduce, R, T)
     NACC, NA = R * T * 4, 2 * R
     KSTEP = 32 * G if fmt == INT4 else 32
@@ -527,6 +638,8 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None):
                     rg, rg8 = p * 8 + g, nrows // 2 + p * 8 + g
                 aoff[2 * r], aoff[2 * r + 1] = rg * (kdim // WDIV), rg8 * (kdim // WDIV)
                 soff[2 * r], soff[2 * r + 1] = rg * (kdim // 32), rg8 * (kdim // 32)
+            if S:                                   # bulk layout: the warp's chunk run, row-tile group tile0 / R
+                aoff[0] = min(tile0 // R, ntiles // R - 1) * (kdim // KSTEP) * (R * BULK_WORDS)
             for tt in range(T):
                 c = min(tt * 8 + g, ln - 1)
                 src = start + c if down else sorted_slot[start + c] // top_k
@@ -603,20 +716,32 @@ class ExpertConfig:
     blocks_per_sm: int = 4
     PF: int = 1           # weight loads with an L2 256-byte prefetch hint (measured: +5-6 points)
     min_blocks: int = 0   # > 0: launch bounds asking ptxas to fit that many blocks per SM (caps registers)
+    S: int = 0            # > 0: bulk-copy rings of S slots of U k-steps (INT4 experts in the bulk layout, tiled = R)
 
 
 # measured on the H200 (tools/bench_kernels.py, variant "blocks4w_bound4"): 4-warp blocks capped at 128 registers so
 # 4 fit per SM (16 warps). Uncapped (144 registers, 8-warp blocks) ran at 8 warps per SM, latency-bound: 47% -> 71%.
 GATE_UP_CFG = ExpertConfig(WR=2, WK=2, blocks_per_sm=8, min_blocks=4)
 DOWN_CFG = ExpertConfig(WR=4, WK=1, blocks_per_sm=8, min_blocks=4)
+# bulk-copy rings (experts in the int4_bulk_tiles layout, tiled = R): NOT measured yet, so MOE_TILED = 0 keeps the
+# register path as the engine's default
+BULK_GATE_UP_CFG = ExpertConfig(WR=2, WK=2, U=1, S=4, blocks_per_sm=8, min_blocks=4)
+BULK_DOWN_CFG = ExpertConfig(WR=4, WK=1, U=1, S=4, blocks_per_sm=8, min_blocks=4)
+MOE_TILED = 0
 
 
 def _sm_count():
     return 1 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
-def moe(x, idx, wts, experts: DeviceExperts, out, ws: MoeWorkspace, shared=None, cfg_gate_up=GATE_UP_CFG,
-        cfg_down=DOWN_CFG):
+def _cfgs(experts, cfg_gate_up, cfg_down):
+    """The stage cuts: the given ones, else the defaults of the experts' layout (register path or bulk rings)."""
+    if experts.tiled:
+        return cfg_gate_up or BULK_GATE_UP_CFG, cfg_down or BULK_DOWN_CFG
+    return cfg_gate_up or GATE_UP_CFG, cfg_down or DOWN_CFG
+
+
+def moe(x, idx, wts, experts: DeviceExperts, out, ws: MoeWorkspace, shared=None, cfg_gate_up=None, cfg_down=None):
     """GPU moe_ref: out f32[n, H] = sum_j wts[t, j] * E_idx[t, j](x[t]) (+ shared[t] when given).
     Launches: plan with the B prep of x, gate_up (+SiLU-mul), down (* routing weight), combine. Only live experts'
     weights are read; grids are fixed by the workspace size so the sequence can be graph-captured. The workspace's
@@ -626,26 +751,31 @@ def moe(x, idx, wts, experts: DeviceExperts, out, ws: MoeWorkspace, shared=None,
     return out
 
 
-def moe_experts(x, idx, wts, experts: DeviceExperts, ws: MoeWorkspace, cfg_gate_up=GATE_UP_CFG, cfg_down=DOWN_CFG):
+def moe_experts(x, idx, wts, experts: DeviceExperts, ws: MoeWorkspace, cfg_gate_up=None, cfg_down=None):
     """Everything of `moe` before the combine: plan (with the B prep), gate_up, down -> ws.y f32[n*k, H], each
-    slot's expert output times its routing weight."""
+    slot's expert output times its routing weight. Cuts None: the defaults of the experts' layout."""
+    cfg_gate_up, cfg_down = _cfgs(experts, cfg_gate_up, cfg_down)
     moe_plan(x, idx, experts, ws, cfg_gate_up, cfg_down)
     moe_stage(0, experts, wts, ws, cfg_gate_up)
     moe_stage(1, experts, wts, ws, cfg_down)
 
 
-def _dims(experts):
+def moe_dims(experts):
     """(fmt, E, H, I) of a DeviceExperts."""
+    if experts.tiled:
+        n_exp, groups, ksteps, _ = experts.gate_up.shape
+        return INT4, n_exp, ksteps * 128, groups * 8 * experts.tiled
     n_exp, two_i, h_words = experts.gate_up.shape
     fmt = INT4 if experts.int4 else BF16
     return fmt, n_exp, h_words * (8 if fmt == INT4 else 1), two_i // 2
 
 
-def moe_plan(x, idx, experts, ws, cfg_gate_up=GATE_UP_CFG, cfg_down=DOWN_CFG):
+def moe_plan(x, idx, experts, ws, cfg_gate_up=None, cfg_down=None):
     """Checks, then the routing plan and the B operand of gate_up (one launch: the plan's block beside the prep's)."""
+    cfg_gate_up, cfg_down = _cfgs(experts, cfg_gate_up, cfg_down)
     n, h = x.shape
     k = idx.shape[1]
-    fmt, n_exp, hidden, inter = _dims(experts)
+    fmt, n_exp, hidden, inter = moe_dims(experts)
     if n > ws.n_max or k != ws.top_k or n * k > MAX_SLOTS or n_exp > MAX_E:
         raise ValueError(f"moe: n={n}, top_k={k}, E={n_exp} outside the workspace (n_max {ws.n_max}, "
                          f"top_k {ws.top_k}) or the plan limits ({MAX_SLOTS} slots, {MAX_E} experts)")
@@ -661,24 +791,30 @@ def moe_plan(x, idx, experts, ws, cfg_gate_up=GATE_UP_CFG, cfg_down=DOWN_CFG):
            int32(h))
 
 
-def moe_stage(down, experts, wts, ws, cfg=GATE_UP_CFG):
+def moe_stage(down, experts, wts, ws, cfg=None):
     """One expert GEMM over the live work items: gate_up (down=0: x -> act) or down (down=1: act -> y)."""
-    fmt, n_exp, hidden, inter = _dims(experts)
+    cfg = cfg or _cfgs(experts, None, None)[down]
+    fmt, n_exp, hidden, inter = moe_dims(experts)
+    if bool(cfg.S) != bool(experts.tiled) or (cfg.S and cfg.R != experts.tiled):
+        raise ValueError(f"moe: cut {cfg} does not fit the experts' layout (tiled={experts.tiled}: bulk rings "
+                         f"S > 0 with R = tiled, or the register path S = 0 on int4_tiles rows)")
     w, sc = (experts.down, experts.down_scale) if down else (experts.gate_up, experts.gate_up_scale)
     nrows, kdim = (hidden, inter) if down else (2 * inter, hidden)
     if wts.shape[1] != ws.top_k or wts.shape[0] > ws.n_max:
         raise ValueError(f"moe: wts {wts.shape} is not [n <= {ws.n_max}, {ws.top_k}]")
     g = int4_group_block(kdim) if fmt == INT4 else 1
     bounds = (32 * cfg.WR * cfg.WK, cfg.min_blocks) if cfg.min_blocks else None
-    kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds)
+    kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds,
+                   cfg.S)
     rblocks = math.ceil(nrows / 16 / (cfg.WR * cfg.R))
     grid = min(ws.n_max * ws.top_k * rblocks, _sm_count() * cfg.blocks_per_sm)
     words = _words(w)
     e_words = words.reshape(n_exp, words.size // n_exp)
     e_sc = sc.reshape(n_exp, sc.size // n_exp) if sc is not None else e_words
-    launch(kern, grid, 32 * cfg.WR * cfg.WK, ws.act if down else ws.xb, e_words, e_sc, ws.act.view(np.uint16), ws.y,
-           wts, ws.sorted_slot, ws.item_e, ws.item_start, ws.item_len, ws.n_items, int32(ws.top_k), int32(nrows),
-           int32(kdim), int32(cfg.WR), int32(cfg.WK))
+    launch_smem(kern, grid, 32 * cfg.WR * cfg.WK, bulk_ring_bytes(cfg) if cfg.S else 0,
+                (ws.act if down else ws.xb, e_words, e_sc, ws.act.view(np.uint16), ws.y, wts, ws.sorted_slot,
+                 ws.item_e, ws.item_start, ws.item_len, ws.n_items, int32(ws.top_k), int32(nrows), int32(kdim),
+                 int32(cfg.WR), int32(cfg.WK)))
 
 
 def moe_combine(out, shared, ws, idx, experts):
@@ -689,5 +825,5 @@ def moe_combine(out, shared, ws, idx, experts):
     if idx.shape[1] != ws.top_k:
         raise ValueError(f"moe: idx {idx.shape} is not [n, {ws.top_k}] (the workspace's top_k)")
     launch(_cached(_build_combine, ws.top_k), math.ceil(n * h / 256), 256, ws.y,
-           shared if shared is not None else out, out, idx, int32(experts.offset), int32(_dims(experts)[1]), int32(n),
-           int32(h), int32(shared is not None))
+           shared if shared is not None else out, out, idx, int32(experts.offset), int32(moe_dims(experts)[1]),
+           int32(n), int32(h), int32(shared is not None))

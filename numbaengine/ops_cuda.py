@@ -30,8 +30,8 @@ from kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
 from kernels.gemm import (TILES_MAX, GemmWorkspace, contiguous, gemm, gemm_config, gemm_sync_words,
                           gemm_workspace_words, head_gemm, head_gemm_workspace_words)
 from kernels.mla import mla_attention, mla_work
-from kernels.moe import (MAX_SLOTS, ROUTER_XS, Experts, device_experts, moe_combine, moe_experts, moe_workspace,
-                         router, router_slices)
+from kernels.moe import (MAX_SLOTS, ROUTER_XS, Experts, device_experts, moe_combine, moe_dims, moe_experts,
+                         moe_workspace, router, router_slices)
 from kernels.norm import add_rmsnorm, rmsnorm
 from kernels.rope import qk_norm_rope, rope
 from kernels.sample import sample
@@ -360,11 +360,11 @@ class KernelOps:
                 c = slice(r, r + rows)
                 self.moe(x[c], idx[c], wts[c], experts, out[c], None if shared is None else shared[c], after)
             return out
-        n_exp, two_i, _ = experts.gate_up.shape
-        key = (top_k, x.shape[1], two_i // 2, n_exp)
+        _, n_exp, _, inter = moe_dims(experts)
+        key = (top_k, x.shape[1], inter, n_exp)
         ws = self._moe_ws.get(key)
         if ws is None or ws.n_max < n:
-            ws = self._moe_ws[key] = moe_workspace(n, top_k, x.shape[1], two_i // 2, n_exp, self._alloc)
+            ws = self._moe_ws[key] = moe_workspace(n, top_k, x.shape[1], inter, n_exp, self._alloc)
         moe_experts(x, idx, wts, experts, ws)          # kernels.moe.moe, with the join before the combine
         if after is not None:
             after.join()

@@ -200,9 +200,11 @@ def routing(rng, n, n_exp, k, mode):
 
 
 def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, seed=0, shared=False, held=None,
-              warp_slots=None):
+              warp_slots=None, tiled=0, exact=True):
     """held=(offset, count): this device holds experts offset.. of n_exp (expert parallelism); the others' slots
-    add nothing. warp_slots: kernels.moe.PLAN_WARP_SLOTS for this check (0: the block plan at any size)."""
+    add nothing. warp_slots: kernels.moe.PLAN_WARP_SLOTS for this check (0: the block plan at any size).
+    tiled=R: the experts in the bulk layout (cfgs: bulk cuts, or None for the bulk defaults); with exact the result
+    must also equal, bit for bit, the register path's on the int4_tiles layout (the same cuts with S = 0)."""
     import dataclasses
 
     import kernels.moe as M
@@ -210,7 +212,8 @@ def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, s
     if warp_slots is not None:
         saved, M.PLAN_WARP_SLOTS = M.PLAN_WARP_SLOTS, warp_slots
         try:
-            return check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4, cfgs, seed, shared, held)
+            return check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4, cfgs, seed, shared, held, None, tiled,
+                             exact)
         finally:
             M.PLAN_WARP_SLOTS = saved
     rng = np.random.default_rng(seed)
@@ -227,12 +230,22 @@ def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, s
     ws = moe_workspace(n + 3, k, hidden, inter, n_exp, lambda shape, dtype: poisoned(env, shape, dtype), xs=xs)
     out = poisoned(env, (n, hidden), np.float32)
     kw = dict(cfg_gate_up=cfgs[0], cfg_down=cfgs[1]) if cfgs else {}
-    moe(env.dev(x), env.dev(idx), env.dev(wts), device_experts(ex, env.dev), out, ws,
-        shared=None if sh is None else env.dev(sh), **kw)
+    args = (env.dev(x), env.dev(idx), env.dev(wts))
+    dex = device_experts(ex, env.dev, tiled=tiled)
+    assert dex.tiled == tiled
+    moe(*args, dex, out, ws, shared=None if sh is None else env.dev(sh), **kw)
     ref = moe_ref(x, idx, wts, ex, np.empty((n, hidden), np.float32))
     if sh is not None:
         ref += sh
-    assert_close(f"moe n={n} {mode} xs={xs} int4={int4}", env.host(out), ref, 1e-4 if xs == 2 else 2e-2)
+    assert_close(f"moe n={n} {mode} xs={xs} int4={int4} tiled={tiled}", env.host(out), ref, 1e-4 if xs == 2 else 2e-2)
+    if tiled and exact:
+        rows = poisoned(env, (n, hidden), np.float32)
+        regs = [dataclasses.replace(c, S=0, R=tiled) for c in M._cfgs(dex, *(cfgs or (None, None)))]
+        moe(*args, device_experts(ex, env.dev, tiled=0), rows, ws, shared=None if sh is None else env.dev(sh),
+            cfg_gate_up=regs[0], cfg_down=regs[1])
+        got, want = env.host(out), env.host(rows)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
+            f"moe tiled={tiled}: not the register path's bits (max diff {np.max(np.abs(got - want))})"
 
 
 def check_plan(env, n, n_exp, k, mode, held=None, warp_slots=32, seed=0):

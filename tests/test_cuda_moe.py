@@ -8,7 +8,14 @@ from cudasim import Env, simulator_test
 from kernels.moe import ExpertConfig
 
 SMALL = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2), ExpertConfig(R=2, WR=1, WK=1, T=1, blocks_per_sm=2))
+# bulk rings (experts in the int4_bulk_tiles layout, R=2 tiles per chunk): gate_up 3 k-steps through 2 slots (the
+# ring wraps), down U=2 steps per slot over its 1 k-step (a half-full slot). Against moe_ref only (the register
+# path twice as long under the simulator); the GPU cases also check the register path's bits.
+BULK = (ExpertConfig(R=2, WR=1, WK=1, T=1, U=1, S=2, blocks_per_sm=2),
+        ExpertConfig(R=2, WR=1, WK=1, T=1, U=2, S=2, blocks_per_sm=2))
 SIM_CASES = {
+    "moe_int4_bulk_rings": lambda env: C.check_moe(env, 1, 384, 128, 2, 1, "random", 1, cfgs=BULK, tiled=2,
+                                                   exact=False),
     "moe_int4_random": lambda env: C.check_moe(env, 5, 128, 64, 4, 2, "random", 1, cfgs=SMALL),
     "moe_int4_one_expert_two_items_shared": lambda env: C.check_moe(env, 9, 128, 64, 4, 2, "one_hot", 1, cfgs=SMALL,
                                                                      shared=True),
@@ -41,7 +48,8 @@ SIM_CASES = {
     "router_nan_row_picks_experts": lambda env: C.check_router(env, 2, 64, 16, 4, 1, 1, seed=4, nan_row=True),
 }
 
-SIM_COST = {"moe_int4_prep_2_blocks_per_row": 30, "moe_int4_70_experts_plan_scans_3_warps": 45,
+SIM_COST = {"moe_int4_bulk_rings": 20, "moe_int4_prep_2_blocks_per_row": 30,
+            "moe_int4_70_experts_plan_scans_3_warps": 45,
             "router_twin_experts_exact_ties": 10, "router_mma_logits": 8,
             "router_mma_through_the_op_table": 11, "router_picks_past_the_kept_groups": 6}
 
@@ -54,6 +62,13 @@ test_simulator = simulator_test(__name__)
 @pytest.mark.parametrize("n,n_exp,mode", [(1, 16, "random"), (17, 16, "skip"), (65, 8, "random")])
 def test_gpu_moe_int4(n, n_exp, mode):
     C.check_moe(Env(gpu=True), n, 7168, 2048, n_exp, 8, mode, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,mode,cfgs", [(1, "random", None), (17, "skip", None), (9, "one_hot", BULK)])
+def test_gpu_moe_int4_bulk(n, mode, cfgs):
+    """Bulk layout + rings at K2 widths: against moe_ref and bit for bit the register path."""
+    C.check_moe(Env(gpu=True), n, 7168, 2048, 16, 8, mode, 1, cfgs=cfgs, tiled=2)
 
 
 @pytest.mark.gpu

@@ -31,6 +31,12 @@ K2_GEMMS = {"lm_head": (163840, 7168), "q_kv_a": (2112, 7168), "o": (7168, 8192)
 
 # variants of the default cuts tried at the target sizes (overrides of ExpertConfig / GemmConfig fields)
 MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R=1, U=4, 8-warp blocks uncapped
+    # session 18: the experts in the bulk layout (int4_bulk_tiles, R=2) through bulk-copy rings of S slots x U steps
+    "bulk_s4": dict(tiled=2), "bulk_s8": dict(tiled=2, gu=dict(S=8), dn=dict(S=8)),
+    "bulk_u2s4": dict(tiled=2, gu=dict(U=2), dn=dict(U=2)),
+    "bulk_s6_nocap": dict(tiled=2, gu=dict(S=6, min_blocks=0), dn=dict(S=6, min_blocks=0)),
+    "bulk_s4_8w": dict(tiled=2, gu=dict(WR=4, WK=2, min_blocks=2, blocks_per_sm=4),
+                       dn=dict(WR=8, WK=1, min_blocks=2, blocks_per_sm=4)),
     "bound2_8w": dict(gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2), dn=dict(WR=8, WK=1, blocks_per_sm=4,
                                                                                min_blocks=2)),
     # session 7 (n = 1 / 17, % of copy; default 47.5 / 69.3): down U=4 46.1 / 65.3, down R=4 47.8 / 68.0; the
@@ -194,19 +200,31 @@ EXPERT_BYTES = (2 * I * H // 2 + 2 * I * H // GROUP * 2) + (H * I // 2 + H * I /
 
 
 def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
-    from kernels.moe import (DOWN_CFG, GATE_UP_CFG, MOE_XS, DeviceExperts, moe_combine, moe_plan, moe_stage,
-                             moe_workspace, router)
+    from kernels.moe import (BULK_DOWN_CFG, BULK_GATE_UP_CFG, DOWN_CFG, GATE_UP_CFG, MOE_XS, DeviceExperts,
+                             int4_bulk_tiles, moe_combine, moe_plan, moe_stage, moe_workspace, router)
     rng = np.random.default_rng(0)
     dv = cuda.as_cuda_array
     gate_up, down = rand_words(cp, (E, 2 * I, H // 8)), rand_words(cp, (E, H, I // 8))
     gus, ds = rand_bf16(cp, (E, 2 * I, H // GROUP), 0.002, 0.01), rand_bf16(cp, (E, H, I // GROUP), 0.002, 0.01)
     ex = DeviceExperts(dv(gate_up), dv(down), dv(gus), dv(ds))
+    tiled_ex = {}       # R -> the same experts in the bulk layout (made when a variant asks for it)
+
+    def experts(over):
+        R = over.get("tiled", 0)
+        if R and R not in tiled_ex:
+            tiled_ex[R] = DeviceExperts(dv(int4_bulk_tiles(gate_up, gus, R, 0, cp)),
+                                        dv(int4_bulk_tiles(down, ds, R, 1, cp)), tiled=R)
+        return tiled_ex[R] if R else ex
+
+    def cuts(over):
+        base = (BULK_GATE_UP_CFG, BULK_DOWN_CFG) if over.get("tiled") else (GATE_UP_CFG, DOWN_CFG)
+        return replace(base[0], **over.get("gu", {})), replace(base[1], **over.get("dn", {}))
     bias = dv(cp.zeros(E, cp.float32))
     alloc = lambda shape, dtype: dv(cp.zeros(shape, dtype))  # noqa: E731
     wss = {xs: moe_workspace(max(NS), TOPK, H, I, E, alloc, xs=xs) for xs in (1, 2)}   # xs=2: the router's logits
     rows = results.setdefault("moe", [])
 
-    def run(n, xs, gu_cfg, dn_cfg, tag, stages=False):
+    def run(n, xs, gu_cfg, dn_cfg, tag, stages=False, ex=ex):
         def layer_args():
             idx, wts = routing(rng, n)
             x = dv(cp.random.standard_normal((n, H), dtype=cp.float32))
@@ -258,16 +276,14 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
     variants = {"default": {}, **_chosen(MOE_VARIANTS, tags)}
     best, best_pct = "default", -1.0
     for tag, over in variants.items():
-        xs = over.get("xs", MOE_XS)
-        gu, dn = replace(GATE_UP_CFG, **over.get("gu", {})), replace(DOWN_CFG, **over.get("dn", {}))
-        pct = np.mean([run(n, xs, gu, dn, tag)["pct_copy"] for n in (1, 17)])
+        pct = np.mean([run(n, over.get("xs", MOE_XS), *cuts(over), tag, ex=experts(over))["pct_copy"]
+                       for n in (1, 17)])
         if pct > best_pct:
             best, best_pct = tag, pct
     results["moe_best_cut"] = best
     over = variants[best]
-    gu, dn = replace(GATE_UP_CFG, **over.get("gu", {})), replace(DOWN_CFG, **over.get("dn", {}))
     for n in NS:
-        run(n, over.get("xs", MOE_XS), gu, dn, "best", stages=True)
+        run(n, over.get("xs", MOE_XS), *cuts(over), "best", stages=True, ex=experts(over))
     if quick:
         return
 

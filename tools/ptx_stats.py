@@ -137,7 +137,8 @@ def _sm90():
 
 
 def expert_gemm_ptx(down, cfg=None):
-    """PTX of the INT4 expert GEMM stage with the default cut (kernels.moe GATE_UP_CFG / DOWN_CFG), K2's G = 4."""
+    """PTX of the INT4 expert GEMM stage with the default cut (kernels.moe GATE_UP_CFG / DOWN_CFG) or `cfg` (S > 0:
+    the bulk-ring kernel), K2's G = 4."""
     from numba import cuda
     from numba import types as ty
 
@@ -146,9 +147,10 @@ def expert_gemm_ptx(down, cfg=None):
     _sm90()
     c = cfg or (DOWN_CFG if down else GATE_UP_CFG)
     bounds = (32 * c.WR * c.WK, c.min_blocks) if c.min_blocks else None
-    kern = _build_expert_gemm(INT4, down, c.T, c.R, MOE_XS, 4, c.U, 1, c.PF, bounds)
+    kern = _build_expert_gemm(INT4, down, c.T, c.R, MOE_XS, 4, c.U, 1, c.PF, bounds, c.S)
     u32, u16, i32, f32 = ty.uint32, ty.uint16, ty.int32, ty.float32
-    sig = (u32[::1], u32[:, ::1], u16[:, ::1], u16[::1], f32[:, ::1], f32[:, ::1]) + (i32[::1],) * 5 + (i32,) * 5
+    sc = u32[:, ::1] if c.S else u16[:, ::1]        # bulk layout: the scales are inside the weight chunks
+    sig = (u32[::1], u32[:, ::1], sc, u16[::1], f32[:, ::1], f32[:, ::1]) + (i32[::1],) * 5 + (i32,) * 5
     return cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))[0], c
 
 
