@@ -456,15 +456,10 @@ def split_bf16x2(x0, x1):
 
 
 @device
-def int4_raw(q, shift):
-    """Nibbles `shift/4` and `shift/4 + 4` of word q (u = q + 8 storage) -> bf16 pair of 128 + u, exact (one LOP3)."""
-    return lop3_and_or(uint32(q) >> uint32(shift), uint32(0x000F000F), INT4_MAGIC)
-
-
-@device
 def int4_pair(q, shift):
     """Nibbles `shift/4` and `shift/4 + 4` of word q (u = q + 8 storage) -> bf16 pair of (u - 8), exact."""
-    return fma_bf16x2(int4_raw(q, shift), BF16_ONE2, INT4_OFFSET2)
+    v = lop3_and_or(uint32(q) >> uint32(shift), uint32(0x000F000F), INT4_MAGIC)
+    return fma_bf16x2(v, BF16_ONE2, INT4_OFFSET2)
 
 
 @device

@@ -29,9 +29,8 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from kernels.attention import launch_smem
-from kernels.device import (F0, SIM, as_f32, bf16_hi, bf16_lo, cp_commit, cp_wait, device, int4_pair, int4_raw,
-                            kernel, launch, ld16, ld16_pf, ld4, ld4_l2, ld8, lane_id, mma_bf16, pack_bf16x2,
-                            split_bf16x2)
+from kernels.device import (F0, SIM, as_f32, bf16_hi, bf16_lo, cp_commit, cp_wait, device, int4_pair, kernel, launch,
+                            ld16, ld16_pf, ld4, ld4_l2, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
 from kernels.memo import memo_f32
 from weights.dtypes import bf16_to_f32
 
@@ -231,44 +230,26 @@ def _build_bf16_mma(T, R, XS, BF):
     return mma_step
 
 
-def _build_int4_mma(T, R, XS, G, OFF=0):
+def _build_int4_mma(T, R, XS, G):
     """Device function: the tensor-core work of one INT4 k-step (32*G columns) of one warp: qa u32[2R*G] the lane's
     weight words (index h*G + j: row half h = 2r (row g) / 2r+1 (row g+8) of row tile r, scale group j), sa f32[2R*G]
     their group scales; B from xb at boff[tt] as in `_build_step`. Shared by the register path and moe.py's bulk
-    rings (the same arithmetic, so the same bits).
-    OFF=0: each weight pair becomes (u - 8) by a bf16x2 FMA after the magic OR (`int4_pair`). OFF=1: the mma takes
-    the raw 128 + u and starts its accumulator at -136 * (the group's sum of the B operand) instead of 0, read as
-    f32 words of xb at coff[2tt + e] + s*G + j for the lane's result columns 2t + e of token tile tt (the prep
-    writes them): one FMA per weight pair fewer, the same sum up to f32 rounding."""
-    NDA, ND, NXC = 8 * R, 4 * R, 2 * T * G
+    rings (the same arithmetic, so the same bits)."""
+    NDA, ND = 8 * R, 4 * R
 
     @device
-    def int4_mma(qa, sa, xb, s, t, half, boff, coff, acc):
-        if OFF:
-            xc = cuda.local.array(NXC, float32)
-            for c in range(2 * T):
-                if G == 4:                  # 16-byte aligned: xc0 and the row stride k/32 are multiples of 4
-                    w0, w1, w2, w3 = ld16(xb, coff[c] + s * 4)
-                    xc[4 * c], xc[4 * c + 1] = as_f32(w0), as_f32(w1)
-                    xc[4 * c + 2], xc[4 * c + 3] = as_f32(w2), as_f32(w3)
-                else:
-                    for j in range(G):
-                        xc[c * G + j] = as_f32(ld4(xb, coff[c] + s * G + j))
+    def int4_mma(qa, sa, xb, s, t, half, boff, acc):
         for j in range(G):
             da = cuda.local.array(NDA, uint32)
             for r in range(R):
                 for hh in range(2):
                     q = qa[(2 * r + hh) * G + j]
                     for sh in range(4):
-                        da[8 * r + 4 * hh + sh] = int4_raw(q, 4 * sh) if OFF else int4_pair(q, 4 * sh)
+                        da[8 * r + 4 * hh + sh] = int4_pair(q, 4 * sh)
             for tt in range(T):
                 d = cuda.local.array(ND, float32)
-                for r in range(R):
-                    if OFF:
-                        c0, c1 = xc[2 * tt * G + j], xc[(2 * tt + 1) * G + j]
-                    else:
-                        c0, c1 = F0, F0
-                    d[4 * r], d[4 * r + 1], d[4 * r + 2], d[4 * r + 3] = c0, c1, c0, c1
+                for i in range(4 * R):
+                    d[i] = F0
                 for p in range(XS):
                     x0, x1, x2, x3 = ld16(xb, boff[tt] + p * half + (s * G + j) * 16 + t * 4)
                     for r in range(R):
@@ -286,7 +267,7 @@ def _build_int4_mma(T, R, XS, G, OFF=0):
     return int4_mma
 
 
-def _build_step(fmt, T, R, XS, G, PF=0, BF=0, OFF=0):
+def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
     """Device function: one k-step of one warp over R weight tiles x T token tiles, accumulating into acc.
 
     bf16: a step is 32 columns; w = uint32 words of bf16 pairs, row r at aoff[r] (words).
@@ -300,17 +281,17 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0, OFF=0):
         mma_step = _cached(_build_bf16_mma, T, R, XS, BF)
 
         @device
-        def step(w, sc, xb, s, t, half, aoff, soff, boff, coff, acc):
+        def step(w, sc, xb, s, t, half, aoff, soff, boff, acc):
             qa = cuda.local.array(NQ, uint32)
             for h in range(2 * R):
                 qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = lda(w, aoff[h] + s * 16 + t * 4)
             mma_step(qa, xb, s, t, half, boff, acc)
         return step
 
-    int4_mma = _cached(_build_int4_mma, T, R, XS, G, OFF)
+    int4_mma = _cached(_build_int4_mma, T, R, XS, G)
 
     @device
-    def step(w, sc, xb, s, t, half, aoff, soff, boff, coff, acc):
+    def step(w, sc, xb, s, t, half, aoff, soff, boff, acc):
         qa = cuda.local.array(NQ4, uint32)
         sa = cuda.local.array(NQ4, float32)
         for h in range(2 * R):
@@ -328,23 +309,23 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0, OFF=0):
             else:
                 qa[h] = ld4(w, aoff[h] + s * 4 + t)
                 sa[h] = bf16_lo(uint32(sc[soff[h] + s]))
-        int4_mma(qa, sa, xb, s, t, half, boff, coff, acc)
+        int4_mma(qa, sa, xb, s, t, half, boff, acc)
     return step
 
 
-def _build_mainloop(fmt, T, R, XS, G, U, PF=0, BF=0, OFF=0):
+def _build_mainloop(fmt, T, R, XS, G, U, PF=0, BF=0):
     """Device function: steps [s0, s1) of one warp, U steps per iteration (their loads can be in flight together)."""
-    step = _cached(_build_step, fmt, T, R, XS, G, PF, BF, OFF)
+    step = _cached(_build_step, fmt, T, R, XS, G, PF, BF)
 
     @device
-    def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, coff, acc):
+    def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, acc):
         s = s0
         while s + U <= s1:
             for u in range(U):
-                step(w, sc, xb, s + u, t, half, aoff, soff, boff, coff, acc)
+                step(w, sc, xb, s + u, t, half, aoff, soff, boff, acc)
             s += U
         while s < s1:
-            step(w, sc, xb, s, t, half, aoff, soff, boff, coff, acc)
+            step(w, sc, xb, s, t, half, aoff, soff, boff, acc)
             s += 1
     return mainloop
 
@@ -373,7 +354,7 @@ def _build_ring_mainloop(T, R, XS, S, BF=0, RB=0):
             cp_async16(ring, rb + (slot * NCH + NA + j) * RING_CHUNK, xb, s * SSTR + j * RING_CHUNK + lane * 4)
 
     @device
-    def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, coff, acc):
+    def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, acc):
         ring = cuda.shared.array(0, uint32)
         lane = lane_id()
         rb = (cuda.threadIdx.x // 32) * S * NCH * RING_CHUNK + lane * 4
@@ -488,7 +469,7 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
                 boff[tt] = (r0 + min(tt * 8 + g, mb - 1)) * (kdim if BF else XS * half)
         for i in range(NACC):
             acc[i] = F0
-        mainloop(w, w, xb, s0, s1, t, half, aoff, aoff, boff, boff, acc)
+        mainloop(w, w, xb, s0, s1, t, half, aoff, aoff, boff, acc)
         block_reduce(acc, wr, wk, nwr, nwk, lane)
         if wk == 0:
             for h in range(NACC // (4 * T)):         # weight tiles: m16 tiles r, or (AB) n8 tiles h = 2r, 2r + 1
@@ -832,7 +813,7 @@ def _build_head_gemm(T, R, XS, U, PF):
             boff[tt] = min(tok0 + tt * 8 + g, n - 1) * sx0 + hd * sx1
         for i in range(NACC):
             acc[i] = F0
-        mainloop(w, w, x, s0, s1, t, half, aoff, aoff, boff, boff, acc)
+        mainloop(w, w, x, s0, s1, t, half, aoff, aoff, boff, acc)
         block_reduce(acc, wr, wk, nwr, nwk, lane)
         if wk == 0:
             for r in range(R):

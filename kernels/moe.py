@@ -87,8 +87,8 @@ import math  # noqa: E402
 
 from numba import cuda, float32, int32, uint32, uint64  # noqa: E402
 
-from kernels.device import (F0, F1, SIM, as_f32 as _f, as_u32, bf16_hi, bf16_lo, device, kernel, launch,  # noqa: E402
-                            ld16, lane_id, pack_bf16x2, split_bf16x2)
+from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device, kernel, launch, ld16, lane_id,  # noqa: E402
+                            pack_bf16x2)
 from kernels.attention import launch_smem  # noqa: E402
 from kernels.device import shfl_idx, syncwarp, warp_argmax, warp_sum  # noqa: E402
 from kernels.bulk import bulk_load, mbar_expect, mbar_fence_init, mbar_init, mbar_wait  # noqa: E402
@@ -100,7 +100,6 @@ MAX_E = 1024          # experts per layer the router/plan kernels handle (one th
 MAX_SLOTS = 4096      # tokens * top_k the plan kernel handles
 PLAN_WARP_SLOTS = 32  # routings of up to this many slots (<= 32) are planned by one warp without barriers
 NEG_INF = float32(-np.inf)
-F_M136 = float32(-136.0)   # the INT4 bias in the raw 128 + u form: 128 + u - 136 = u - 8
 
 
 def int4_group_block(k):
@@ -192,8 +191,7 @@ def bulk_fits(hidden, inter, R):
 class MoeWorkspace:
     """Scratch of the router and experts for up to `n_max` tokens, allocated once (fixed sizes: graph capture)."""
     logits: object        # f32[ks, n_max, E]          router GEMV k slices (ks = router_slices(H))
-    xb: object            # u32 flat [n_max * XS * H / 2 + n_max * H / 32]   B operand of gate_up, then its group
-    #                       sums times -136 as f32 bits, [n_max, H/32] from word xc0 (ExpertConfig.OFF)
+    xb: object            # u32 flat [n_max * XS * H / 2]   B operand of gate_up
     act: object           # u32 flat [n_max * k * XS * I / 2] B operand of down (silu(gate) * up)
     y: object             # f32[n_max * k, H]             per-slot expert outputs, routing weight applied
     sorted_slot: object   # i32[n_max * k]                slots (t * k + j) grouped by expert
@@ -204,18 +202,16 @@ class MoeWorkspace:
     n_max: int
     top_k: int
     xs: int               # B operand parts (1: bf16 activations, 2: hi + lo)
-    xc0: int = 0          # word of xb where the group sums start
 
 
 def moe_workspace(n_max, top_k, hidden, inter, n_experts, alloc, xs=MOE_XS):
     """alloc(shape, dtype) -> array (numba.cuda.device_array, or np.empty under the simulator)."""
     s = n_max * top_k
-    xc0 = n_max * xs * hidden // 2
     return MoeWorkspace(alloc((router_slices(hidden), n_max, n_experts), np.float32),
-                        alloc((xc0 + n_max * (hidden // 32),), np.uint32), alloc((s * xs * inter // 2,), np.uint32),
+                        alloc((n_max * xs * hidden // 2,), np.uint32), alloc((s * xs * inter // 2,), np.uint32),
                         alloc((s, hidden), np.float32),
                         alloc((s,), np.int32), alloc((s,), np.int32), alloc((s,), np.int32), alloc((s,), np.int32),
-                        alloc((1,), np.int32), n_max, top_k, xs, xc0)
+                        alloc((1,), np.int32), n_max, top_k, xs)
 
 
 # ------------------------------------------------------------------------------------------------------ router
@@ -465,36 +461,18 @@ def _build_plan(xs, perm, warp_slots):
     """The plan kernel; routings of <= warp_slots slots take _plan_warp (PLAN_WARP_SLOTS)."""
     prep_unit = _cached(_build_prep_unit, xs, perm, 0)
 
-    @device
-    def _group_sum(x, row, c0):
-        """Sum over columns c0 .. c0+31 of row `row` of the B operand's values (x in bf16, or its hi + lo parts),
-        in column order: what the mma multiplies by the raw 128 + u of a scale group."""
-        v = F0
-        for c in range(c0, c0 + 32, 2):
-            if xs == 2:
-                hi, lo = split_bf16x2(x[row, c], x[row, c + 1])
-                v += (bf16_lo(hi) + bf16_lo(lo)) + (bf16_hi(hi) + bf16_hi(lo))
-            else:
-                w = pack_bf16x2(x[row, c], x[row, c + 1])
-                v += bf16_lo(w) + bf16_hi(w)
-        return v
-
     @kernel(max_registers=64)                     # 1024-thread blocks
-    def plan(idx, n, top_k, e0, n_exp, cap, sorted_slot, item_e, item_start, item_len, n_items, x, xb, kdim, xc0):
+    def plan(idx, n, top_k, e0, n_exp, cap, sorted_slot, item_e, item_start, item_len, n_items, x, xb, kdim):
         """Block 0: the routing plan: slots (t * k + j) of the experts held here (global ids e0 .. e0+n_exp-1)
         grouped by local expert (stable: slot order inside an expert), and work items of <= cap slots per expert,
         in expert order. Outputs sized n_max*k (fixed); n_items[0] = live items. Blocks 1..: the B operand of
         gate_up, xb = prep of x f32[n, kdim] (gemm's prep: xs parts, perm=1 the INT4 column order), row
-        (b - 1) // per_row, and from word xc0 -136 * the sum of each 32-column group of the B operand (f32 bits).
-        Launch: grid 1 + n * ceil(kdim / 8 / block), block 1024 (>= n_exp)."""
+        (b - 1) // per_row. Launch: grid 1 + n * ceil(kdim / 8 / block), block 1024 (>= n_exp)."""
         tid, bs = cuda.threadIdx.x, cuda.blockDim.x
         if cuda.blockIdx.x > 0:
             per_row = (kdim // 8 + bs - 1) // bs
             b = cuda.blockIdx.x - 1
-            row, blk = b // per_row, (b % per_row) * bs + tid
-            prep_unit(x, xb, n, kdim, row, blk)
-            if blk % 4 == 0 and blk < kdim // 8:                       # one thread per 32-column scale group
-                xb[xc0 + row * (kdim // 32) + blk // 4] = as_u32(F_M136 * _group_sum(x, row, blk * 8))
+            prep_unit(x, xb, n, kdim, b // per_row, (b % per_row) * bs + tid)
             return
         ns = n * top_k
         if ns <= warp_slots:                                            # decode-sized routings: one warp
@@ -550,7 +528,7 @@ def _perm8(i):
     return (i & ~7) | ((i & 3) << 1) | ((i >> 2) & 1)
 
 
-def _build_bulk_mainloop(T, R, XS, S, U, OFF=0):
+def _build_bulk_mainloop(T, R, XS, S, U):
     """Device function, the INT4 expert mainloop over a bulk-layout weight array (`int4_bulk_tiles`): k-steps
     [s0, s1) of the warp's R row tiles stream through an S-slot ring in dynamic shared memory, U k-steps (U chunks of
     R*BULK_WORDS words, contiguous) per slot, each slot filled by ONE cp.async.bulk issued by lane 0 and completed on
@@ -558,7 +536,7 @@ def _build_bulk_mainloop(T, R, XS, S, U, OFF=0):
     read it (a syncwarp between). No register holds a load in flight, so the depth is S*U*R*1152 bytes per warp.
     The lanes read back the register path's words and scales and run the same `_build_int4_mma`: same bits.
     aoff[0]: word offset of the warp's chunk run (row-tile group) in w; sc and soff unused."""
-    int4_mma = _cached(_build_int4_mma, T, R, XS, 4, OFF)
+    int4_mma = _cached(_build_int4_mma, T, R, XS, 4)
     CH = R * BULK_WORDS                  # words per k-step
     SLOT, NBAR, NQ = U * CH, MAX_WARPS * S, 8 * R
 
@@ -570,7 +548,7 @@ def _build_bulk_mainloop(T, R, XS, S, U, OFF=0):
         bulk_load(ring, rb + slot * SLOT, w, wb + (s0 + i * U) * CH, cnt * CH * 4, bars, bb + slot)
 
     @device
-    def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, coff, acc):
+    def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, acc):
         ring = cuda.shared.array(0, uint32)
         bars = cuda.shared.array(NBAR, uint64)
         lane = lane_id()
@@ -604,7 +582,7 @@ def _build_bulk_mainloop(T, R, XS, S, U, OFF=0):
                         sa[k], sa[k + 1], sa[k + 2], sa[k + 3] = bf16_lo(c0), bf16_hi(c0), bf16_lo(c1), bf16_hi(c1)
                         sa[k + 4], sa[k + 5], sa[k + 6], sa[k + 7] = (bf16_lo(c2), bf16_hi(c2), bf16_lo(c3),
                                                                       bf16_hi(c3))
-                    int4_mma(qa, sa, xb, s, t, half, boff, coff, acc)
+                    int4_mma(qa, sa, xb, s, t, half, boff, acc)
             syncwarp()                                  # every lane has read the slot: refill it
             if lane == 0 and i + S < nst:
                 issue(ring, rb, bars, bb, w, aoff[0], s0, s1, i + S)
@@ -616,22 +594,21 @@ def bulk_ring_bytes(cfg):
     return 4 * cfg.WR * cfg.WK * cfg.S * cfg.U * cfg.R * BULK_WORDS
 
 
-def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S=0, OFF=0):
+def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S=0):
     """One expert GEMM stage over the work items (persistent grid). down=0: gate_up with rows interleaved per tile
     (8 gate rows, then the matching 8 up rows) and silu(gate) * up written as the next B operand (act);
     down=1: rows in order, output * routing weight written per slot (y). S > 0: INT4 weights in the bulk layout
-    through S-slot bulk-copy rings (`_build_bulk_mainloop`; w is then u32 [E, words of one expert]).
-    OFF=1 (gate_up, INT4): the -136 bias from the group sums at word xc0 of xb (`_build_int4_mma`)."""
-    mainloop = (_cached(_build_bulk_mainloop, T, R, XS, S, U, OFF) if S
-                else _cached(_build_mainloop, fmt, T, R, XS, G, U, PF, 0, OFF))
+    through S-slot bulk-copy rings (`_build_bulk_mainloop`; w is then u32 [E, words of one expert])."""
+    mainloop = (_cached(_build_bulk_mainloop, T, R, XS, S, U) if S
+                else _cached(_build_mainloop, fmt, T, R, XS, G, U, PF))
     block_reduce = _cached(_build_block_reduce, R, T)
-    NACC, NA, NC = R * T * 4, 2 * R, 2 * T
+    NACC, NA = R * T * 4, 2 * R
     KSTEP = 32 * G if fmt == INT4 else 32
     WDIV = 8 if fmt == INT4 else 2
 
     @kernel(**({"launch_bounds": bounds} if bounds else {}))
     def expert_gemm(xb, w, sc, act16, y, wts, sorted_slot, item_e, item_start, item_len, n_items, top_k, nrows, kdim,
-                    nwr, nwk, xc0):
+                    nwr, nwk):
         """Launch: grid = fixed (persistent), block 32*nwr*nwk (<= 256); each block loops over (item, row block) units.
         xb u32 flat [rows, XS, k/2]; w u32 [E, nrows*k/WDIV]; sc u16 [E, nrows*k/32] (int4);
         act16 u16 flat [slots, XS, nrows/2] (down=0); y f32[slots, nrows] (down=1).
@@ -647,7 +624,6 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
         aoff = cuda.local.array(NA, int32)
         soff = cuda.local.array(NA, int32)
         boff = cuda.local.array(T, int32)
-        coff = cuda.local.array(NC, int32)
         acc = cuda.local.array(NACC, float32)
         total = n_items[0] * rblocks
         for unit in range(cuda.blockIdx.x, total, cuda.gridDim.x):
@@ -668,13 +644,9 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
                 c = min(tt * 8 + g, ln - 1)
                 src = start + c if down else sorted_slot[start + c] // top_k
                 boff[tt] = src * XS * half
-                if OFF:                             # the group sums of this lane's result columns 2t, 2t + 1
-                    for e2 in range(2):
-                        c = min(tt * 8 + 2 * t + e2, ln - 1)
-                        coff[2 * tt + e2] = xc0 + (sorted_slot[start + c] // top_k) * (kdim // 32)
             for i in range(NACC):
                 acc[i] = F0
-            mainloop(w[e], sc[e], xb, s0, s1, t, half, aoff, soff, boff, coff, acc)
+            mainloop(w[e], sc[e], xb, s0, s1, t, half, aoff, soff, boff, acc)
             block_reduce(acc, wr, wk, nwr, nwk, lane)
             if wk == 0:
                 for r in range(R):
@@ -745,7 +717,6 @@ class ExpertConfig:
     PF: int = 1           # weight loads with an L2 256-byte prefetch hint (measured: +5-6 points)
     min_blocks: int = 0   # > 0: launch bounds asking ptxas to fit that many blocks per SM (caps registers)
     S: int = 0            # > 0: bulk-copy rings of S slots of U k-steps (INT4 experts in the bulk layout, tiled = R)
-    OFF: int = 0          # 1 (gate_up only): the INT4 -136 bias as the mma's starting value from the B group sums
 
 
 # measured on the H200 (tools/bench_kernels.py, variant "blocks4w_bound4"): 4-warp blocks capped at 128 registers so
@@ -817,7 +788,7 @@ def moe_plan(x, idx, experts, ws, cfg_gate_up=None, cfg_down=None):
     plan = _cached(_build_plan, ws.xs, int(fmt == INT4), min(PLAN_WARP_SLOTS, 32))     # a warp holds 32 slots
     launch(plan, grid, plan_threads, idx, int32(n), int32(k), int32(experts.offset), int32(n_exp),
            int32(8 * cfg_gate_up.T), ws.sorted_slot, ws.item_e, ws.item_start, ws.item_len, ws.n_items, x, ws.xb,
-           int32(h), int32(ws.xc0))
+           int32(h))
 
 
 def moe_stage(down, experts, wts, ws, cfg=None):
@@ -833,10 +804,8 @@ def moe_stage(down, experts, wts, ws, cfg=None):
         raise ValueError(f"moe: wts {wts.shape} is not [n <= {ws.n_max}, {ws.top_k}]")
     g = int4_group_block(kdim) if fmt == INT4 else 1
     bounds = (32 * cfg.WR * cfg.WK, cfg.min_blocks) if cfg.min_blocks else None
-    if cfg.OFF and (down or fmt != INT4):
-        raise ValueError(f"moe: OFF=1 (bias from the B group sums) is for the INT4 gate_up stage only, not {cfg}")
     kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds,
-                   cfg.S, cfg.OFF)
+                   cfg.S)
     rblocks = math.ceil(nrows / 16 / (cfg.WR * cfg.R))
     grid = min(ws.n_max * ws.top_k * rblocks, _sm_count() * cfg.blocks_per_sm)
     words = _words(w)
@@ -845,7 +814,7 @@ def moe_stage(down, experts, wts, ws, cfg=None):
     launch_smem(kern, grid, 32 * cfg.WR * cfg.WK, bulk_ring_bytes(cfg) if cfg.S else 0,
                 (ws.act if down else ws.xb, e_words, e_sc, ws.act.view(np.uint16), ws.y, wts, ws.sorted_slot,
                  ws.item_e, ws.item_start, ws.item_len, ws.n_items, int32(ws.top_k), int32(nrows), int32(kdim),
-                 int32(cfg.WR), int32(cfg.WK), int32(ws.xc0)))
+                 int32(cfg.WR), int32(cfg.WK)))
 
 
 def moe_combine(out, shared, ws, idx, experts):

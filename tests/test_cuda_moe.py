@@ -1,26 +1,22 @@
 """numba.cuda router and MoE kernels (INT4 W4A16 and bf16 experts) against router_ref / moe_ref: on the simulator
 (a child process, tiny shapes) and on a GPU (K2 shapes, marked gpu). Routing cases: random, an expert with no tokens,
 all tokens on one expert (several work items for it), a shared-expert add."""
-from dataclasses import replace
-
 import pytest
 
 import cuda_cases as C
 from cudasim import Env, simulator_test
-from kernels.moe import BULK_DOWN_CFG, BULK_GATE_UP_CFG, DOWN_CFG, GATE_UP_CFG, ExpertConfig
+from kernels.moe import ExpertConfig
 
 SMALL = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2), ExpertConfig(R=2, WR=1, WK=1, T=1, blocks_per_sm=2))
-OFF = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2, OFF=1), SMALL[1])   # gate_up's bias from the group sums
 # bulk rings (experts in the int4_bulk_tiles layout, R=2 tiles per chunk): gate_up 3 k-steps through 2 slots (the
 # ring wraps), down U=2 steps per slot over its 1 k-step (a half-full slot). Against moe_ref only (the register
 # path twice as long under the simulator); the GPU cases also check the register path's bits.
-BULK = (ExpertConfig(R=2, WR=1, WK=1, T=1, U=1, S=2, blocks_per_sm=2, OFF=1),
+BULK = (ExpertConfig(R=2, WR=1, WK=1, T=1, U=1, S=2, blocks_per_sm=2),
         ExpertConfig(R=2, WR=1, WK=1, T=1, U=2, S=2, blocks_per_sm=2))
 SIM_CASES = {
     "moe_int4_bulk_rings": lambda env: C.check_moe(env, 1, 384, 128, 2, 1, "random", 1, cfgs=BULK, tiled=2,
                                                    exact=False),
     "moe_int4_random": lambda env: C.check_moe(env, 5, 128, 64, 4, 2, "random", 1, cfgs=SMALL),
-    "moe_int4_bias_from_group_sums": lambda env: C.check_moe(env, 5, 128, 64, 4, 2, "random", 1, cfgs=OFF, seed=1),
     "moe_int4_one_expert_two_items_shared": lambda env: C.check_moe(env, 9, 128, 64, 4, 2, "one_hot", 1, cfgs=SMALL,
                                                                      shared=True),
     "moe_int4_unused_expert_hi_lo": lambda env: C.check_moe(env, 3, 128, 64, 4, 2, "skip", 2, cfgs=SMALL),
@@ -69,8 +65,7 @@ def test_gpu_moe_int4(n, n_exp, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,mode,cfgs", [(1, "random", None), (17, "skip", None), (9, "one_hot", BULK),
-                                         (4, "random", (replace(BULK_GATE_UP_CFG, OFF=1), BULK_DOWN_CFG))])
+@pytest.mark.parametrize("n,mode,cfgs", [(1, "random", None), (17, "skip", None), (9, "one_hot", BULK)])
 def test_gpu_moe_int4_bulk(n, mode, cfgs):
     """Bulk layout + rings at K2 widths: against moe_ref and bit for bit the register path."""
     C.check_moe(Env(gpu=True), n, 7168, 2048, 16, 8, mode, 1, cfgs=cfgs, tiled=2)
@@ -79,13 +74,6 @@ def test_gpu_moe_int4_bulk(n, mode, cfgs):
 @pytest.mark.gpu
 def test_gpu_moe_int4_one_expert_shared():
     C.check_moe(Env(gpu=True), 33, 1024, 512, 16, 8, "one_hot", 2, shared=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n,xs", [(1, 1), (17, 1), (9, 2)])
-def test_gpu_moe_int4_bias_from_group_sums(n, xs):
-    """gate_up's -136 bias as the mma's starting value (ExpertConfig.OFF) at K2 widths, against moe_ref."""
-    C.check_moe(Env(gpu=True), n, 7168, 2048, 16, 8, "random", xs, cfgs=(replace(GATE_UP_CFG, OFF=1), DOWN_CFG))
 
 
 @pytest.mark.gpu
