@@ -528,50 +528,58 @@ def _perm8(i):
     return (i & ~7) | ((i & 3) << 1) | ((i >> 2) & 1)
 
 
-def _build_bulk_mainloop(T, R, XS, S, U):
-    """Device function, the INT4 expert mainloop over a bulk-layout weight array (`int4_bulk_tiles`): k-steps
-    [s0, s1) of the warp's R row tiles stream through an S-slot ring in dynamic shared memory, U k-steps (U chunks of
-    R*BULK_WORDS words, contiguous) per slot, each slot filled by ONE cp.async.bulk issued by lane 0 and completed on
-    the slot's mbarrier (kernels/bulk.py). All S slots are in flight; a slot is refilled right after the warp has
-    read it (a syncwarp between). No register holds a load in flight, so the depth is S*U*R*1152 bytes per warp.
-    The lanes read back the register path's words and scales and run the same `_build_int4_mma`: same bits.
-    aoff[0]: word offset of the warp's chunk run (row-tile group) in w; sc and soff unused."""
+def _build_bulk_ring(T, R, XS, S, U):
+    """Device functions (start, consume) of the INT4 expert GEMM over the bulk layout (`int4_bulk_tiles`). Each warp
+    streams its R row tiles' chunks through an S-slot ring in dynamic shared memory, U k-steps (U chunks of
+    R*BULK_WORDS words, contiguous) per slot, each slot filled by ONE cp.async.bulk issued by lane 0 and completed
+    on the slot's mbarrier (kernels/bulk.py). The ring runs over the block's whole sequence of units (stage f =
+    the (f % nst)-th of the warp's nst stages of the block's (f // nst)-th unit): all S slots stay in flight, also
+    across a unit's end, so the next unit's first weights arrive while this one finishes. No register holds a
+    load in flight. The lanes read back the register path's words and scales and run the same `_build_int4_mma`:
+    the same bits. geo (i32 local, GEO entries): first unit, unit stride, units, row blocks, nwr, wr, row-tile
+    groups, k-steps, s0, s1, stages per unit, ring word base, first barrier."""
     int4_mma = _cached(_build_int4_mma, T, R, XS, 4)
     CH = R * BULK_WORDS                  # words per k-step
-    SLOT, NBAR, NQ = U * CH, MAX_WARPS * S, 8 * R
+    SLOT, NQ = U * CH, 8 * R
 
     @device
-    def issue(ring, rb, bars, bb, w, wb, s0, s1, i):
-        slot = i % S
-        cnt = min(U, s1 - s0 - i * U)
-        mbar_expect(bars, bb + slot, cnt * CH * 4)
-        bulk_load(ring, rb + slot * SLOT, w, wb + (s0 + i * U) * CH, cnt * CH * 4, bars, bb + slot)
+    def issue(ring, bars, w, item_e, geo, f):
+        """Lane 0: stage f into slot f % S (nothing past the block's last unit)."""
+        nst = geo[10]
+        unit = geo[0] + (f // nst) * geo[1]
+        if unit < geo[2]:
+            q = min((unit % geo[3]) * geo[4] + geo[5], geo[6] - 1)
+            sa = geo[8] + (f % nst) * U
+            nbytes = min(U, geo[9] - sa) * CH * 4
+            slot = f % S
+            mbar_expect(bars, geo[12] + slot, nbytes)
+            bulk_load(ring, geo[11] + slot * SLOT, w[item_e[unit // geo[3]]], (q * geo[7] + sa) * CH, nbytes, bars,
+                      geo[12] + slot)
 
     @device
-    def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, acc):
-        ring = cuda.shared.array(0, uint32)
-        bars = cuda.shared.array(NBAR, uint64)
-        lane = lane_id()
-        warp = cuda.threadIdx.x // 32
-        rb, bb = warp * S * SLOT, warp * S
-        nst = (s1 - s0 + U - 1) // U
+    def start(bars, ring, w, item_e, geo, lane):
+        """Once per kernel: the warp's barriers, then its first S stages in flight."""
         if lane == 0:
             for p in range(S):
-                mbar_init(bars, bb + p)
+                mbar_init(bars, geo[12] + p)
             mbar_fence_init()
-            for p in range(S):
-                if p < nst:
-                    issue(ring, rb, bars, bb, w, aoff[0], s0, s1, p)
+            for f in range(S):
+                issue(ring, bars, w, item_e, geo, f)
         syncwarp()
+
+    @device
+    def consume(bars, ring, w, item_e, geo, f0, xb, t, half, boff, acc, lane):
+        """The nst stages f0 .. f0+nst-1 (one unit): wait, read, mma; each slot refilled with stage f + S."""
         qa = cuda.local.array(NQ, uint32)
         sa = cuda.local.array(NQ, float32)
-        for i in range(nst):
-            slot = i % S
-            mbar_wait(bars, bb + slot, (i // S) & 1)
+        for i in range(geo[10]):
+            f = f0 + i
+            slot = f % S
+            mbar_wait(bars, geo[12] + slot, (f // S) & 1)
             for u in range(U):
-                s = s0 + i * U + u
-                if s < s1:
-                    base = rb + slot * SLOT + u * CH
+                s = geo[8] + i * U + u
+                if s < geo[9]:
+                    base = geo[11] + slot * SLOT + u * CH
                     for r in range(R):
                         for h in range(2):
                             q0, q1, q2, q3 = lds16(ring, base + r * BULK_WORDS + h * 128 + lane * 4)
@@ -584,9 +592,12 @@ def _build_bulk_mainloop(T, R, XS, S, U):
                                                                       bf16_hi(c3))
                     int4_mma(qa, sa, xb, s, t, half, boff, acc)
             syncwarp()                                  # every lane has read the slot: refill it
-            if lane == 0 and i + S < nst:
-                issue(ring, rb, bars, bb, w, aoff[0], s0, s1, i + S)
-    return mainloop
+            if lane == 0:
+                issue(ring, bars, w, item_e, geo, f + S)
+    return start, consume
+
+
+GEO = 13
 
 
 def bulk_ring_bytes(cfg):
@@ -598,9 +609,10 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
     """One expert GEMM stage over the work items (persistent grid). down=0: gate_up with rows interleaved per tile
     (8 gate rows, then the matching 8 up rows) and silu(gate) * up written as the next B operand (act);
     down=1: rows in order, output * routing weight written per slot (y). S > 0: INT4 weights in the bulk layout
-    through S-slot bulk-copy rings (`_build_bulk_mainloop`; w is then u32 [E, words of one expert])."""
-    mainloop = (_cached(_build_bulk_mainloop, T, R, XS, S, U) if S
-                else _cached(_build_mainloop, fmt, T, R, XS, G, U, PF))
+    through S-slot bulk-copy rings (`_build_bulk_ring`; w is then u32 [E, words of one expert])."""
+    mainloop = _cached(_build_mainloop, fmt, T, R, XS, G, U, PF)
+    ring_start, ring_consume = _cached(_build_bulk_ring, T, R, XS, max(S, 1), U)
+    NBAR = MAX_WARPS * max(S, 1)
     block_reduce = _cached(_build_block_reduce, R, T)
     NACC, NA = R * T * 4, 2 * R
     KSTEP = 32 * G if fmt == INT4 else 32
@@ -626,6 +638,16 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
         boff = cuda.local.array(T, int32)
         acc = cuda.local.array(NACC, float32)
         total = n_items[0] * rblocks
+        if S:                                       # the warp's bulk ring over all of this block's units
+            ring = cuda.shared.array(0, uint32)
+            bars = cuda.shared.array(NBAR, uint64)
+            geo = cuda.local.array(GEO, int32)
+            geo[0], geo[1], geo[2], geo[3] = cuda.blockIdx.x, cuda.gridDim.x, total, rblocks
+            geo[4], geo[5], geo[6], geo[7] = nwr, wr, ntiles // R, kdim // KSTEP
+            geo[8], geo[9], geo[10] = s0, s1, (s1 - s0 + U - 1) // U
+            geo[11], geo[12] = warp * S * U * R * BULK_WORDS, warp * S
+            ring_start(bars, ring, w, item_e, geo, lane)
+        f0 = 0
         for unit in range(cuda.blockIdx.x, total, cuda.gridDim.x):
             it, rb = unit // rblocks, unit % rblocks
             e, start, ln = item_e[it], item_start[it], item_len[it]
@@ -638,15 +660,17 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
                     rg, rg8 = p * 8 + g, nrows // 2 + p * 8 + g
                 aoff[2 * r], aoff[2 * r + 1] = rg * (kdim // WDIV), rg8 * (kdim // WDIV)
                 soff[2 * r], soff[2 * r + 1] = rg * (kdim // 32), rg8 * (kdim // 32)
-            if S:                                   # bulk layout: the warp's chunk run, row-tile group tile0 / R
-                aoff[0] = min(tile0 // R, ntiles // R - 1) * (kdim // KSTEP) * (R * BULK_WORDS)
             for tt in range(T):
                 c = min(tt * 8 + g, ln - 1)
                 src = start + c if down else sorted_slot[start + c] // top_k
                 boff[tt] = src * XS * half
             for i in range(NACC):
                 acc[i] = F0
-            mainloop(w[e], sc[e], xb, s0, s1, t, half, aoff, soff, boff, acc)
+            if S:
+                ring_consume(bars, ring, w, item_e, geo, f0, xb, t, half, boff, acc, lane)
+                f0 += geo[10]
+            else:
+                mainloop(w[e], sc[e], xb, s0, s1, t, half, aoff, soff, boff, acc)
             block_reduce(acc, wr, wk, nwr, nwk, lane)
             if wk == 0:
                 for r in range(R):

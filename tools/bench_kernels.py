@@ -37,6 +37,10 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     "bulk_s6_nocap": dict(tiled=2, gu=dict(S=6, min_blocks=0), dn=dict(S=6, min_blocks=0)),
     "bulk_s4_8w": dict(tiled=2, gu=dict(WR=4, WK=2, min_blocks=2, blocks_per_sm=4),
                        dn=dict(WR=8, WK=1, min_blocks=2, blocks_per_sm=4)),
+    "bulk_s3": dict(tiled=2, gu=dict(S=3), dn=dict(S=3)),
+    "bulk_s2u2": dict(tiled=2, gu=dict(S=2, U=2), dn=dict(S=2, U=2)),
+    "bulk_s4_8w_s3": dict(tiled=2, gu=dict(WR=4, WK=2, min_blocks=2, blocks_per_sm=4, S=3),
+                          dn=dict(WR=8, WK=1, min_blocks=2, blocks_per_sm=4, S=3)),
     "bound2_8w": dict(gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2), dn=dict(WR=8, WK=1, blocks_per_sm=4,
                                                                                min_blocks=2)),
     # session 7 (n = 1 / 17, % of copy; default 47.5 / 69.3): down U=4 46.1 / 65.3, down R=4 47.8 / 68.0; the
@@ -207,13 +211,13 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
     gate_up, down = rand_words(cp, (E, 2 * I, H // 8)), rand_words(cp, (E, H, I // 8))
     gus, ds = rand_bf16(cp, (E, 2 * I, H // GROUP), 0.002, 0.01), rand_bf16(cp, (E, H, I // GROUP), 0.002, 0.01)
     ex = DeviceExperts(dv(gate_up), dv(down), dv(gus), dv(ds))
-    tiled_ex = {}       # R -> the same experts in the bulk layout (made when a variant asks for it)
+    tiled_ex, raw = {}, [gate_up, gus, down, ds]   # R -> the experts in the bulk layout (made when asked for)
 
     def experts(over):
         R = over.get("tiled", 0)
         if R and R not in tiled_ex:
-            tiled_ex[R] = DeviceExperts(dv(int4_bulk_tiles(gate_up, gus, R, 0, cp)),
-                                        dv(int4_bulk_tiles(down, ds, R, 1, cp)), tiled=R)
+            tiled_ex[R] = DeviceExperts(dv(int4_bulk_tiles(raw[0], raw[1], R, 0, cp)),
+                                        dv(int4_bulk_tiles(raw[2], raw[3], R, 1, cp)), tiled=R)
         return tiled_ex[R] if R else ex
 
     def cuts(over):
@@ -314,6 +318,8 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
                   f"{nbytes / g_ms / 1e6:6.0f} GB/s {100 * nbytes / g_ms / 1e6 / copy_bw:5.1f}% (K2: one group, per "
                   f"call)", flush=True)
     del gate_up, down, gus, ds
+    raw.clear()
+    tiled_ex.clear()
 
 
 # -------------------------------------------------------------------------------------------------------- dense
