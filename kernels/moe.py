@@ -543,32 +543,44 @@ def _build_bulk_ring(T, R, XS, S, U):
     SLOT, NQ = U * CH, 8 * R
 
     @device
-    def issue(ring, bars, w, item_e, geo, f):
-        """Lane 0: stage f into slot f % S (nothing past the block's last unit)."""
-        nst = geo[10]
-        unit = geo[0] + (f // nst) * geo[1]
+    def locate(item_e, geo, prod):
+        """prod[2], prod[3] = expert and word offset (at k-step s0) of the chunk run of unit prod[0], if any."""
+        unit = prod[0]
         if unit < geo[2]:
-            q = min((unit % geo[3]) * geo[4] + geo[5], geo[6] - 1)
-            sa = geo[8] + (f % nst) * U
-            nbytes = min(U, geo[9] - sa) * CH * 4
-            slot = f % S
-            mbar_expect(bars, geo[12] + slot, nbytes)
-            bulk_load(ring, geo[11] + slot * SLOT, w[item_e[unit // geo[3]]], (q * geo[7] + sa) * CH, nbytes, bars,
-                      geo[12] + slot)
+            prod[2] = item_e[unit // geo[3]]
+            prod[3] = (min((unit % geo[3]) * geo[4] + geo[5], geo[6] - 1) * geo[7] + geo[8]) * CH
 
     @device
-    def start(bars, ring, w, item_e, geo, lane):
+    def issue(ring, bars, w, item_e, geo, prod, f):
+        """Lane 0: stage f (= stage prod[1] of unit prod[0]) into slot f % S, then step prod on (the divisions
+        only when it moves to the next unit); nothing past the block's last unit."""
+        if prod[0] < geo[2]:
+            sa = prod[1] * U
+            nbytes = min(U, geo[9] - geo[8] - sa) * CH * 4
+            slot = f % S
+            mbar_expect(bars, geo[12] + slot, nbytes)
+            bulk_load(ring, geo[11] + slot * SLOT, w[prod[2]], prod[3] + sa * CH, nbytes, bars, geo[12] + slot)
+            prod[1] += 1
+            if prod[1] == geo[10]:
+                prod[0] += geo[1]
+                prod[1] = 0
+                locate(item_e, geo, prod)
+
+    @device
+    def start(bars, ring, w, item_e, geo, prod, lane):
         """Once per kernel: the warp's barriers, then its first S stages in flight."""
         if lane == 0:
             for p in range(S):
                 mbar_init(bars, geo[12] + p)
             mbar_fence_init()
+            prod[0], prod[1] = geo[0], 0
+            locate(item_e, geo, prod)
             for f in range(S):
-                issue(ring, bars, w, item_e, geo, f)
+                issue(ring, bars, w, item_e, geo, prod, f)
         syncwarp()
 
     @device
-    def consume(bars, ring, w, item_e, geo, f0, xb, t, half, boff, acc, lane):
+    def consume(bars, ring, w, item_e, geo, prod, f0, xb, t, half, boff, acc, lane):
         """The nst stages f0 .. f0+nst-1 (one unit): wait, read, mma; each slot refilled with stage f + S."""
         qa = cuda.local.array(NQ, uint32)
         sa = cuda.local.array(NQ, float32)
@@ -593,7 +605,7 @@ def _build_bulk_ring(T, R, XS, S, U):
                     int4_mma(qa, sa, xb, s, t, half, boff, acc)
             syncwarp()                                  # every lane has read the slot: refill it
             if lane == 0:
-                issue(ring, bars, w, item_e, geo, f + S)
+                issue(ring, bars, w, item_e, geo, prod, f + S)
     return start, consume
 
 
@@ -646,7 +658,8 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
             geo[4], geo[5], geo[6], geo[7] = nwr, wr, ntiles // R, kdim // KSTEP
             geo[8], geo[9], geo[10] = s0, s1, (s1 - s0 + U - 1) // U
             geo[11], geo[12] = warp * S * U * R * BULK_WORDS, warp * S
-            ring_start(bars, ring, w, item_e, geo, lane)
+            prod = cuda.local.array(4, int32)      # lane 0's producer: unit, stage, expert, word offset
+            ring_start(bars, ring, w, item_e, geo, prod, lane)
         f0 = 0
         for unit in range(cuda.blockIdx.x, total, cuda.gridDim.x):
             it, rb = unit // rblocks, unit % rblocks
@@ -667,7 +680,7 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
             for i in range(NACC):
                 acc[i] = F0
             if S:
-                ring_consume(bars, ring, w, item_e, geo, f0, xb, t, half, boff, acc, lane)
+                ring_consume(bars, ring, w, item_e, geo, prod, f0, xb, t, half, boff, acc, lane)
                 f0 += geo[10]
             else:
                 mainloop(w[e], sc[e], xb, s0, s1, t, half, aoff, soff, boff, acc)
