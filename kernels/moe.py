@@ -149,15 +149,16 @@ def int4_bulk_tiles(words, scales, R, down, xp=np):
 @dataclass
 class DeviceExperts:
     """One layer's routed experts on the device. int4: gate_up u32[E, 2I, H/8] and down u32[E, H, I/8] in the
-    `int4_tiles` layout, scales u16 [E, out, in/32] as in the checkpoint; or (tiled = R > 0) both in the bulk layout
-    of `int4_bulk_tiles` with the scales inside (scale fields None); bf16: u16 weights, scales None."""
+    `int4_tiles` layout, scales u16 [E, out, in/32] as in the checkpoint, except (tiled = R > 0) gate_up in the bulk
+    layout of `int4_bulk_tiles` [E, 2I/16R, H/128, R*288] with its scales inside (gate_up_scale None), for the
+    bulk-ring stage; bf16: u16 weights, scales None."""
     gate_up: object
     down: object
     gate_up_scale: object = None
     down_scale: object = None
     group: int = 32
     offset: int = 0          # global id of local expert 0 (expert parallelism: this device holds a range)
-    tiled: int = 0           # R of the bulk layout (0: int4_tiles rows + separate scales)
+    tiled: int = 0           # R of gate_up's bulk layout (0: int4_tiles rows + separate scales)
 
     @property
     def int4(self) -> bool:
@@ -165,8 +166,8 @@ class DeviceExperts:
 
 
 def device_experts(experts: Experts, to_device, tiled=None) -> DeviceExperts:
-    """Host Experts -> DeviceExperts (INT4 words re-laid by int4_tiles, or with tiled = R > 0 by int4_bulk_tiles;
-    default MOE_TILED where the shapes allow it; `to_device` copies a NumPy array)."""
+    """Host Experts -> DeviceExperts (INT4 words re-laid by int4_tiles; with tiled = R > 0 gate_up by
+    int4_bulk_tiles; default MOE_TILED where the shapes allow it; `to_device` copies a NumPy array)."""
     if not experts.int4:
         return DeviceExperts(to_device(experts.gate_up), to_device(experts.down), offset=experts.offset)
     if experts.group != 32:
@@ -175,16 +176,15 @@ def device_experts(experts: Experts, to_device, tiled=None) -> DeviceExperts:
     if tiled is None:
         tiled = MOE_TILED if bulk_fits(gu.shape[2] * 8, gu.shape[1] // 2, MOE_TILED) else 0
     if tiled:
-        return DeviceExperts(to_device(int4_bulk_tiles(gu, experts.gate_up_scale, tiled, 0)),
-                             to_device(int4_bulk_tiles(dn, experts.down_scale, tiled, 1)), offset=experts.offset,
-                             tiled=tiled)
+        return DeviceExperts(to_device(int4_bulk_tiles(gu, experts.gate_up_scale, tiled, 0)), to_device(dn), None,
+                             to_device(experts.down_scale), offset=experts.offset, tiled=tiled)
     return DeviceExperts(to_device(gu), to_device(dn), to_device(experts.gate_up_scale),
                          to_device(experts.down_scale), offset=experts.offset)
 
 
 def bulk_fits(hidden, inter, R):
-    """Whether experts of these widths take the bulk layout with R row tiles per chunk (K % 128, N % 16R)."""
-    return R > 0 and hidden % 128 == 0 and inter % 128 == 0 and hidden % (16 * R) == 0 and (2 * inter) % (16 * R) == 0
+    """Whether gate_up [2I, H] takes the bulk layout with R row tiles per chunk (H % 128, 2I % 16R)."""
+    return R > 0 and hidden % 128 == 0 and (2 * inter) % (16 * R) == 0
 
 
 @dataclass
@@ -760,11 +760,13 @@ class ExpertConfig:
 # 4 fit per SM (16 warps). Uncapped (144 registers, 8-warp blocks) ran at 8 warps per SM, latency-bound: 47% -> 71%.
 GATE_UP_CFG = ExpertConfig(WR=2, WK=2, blocks_per_sm=8, min_blocks=4)
 DOWN_CFG = ExpertConfig(WR=4, WK=1, blocks_per_sm=8, min_blocks=4)
-# bulk-copy rings (experts in the int4_bulk_tiles layout, tiled = R): NOT measured yet, so MOE_TILED = 0 keeps the
-# register path as the engine's default
-BULK_GATE_UP_CFG = ExpertConfig(WR=2, WK=2, U=1, S=4, blocks_per_sm=8, min_blocks=4)
-BULK_DOWN_CFG = ExpertConfig(WR=4, WK=1, U=1, S=4, blocks_per_sm=8, min_blocks=4)
-MOE_TILED = 0
+# gate_up through bulk-copy rings of 2 slots x 2 k-steps (gate_up in the int4_bulk_tiles layout with R = MOE_TILED
+# row tiles per chunk), down on the register path. H200, session 18 (python -m tools.bench_kernels --only moe
+# --quick --variants ..., bench/h200_2026-12-01b/moe_bulk_cross.json), gate_up alone, % of copy at n = 1 / 4 / 9 /
+# 17 / 33: bulk 70 / 78 / 82 / 83 / 76 vs register 62 / 73 / 78 / 80 / 72; down through the same rings lost (44 /
+# 52 / 59 / 61 / 63 vs 51 / 67 / 71 / 76 / 73), so it stays on the register path.
+BULK_GATE_UP_CFG = ExpertConfig(WR=2, WK=2, U=2, S=2, blocks_per_sm=8, min_blocks=4)
+MOE_TILED = 2
 
 
 def _sm_count():
@@ -773,9 +775,7 @@ def _sm_count():
 
 def _cfgs(experts, cfg_gate_up, cfg_down):
     """The stage cuts: the given ones, else the defaults of the experts' layout (register path or bulk rings)."""
-    if experts.tiled:
-        return cfg_gate_up or BULK_GATE_UP_CFG, cfg_down or BULK_DOWN_CFG
-    return cfg_gate_up or GATE_UP_CFG, cfg_down or DOWN_CFG
+    return cfg_gate_up or (BULK_GATE_UP_CFG if experts.tiled else GATE_UP_CFG), cfg_down or DOWN_CFG
 
 
 def moe(x, idx, wts, experts: DeviceExperts, out, ws: MoeWorkspace, shared=None, cfg_gate_up=None, cfg_down=None):
@@ -832,9 +832,10 @@ def moe_stage(down, experts, wts, ws, cfg=None):
     """One expert GEMM over the live work items: gate_up (down=0: x -> act) or down (down=1: act -> y)."""
     cfg = cfg or _cfgs(experts, None, None)[down]
     fmt, n_exp, hidden, inter = moe_dims(experts)
-    if bool(cfg.S) != bool(experts.tiled) or (cfg.S and cfg.R != experts.tiled):
-        raise ValueError(f"moe: cut {cfg} does not fit the experts' layout (tiled={experts.tiled}: bulk rings "
-                         f"S > 0 with R = tiled, or the register path S = 0 on int4_tiles rows)")
+    tiled = 0 if down else experts.tiled
+    if bool(cfg.S) != bool(tiled) or (cfg.S and cfg.R != tiled):
+        raise ValueError(f"moe: cut {cfg} does not fit the {'down' if down else 'gate_up'} layout (tiled={tiled}: "
+                         f"bulk rings S > 0 with R = tiled, or the register path S = 0 on int4_tiles rows)")
     w, sc = (experts.down, experts.down_scale) if down else (experts.gate_up, experts.gate_up_scale)
     nrows, kdim = (hidden, inter) if down else (2 * inter, hidden)
     if wts.shape[1] != ws.top_k or wts.shape[0] > ws.n_max:

@@ -203,8 +203,8 @@ def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, s
               warp_slots=None, tiled=0, exact=True):
     """held=(offset, count): this device holds experts offset.. of n_exp (expert parallelism); the others' slots
     add nothing. warp_slots: kernels.moe.PLAN_WARP_SLOTS for this check (0: the block plan at any size).
-    tiled=R: the experts in the bulk layout (cfgs: bulk cuts, or None for the bulk defaults); with exact the result
-    must also equal, bit for bit, the register path's on the int4_tiles layout (the same cuts with S = 0)."""
+    tiled=R: gate_up in the bulk layout (cfgs: a bulk cut for gate_up, or None for the defaults); with exact the
+    result must also equal, bit for bit, the register path's on the int4_tiles layout (gate_up's cut with S = 0)."""
     import dataclasses
 
     import kernels.moe as M
@@ -240,9 +240,9 @@ def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, s
     assert_close(f"moe n={n} {mode} xs={xs} int4={int4} tiled={tiled}", env.host(out), ref, 1e-4 if xs == 2 else 2e-2)
     if tiled and exact:
         rows = poisoned(env, (n, hidden), np.float32)
-        regs = [dataclasses.replace(c, S=0, R=tiled) for c in M._cfgs(dex, *(cfgs or (None, None)))]
+        gu, dn = M._cfgs(dex, *(cfgs or (None, None)))
         moe(*args, device_experts(ex, env.dev, tiled=0), rows, ws, shared=None if sh is None else env.dev(sh),
-            cfg_gate_up=regs[0], cfg_down=regs[1])
+            cfg_gate_up=dataclasses.replace(gu, S=0), cfg_down=dn)
         got, want = env.host(out), env.host(rows)
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), \
             f"moe tiled={tiled}: not the register path's bits (max diff {np.max(np.abs(got - want))})"

@@ -8,11 +8,10 @@ from cudasim import Env, simulator_test
 from kernels.moe import ExpertConfig
 
 SMALL = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2), ExpertConfig(R=2, WR=1, WK=1, T=1, blocks_per_sm=2))
-# bulk rings (experts in the int4_bulk_tiles layout, R=2 tiles per chunk): gate_up 3 k-steps through 2 slots (the
-# ring wraps), down U=2 steps per slot over its 1 k-step (a half-full slot). Against moe_ref only (the register
-# path twice as long under the simulator); the GPU cases also check the register path's bits.
-BULK = (ExpertConfig(R=2, WR=1, WK=1, T=1, U=1, S=2, blocks_per_sm=2),
-        ExpertConfig(R=2, WR=1, WK=1, T=1, U=2, S=2, blocks_per_sm=2))
+# gate_up through bulk rings (int4_bulk_tiles layout, R=2 tiles per chunk): 3 k-steps as 2 stages of U=2 (the
+# second half full) through 2 slots, the ring running on across each block's units; down on the register path.
+# Against moe_ref only (the register path twice as long under the simulator); the GPU cases also check its bits.
+BULK = (ExpertConfig(R=2, WR=1, WK=1, T=1, U=2, S=2, blocks_per_sm=2), SMALL[1])
 SIM_CASES = {
     "moe_int4_bulk_rings": lambda env: C.check_moe(env, 1, 384, 128, 2, 1, "random", 1, cfgs=BULK, tiled=2,
                                                    exact=False),

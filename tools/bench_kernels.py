@@ -31,16 +31,16 @@ K2_GEMMS = {"lm_head": (163840, 7168), "q_kv_a": (2112, 7168), "o": (7168, 8192)
 
 # variants of the default cuts tried at the target sizes (overrides of ExpertConfig / GemmConfig fields)
 MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R=1, U=4, 8-warp blocks uncapped
-    # session 18: the experts in the bulk layout (int4_bulk_tiles, R=2) through bulk-copy rings of S slots x U steps
-    "bulk_s4": dict(tiled=2), "bulk_s8": dict(tiled=2, gu=dict(S=8), dn=dict(S=8)),
-    "bulk_u2s4": dict(tiled=2, gu=dict(U=2), dn=dict(U=2)),
-    "bulk_s6_nocap": dict(tiled=2, gu=dict(S=6, min_blocks=0), dn=dict(S=6, min_blocks=0)),
-    "bulk_s4_8w": dict(tiled=2, gu=dict(WR=4, WK=2, min_blocks=2, blocks_per_sm=4),
-                       dn=dict(WR=8, WK=1, min_blocks=2, blocks_per_sm=4)),
-    "bulk_s3": dict(tiled=2, gu=dict(S=3), dn=dict(S=3)),
-    "bulk_s2u2": dict(tiled=2, gu=dict(S=2, U=2), dn=dict(S=2, U=2)),
-    "bulk_s4_8w_s3": dict(tiled=2, gu=dict(WR=4, WK=2, min_blocks=2, blocks_per_sm=4, S=3),
-                          dn=dict(WR=8, WK=1, min_blocks=2, blocks_per_sm=4, S=3)),
+    # session 18: gate_up through bulk-copy rings (gate_up in the int4_bulk_tiles layout, R=2; kernels/moe.py
+    # BULK_GATE_UP_CFG, the default now: S=2 slots of U=2 k-steps). "regs": gate_up on the register path (the default
+    # before). Also measured (n = 1 / 17 chained % of copy, bench/h200_2026-12-01b/): both stages through the rings,
+    # a ring per unit (moe_bulk.json): S=4 U=1 55.8 / 74.8, S=8 44.1 / 56.0, U=2 S=4 46.5 / 61.6, S=6 uncapped
+    # 45.3 / 67.3, 8-warp blocks 57.1 / 74.9 (default then 54.6 / 77.1); the ring across a block's units
+    # (moe_bulk_cross.json): S=4 47.5 / 65.0, 8-warp 54.6 / 71.7, S=3 46.2 / 62.6, S=2 U=2 57.4 / 74.6 (default
+    # 54.6 / 75.5), where gate_up alone was 70 / 78 / 82 / 83 / 76% at n = 1 / 4 / 9 / 17 / 33 and down 44 / 52 /
+    # 59 / 61 / 63% (register down: 51 / 67 / 71 / 76 / 73%). The INT4 bias as the mma's starting value from
+    # per-group sums of B (no bf16x2 FMA per weight pair; commit 5211ee7): 50.7 / 74.4 (moe_off_rejected.json).
+    "regs": dict(tiled=0), "bulk_s4u1": dict(gu=dict(S=4, U=1)), "bulk_s3u2": dict(gu=dict(S=3)),
     "bound2_8w": dict(gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2), dn=dict(WR=8, WK=1, blocks_per_sm=4,
                                                                                min_blocks=2)),
     # session 7 (n = 1 / 17, % of copy; default 47.5 / 69.3): down U=4 46.1 / 65.3, down R=4 47.8 / 68.0; the
@@ -204,25 +204,25 @@ EXPERT_BYTES = (2 * I * H // 2 + 2 * I * H // GROUP * 2) + (H * I // 2 + H * I /
 
 
 def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
-    from kernels.moe import (BULK_DOWN_CFG, BULK_GATE_UP_CFG, DOWN_CFG, GATE_UP_CFG, MOE_XS, DeviceExperts,
+    from kernels.moe import (BULK_GATE_UP_CFG, DOWN_CFG, GATE_UP_CFG, MOE_TILED, MOE_XS, DeviceExperts,
                              int4_bulk_tiles, moe_combine, moe_plan, moe_stage, moe_workspace, router)
     rng = np.random.default_rng(0)
     dv = cuda.as_cuda_array
     gate_up, down = rand_words(cp, (E, 2 * I, H // 8)), rand_words(cp, (E, H, I // 8))
     gus, ds = rand_bf16(cp, (E, 2 * I, H // GROUP), 0.002, 0.01), rand_bf16(cp, (E, H, I // GROUP), 0.002, 0.01)
-    ex = DeviceExperts(dv(gate_up), dv(down), dv(gus), dv(ds))
-    tiled_ex, raw = {}, [gate_up, gus, down, ds]   # R -> the experts in the bulk layout (made when asked for)
+    tiled_ex, raw = {}, [gate_up, gus, down, ds]   # R -> the experts with gate_up in the bulk layout (R = 0: rows)
 
     def experts(over):
-        R = over.get("tiled", 0)
-        if R and R not in tiled_ex:
-            tiled_ex[R] = DeviceExperts(dv(int4_bulk_tiles(raw[0], raw[1], R, 0, cp)),
-                                        dv(int4_bulk_tiles(raw[2], raw[3], R, 1, cp)), tiled=R)
-        return tiled_ex[R] if R else ex
+        R = over.get("tiled", MOE_TILED)
+        if R not in tiled_ex:
+            gu = (dv(int4_bulk_tiles(raw[0], raw[1], R, 0, cp)), None) if R else (dv(raw[0]), dv(raw[1]))
+            tiled_ex[R] = DeviceExperts(gu[0], dv(raw[2]), gu[1], dv(raw[3]), tiled=R)
+        return tiled_ex[R]
 
     def cuts(over):
-        base = (BULK_GATE_UP_CFG, BULK_DOWN_CFG) if over.get("tiled") else (GATE_UP_CFG, DOWN_CFG)
-        return replace(base[0], **over.get("gu", {})), replace(base[1], **over.get("dn", {}))
+        base = BULK_GATE_UP_CFG if over.get("tiled", MOE_TILED) else GATE_UP_CFG
+        return replace(base, **over.get("gu", {})), replace(DOWN_CFG, **over.get("dn", {}))
+    ex = experts({})
     bias = dv(cp.zeros(E, cp.float32))
     alloc = lambda shape, dtype: dv(cp.zeros(shape, dtype))  # noqa: E731
     wss = {xs: moe_workspace(max(NS), TOPK, H, I, E, alloc, xs=xs) for xs in (1, 2)}   # xs=2: the router's logits
