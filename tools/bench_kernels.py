@@ -486,7 +486,8 @@ def profile(case):
     import cupy as cp
     from numba import cuda
     from kernels.gemm import GemmWorkspace, gemm
-    from kernels.moe import DOWN_CFG, GATE_UP_CFG, DeviceExperts, moe, moe_workspace, router
+    from kernels.moe import (BULK_GATE_UP_CFG, DOWN_CFG, GATE_UP_CFG, MOE_TILED, DeviceExperts, int4_bulk_tiles, moe,
+                             moe_workspace, router)
     dv = cuda.as_cuda_array
     name, _, rest = case.partition(":")
     count, _, tag = rest.partition(":")
@@ -497,11 +498,14 @@ def profile(case):
         x, out = dv(cp.random.standard_normal((n, H), dtype=cp.float32)), dv(cp.zeros((n, H), cp.float32))
         di, dw = dv(cp.asarray(idx)), dv(cp.asarray(wts))
     if name == "moe":
-        ex = DeviceExperts(dv(rand_words(cp, (E, 2 * I, H // 8))), dv(rand_words(cp, (E, H, I // 8))),
-                           dv(rand_bf16(cp, (E, 2 * I, H // GROUP), 0.002, 0.01)),
-                           dv(rand_bf16(cp, (E, H, I // GROUP), 0.002, 0.01)))
         over = MOE_VARIANTS[tag] if tag else {}
-        gu, dn = replace(GATE_UP_CFG, **over.get("gu", {})), replace(DOWN_CFG, **over.get("dn", {}))
+        R = over.get("tiled", MOE_TILED)           # gate_up in the bulk layout (the default) or rows (R = 0)
+        gate_up, gus = rand_words(cp, (E, 2 * I, H // 8)), rand_bf16(cp, (E, 2 * I, H // GROUP), 0.002, 0.01)
+        gu_w, gu_s = (dv(int4_bulk_tiles(gate_up, gus, R, 0, cp)), None) if R else (dv(gate_up), dv(gus))
+        ex = DeviceExperts(gu_w, dv(rand_words(cp, (E, H, I // 8))), gu_s,
+                           dv(rand_bf16(cp, (E, H, I // GROUP), 0.002, 0.01)), tiled=R)
+        gu = replace(BULK_GATE_UP_CFG if R else GATE_UP_CFG, **over.get("gu", {}))
+        dn = replace(DOWN_CFG, **over.get("dn", {}))
         for _ in range(3):
             moe(x, di, dw, ex, out, ws, cfg_gate_up=gu, cfg_down=dn)
     elif name == "router":
