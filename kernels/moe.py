@@ -120,26 +120,25 @@ def int4_tiles(packed, xp=np):
 
 
 BULK_WORDS = 288     # u32 words of one (row tile, k-step) chunk of the bulk layout: 2 x 128 weight words + 32 of scales
+GEO = 13             # entries of the bulk ring's geometry (`_build_bulk_ring`)
 
 
-def int4_bulk_tiles(words, scales, R, down, xp=np):
-    """int4_tiles words u32[E, N, K/8] + scales u16[E, N, K/32] -> u32[E, N/(16R), K/128, R*BULK_WORDS], made once
-    at load time for the bulk-copy expert GEMM: the R row tiles of one warp are one contiguous chunk per k-step (a
-    stage of the ring is one bulk copy), and a chunk is in the order the lanes read it from shared memory.
-    Chunk of row tile p, k-step s: words [128h, 128h+128) = rows (g = 0..7) of half h, each its 16 words of the step
-    (lane g*4+t reads words 4t..4t+3 of row g: one 16-byte piece per lane, conflict-free); words [256, 288) = the
-    scales u16[g, h, j] (lane reads its 4 of each half with one 16-byte load). Rows of (p, h, g): gate_up h=0 the gate
-    row 8p+g, h=1 the up row N/2+8p+g (kernel's interleave); down 16p+8h+g. Needs K % 128 == 0 and (N/16) % R == 0."""
+def int4_bulk_tiles(words, scales, R, xp=np):
+    """gate_up's int4_tiles words u32[E, N=2I, K=H/8] + scales u16[E, N, K/32] -> u32[E, N/(16R), K/128,
+    R*BULK_WORDS], made once at load time for the bulk-copy expert GEMM: the R row tiles of one warp are one
+    contiguous chunk per k-step (a stage of the ring is one bulk copy), and a chunk is in the order the lanes read it
+    from shared memory. Chunk of row tile p, k-step s: words [128h, 128h+128) = rows (g = 0..7) of half h, each its
+    16 words of the step (lane g*4+t reads words 4t..4t+3 of row g: one 16-byte piece per lane, conflict-free);
+    words [256, 288) = the scales u16[g, h, j] (lane reads its 4 of each half with one 16-byte load). Row of (p, h,
+    g): h=0 the gate row 8p+g, h=1 the up row N/2+8p+g (the kernel's interleave). Needs K % 128 == 0 and
+    (N/16) % R == 0."""
     E, N, KW = words.shape
     ks, P = KW // 16, N // 16
     if KW % 16 or N % 16 or P % R or scales.shape != (E, N, KW // 4):
         raise ValueError(f"int4_bulk_tiles: words {words.shape} / scales {scales.shape}, R={R}: need K % 128 == 0, "
                          f"N % (16R) == 0 and scales [E, N, K/32]")
-    if down:
-        w, sc = words.reshape(E, P, 2, 8, ks, 16), scales.reshape(E, P, 2, 8, ks, 4)       # e p h g s .
-    else:
-        w = xp.swapaxes(words.reshape(E, 2, P, 8, ks, 16), 1, 2)
-        sc = xp.swapaxes(scales.reshape(E, 2, P, 8, ks, 4), 1, 2)
+    w = xp.swapaxes(words.reshape(E, 2, P, 8, ks, 16), 1, 2)                                  # e p h g s .
+    sc = xp.swapaxes(scales.reshape(E, 2, P, 8, ks, 4), 1, 2)
     w = xp.ascontiguousarray(w.transpose(0, 1, 4, 2, 3, 5)).reshape(E, P, ks, 256)            # e p s (h g w)
     sc = xp.ascontiguousarray(sc.transpose(0, 1, 4, 3, 2, 5)).reshape(E, P, ks, 64).view(xp.uint32)  # (g h j)
     t = xp.concatenate([w.view(xp.uint32), sc], axis=-1).reshape(E, P // R, R, ks, BULK_WORDS)
@@ -176,7 +175,7 @@ def device_experts(experts: Experts, to_device, tiled=None) -> DeviceExperts:
     if tiled is None:
         tiled = MOE_TILED if bulk_fits(gu.shape[2] * 8, gu.shape[1] // 2, MOE_TILED) else 0
     if tiled:
-        return DeviceExperts(to_device(int4_bulk_tiles(gu, experts.gate_up_scale, tiled, 0)), to_device(dn), None,
+        return DeviceExperts(to_device(int4_bulk_tiles(gu, experts.gate_up_scale, tiled)), to_device(dn), None,
                              to_device(experts.down_scale), offset=experts.offset, tiled=tiled)
     return DeviceExperts(to_device(gu), to_device(dn), to_device(experts.gate_up_scale),
                          to_device(experts.down_scale), offset=experts.offset)
@@ -537,7 +536,7 @@ def _build_bulk_ring(T, R, XS, S, U):
     across a unit's end, so the next unit's first weights arrive while this one finishes. No register holds a
     load in flight. The lanes read back the register path's words and scales and run the same `_build_int4_mma`:
     the same bits. geo (i32 local, GEO entries): first unit, unit stride, units, row blocks, nwr, wr, row-tile
-    groups, k-steps, s0, s1, stages per unit, ring word base, first barrier."""
+    groups, k-steps, s0, s1, stages per unit, ring word base, first barrier (GEO = 13)."""
     int4_mma = _cached(_build_int4_mma, T, R, XS, 4)
     CH = R * BULK_WORDS                  # words per k-step
     SLOT, NQ = U * CH, 8 * R
@@ -607,9 +606,6 @@ def _build_bulk_ring(T, R, XS, S, U):
             if lane == 0:
                 issue(ring, bars, w, item_e, geo, prod, f + S)
     return start, consume
-
-
-GEO = 13
 
 
 def bulk_ring_bytes(cfg):
@@ -762,9 +758,11 @@ GATE_UP_CFG = ExpertConfig(WR=2, WK=2, blocks_per_sm=8, min_blocks=4)
 DOWN_CFG = ExpertConfig(WR=4, WK=1, blocks_per_sm=8, min_blocks=4)
 # gate_up through bulk-copy rings of 2 slots x 2 k-steps (gate_up in the int4_bulk_tiles layout with R = MOE_TILED
 # row tiles per chunk), down on the register path. H200, session 18 (python -m tools.bench_kernels --only moe
-# --quick --variants ..., bench/h200_2026-12-01b/moe_bulk_cross.json), gate_up alone, % of copy at n = 1 / 4 / 9 /
-# 17 / 33: bulk 70 / 78 / 82 / 83 / 76 vs register 62 / 73 / 78 / 80 / 72; down through the same rings lost (44 /
-# 52 / 59 / 61 / 63 vs 51 / 67 / 71 / 76 / 73), so it stays on the register path.
+# --quick --variants regs, bench/h200_2026-12-01b/moe_final.json), gate_up alone, % of copy at n = 1 / 4 / 9 / 17 /
+# 33: 70 / 80 / 84 / 84 / 82 (register gate_up, moe_bulk_cross_divs.json: 62 / 73 / 78 / 80 / 72); the whole MoE
+# (chained) 58.8 / 74.4 / 79.6 / 81.2 / 81.0 vs 55.1 / - / - / 79.1 / - with the register gate_up in the same run.
+# down through the same rings lost (moe_bulk_cross.json: 44 / 52 / 59 / 61 / 63 vs 51 / 67 / 71 / 76 / 73), so it
+# stays on the register path.
 BULK_GATE_UP_CFG = ExpertConfig(WR=2, WK=2, U=2, S=2, blocks_per_sm=8, min_blocks=4)
 MOE_TILED = 2
 

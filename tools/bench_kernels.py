@@ -215,7 +215,7 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
     def experts(over):
         R = over.get("tiled", MOE_TILED)
         if R not in tiled_ex:
-            gu = (dv(int4_bulk_tiles(raw[0], raw[1], R, 0, cp)), None) if R else (dv(raw[0]), dv(raw[1]))
+            gu = (dv(int4_bulk_tiles(raw[0], raw[1], R, cp)), None) if R else (dv(raw[0]), dv(raw[1]))
             tiled_ex[R] = DeviceExperts(gu[0], dv(raw[2]), gu[1], dv(raw[3]), tiled=R)
         return tiled_ex[R]
 
@@ -501,7 +501,7 @@ def profile(case):
         over = MOE_VARIANTS[tag] if tag else {}
         R = over.get("tiled", MOE_TILED)           # gate_up in the bulk layout (the default) or rows (R = 0)
         gate_up, gus = rand_words(cp, (E, 2 * I, H // 8)), rand_bf16(cp, (E, 2 * I, H // GROUP), 0.002, 0.01)
-        gu_w, gu_s = (dv(int4_bulk_tiles(gate_up, gus, R, 0, cp)), None) if R else (dv(gate_up), dv(gus))
+        gu_w, gu_s = (dv(int4_bulk_tiles(gate_up, gus, R, cp)), None) if R else (dv(gate_up), dv(gus))
         ex = DeviceExperts(gu_w, dv(rand_words(cp, (E, H, I // 8))), gu_s,
                            dv(rand_bf16(cp, (E, H, I // GROUP), 0.002, 0.01)), tiled=R)
         gu = replace(BULK_GATE_UP_CFG if R else GATE_UP_CFG, **over.get("gu", {}))
