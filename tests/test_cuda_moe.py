@@ -13,7 +13,7 @@ SMALL = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2), ExpertConfig(R=2, 
 # Against moe_ref only (the register path twice as long under the simulator); the GPU cases also check its bits.
 BULK = (ExpertConfig(R=2, WR=1, WK=1, T=1, U=2, S=2, blocks_per_sm=2), SMALL[1])
 SIM_CASES = {
-    "moe_int4_bulk_rings": lambda env: C.check_moe(env, 1, 384, 128, 2, 1, "random", 1, cfgs=BULK, tiled=2,
+    "moe_int4_bulk_rings": lambda env: C.check_moe(env, 1, 384, 64, 2, 1, "random", 1, cfgs=BULK, tiled=2,
                                                    exact=False),
     "moe_int4_random": lambda env: C.check_moe(env, 5, 128, 64, 4, 2, "random", 1, cfgs=SMALL),
     "moe_int4_one_expert_two_items_shared": lambda env: C.check_moe(env, 9, 128, 64, 4, 2, "one_hot", 1, cfgs=SMALL,
@@ -47,7 +47,7 @@ SIM_CASES = {
     "router_nan_row_picks_experts": lambda env: C.check_router(env, 2, 64, 16, 4, 1, 1, seed=4, nan_row=True),
 }
 
-SIM_COST = {"moe_int4_bulk_rings": 20, "moe_int4_prep_2_blocks_per_row": 30,
+SIM_COST = {"moe_int4_bulk_rings": 25, "moe_int4_prep_2_blocks_per_row": 30,
             "moe_int4_70_experts_plan_scans_3_warps": 45,
             "router_twin_experts_exact_ties": 10, "router_mma_logits": 8,
             "router_mma_through_the_op_table": 11, "router_picks_past_the_kept_groups": 6}
