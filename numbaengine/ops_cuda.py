@@ -184,7 +184,7 @@ class KernelOps:
         if isinstance(weights, np.ndarray):
             return self.asarray(np.ascontiguousarray(weights))
         if isinstance(weights, Experts):
-            return device_experts(weights, lambda a: self.asarray(np.ascontiguousarray(a)))
+            return device_experts(weights, lambda a: self.asarray(np.ascontiguousarray(a)), xp=self.xp)
         if isinstance(weights, list):
             return [self.upload(w) for w in weights]
         if dataclasses.is_dataclass(weights):
