@@ -189,11 +189,18 @@ def prefill_times(engine, tokens, cp, reps=3) -> dict:
 
 def synth_k2(layers: int, where: Path):
     """A K2.6-shaped target (full width, `layers` layers: one dense, the rest MoE with 384 random INT4 experts)
-    and a 1-layer DFlash drafter for it, written to `where`."""
+    and a 1-layer DFlash drafter for it, written to `where`, or the pair already there when it has that many layers
+    (`--synth-dir`: a second run in the same device call skips the ~40 s of writing)."""
     from weights.synth import synth_config, write_draft, write_target
+    done = where / "complete"
+    if done.exists() and done.read_text() == str(layers):
+        print(f"synthetic K2.6-shaped checkpoint ({layers} layers) reused from {where}", flush=True)
+        return where / "target", where / "draft"
+    done.unlink(missing_ok=True)
     t0 = time.perf_counter()
     write_target(where / "target", synth_config("k2", layers=layers, quant="int4"), seed=0)
     write_draft(where / "draft", where / "target", layers=1, block_size=16, seed=1)
+    done.write_text(str(layers))                       # last: a half-written pair is never reused
     print(f"synthetic K2.6-shaped checkpoint ({layers} layers) written in {time.perf_counter() - t0:.0f} s",
           flush=True)
     return where / "target", where / "draft"
@@ -222,6 +229,8 @@ def main(argv=None):
     ap.add_argument("--model", default=str(ROOT / "weights/default/target"))
     ap.add_argument("--draft", default=str(ROOT / "weights/default/draft"))
     ap.add_argument("--synth-k2", type=int, metavar="LAYERS", help="bench a K2.6-shaped checkpoint made here")
+    ap.add_argument("--synth-dir", help="with --synth-k2: write the checkpoint to this folder and keep it; a later run "
+                                        "with the same folder and layer count reuses it")
     ap.add_argument("--modes", default="ar,dflash,ddtree")
     ap.add_argument("--budgets", default="4,16,64,256")
     ap.add_argument("--batches", default="1,8,32,128")
@@ -240,8 +249,11 @@ def main(argv=None):
     model, draft = Path(args.model), Path(args.draft)
     tmp = None
     if args.synth_k2:
-        tmp = tempfile.TemporaryDirectory(prefix="k2_")
-        model, draft = synth_k2(args.synth_k2, Path(tmp.name))
+        if args.synth_dir:
+            Path(args.synth_dir).mkdir(parents=True, exist_ok=True)
+        else:
+            tmp = tempfile.TemporaryDirectory(prefix="k2_")
+        model, draft = synth_k2(args.synth_k2, Path(args.synth_dir or tmp.name))
     t0 = time.perf_counter()
     devices = [int(d) for d in args.devices.split(",")] if args.devices else None
     engine = Engine.load(model, draft, backend="cuda", max_context=args.max_context, devices=devices)
