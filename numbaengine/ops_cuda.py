@@ -180,7 +180,8 @@ class KernelOps:
 
     def upload(self, weights):
         """Checkpoint records -> the same records on the device: contiguous arrays (transposed views such as
-        w_uk become copies), routed experts as kernels.moe.DeviceExperts (INT4 words in the int4_tiles layout)."""
+        w_uk become copies), routed experts as kernels.moe.DeviceExperts (INT4 words in the int4_tiles layout, gate_up
+        in the bulk layout where it fits, made on the device)."""
         if isinstance(weights, np.ndarray):
             return self.asarray(np.ascontiguousarray(weights))
         if isinstance(weights, Experts):
