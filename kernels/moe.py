@@ -120,7 +120,11 @@ def int4_tiles(packed, xp=np):
 
 
 BULK_WORDS = 288     # u32 words of one (row tile, k-step) chunk of the bulk layout: 2 x 128 weight words + 32 of scales
-GEO = 13             # entries of the bulk ring's geometry (`_build_bulk_ring`)
+# the bulk ring's geometry, one i32 local array per warp (`_build_bulk_ring`): the block's first unit, unit stride and
+# unit count, row blocks per item, warps along the rows and this warp's index there, row-tile groups, k-steps, the
+# warp's k-steps [S0, S1) and stages per unit, its ring's first word and first barrier
+(G_UNIT0, G_STRIDE, G_UNITS, G_RBLOCKS, G_NWR, G_WR, G_GROUPS, G_KSTEPS, G_S0, G_S1, G_NST, G_RING, G_BAR,
+ GEO) = range(14)
 
 
 def int4_bulk_tiles(words, scales, R, xp=np):
@@ -541,8 +545,7 @@ def _build_bulk_ring(T, R, XS, S, U):
     the (f % nst)-th of the warp's nst stages of the block's (f // nst)-th unit): all S slots stay in flight, also
     across a unit's end, so the next unit's first weights arrive while this one finishes. No register holds a
     load in flight. The lanes read back the register path's words and scales and run the same `_build_int4_mma`:
-    the same bits. geo (i32 local, GEO entries): first unit, unit stride, units, row blocks, nwr, wr, row-tile
-    groups, k-steps, s0, s1, stages per unit, ring word base, first barrier (GEO = 13)."""
+    the same bits. geo: i32 local [GEO], indexed by the G_* names."""
     int4_mma = _cached(_build_int4_mma, T, R, XS, 4)
     CH = R * BULK_WORDS                  # words per k-step
     SLOT, NQ = U * CH, 8 * R
@@ -551,23 +554,25 @@ def _build_bulk_ring(T, R, XS, S, U):
     def locate(item_e, geo, prod):
         """prod[2], prod[3] = expert and word offset (at k-step s0) of the chunk run of unit prod[0], if any."""
         unit = prod[0]
-        if unit < geo[2]:
-            prod[2] = item_e[unit // geo[3]]
-            prod[3] = (min((unit % geo[3]) * geo[4] + geo[5], geo[6] - 1) * geo[7] + geo[8]) * CH
+        if unit < geo[G_UNITS]:
+            prod[2] = item_e[unit // geo[G_RBLOCKS]]
+            group = min((unit % geo[G_RBLOCKS]) * geo[G_NWR] + geo[G_WR], geo[G_GROUPS] - 1)
+            prod[3] = (group * geo[G_KSTEPS] + geo[G_S0]) * CH
 
     @device
     def issue(ring, bars, w, item_e, geo, prod, f):
         """Lane 0: stage f (= stage prod[1] of unit prod[0]) into slot f % S, then step prod on (the divisions
         only when it moves to the next unit); nothing past the block's last unit."""
-        if prod[0] < geo[2]:
+        if prod[0] < geo[G_UNITS]:
             sa = prod[1] * U
-            nbytes = min(U, geo[9] - geo[8] - sa) * CH * 4
+            nbytes = min(U, geo[G_S1] - geo[G_S0] - sa) * CH * 4
             slot = f % S
-            mbar_expect(bars, geo[12] + slot, nbytes)
-            bulk_load(ring, geo[11] + slot * SLOT, w[prod[2]], prod[3] + sa * CH, nbytes, bars, geo[12] + slot)
+            mbar_expect(bars, geo[G_BAR] + slot, nbytes)
+            bulk_load(ring, geo[G_RING] + slot * SLOT, w[prod[2]], prod[3] + sa * CH, nbytes, bars,
+                      geo[G_BAR] + slot)
             prod[1] += 1
-            if prod[1] == geo[10]:
-                prod[0] += geo[1]
+            if prod[1] == geo[G_NST]:
+                prod[0] += geo[G_STRIDE]
                 prod[1] = 0
                 locate(item_e, geo, prod)
 
@@ -576,9 +581,9 @@ def _build_bulk_ring(T, R, XS, S, U):
         """Once per kernel: the warp's barriers, then its first S stages in flight."""
         if lane == 0:
             for p in range(S):
-                mbar_init(bars, geo[12] + p)
+                mbar_init(bars, geo[G_BAR] + p)
             mbar_fence_init()
-            prod[0], prod[1] = geo[0], 0
+            prod[0], prod[1] = geo[G_UNIT0], 0
             locate(item_e, geo, prod)
             for f in range(S):
                 issue(ring, bars, w, item_e, geo, prod, f)
@@ -589,14 +594,14 @@ def _build_bulk_ring(T, R, XS, S, U):
         """The nst stages f0 .. f0+nst-1 (one unit): wait, read, mma; each slot refilled with stage f + S."""
         qa = cuda.local.array(NQ, uint32)
         sa = cuda.local.array(NQ, float32)
-        for i in range(geo[10]):
+        for i in range(geo[G_NST]):
             f = f0 + i
             slot = f % S
-            mbar_wait(bars, geo[12] + slot, (f // S) & 1)
+            mbar_wait(bars, geo[G_BAR] + slot, (f // S) & 1)
             for u in range(U):
-                s = geo[8] + i * U + u
-                if s < geo[9]:
-                    base = geo[11] + slot * SLOT + u * CH
+                s = geo[G_S0] + i * U + u
+                if s < geo[G_S1]:
+                    base = geo[G_RING] + slot * SLOT + u * CH
                     for r in range(R):
                         for h in range(2):
                             q0, q1, q2, q3 = lds16(ring, base + r * BULK_WORDS + h * 128 + lane * 4)
@@ -625,7 +630,7 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
     down=1: rows in order, output * routing weight written per slot (y). S > 0: INT4 weights in the bulk layout
     through S-slot bulk-copy rings (`_build_bulk_ring`; w is then u32 [E, words of one expert])."""
     mainloop = _cached(_build_mainloop, fmt, T, R, XS, G, U, PF)
-    ring_start, ring_consume = _cached(_build_bulk_ring, T, R, XS, max(S, 1), U)
+    ring_start, ring_consume = _cached(_build_bulk_ring, T, R, XS, S, U) if S else (None, None)
     NBAR = MAX_WARPS * max(S, 1)
     block_reduce = _cached(_build_block_reduce, R, T)
     NACC, NA = R * T * 4, 2 * R
@@ -656,10 +661,11 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
             ring = cuda.shared.array(0, uint32)
             bars = cuda.shared.array(NBAR, uint64)
             geo = cuda.local.array(GEO, int32)
-            geo[0], geo[1], geo[2], geo[3] = cuda.blockIdx.x, cuda.gridDim.x, total, rblocks
-            geo[4], geo[5], geo[6], geo[7] = nwr, wr, ntiles // R, kdim // KSTEP
-            geo[8], geo[9], geo[10] = s0, s1, (s1 - s0 + U - 1) // U
-            geo[11], geo[12] = warp * S * U * R * BULK_WORDS, warp * S
+            geo[G_UNIT0], geo[G_STRIDE], geo[G_UNITS] = cuda.blockIdx.x, cuda.gridDim.x, total
+            geo[G_RBLOCKS] = rblocks
+            geo[G_NWR], geo[G_WR], geo[G_GROUPS], geo[G_KSTEPS] = nwr, wr, ntiles // R, kdim // KSTEP
+            geo[G_S0], geo[G_S1], geo[G_NST] = s0, s1, (s1 - s0 + U - 1) // U
+            geo[G_RING], geo[G_BAR] = warp * S * U * R * BULK_WORDS, warp * S
             prod = cuda.local.array(4, int32)      # lane 0's producer: unit, stage, expert, word offset
             ring_start(bars, ring, w, item_e, geo, prod, lane)
         f0 = 0
@@ -683,7 +689,7 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
                 acc[i] = F0
             if S:
                 ring_consume(bars, ring, w, item_e, geo, prod, f0, xb, t, half, boff, acc, lane)
-                f0 += geo[10]
+                f0 += geo[G_NST]
             else:
                 mainloop(w[e], sc[e], xb, s0, s1, t, half, aoff, soff, boff, acc)
             block_reduce(acc, wr, wk, nwr, nwk, lane)
@@ -755,7 +761,8 @@ class ExpertConfig:
     blocks_per_sm: int = 4
     PF: int = 1           # weight loads with an L2 256-byte prefetch hint (measured: +5-6 points)
     min_blocks: int = 0   # > 0: launch bounds asking ptxas to fit that many blocks per SM (caps registers)
-    S: int = 0            # > 0: bulk-copy rings of S slots of U k-steps (INT4 experts in the bulk layout, tiled = R)
+    S: int = 0            # > 0 (gate_up only): bulk-copy rings of S slots of U k-steps (gate_up in the bulk layout,
+    #                       DeviceExperts.tiled = R)
 
 
 # measured on the H200 (tools/bench_kernels.py, variant "blocks4w_bound4"): 4-warp blocks capped at 128 registers so

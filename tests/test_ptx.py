@@ -98,9 +98,11 @@ def test_ptx(name):
 
 def test_ptx_stats_expert_mainloop():
     """tools/ptx_stats.py finds the INT4 expert GEMM's unrolled mainloop: U k-steps of 2*R*G mma and 4R + G loads
-    (2R weight chunks, 2R scale pairs, G B fragments) each, at K2's G = 4."""
+    (2R weight chunks, 2R scale pairs, G B fragments) each, at K2's G = 4 (the register path's cut: gate_up's
+    default takes the bulk rings, whose loop reads shared memory)."""
+    from kernels.moe import GATE_UP_CFG
     from tools.ptx_stats import expert_gemm_ptx, hot_block, opcode_counts
-    ptx, cfg = expert_gemm_ptx(0)
+    ptx, cfg = expert_gemm_ptx(0, GATE_UP_CFG)
     ops = opcode_counts(hot_block(ptx))
     assert (ops["mma"], ops["ld"]) == (8 * cfg.R * cfg.U, (4 * cfg.R + 4) * cfg.U), ops
 

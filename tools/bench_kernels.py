@@ -40,7 +40,8 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     # 54.6 / 75.5), where gate_up alone was 70 / 78 / 82 / 83 / 76% at n = 1 / 4 / 9 / 17 / 33 and down 44 / 52 /
     # 59 / 61 / 63% (register down: 51 / 67 / 71 / 76 / 73%). The INT4 bias as the mma's starting value from
     # per-group sums of B (no bf16x2 FMA per weight pair; commit 5211ee7): 50.7 / 74.4 (moe_off_rejected.json).
-    "regs": dict(tiled=0), "bulk_s4u1": dict(gu=dict(S=4, U=1)), "bulk_s3u2": dict(gu=dict(S=3)),
+    "regs": dict(tiled=0),
+    "bulk_s4u1": dict(gu=dict(S=4, U=1)), "bulk_s3u2": dict(gu=dict(S=3)),   # gate_up-only rings: NOT measured yet
     "bound2_8w": dict(gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2), dn=dict(WR=8, WK=1, blocks_per_sm=4,
                                                                                min_blocks=2)),
     # session 7 (n = 1 / 17, % of copy; default 47.5 / 69.3): down U=4 46.1 / 65.3, down R=4 47.8 / 68.0; the
@@ -203,9 +204,22 @@ def routing(rng, n):
 EXPERT_BYTES = (2 * I * H // 2 + 2 * I * H // GROUP * 2) + (H * I // 2 + H * I // GROUP * 2)
 
 
+def k2_experts(cp, dv, gate_up, gus, down, ds, R):
+    """DeviceExperts of the bench's random K2 expert words and scales (CuPy); gate_up in the bulk layout when R > 0."""
+    from kernels.moe import DeviceExperts, int4_bulk_tiles
+    gu, gs = (dv(int4_bulk_tiles(gate_up, gus, R, cp)), None) if R else (dv(gate_up), dv(gus))
+    return DeviceExperts(gu, dv(down), gs, dv(ds), tiled=R)
+
+
+def moe_cuts(over):
+    """(gate_up, down) cuts of a MOE_VARIANTS entry: the engine's defaults for its layout, fields overridden."""
+    from kernels.moe import BULK_GATE_UP_CFG, DOWN_CFG, GATE_UP_CFG, MOE_TILED
+    base = BULK_GATE_UP_CFG if over.get("tiled", MOE_TILED) else GATE_UP_CFG
+    return replace(base, **over.get("gu", {})), replace(DOWN_CFG, **over.get("dn", {}))
+
+
 def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
-    from kernels.moe import (BULK_GATE_UP_CFG, DOWN_CFG, GATE_UP_CFG, MOE_TILED, MOE_XS, DeviceExperts,
-                             int4_bulk_tiles, moe_combine, moe_plan, moe_stage, moe_workspace, router)
+    from kernels.moe import MOE_TILED, MOE_XS, moe_combine, moe_plan, moe_stage, moe_workspace, router
     rng = np.random.default_rng(0)
     dv = cuda.as_cuda_array
     gate_up, down = rand_words(cp, (E, 2 * I, H // 8)), rand_words(cp, (E, H, I // 8))
@@ -215,13 +229,8 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
     def experts(over):
         R = over.get("tiled", MOE_TILED)
         if R not in tiled_ex:
-            gu = (dv(int4_bulk_tiles(raw[0], raw[1], R, cp)), None) if R else (dv(raw[0]), dv(raw[1]))
-            tiled_ex[R] = DeviceExperts(gu[0], dv(raw[2]), gu[1], dv(raw[3]), tiled=R)
+            tiled_ex[R] = k2_experts(cp, dv, *raw, R)
         return tiled_ex[R]
-
-    def cuts(over):
-        base = BULK_GATE_UP_CFG if over.get("tiled", MOE_TILED) else GATE_UP_CFG
-        return replace(base, **over.get("gu", {})), replace(DOWN_CFG, **over.get("dn", {}))
     ex = experts({})
     bias = dv(cp.zeros(E, cp.float32))
     alloc = lambda shape, dtype: dv(cp.zeros(shape, dtype))  # noqa: E731
@@ -280,14 +289,14 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
     variants = {"default": {}, **_chosen(MOE_VARIANTS, tags)}
     best, best_pct = "default", -1.0
     for tag, over in variants.items():
-        pct = np.mean([run(n, over.get("xs", MOE_XS), *cuts(over), tag, ex=experts(over))["pct_copy"]
+        pct = np.mean([run(n, over.get("xs", MOE_XS), *moe_cuts(over), tag, ex=experts(over))["pct_copy"]
                        for n in (1, 17)])
         if pct > best_pct:
             best, best_pct = tag, pct
     results["moe_best_cut"] = best
     over = variants[best]
     for n in NS:
-        run(n, over.get("xs", MOE_XS), *cuts(over), "best", stages=True, ex=experts(over))
+        run(n, over.get("xs", MOE_XS), *moe_cuts(over), "best", stages=True, ex=experts(over))
     if quick:
         return
 
@@ -486,8 +495,7 @@ def profile(case):
     import cupy as cp
     from numba import cuda
     from kernels.gemm import GemmWorkspace, gemm
-    from kernels.moe import (BULK_GATE_UP_CFG, DOWN_CFG, GATE_UP_CFG, MOE_TILED, DeviceExperts, int4_bulk_tiles, moe,
-                             moe_workspace, router)
+    from kernels.moe import MOE_TILED, moe, moe_workspace, router
     dv = cuda.as_cuda_array
     name, _, rest = case.partition(":")
     count, _, tag = rest.partition(":")
@@ -499,13 +507,10 @@ def profile(case):
         di, dw = dv(cp.asarray(idx)), dv(cp.asarray(wts))
     if name == "moe":
         over = MOE_VARIANTS[tag] if tag else {}
-        R = over.get("tiled", MOE_TILED)           # gate_up in the bulk layout (the default) or rows (R = 0)
-        gate_up, gus = rand_words(cp, (E, 2 * I, H // 8)), rand_bf16(cp, (E, 2 * I, H // GROUP), 0.002, 0.01)
-        gu_w, gu_s = (dv(int4_bulk_tiles(gate_up, gus, R, cp)), None) if R else (dv(gate_up), dv(gus))
-        ex = DeviceExperts(gu_w, dv(rand_words(cp, (E, H, I // 8))), gu_s,
-                           dv(rand_bf16(cp, (E, H, I // GROUP), 0.002, 0.01)), tiled=R)
-        gu = replace(BULK_GATE_UP_CFG if R else GATE_UP_CFG, **over.get("gu", {}))
-        dn = replace(DOWN_CFG, **over.get("dn", {}))
+        ex = k2_experts(cp, dv, rand_words(cp, (E, 2 * I, H // 8)), rand_bf16(cp, (E, 2 * I, H // GROUP), 0.002, 0.01),
+                        rand_words(cp, (E, H, I // 8)), rand_bf16(cp, (E, H, I // GROUP), 0.002, 0.01),
+                        over.get("tiled", MOE_TILED))
+        gu, dn = moe_cuts(over)
         for _ in range(3):
             moe(x, di, dw, ex, out, ws, cfg_gate_up=gu, cfg_down=dn)
     elif name == "router":

@@ -136,16 +136,22 @@ def _sm90():
         dispatcher.get_current_device = Device
 
 
+def default_cut(down):
+    """The engine's cut of an expert stage on K2 shapes: gate_up on the bulk rings when MOE_TILED, down registers."""
+    from kernels.moe import BULK_GATE_UP_CFG, DOWN_CFG, GATE_UP_CFG, MOE_TILED
+    return DOWN_CFG if down else BULK_GATE_UP_CFG if MOE_TILED else GATE_UP_CFG
+
+
 def expert_gemm_ptx(down, cfg=None):
-    """PTX of the INT4 expert GEMM stage with the default cut (kernels.moe GATE_UP_CFG / DOWN_CFG) or `cfg` (S > 0:
-    the bulk-ring kernel), K2's G = 4."""
+    """PTX of the INT4 expert GEMM stage with the default cut (`default_cut`) or `cfg` (S > 0: the bulk-ring
+    kernel), K2's G = 4."""
     from numba import cuda
     from numba import types as ty
 
     from kernels.gemm import INT4
-    from kernels.moe import DOWN_CFG, GATE_UP_CFG, MOE_XS, _build_expert_gemm
+    from kernels.moe import MOE_XS, _build_expert_gemm
     _sm90()
-    c = cfg or (DOWN_CFG if down else GATE_UP_CFG)
+    c = cfg or default_cut(down)
     bounds = (32 * c.WR * c.WK, c.min_blocks) if c.min_blocks else None
     kern = _build_expert_gemm(INT4, down, c.T, c.R, MOE_XS, 4, c.U, 1, c.PF, bounds, c.S)
     u32, u16, i32, f32 = ty.uint32, ty.uint16, ty.int32, ty.float32
@@ -225,11 +231,10 @@ def main(argv=None):
         return
     import dataclasses
 
-    from kernels.moe import DOWN_CFG, GATE_UP_CFG
     for down in (0, 1):
-        cut = dataclasses.replace(DOWN_CFG if down else GATE_UP_CFG, **json.loads(args.moe_cut or "{}"))
+        cut = dataclasses.replace(default_cut(down), **json.loads(args.moe_cut or "{}"))
         ptx, cfg = expert_gemm_ptx(down, cut)
-        steps = cfg.U                                   # the unrolled mainloop holds U k-steps
+        steps = 1 if cfg.S else cfg.U   # the register mainloop unrolls U k-steps; a ring slot checks each of its U
         name = "down" if down else "gate_up"
         if not args.sass:
             print(f"expert {name} (R={cfg.R}, U={cfg.U}): {counts(hot_block(ptx), False, steps)}")
