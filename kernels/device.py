@@ -130,20 +130,26 @@ def _warp_state():
     with _WARPS_LOCK:
         per_block = _WARPS.setdefault(t._manager, {})
         if warp not in per_block:
-            per_block[warp] = (threading.Barrier(min(32, nthreads - 32 * warp), timeout=300), [None] * 32, [None])
+            n = min(32, nthreads - 32 * warp)
+            per_block[warp] = (threading.Barrier(n, timeout=300), ([None] * 32, [None] * 32), [None, None],
+                               [0] * 32, threading.Lock())
     return per_block[warp], lane
 
 
 def _collective(value, fn):
-    """Warp-collective step (simulator only): lane 0 applies fn to all lanes' values; every lane gets
-    (result, lane). Two barriers: values in -> result out."""
-    (barrier, slots, result), lane = _warp_state()
-    slots[lane] = value
+    """Warp-collective step (simulator only): the first lane past the barrier applies fn to all lanes' values;
+    every lane gets (result, lane). One barrier per call: calls alternate between two sets of slots, and a lane can
+    only write a set again two calls later, after every lane has passed the barrier between (so has read it)."""
+    (barrier, slots, result, calls, lock), lane = _warp_state()
+    call = calls[lane]
+    calls[lane] = call + 1
+    k = call & 1
+    slots[k][lane] = value
     barrier.wait()
-    if lane == 0:
-        result[0] = fn(list(slots))
-    barrier.wait()
-    return result[0], lane
+    with lock:
+        if result[k] is None or result[k][0] != call:
+            result[k] = (call, fn(list(slots[k])))
+    return result[k][1], lane
 
 
 def _unwrap(arr):

@@ -14,6 +14,8 @@ def _gpu_present() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # the simulator cases' results last: the CPU tests run while the simulator children work on both cores
+    items.sort(key=lambda item: item.name.startswith("test_simulator"))      # stable: the order within is kept
     if _gpu_present():
         return
     gpu = [item for item in items if item.get_closest_marker("gpu")]
@@ -32,3 +34,17 @@ def pytest_collection_finish(session):
     if modules:
         import cudasim
         cudasim.start(modules)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The slowest simulator cases by their CPU seconds in the child processes (pytest's --durations shows only the
+    wait of the first test that reads a module's children): what keeps the CPU suite's time in check."""
+    import sys
+    cudasim = sys.modules.get("cudasim")
+    if cudasim is None or not cudasim.SECONDS:
+        return
+    ranked = sorted(cudasim.SECONDS.items(), key=lambda kv: -kv[1])
+    total = sum(cudasim.SECONDS.values())
+    terminalreporter.write_sep("=", f"simulator cases: {total:.0f} CPU s in all, slowest 12")
+    for name, sec in ranked[:12]:
+        terminalreporter.write_line(f"{sec:8.1f}s  {name}")

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -42,26 +43,130 @@ class Env:
             cuda.synchronize()
 
 
+def sleeping_block_manager():
+    """Make numba-cuda's simulator wait for its block's threads instead of polling them: its BlockManager spins in
+    the launching thread holding the GIL, so each wake-up of a simulated thread waits for the interpreter's switch
+    interval (measured: one 32-lane shuffle 14 ms with the spinning manager, ~2 ms with this one). Here the threads
+    notify a condition when they block in syncthreads() or end, and the manager sleeps on it; a 10 ms timeout
+    rechecks anyway. The same rules as numba's loop: an exception aborts every thread of the block and is
+    re-raised; when every live thread is blocked, all are released."""
+    import threading
+
+    from numba.cuda.simulator import kernel as K
+    if getattr(K.BlockManager, "sleeping", False):
+        return
+    changed = threading.Condition()
+
+    class Thread(K.BlockThread):
+        def run(self):
+            try:
+                super().run()
+            finally:
+                with changed:
+                    self.done = True
+                    changed.notify_all()
+
+        def syncthreads(self):
+            with changed:
+                self.syncthreads_blocked = True          # set again by numba's syncthreads: the manager sees it now
+                changed.notify_all()
+            super().syncthreads()
+
+    def run(self, grid_point, *args):
+        threads = [Thread(lambda: self._f(*args), self, grid_point, p, self._debug)
+                   for p in np.ndindex(*self._block_dim)]
+        for t in threads:
+            t.done = False
+            t.start()
+        with changed:
+            while True:
+                failed = next((t for t in threads if t.exception), None)
+                if failed is not None:
+                    for t in threads:
+                        t.abort, t.syncthreads_blocked = True, False
+                        t.syncthreads_event.set()
+                    raise failed.exception[0].with_traceback(failed.exception[1])
+                live = [t for t in threads if not t.done]
+                if not live:
+                    break
+                if all(t.syncthreads_blocked for t in live):
+                    for t in live:
+                        t.syncthreads_blocked = False
+                        t.syncthreads_event.set()
+                changed.wait(0.01)
+        for t in threads:
+            t.join()
+
+    K.BlockManager.run, K.BlockManager.sleeping = run, True
+
+
 def run_cases(cases: dict) -> dict:
-    """In the child: run every case on the simulator; name -> "" (passed) or the traceback."""
+    """In the child: run every case on the simulator; name -> ["" (passed) or the traceback, CPU seconds]."""
+    import time
+    sleeping_block_manager()
     env, out = Env(gpu=False), {}
     for name, check in cases.items():
+        t0 = time.process_time()
         try:
             check(env)
-            out[name] = ""
+            out[name] = ["", 0.0]
         except Exception:
-            out[name] = traceback.format_exc()
+            out[name] = [traceback.format_exc(), 0.0]
+        out[name][1] = round(time.process_time() - t0, 1)
     return out
 
 
-_CHILDREN = {}               # module -> [(Popen, stdout file, stderr file)], started by start()
+_CHILDREN = {}               # module -> [Child], queued by start()
+SECONDS = {}                 # "module::case" -> CPU seconds in its child (conftest prints the slowest)
 
 
 CASE_SECONDS = 3.0           # a simulator case's assumed CPU time where its module's SIM_COST does not say
-# Measured (session 15, 2-core box): SIM_COST for every module (the tree module's ~290 s then no longer all on one
-# core; ~500 / 506 s of simulator work per core instead of ~650 / 360) made the whole suite slower, 909 vs 686 s:
-# the uneven dealing leaves a core to the main pytest process, which waits on the children's results in turn.
-_CORE_LOAD = {}              # core -> seconds of simulator cases pinned to it so far
+# History (2-core box): all children started at once and pinned to cores dealt in advance (session 15) left a core
+# idle while two children shared the other (seen 2026-12-01: the two longest test_backend_sim parts on core 1 for
+# their last ~5 minutes); now a worker per core takes the longest waiting child as soon as its core is free.
+
+
+class Child:
+    """One simulator child: some cases of a module, run when a core's worker picks it."""
+
+    def __init__(self, module, names, seconds):
+        self.module, self.names, self.seconds = module, names, seconds
+        self.done = threading.Event()
+        self.proc, self.rc, self.out, self.err = None, None, "", ""
+
+    def run(self, core):
+        pin = f"import os; os.sched_setaffinity(0, {{{core}}}); " if core is not None else ""
+        code = (f"{pin}import sys, json, warnings; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
+                f"warnings.simplefilter('ignore'); import cudasim, {self.module} as m; "
+                f"cases = {{k: m.SIM_CASES[k] for k in {self.names!r}}}; "
+                f"print({MARK!r} + json.dumps(cudasim.run_cases(cases)))")
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)
+            self.out, self.err = self.proc.communicate()
+            self.rc = self.proc.returncode
+        except Exception as e:       # report it from simulate(), never hang the worker
+            self.rc, self.err = -1, f"{type(e).__name__}: {e}"
+        finally:
+            self.done.set()
+
+
+_QUEUE = []                  # Children waiting for a core, longest first
+_QLOCK = threading.Lock()
+_WORKERS = {}                # core -> its worker thread
+
+
+def _worker(core):
+    """Run waiting children on `core` (pinned: the simulator's Python threads fight for the GIL when spread over
+    several cores: measured 440 s unpinned, 95 s pinned for test_backend_sim's first cases) until none wait."""
+    while True:
+        with _QLOCK:
+            if not _QUEUE:
+                del _WORKERS[core]
+                return
+            child = _QUEUE.pop(0)
+        child.run(core)
 
 
 def _lpt(items, bins):
@@ -76,60 +181,48 @@ def _lpt(items, bins):
 
 
 def start(modules) -> None:
-    """Start the simulator children of test modules in the background (conftest does it right after collection,
-    so they overlap with each other and with the CPU tests). A module may set SIM_PARTS = n to spread its cases
-    over n children and SIM_COST = {case: CPU seconds} (measured; CASE_SECONDS otherwise): cases are dealt onto
-    the parts, and all children onto the cores, longest first onto the least loaded (the longest child is the
-    suite's critical path; dealing round-robin put 435 of 583 s on one core of two). Each child is pinned to one
-    core: the simulator's Python threads fight for the GIL when spread over several (measured: 440 s unpinned,
-    95 s pinned for test_backend_sim's first cases)."""
+    """Queue the simulator children of test modules (conftest does it right after collection, so they overlap with
+    each other and with the CPU tests). A module may set SIM_PARTS = n to spread its cases over n children and
+    SIM_COST = {case: CPU seconds} (measured; CASE_SECONDS otherwise): cases are dealt onto the parts longest first
+    onto the least loaded, and a worker per core runs the longest waiting child whenever its core is free (the
+    longest child is the suite's critical path)."""
     import importlib
-    import tempfile
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [None]
-    for core in cores:
-        _CORE_LOAD.setdefault(core, 0.0)
-    chunks = []
-    for module in modules:
-        if module in _CHILDREN:
-            continue
-        m = importlib.import_module(module)
-        cost = getattr(m, "SIM_COST", {})
-        parts = {k: 0.0 for k in range(max(1, getattr(m, "SIM_PARTS", 1)))}
-        dealt = {k: [] for k in parts}
-        for k, name in _lpt([(cost.get(n, CASE_SECONDS), n) for n in m.SIM_CASES], parts):
-            dealt[k].append(name)
-        chunks += [(parts[k], (module, names, parts[k])) for k, names in dealt.items() if names]
-        _CHILDREN[module] = []
-    for core, (module, chunk, seconds) in _lpt(chunks, {c: _CORE_LOAD[c] for c in cores}):
-        _CORE_LOAD[core] += seconds
-        pin = f"import os; os.sched_setaffinity(0, {{{core}}}); " if core is not None else ""
-        code = (f"{pin}import sys, json, warnings; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]; "
-                f"warnings.simplefilter('ignore'); import cudasim, {module} as m; "
-                f"cases = {{k: m.SIM_CASES[k] for k in {chunk!r}}}; "
-                f"print({MARK!r} + json.dumps(cudasim.run_cases(cases)))")
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-        p = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=out, stderr=err, text=True)
-        _CHILDREN[module].append((p, out, err))
+    with _QLOCK:
+        for module in modules:
+            if module in _CHILDREN:
+                continue
+            m = importlib.import_module(module)
+            cost = getattr(m, "SIM_COST", {})
+            parts = {k: 0.0 for k in range(max(1, getattr(m, "SIM_PARTS", 1)))}
+            dealt = {k: [] for k in parts}
+            for k, name in _lpt([(cost.get(n, CASE_SECONDS), n) for n in m.SIM_CASES], parts):
+                dealt[k].append(name)
+            _CHILDREN[module] = [Child(module, names, parts[k]) for k, names in dealt.items() if names]
+            _QUEUE.extend(_CHILDREN[module])
+        _QUEUE.sort(key=lambda c: -c.seconds)
+        for core in cores[:max(1, len(_QUEUE))]:
+            if core not in _WORKERS and _QUEUE:
+                _WORKERS[core] = threading.Thread(target=_worker, args=(core,), daemon=True)
+                _WORKERS[core].start()
 
 
 def simulate(module: str, timeout=1500) -> dict:
-    """In pytest: the results of tests/<module>.py's SIM_CASES from its simulator children (started now unless
-    conftest started them): case name -> "" (passed) or the failure text."""
+    """In pytest: the results of tests/<module>.py's SIM_CASES from its simulator children (queued now unless
+    conftest did): case name -> "" (passed) or the failure text. timeout: seconds to wait for each child."""
     start([module])
     results = {}
-    for p, out, err in _CHILDREN[module]:
-        try:
-            p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            raise RuntimeError(f"simulator child for {module} ran past {timeout} s") from None
-        out.seek(0)
-        err.seek(0)
-        lines = [ln for ln in out.read().splitlines() if ln.startswith(MARK)]
+    for child in _CHILDREN[module]:
+        if not child.done.wait(timeout):
+            if child.proc is not None:
+                child.proc.kill()
+            raise RuntimeError(f"simulator child for {module} ({', '.join(child.names)}) not done after {timeout} s")
+        lines = [ln for ln in child.out.splitlines() if ln.startswith(MARK)]
         if not lines:
-            raise RuntimeError(f"simulator child for {module} failed (rc {p.returncode}):\n{err.read()[-4000:]}")
-        results.update(json.loads(lines[-1][len(MARK):]))
+            raise RuntimeError(f"simulator child for {module} failed (rc {child.rc}):\n{child.err[-4000:]}")
+        for case, (text, sec) in json.loads(lines[-1][len(MARK):]).items():
+            results[case] = text
+            SECONDS[f"{module}::{case}"] = sec
     return results
 
 

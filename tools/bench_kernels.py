@@ -42,8 +42,8 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     # per-group sums of B (no bf16x2 FMA per weight pair; commit 5211ee7): 50.7 / 74.4 (moe_off_rejected.json).
     "regs": dict(tiled=0),
     "bulk_s4u1": dict(gu=dict(S=4, U=1)), "bulk_s3u2": dict(gu=dict(S=3)),   # gate_up-only rings: NOT measured yet
-    "bound2_8w": dict(gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2), dn=dict(WR=8, WK=1, blocks_per_sm=4,
-                                                                               min_blocks=2)),
+    "bound2_8w": dict(tiled=0, gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2),   # register gate_up, as measured
+                      dn=dict(WR=8, WK=1, blocks_per_sm=4, min_blocks=2)),
     # session 7 (n = 1 / 17, % of copy; default 47.5 / 69.3): down U=4 46.1 / 65.3, down R=4 47.8 / 68.0; the
     # register-pipelined INT4 mainloop (removed, commit 4f62ab6 has it) 44.7 / 65.9, without the B fragments in it
     # 38.6 / 48.6, with gate_up WK=1 37.9 / 68.9, with down WK=2 44.1 / 63.6. ncu (n = 1): 128 registers, 4 blocks of
