@@ -104,7 +104,9 @@ def test_logits_match_hf(case_dir):
         ref = hf_model(case_dir)(torch.from_numpy(tokens[None].astype(np.int64))).logits[0].numpy()
     rel = np.abs(ours - ref).max() / np.abs(ref).max()
     assert rel < 1e-4, f"max relative error {rel:.2e}"
-    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    top2 = np.sort(ref, axis=-1)[:, -2:]            # the argmax must agree wherever no difference this size flips it
+    clear = top2[:, 1] - top2[:, 0] > 2 * np.abs(ours - ref).max()
+    assert (ours.argmax(-1) == ref.argmax(-1))[clear].all() and clear.mean() > 0.5
 
 
 @pytest.fixture(scope="module")
