@@ -4,6 +4,7 @@ The simulator is chosen when numba is first imported, and the pytest process imp
 tests and the PTX checks), so simulator checks run in a fresh interpreter. A module lists its cases in SIM_CASES
 (name -> check(env)); the child runs them all once and reports, per case, "" or the failure text.
 """
+import atexit
 import json
 import os
 import subprocess
@@ -155,6 +156,19 @@ class Child:
 _QUEUE = []                  # Children waiting for a core, longest first
 _QLOCK = threading.Lock()
 _WORKERS = {}                # core -> its worker thread
+
+
+def _stop_children():
+    """At exit (an interrupted run, say): end the children still running and drop the waiting ones."""
+    with _QLOCK:
+        _QUEUE.clear()
+    for children in _CHILDREN.values():
+        for child in children:
+            if child.proc is not None and child.proc.poll() is None:
+                child.proc.kill()
+
+
+atexit.register(_stop_children)
 
 
 def _worker(core):
