@@ -44,70 +44,12 @@ class Env:
             cuda.synchronize()
 
 
-def sleeping_block_manager():
-    """Make numba-cuda's simulator wait for its block's threads instead of polling them: its BlockManager spins in
-    the launching thread holding the GIL, so each wake-up of a simulated thread waits for the interpreter's switch
-    interval (measured: one 32-lane shuffle 14 ms with the spinning manager, 1.3 ms with this one). Here the threads
-    notify a condition when they block in syncthreads() or end, and the manager sleeps on it; a 10 ms timeout
-    rechecks anyway. The same rules as numba's loop: an exception aborts every thread of the block and is
-    re-raised; when every live thread is blocked, all are released."""
-    from numba.cuda.simulator import kernel as K
-    if getattr(K.BlockManager, "sleeping", False):
-        return
-    import inspect
-    known = inspect.getsource(K.BlockThread) + inspect.getsource(K.BlockManager)
-    if not all(name in known for name in ("syncthreads_blocked", "syncthreads_event", "abort", "exception",
-                                          "_manager", "_block_dim", "_debug", "self._f")):
-        return                 # a numba-cuda whose simulator differs from 0.30: keep its own (slower) manager
-    changed = threading.Condition()
-
-    class Thread(K.BlockThread):
-        def run(self):
-            try:
-                super().run()
-            finally:
-                with changed:
-                    self.done = True
-                    changed.notify_all()
-
-        def syncthreads(self):
-            with changed:
-                self.syncthreads_blocked = True          # set again by numba's syncthreads: the manager sees it now
-                changed.notify_all()
-            super().syncthreads()
-
-    def run(self, grid_point, *args):
-        threads = [Thread(lambda: self._f(*args), self, grid_point, p, self._debug)
-                   for p in np.ndindex(*self._block_dim)]
-        for t in threads:
-            t.done = False
-            t.start()
-        with changed:
-            while True:
-                failed = next((t for t in threads if t.exception), None)
-                if failed is not None:
-                    for t in threads:
-                        t.abort, t.syncthreads_blocked = True, False
-                        t.syncthreads_event.set()
-                    raise failed.exception[0].with_traceback(failed.exception[1])
-                live = [t for t in threads if not t.done]
-                if not live:
-                    break
-                if all(t.syncthreads_blocked for t in live):
-                    for t in live:
-                        t.syncthreads_blocked = False
-                        t.syncthreads_event.set()
-                changed.wait(0.01)
-        for t in threads:
-            t.join()
-
-    K.BlockManager.run, K.BlockManager.sleeping = run, True
-
-
 def run_cases(cases: dict) -> dict:
     """In the child: run every case on the simulator; name -> ["" (passed) or the traceback, CPU seconds]."""
     import time
-    sleeping_block_manager()
+
+    from kernels.device import sleeping_block_manager
+    sleeping_block_manager()                     # (kernels.device installs it on import; a case may import none)
     env, out = Env(gpu=False), {}
     for name, check in cases.items():
         t0 = time.process_time()
