@@ -784,9 +784,15 @@ def _sm_count():
     return 1 if SIM else cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
+def default_cuts(tiled):
+    """(gate_up, down) cuts the engine uses for gate_up in the bulk layout (tiled = R > 0) or in rows (0)."""
+    return (BULK_GATE_UP_CFG if tiled else GATE_UP_CFG), DOWN_CFG
+
+
 def _cfgs(experts, cfg_gate_up, cfg_down):
     """The stage cuts: the given ones, else the defaults of the experts' layout (register path or bulk rings)."""
-    return cfg_gate_up or (BULK_GATE_UP_CFG if experts.tiled else GATE_UP_CFG), cfg_down or DOWN_CFG
+    gate_up, down = default_cuts(experts.tiled)
+    return cfg_gate_up or gate_up, cfg_down or down
 
 
 def moe(x, idx, wts, experts: DeviceExperts, out, ws: MoeWorkspace, shared=None, cfg_gate_up=None, cfg_down=None):

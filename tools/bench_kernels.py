@@ -213,9 +213,9 @@ def k2_experts(cp, dv, gate_up, gus, down, ds, R):
 
 def moe_cuts(over):
     """(gate_up, down) cuts of a MOE_VARIANTS entry: the engine's defaults for its layout, fields overridden."""
-    from kernels.moe import BULK_GATE_UP_CFG, DOWN_CFG, GATE_UP_CFG, MOE_TILED
-    base = BULK_GATE_UP_CFG if over.get("tiled", MOE_TILED) else GATE_UP_CFG
-    return replace(base, **over.get("gu", {})), replace(DOWN_CFG, **over.get("dn", {}))
+    from kernels.moe import MOE_TILED, default_cuts
+    gate_up, down = default_cuts(over.get("tiled", MOE_TILED))
+    return replace(gate_up, **over.get("gu", {})), replace(down, **over.get("dn", {}))
 
 
 def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):

@@ -138,8 +138,8 @@ def _sm90():
 
 def default_cut(down):
     """The engine's cut of an expert stage on K2 shapes: gate_up on the bulk rings when MOE_TILED, down registers."""
-    from kernels.moe import BULK_GATE_UP_CFG, DOWN_CFG, GATE_UP_CFG, MOE_TILED
-    return DOWN_CFG if down else BULK_GATE_UP_CFG if MOE_TILED else GATE_UP_CFG
+    from kernels.moe import MOE_TILED, default_cuts
+    return default_cuts(MOE_TILED)[down]
 
 
 def expert_gemm_ptx(down, cfg=None):
