@@ -192,7 +192,7 @@ def _warp_state():
         per_block = _WARPS.setdefault(t._manager, {})
         if warp not in per_block:
             n = min(32, nthreads - 32 * warp)
-            per_block[warp] = (threading.Barrier(n, timeout=300), ([None] * 32, [None] * 32), [None, None],
+            per_block[warp] = (threading.Barrier(n, timeout=300), ([None] * 32, [None] * 32), [(-1, None)] * 2,
                                [0] * 32, threading.Lock())
     return per_block[warp], lane
 
@@ -208,7 +208,7 @@ def _collective(value, fn):
     slots[k][lane] = value
     barrier.wait()
     with lock:
-        if result[k] is None or result[k][0] != call:
+        if result[k][0] != call:
             result[k] = (call, fn(list(slots[k])))
     return result[k][1], lane
 

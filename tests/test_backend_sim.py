@@ -241,7 +241,7 @@ def check_ranks_one_device(backend, dims="tiny"):
 SIM_PARTS = 3
 SIM_COST = {"batch_ddtree": 143, "sampled_ddtree": 74, "dflash": 71, "ranks_one_device": 54, "greedy_ar": 31,
             "tree_verify": 30, "prefill_logits": 13, "prefill_logits_h200_draw": 14}
-# CPU seconds of each case on one core (2026-12-01, both cores busy; cudasim.sleeping_block_manager halved them)
+# CPU seconds of each case on one core (2026-12-01, both cores busy; kernels.device.sleeping_block_manager halved them)
 SIM_CASES = {
     "prefill_logits": lambda env: check_prefill("sim", n=3),
     # the draw that failed on the H200 (session 8) with bf16 activations in the small-weight GEMMs: 1.12e-2 of the

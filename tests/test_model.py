@@ -7,6 +7,7 @@ import pytest
 
 from numbaengine import Engine
 from numbaengine.config import load_config
+from numbaengine.model import FORMS
 from weights.dtypes import bf16_to_f32, f32_to_bf16
 from weights.fp8 import dequant_fp8_block
 from weights.int4 import dequant_int4
@@ -153,7 +154,7 @@ def test_absorbed_equals_naive_each_layer(tiny, cache_dtype):
     x = rng.standard_normal((T, tiny.cfg.hidden_size)).astype(np.float32)   # f32[T, H], a normed hidden state
     for i, layer in enumerate(target.shards[0].layers):
         out = {}
-        for form in ("naive", "absorbed"):
+        for form in FORMS:
             c = copy.deepcopy(cache)
             visible = target.ops.visibility(c.length, T, None, form)
             out[form] = np.array(target._attention(layer.attn, x, pos, c.rows[i], visible, form))
