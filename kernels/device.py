@@ -121,17 +121,28 @@ INT4_MAGIC = uint32(0x43004300)        # bf16 pair (128.0, 128.0): OR a nibble u
 INT4_OFFSET2 = uint32(0xC308C308)      # bf16 pair (-136.0, -136.0): 128 + u - 136 = u - 8, exact
 
 
-# Programmatic dependent launch (PDL), an experiment, OFF: with NUMBAENGINE_PDL=1 (read at import) every kernel made
-# by kernel() starts with grid_dep() and launch() gives it the PDL launch attribute, so its blocks may start while
-# the previous kernel drains. H200, session 17: a graph of pure-read kernels (python -m tools.pdl_probe,
-# bench/h200_2026-12-01/pdl_probe.json) 8 / 30 / 59 MB took 4.03 / 9.50 / 16.03 -> 3.21 / 8.71 / 15.30 us per
-# kernel, and a producer / consumer chain under PDL read no stale word; but the K2 x 2 layers AR step got SLOWER,
-# 1.297-1.300 -> 1.405 ms (`python -m tools.bench --synth-k2 2 --modes ar`, k2_pdl.log; 16 GPU tests of
-# test_device_round / test_backend_sim passed with it). Not explained yet: the trigger at each kernel's start lets
-# the next kernel's waiting blocks hold SM slots, which may starve parallel graph branches (to try: the trigger
-# after the main loop, or none: NUMBAENGINE_PDL=wait keeps the wait and drops the trigger, so the next kernel
-# launches when this one ends; the probe's pure-read chain gained 0.2-0.3 us per kernel that way, not timed on K2).
-PDL = {"1": "trigger", "trigger": "trigger", "wait": "wait"}.get(os.environ.get("NUMBAENGINE_PDL", ""))
+# Programmatic dependent launch (PDL), ON ("wait" mode) by default: every kernel made by kernel() starts with
+# grid_dep() and launch() gives it the PDL launch attribute: with no explicit trigger a kernel's blocks trigger as they
+# exit, so the next kernel is launched as this one's last blocks end (ahead of its completion being signalled), and
+# its blocks first wait (griddepcontrol.wait) until this kernel has finished and its writes are visible.
+# NUMBAENGINE_PDL (read at import): "wait" (default), "trigger" (or "1": each kernel also lets the next launch at its
+# start), "off" (or "0": plain launches). H200, session 20, K2 x 2 layers (`python -m tools.bench --synth-k2 2
+# --modes ar,ddtree --budgets 16 --batches 1 --new-tokens 32`, bench/h200_2026-12-01c/): AR step GPU time 1.273 /
+# 1.275 ms off -> 1.249 / 1.252 ms wait (two processes each: -1.8%), DDTree-16 round 3.165 -> 3.157 ms (one each).
+# Session 17: "trigger" made the AR step SLOWER (1.297-1.300 -> 1.405 ms, bench/h200_2026-12-01/k2_pdl.log; not
+# explained: the next kernel's waiting blocks may hold SM slots that parallel graph branches need), although a graph
+# of pure-read kernels gained 0.7-0.8 us per kernel with it (python -m tools.pdl_probe, pdl_probe.json).
+PDL_MODES = {"": "wait", "wait": "wait", "1": "trigger", "trigger": "trigger", "0": None, "off": None}
+
+
+def pdl_mode(value):
+    """NUMBAENGINE_PDL's value -> "wait", "trigger" or None (off); anything else is an error."""
+    if value not in PDL_MODES:
+        raise ValueError(f"NUMBAENGINE_PDL={value!r}: use one of wait (default), trigger, off")
+    return PDL_MODES[value]
+
+
+PDL = pdl_mode(os.environ.get("NUMBAENGINE_PDL", "").strip().lower())
 
 
 def kernel(**opts):

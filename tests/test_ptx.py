@@ -126,8 +126,17 @@ def test_ptx_stats_load_placement_and_cap():
     assert (reg_cap(128, 4), reg_cap(256, 4), reg_cap(512), reg_cap(32)) == (128, 64, 128, 255)
 
 
+def test_pdl_mode_values():
+    """NUMBAENGINE_PDL: wait by default, trigger / 1, off / 0; a misspelt value is an error, not silently off."""
+    import kernels.device as dev
+    assert [dev.pdl_mode(v) for v in ("", "wait", "trigger", "1", "off", "0")] == ["wait", "wait", "trigger",
+                                                                                   "trigger", None, None]
+    with pytest.raises(ValueError, match="NUMBAENGINE_PDL='wiat'"):
+        dev.pdl_mode("wiat")
+
+
 def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
-    """With kernels.device.PDL (the NUMBAENGINE_PDL experiment) a kernel made by kernel() waits for the previous one
+    """With kernels.device.PDL (NUMBAENGINE_PDL, "wait" by default) a kernel made by kernel() waits for the previous one
     before its body's first global load or store (and in "trigger" mode first lets the next one launch); the
     launch attribute exists in this cuda.core (kernels.device.pdl swaps numba's LaunchConfig for one that sets it,
     and puts the original back)."""
