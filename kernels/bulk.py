@@ -34,9 +34,14 @@ if SIM:
         syncwarp()
 
     def bulk_load(dst, di, src, si, nbytes, bars, i):
-        """Simulator: nbytes from flat element si of the contiguous array src -> element di of the shared array dst."""
-        s = src.reshape(src.size).view(np.uint8)[si * src.itemsize:si * src.itemsize + nbytes]
-        dst.view(np.uint8)[di * dst.itemsize:di * dst.itemsize + nbytes] = s
+        """Simulator: nbytes from flat element si of the contiguous array src -> element di of the shared array dst;
+        what the copy engine faults on (a size of 0 or not a multiple of 16, an unaligned end) is an error here."""
+        src_at, dst_at = si * src.itemsize, di * dst.itemsize
+        if nbytes <= 0 or nbytes % 16 or src_at % 16 or dst_at % 16:
+            raise ValueError(f"bulk_load: {nbytes} bytes from byte {src_at} to shared byte {dst_at}: the size must be "
+                             f"a positive multiple of 16 and both ends 16-byte aligned")
+        s = src.reshape(src.size).view(np.uint8)[src_at:src_at + nbytes]
+        dst.view(np.uint8)[dst_at:dst_at + nbytes] = s
 else:
     from llvmlite import ir
     from numba import types

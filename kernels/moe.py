@@ -578,14 +578,16 @@ def _build_bulk_ring(T, R, XS, S, U):
 
     @device
     def start(bars, ring, w, item_e, geo, prod, lane):
-        """Once per kernel: the warp's barriers, then its first S stages in flight."""
+        """Once per kernel: the warp's barriers, then its first S stages in flight. A warp whose k range is empty
+        (k-steps < warps along k, e.g. H = 128 with WK = 2) has no stage: it issues nothing (a zero-byte bulk copy
+        faults) and consumes nothing."""
         if lane == 0:
             for p in range(S):
                 mbar_init(bars, geo[G_BAR] + p)
             mbar_fence_init()
             prod[0], prod[1] = geo[G_UNIT0], 0
             locate(item_e, geo, prod)
-            for f in range(S):
+            for f in range(S if geo[G_NST] > 0 else 0):
                 issue(ring, bars, w, item_e, geo, prod, f)
         syncwarp()
 

@@ -12,7 +12,12 @@ SMALL = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2), ExpertConfig(R=2, 
 # second half full) through 2 slots, the ring running on across each block's units; down on the register path.
 # Against moe_ref only (the register path twice as long under the simulator); the GPU cases also check its bits.
 BULK = (ExpertConfig(R=2, WR=1, WK=1, T=1, U=2, S=2, blocks_per_sm=2), SMALL[1])
+# gate_up through bulk rings with more warps along k than k-steps (H = 128: one step for WK = 2, the engine's cut on
+# the tiny test models): the warp with no step must issue no (zero-byte) copy
+BULK_WK2 = (ExpertConfig(R=2, WR=1, WK=2, T=1, U=2, S=2, blocks_per_sm=2), SMALL[1])
 SIM_CASES = {
+    "moe_int4_bulk_warp_without_k_steps": lambda env: C.check_moe(env, 3, 128, 64, 4, 2, "random", 1, cfgs=BULK_WK2,
+                                                                  tiled=2, exact=False),
     "moe_int4_bulk_rings": lambda env: C.check_moe(env, 1, 384, 64, 2, 1, "random", 1, cfgs=BULK, tiled=2,
                                                    exact=False),
     "moe_int4_random": lambda env: C.check_moe(env, 5, 128, 64, 4, 2, "random", 1, cfgs=SMALL),
@@ -68,6 +73,14 @@ def test_gpu_moe_int4(n, n_exp, mode):
 def test_gpu_moe_int4_bulk(n, mode, cfgs):
     """Bulk layout + rings at K2 widths: against moe_ref and bit for bit the register path."""
     C.check_moe(Env(gpu=True), n, 7168, 2048, 16, 8, mode, 1, cfgs=cfgs, tiled=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [128, 256])
+def test_gpu_moe_int4_bulk_few_k_steps(hidden):
+    """The engine's default cuts (bulk gate_up, WK = 2) where H has 1 or 2 k-steps: a warp with no step issues no
+    copy (H = 128 faulted the tiny engine's prefill: CUDA_ERROR_LAUNCH_FAILED)."""
+    C.check_moe(Env(gpu=True), 9, hidden, 64, 4, 2, "random", 1, tiled=2)
 
 
 @pytest.mark.gpu
