@@ -8,7 +8,6 @@ warp through a per-warp barrier. Kernels call the helpers only, so one kernel so
 bf16 values travel as raw bits: `uint16` arrays, or `uint32` words holding a pair (element 0 in the low half).
 """
 import contextlib
-import functools
 import os
 import threading
 import weakref
@@ -168,17 +167,30 @@ def kernel(**opts):
     return deco
 
 
+_PDL_THREAD = threading.local()       # .on: this thread's numba launches carry the PDL attribute (inside pdl())
+
+
+def _launch_config(*args, **kwargs):
+    """numba.cuda.dispatcher's LaunchConfig, with programmatic_stream_serialization while this thread is in pdl()."""
+    if getattr(_PDL_THREAD, "on", False):
+        kwargs["programmatic_stream_serialization"] = True
+    return _launch_config.orig(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def pdl():
-    """Context: numba's launches inside carry the PDL attribute (numba builds a cuda.core LaunchConfig in
-    numba.cuda.dispatcher per launch; it is swapped for one that sets programmatic_stream_serialization)."""
+    """Context: numba's launches from this thread carry the PDL attribute. numba builds a cuda.core LaunchConfig per
+    launch in numba.cuda.dispatcher; that name is replaced once by `_launch_config`, which adds the attribute while
+    a thread-local flag is set, so ranks launching from several threads (numbaengine.devices) do not see each
+    other's setting."""
     import numba.cuda.dispatcher as D
-    orig = D.LaunchConfig
-    D.LaunchConfig = functools.partial(orig, programmatic_stream_serialization=True)
+    if D.LaunchConfig is not _launch_config:
+        _launch_config.orig, D.LaunchConfig = D.LaunchConfig, _launch_config
+    was, _PDL_THREAD.on = getattr(_PDL_THREAD, "on", False), True
     try:
         yield
     finally:
-        D.LaunchConfig = orig
+        _PDL_THREAD.on = was
 
 
 def device(fn):

@@ -136,10 +136,10 @@ def test_pdl_mode_values():
 
 
 def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
-    """With kernels.device.PDL (NUMBAENGINE_PDL, "wait" by default) a kernel made by kernel() waits for the previous one
-    before its body's first global load or store (and in "trigger" mode first lets the next one launch); the
-    launch attribute exists in this cuda.core (kernels.device.pdl swaps numba's LaunchConfig for one that sets it,
-    and puts the original back)."""
+    """With kernels.device.PDL (NUMBAENGINE_PDL, "wait" by default) a kernel made by kernel() waits for the previous
+    one before its body's first global load or store (and in "trigger" mode first lets the next one launch); the
+    launch attribute exists in this cuda.core and kernels.device.pdl sets it on this thread's launches only (rank
+    threads launch concurrently), and only inside the context."""
     import numba.cuda.dispatcher as D
     from numba import cuda
 
@@ -159,8 +159,13 @@ def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
         assert body.index("griddepcontrol.wait") < first_mem, mode
         trigger = body.find("griddepcontrol.launch_dependents")
         assert (0 <= trigger < body.index("griddepcontrol.wait")) if mode == "trigger" else trigger < 0, mode
-    orig = D.LaunchConfig
+    import threading
+    other = []                    # what another thread's launch gets while this one is inside pdl()
     with dev.pdl():
         cfg = D.LaunchConfig(grid=1, block=32)
-    assert cfg.programmatic_stream_serialization and D.LaunchConfig is orig
+        t = threading.Thread(target=lambda: other.append(D.LaunchConfig(grid=1, block=32)))
+        t.start()
+        t.join()
+    assert cfg.programmatic_stream_serialization
+    assert not getattr(other[0], "programmatic_stream_serialization", False)
     assert not getattr(D.LaunchConfig(grid=1, block=32), "programmatic_stream_serialization", False)
