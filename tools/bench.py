@@ -13,8 +13,9 @@ round captured as one graph per phase, each replayed between events (GPU time on
 read once (attention, dense and shared MLPs, lm_head for verify and for the draft, the drafter) + routed experts
 touched (the expected number of distinct experts for the round's tokens under uniform random routing: synthetic
 checkpoints route about uniformly; a trained one does not) + latent cache and drafter context rows. `floor %` =
-floor bytes / copy bandwidth / gpu time. The 61-layer, 8-GPU line is a PROJECTION from per-layer times measured
-here, not a measurement.
+floor bytes / copy bandwidth / gpu time; the % after a phase's time is that phase's own floor (`phase_floors`:
+e.g. commit = fc + the drafter's k|v rows) over its GPU time and the copy bandwidth. The 61-layer, 8-GPU line is a
+PROJECTION from per-layer times measured here, not a measurement.
 """
 from __future__ import annotations
 
@@ -48,15 +49,35 @@ def copy_bandwidth(cp, nbytes=2 << 30, reps=10):
     return 2 * nbytes * reps / (cp.cuda.get_elapsed_time(s, e) / 1e3) / 1e9
 
 
-def nbytes(record) -> int:
-    """Bytes of the arrays of a weight record (dataclasses, lists, arrays)."""
+def _arrays(record):
+    """The arrays of a weight record (dataclasses, lists, arrays), depth first."""
     if hasattr(record, "nbytes") and hasattr(record, "shape"):
-        return int(record.nbytes)
-    if isinstance(record, (list, tuple)):
-        return sum(nbytes(r) for r in record)
-    if dataclasses.is_dataclass(record):
-        return sum(nbytes(getattr(record, f.name)) for f in dataclasses.fields(record))
-    return 0
+        yield record
+    elif isinstance(record, (list, tuple)):
+        for r in record:
+            yield from _arrays(r)
+    elif dataclasses.is_dataclass(record):
+        for f in dataclasses.fields(record):
+            yield from _arrays(getattr(record, f.name))
+
+
+def _address(a) -> int:
+    """Start address of an array's memory (device arrays: their device pointer; NumPy: the host pointer)."""
+    face = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return int(face["data"][0])
+
+
+def nbytes(*records) -> int:
+    """Distinct bytes of the arrays of weight records: memory covered by several arrays (a view, e.g. a drafter
+    layer's `kv` rows inside its `qkv`) counts once. Arrays are taken as contiguous spans."""
+    spans = sorted((_address(a), _address(a) + int(a.nbytes)) for r in records for a in _arrays(r) if a.nbytes)
+    total, end = 0, None
+    for lo, hi in spans:
+        if end is None or lo >= end:
+            total, end = total + hi - lo, hi
+        elif hi > end:
+            total, end = total + hi - end, hi
+    return total
 
 
 def round_floor(engine, dev, n_rows, mean_len) -> dict:
@@ -83,6 +104,22 @@ def round_floor(engine, dev, n_rows, mean_len) -> dict:
         parts["drafter context"] = (2 * d.cfg.num_hidden_layers * B * mean_len * d.cfg.num_key_value_heads
                                     * d.cfg.head_dim * 4)
     return parts
+
+
+def phase_floors(parts, dev) -> dict:
+    """HBM bytes each phase of the round must move at least, from round_floor's parts: draft = the drafter's layers,
+    lm_head and context rows; build = the draft logits (the top-K reads them); verify = the target's parts; walk =
+    the verify logits (the sampler reads them); commit = fc and each drafter layer's k|v rows (the context rows of
+    the committed tokens). A weight two phases read counts in both (the round's floor counts it once)."""
+    out = dict.fromkeys(PHASES, 0)
+    out["verify"] = sum(v for k, v in parts.items() if not k.startswith("drafter"))
+    out["walk"] = nbytes(dev.logits)
+    if dev.drafter is not None:
+        d = dev.drafter
+        out["draft"] = nbytes(d.layers) + nbytes(dev.target.w.lm_head) + parts["drafter context"]
+        out["build"] = nbytes(dev.draft_logits)
+        out["commit"] = nbytes(d.fc, [layer.kv for layer in d.layers])
+    return out
 
 
 def phase_times(cp, dev, reps=20) -> dict:
@@ -146,6 +183,8 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp):
     floor = round_floor(engine, dev, batch * (dev.tb.tokens.shape[1]), mean_len)
     floor_b = sum(floor.values())
     phases = (dev.ranks.run(lambda r: phase_times(cp, devs[r]))[0] if len(devs) > 1 else phase_times(cp, devs[0]))
+    phase_b = phase_floors(floor, dev)
+    phase_pct = {k: 100 * phase_b[k] / (ms / 1e3) / 1e9 / copy_bw if ms > 0 else 0.0 for k, ms in phases.items()}
     row = dict(mode=mode, budget=budget, batch=batch, prompts=len(res), new_tokens=new, wall_s=wall,
                tokens_per_s=new / decode_s,
                tau=float(sum(r.stats["tau_mean"] * r.stats["rounds"] for r in res)
@@ -155,12 +194,14 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp):
                floor_mb=floor_b / 1e6, floor_parts_mb={k: v / 1e6 for k, v in floor.items()},
                floor_gbs=floor_b / (gpu_ms / 1e3) / 1e9,
                floor_pct=100 * floor_b / (gpu_ms / 1e3) / 1e9 / copy_bw,
-               phase_ms=phases, graph_kernels=len(dev.kernel_nodes()), graph_depth=dev.graph_depth(),
+               phase_ms=phases, phase_floor_mb={k: v / 1e6 for k, v in phase_b.items()}, phase_pct=phase_pct,
+               graph_kernels=len(dev.kernel_nodes()), graph_depth=dev.graph_depth(),
                gpu_ms_per_device=[(d.gpu_s - g) / rounds * 1e3 for d, g in zip(devs, gpu0)])
     print(f"{mode:7s} B{budget:<4d} x{batch:<4d} p{len(res):<4d} {row['tokens_per_s']:9.1f} tok/s  "
           f"tau {row['tau']:5.2f}  round {round_ms:7.3f} ms  gpu {gpu_ms:7.3f} ms  host {row['host_pct']:5.1f}%  floor "
           f"{row['floor_mb']:8.1f} MB = {row['floor_pct']:5.1f}% of copy  nodes {row['graph_kernels']} "
-          f"depth {row['graph_depth']}  " + " ".join(f"{k} {v:.3f}" for k, v in phases.items()), flush=True)
+          f"depth {row['graph_depth']}  " + " ".join(f"{k} {v:.3f}" + (f" ({phase_pct[k]:.0f}%)" if phase_b[k] else "")
+                                                     for k, v in phases.items()), flush=True)
     return row
 
 
