@@ -9,7 +9,10 @@ producer / consumer chain checked against NumPy), and what does a chain of pure-
 kernel) gain with the wait at the start, with an early trigger, and with an L2 prefetch before the wait; and, as a
 bound on what the engine's GEMMs could gain, a chain of unchanged dense GEMMs launched with the attribute alone.
 
-    python -m tools.pdl_probe [--out pdl.json]
+    NUMBAENGINE_PDL=off python -m tools.pdl_probe [--out pdl.json]
+
+(off: since session 20 the engine's kernels launch with PDL in "wait" mode by default, which would make the
+probe's "plain" GEMM chain a PDL chain too; its numbers in bench/h200_2026-12-01/ were taken before that.)
 
 PDL reaches numba's launches by a LaunchConfig with programmatic_stream_serialization (cuda.core): numba builds its
 LaunchConfig in numba.cuda.dispatcher, which `pdl()` swaps for the calls inside it. GPU only.
@@ -46,9 +49,9 @@ def pdl_launch(kern, grid, block, *args):
 
 
 def gemm_chain(cp, cuda, copy_bw, res, name="q_kv_a", m=1):
-    """The dense GEMM (unchanged: no griddepcontrol in it) chained over distinct weight copies, plain and with the
-    PDL attribute on every launch. Without a wait in the kernel PDL does not order its reads after the previous
-    kernel's writes: a timing bound only (these GEMMs read only their own x and weights)."""
+    """The dense GEMM (with NUMBAENGINE_PDL=off: no griddepcontrol in it) chained over distinct weight copies,
+    plain and with the PDL attribute on every launch. Without a wait in the kernel PDL does not order its reads
+    after the previous kernel's writes: a timing bound only (these GEMMs read only their own x and weights)."""
     from kernels.device import pdl
     from kernels.gemm import GemmWorkspace, gemm
     from tools.bench_kernels import K2_GEMMS, chain_copies, chained_ms, rand_bf16
