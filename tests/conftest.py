@@ -1,7 +1,7 @@
 """GPU tests carry the `gpu` marker and are deselected (and reported) when no GPU is present."""
 import os
 
-pytest_plugins = ["gpu_faults", "pytester"]   # gpu_faults: after a device fault, later GPU tests fail naming it
+pytest_plugins = ["gpu_faults", "pytester"]   # gpu_faults: after a device fault, later GPU tests error naming it
 
 
 def _gpu_present() -> bool:

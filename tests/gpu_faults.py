@@ -1,4 +1,4 @@
-"""pytest plugin: after a device fault, the rest of the process's GPU tests fail at once and name the test that faulted.
+"""pytest plugin: after a device fault, the rest of the process's GPU tests error at once, naming the test that faulted.
 
 A device fault (an illegal address, a faulting copy, ...) kills the process's CUDA context: every later CUDA call
 fails, so under `pytest -n` one fault used to show as dozens of unrelated failures in that worker (H200, session 20:
