@@ -9,6 +9,9 @@ Protocol of one ring slot: init once (count 1, `mbar_init` + `mbar_fence_init` b
 `mbar_expect(bars, i, bytes)` by one lane, syncwarp, `bulk_load(..., bars, i)` by the copying lanes; consumers
 `mbar_wait(bars, i, parity)` with parity = (use count of the slot) & 1; a syncwarp after the last read of a slot
 before it is refilled.
+Tensor copies (TMA, `tensor_load_2d`): a box of a 2-D row-major tensor described by a tensor map (`tensor_map_2d`,
+made once on the host and kept in device memory) lands in shared memory in the 128-byte-swizzle layout wgmma reads
+(kernels/wgmma.py sw128_offset), completing on an mbarrier like a bulk copy; rows past the tensor's end land as zeros.
 Simulator twins: a copy lands at once, the barrier operations are no-ops and `mbar_wait` is a barrier of the warp
 (all 32 lanes of a warp wait together: the lanes run as unsynchronized threads there, so a lane could otherwise read
 a row another lane has not copied yet).
@@ -16,6 +19,31 @@ a row another lane has not copied yet).
 import numpy as np
 
 from kernels.device import SIM, device, syncwarp
+
+_TMAPS = {}
+
+
+def tensor_map_2d(addr, rows, cols, box_rows, box_cols):
+    """Tensor map (u64[16], host) of a row-major bf16 [rows, cols] tensor at device address addr, copied in boxes of
+    box_rows x box_cols (box_cols * 2 = 128 bytes: one swizzle span) into the 128-byte-swizzle layout, L2 asked for
+    256-byte lines, rows past the end read as zeros. Made once per (address, shape, box)."""
+    key = (addr, rows, cols, box_rows, box_cols)
+    if key not in _TMAPS:
+        from cuda.bindings import driver as d
+        if box_cols * 2 != 128 or addr % 16 or cols * 2 % 16:
+            raise ValueError(f"tensor_map_2d: boxes of {box_cols} bf16 columns (must be 64), address {addr:#x} and "
+                             f"row pitch {cols * 2} bytes (must be 16-byte aligned)")
+        err, tmap = d.cuTensorMapEncodeTiled(
+            d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, addr, [d.cuuint64_t(cols), d.cuuint64_t(rows)],
+            [d.cuuint64_t(cols * 2)], [d.cuuint32_t(box_cols), d.cuuint32_t(box_rows)], [d.cuuint32_t(1)] * 2,
+            d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B, d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        if err != d.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"tensor_map_2d: cuTensorMapEncodeTiled failed ({err}) for [{rows}, {cols}] at "
+                               f"{addr:#x}, box [{box_rows}, {box_cols}]")
+        _TMAPS[key] = np.array([int(v) for v in tmap.opaque], np.uint64)
+    return _TMAPS[key]
 
 if SIM:
     def mbar_init(bars, i):
@@ -32,6 +60,11 @@ if SIM:
 
     def mbar_wait(bars, i, parity):
         syncwarp()
+
+    def tensor_load_2d(dst, di, tmap, x, y, bars, i):
+        raise NotImplementedError("tensor_load_2d: TMA has no simulator twin (kernels/mla_wg.py runs on sm_90 only)")
+
+    tensormap_acquire = tensor_load_2d
 
     def bulk_load(dst, di, src, si, nbytes, bars, i):
         """Simulator: nbytes from flat element si of the contiguous array src -> element di of the shared array dst;
@@ -98,6 +131,37 @@ else:
             b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i64, i32, i32]), asm, "r,l,r,r,~{memory}",
                                 side_effect=True), [d, g, n, m])
         return sig, codegen
+
+    @intrinsic
+    def tensor_load_2d(typingctx, dst, di, tmap, x, y, bars, i):
+        """TMA: the box at column x, row y of the tensor map held in the global u64 array tmap (64-byte aligned) ->
+        element di of the shared array dst (1024-byte aligned for the 128-byte swizzle), completing on mbarrier
+        bars[i] (`tensormap_acquire(tmap)` once before the first)."""
+        sig = types.void(dst, di, tmap, x, y, bars, i)
+
+        def codegen(ctx, b, sig, args):
+            i32, i64 = ir.IntType(32), ir.IntType(64)
+            dd = _smem_addr(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
+            g = _address(ctx, b, sig.args[2], args[2], ir.Constant(i32, 0), types.int32)
+            xv = ctx.cast(b, args[3], sig.args[3], types.int32)
+            yv = ctx.cast(b, args[4], sig.args[4], types.int32)
+            m = _smem_addr(ctx, b, sig.args[5], args[5], sig.args[6], args[6])
+            asm = ("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                   "[$0], [$1, {$2, $3}], [$4];")
+            b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i64, i32, i32, i32]), asm, "r,l,r,r,r,~{memory}",
+                                side_effect=True), [dd, g, xv, yv, m])
+        return sig, codegen
+
+    @intrinsic
+    def tensormap_acquire(typingctx, tmap):
+        """Order this thread's later tensor copies after the host's write of the tensor map in global memory (no
+        stale copy of an earlier map at that address in the descriptor cache)."""
+        def codegen(ctx, b, sig, args):
+            g = _address(ctx, b, sig.args[0], args[0], ir.Constant(ir.IntType(32), 0), types.int32)
+            b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64)]),
+                                "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", "l,~{memory}",
+                                side_effect=True), [g])
+        return types.void(tmap), codegen
 
     @device
     def mbar_wait(bars, i, parity):

@@ -7,7 +7,9 @@ Block (64-row tile = query t, split s, sequence b), two warpgroups; Q and a ring
 rows in 128-byte-swizzle atoms (the same bytes are the K-major B of S = Q K^T and the MN-major B of O += P V):
   warpgroup 0: S = Q K^T over the D latent + rope columns (D/16 wgmma m64nNKk16), the online softmax in its
                registers, P as bf16 into shared memory (two P tiles alternate), the rescale factors beside it;
-  warpgroup 1: the cp.async loads (three tiles ahead);
+  warpgroup 1: the ring's loads (three tiles ahead): TMA tensor copies (kernels/bulk.py tensor_load_2d: one box
+               of 64 columns x MLA_WG_NK rows per 128-byte slab, issued by its first thread, an mbarrier per slot;
+               it zeroes the rows of a tile past the split's end), or cp.async pieces by all 128 (MLA_WG_TMA off);
   both:        O[:, wg half] = alpha O + P V[:, wg half] (NK/16 wgmma m64n(r/2)k16; 64 x r/2 f32 per warpgroup),
                issued after S of the next step so the softmax runs beside them.
 Bytes: each cache row of the split once per tile (the tiles of one split share it through L2), q once, the
@@ -20,14 +22,19 @@ from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
 
 MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
 MLA_WG_NK = 32              # cache rows per step (S is m64nNK per k16 step; four tiles must fit)
+MLA_WG_TMA = True           # cache tiles by TMA tensor copies (one thread, an mbarrier per ring slot); False: by
+#                             cp.async of the 128 threads of warpgroup 1 (measured slower, README "Kernel performance")
 MLA_WG_SMEM = 227 * 1024
+MLA_WG_PTX_SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], uint64[::1], int32[::1], int32[::1], uint32[:,:,::1], "
+                  "float32, int32, int32, float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1], int32[:,::1])")
+# ^ this kernel's argument types (mla.py's MLA_PTX_SIG with the tensor map after the cache), for compile_ptx
 _KERNELS = {}
 
 
 def wg_smem(D, nk, stages):
     """Bytes of shared memory: Q tile, `stages` cache tiles, two P tiles, then alpha (two rows) / max / sum
-    (f32[64] each)."""
-    return 64 * D * 2 + stages * nk * D * 2 + 2 * 64 * nk * 2 + 4 * 64 * 4
+    (f32[64] each), then one mbarrier per cache tile (TMA)."""
+    return 64 * D * 2 + stages * nk * D * 2 + 2 * 64 * nk * 2 + 4 * 64 * 4 + 8 * stages
 
 
 def wg_stages(D, nk=None):
@@ -46,9 +53,9 @@ def mla_wg_applies(h, D, r):
 def mla_wg_kernel(D, r, causal, nk=None, fuse=False):
     """The kernel for latent width D, output width r; fuse: with the last split block's merge compiled in."""
     nk = nk or MLA_WG_NK
-    key = (D, r, causal, nk, fuse)
+    key = (D, r, causal, nk, fuse, MLA_WG_TMA)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk), fuse)
+        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk), fuse, MLA_WG_TMA)
     return _KERNELS[key]
 
 
@@ -79,7 +86,7 @@ if t == 0:
 """   # warpgroup 0's online softmax (kernel source, filled in by _make_kernel)
 
 
-def _make_kernel(D, r, causal, NK, stages, FUSE=False):
+def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False):
     from kernels.mla import _ex2, _make_cp_piece, _pack2, _row_addr, _slot_addr
     from kernels.wgmma import fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_wait0, wg_wait1
     if SIM:
@@ -88,6 +95,7 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False):
     QBYTES, TILE, PBYTES = 64 * D * 2, NK * D * 2, 64 * NK * 2
     PB = QBYTES + stages * TILE                 # two P tiles (bytes), then the f32 stats
     SF = (PB + 2 * PBYTES) // 4                 # f32 index of alpha[2][64], max[64], sum[64]
+    BAR = (PB + 2 * PBYTES + 4 * 64 * 4) // 8   # u64 index of the ring's mbarriers (TMA)
     NS, NO = NK // 2, NPV // 2                  # accumulators per thread: S (warpgroup 0), O (both)
     QPT = 64 * D8 // 256                        # q units (8 values: 16 bytes of the tile) per thread
     QG = max(g for g in (3, 2, 1) if QPT % g == 0)   # units in flight (two 16-byte loads each)
@@ -148,7 +156,7 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False):
     zero_s = "\n".join(f"    {v} = float32(0)" for v in sv)
 
     src = f'''
-def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count):
+def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count):
     T, h = q.shape[1], q.shape[2]
     mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
     tid = cuda.threadIdx.x
@@ -162,6 +170,7 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
     fsm = cuda.shared.array(0, float32, alignment=1024)     # swizzle atoms are 1024-aligned
     usm = cuda.shared.array(0, uint16, alignment=1024)
     wsm = cuda.shared.array(0, uint32, alignment=1024)
+    bars = cuda.shared.array(0, uint64, alignment=1024)
     L, n = lengths[b], ntok[b]
     lo = s * split
     hi = min(lo + split, L + n)
@@ -176,9 +185,21 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
             last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
         return
     row0 = b * cache.shape[1]
+    nsteps = (hi - lo + {NK - 1}) // {NK}
+    if {TMA}:
+        if tid == 128:
+            for p in range({stages}):
+                mbar_init(bars, {BAR} + p)
+            mbar_fence_init()
+            tensormap_acquire(tmap)
+        cuda.syncthreads()
     if wg == 1:                                   # warpgroup 1 loads the ring: tiles 0, 1, 2 in flight
         for p in range(3):
-            load_tile(usm, cache, row0, lo + p * {NK}, hi, p, tid - 128)
+            if {TMA}:
+                if tid == 128 and p <= nsteps:
+                    load_tile_tma(wsm, bars, tmap, row0, lo + p * {NK}, hi, p)
+            else:
+                load_tile(usm, cache, row0, lo + p * {NK}, hi, p, tid - 128)
     qv = cuda.local.array({8 * QG}, uint32)
     for p0 in range(0, {QPT}, {QG}):              # q tile -> bf16, 128-byte swizzle: unit u is 8 values, 8 lanes
         for p in range({QG}):                     # read 256 contiguous bytes and store to 8 bank groups
@@ -196,10 +217,12 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
     m0, m1 = NEG_INF, NEG_INF                     # warpgroup 0: running max and sum of rows r0, r1
     l0, l1 = float32(0), float32(0)
     plain = min(hi, L)                            # steps ending here see no mask
-    nsteps = (hi - lo + {NK - 1}) // {NK}
     dq = desc_k(wsm, 0)
     if wg == 1:
-        cp_wait2()                                # tile 0 landed (tiles 1, 2 may be in flight)
+        if {TMA}:
+            tile_landed(wsm, bars, lo, hi, 0, tid - 128)
+        else:
+            cp_wait2()                            # tile 0 landed (tiles 1, 2 may be in flight)
     fence_proxy_async()                           # cp.async / st.shared -> the wgmma proxy
     cuda.syncthreads()
     # Warpgroup 0, step i: after the barrier (P(i) and tile i + 1 visible) it issues S(i + 1), then O += P(i) V(i),
@@ -209,6 +232,8 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
     # alternate. Every accumulator is retired inside the step that issued it (S(nsteps) runs on the zero tile past
     # the split's end), so ptxas keeps the wgmmas asynchronous.
     if wg == 0:                                   # one loop per warpgroup: no path crosses between them
+        if {TMA}:
+            mbar_wait(bars, {BAR}, 0)             # (warpgroup 1 saw it land: this wait returns at once)
         dk = desc_k(wsm, {QBYTES})
         wg_fence()
 {s_calls("        ")}
@@ -219,6 +244,8 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
         for i in range(nsteps):
             fence_proxy_async()                   # P(i) -> the wgmma proxy
             cuda.syncthreads()
+            if {TMA}:
+                mbar_wait(bars, {BAR} + (i + 1) % {stages}, ((i + 1) // {stages}) & 1)
             dk = desc_k(wsm, {QBYTES} + ((i + 1) % {stages}) * {TILE})
             wg_fence()
 {s_calls("            ")}
@@ -236,10 +263,17 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
             wg_wait0()
     else:
         for i in range(nsteps):
-            cp_wait1()                            # tile i + 1 landed (tile i + 2 may be in flight)
+            if {TMA}:
+                tile_landed(wsm, bars, lo, hi, i + 1, tid - 128)
+            else:
+                cp_wait1()                        # tile i + 1 landed (tile i + 2 may be in flight)
             fence_proxy_async()
             cuda.syncthreads()
-            load_tile(usm, cache, row0, lo + (i + 3) * {NK}, hi, (i + 3) % {stages}, tid - 128)
+            if {TMA}:
+                if tid == 128 and i + 3 <= nsteps:
+                    load_tile_tma(wsm, bars, tmap, row0, lo + (i + 3) * {NK}, hi, (i + 3) % {stages})
+            else:
+                load_tile(usm, cache, row0, lo + (i + 3) * {NK}, hi, (i + 3) % {stages}, tid - 128)
             sa = {SF} + (i & 1) * 64
             al0, al1 = fsm[sa + r0], fsm[sa + r1]
             if al0 != float32(1) or al1 != float32(1):
@@ -282,6 +316,36 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
             cp_piece(usm, slot, cache, gptr, gsafe, tid + p * 128, hi - j0)
         cp_commit()
 
+    NSLAB = D // 64
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile_tma(wsm, bars, tmap, row0, j0, hi, stage):
+        """Thread 128: the NSLAB boxes (64 columns x NK rows, 128-byte swizzle) of cache rows j0 .. j0 + NK - 1 into
+        ring slot `stage`, completing on its mbarrier; a tile wholly past the split's end (the zero tile after the
+        last step) copies nothing and only completes the barrier's phase (see tile_landed)."""
+        if j0 >= hi:
+            mbar_expect(bars, BAR + stage, 0)
+            return
+        mbar_expect(bars, BAR + stage, TILE)
+        for k in range(NSLAB):
+            tensor_load_2d(wsm, (QBYTES + stage * TILE + k * NK * 128) // 4, tmap, 64 * k, row0 + j0, bars,
+                           BAR + stage)
+
+    @cuda.jit(device=True, inline="always")
+    def tile_landed(wsm, bars, lo, hi, j, tid):
+        """Warpgroup 1 (tid < 128): wait for tile j's copies, then zero the rows at or past hi of a tile that ends
+        past it (unwritten rows or the next sequence's: P is 0 there but P V must not meet a NaN), 32 words of a
+        row per warp's lanes, four rows at a time. The zero tile past the last step (only S reads it, masked) keeps
+        whatever its slot held."""
+        stage = j % stages
+        mbar_wait(bars, BAR + stage, (j // stages) & 1)
+        v = hi - (lo + j * NK)
+        if v > 0 and v < NK:
+            base = (QBYTES + stage * TILE) // 4 + (tid & 31)
+            for rr in range(v + (tid >> 5), NK, 4):
+                for k in range(NSLAB):
+                    wsm[base + (k * NK + rr) * 32] = uint32(0)
+
     @cuda.jit(device=True, inline="always")
     def key_ok(j, hi, L, tq, b, mask):
         """Cache row j is visible to query tq: before the split's end, committed, or a new token tq sees."""
@@ -294,8 +358,12 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
             return jj <= tq
         return ((mask[b, tq, jj >> 5] >> uint32(jj & 31)) & uint32(1)) != uint32(0)
 
+    from kernels.bulk import mbar_expect, mbar_fence_init, mbar_init, mbar_wait, tensor_load_2d, tensormap_acquire
     from kernels.mla import LAZY
-    ns = dict(cuda=cuda, float32=float32, int32=int32, uint16=uint16, uint32=uint32, uint64=uint64, NEG_INF=NEG_INF,
+    ns = dict(mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait,
+              tensormap_acquire=tensormap_acquire,
+              load_tile_tma=load_tile_tma, tile_landed=tile_landed, cuda=cuda, float32=float32, int32=int32,
+              uint16=uint16, uint32=uint32, uint64=uint64, NEG_INF=NEG_INF,
               LAZY=LAZY, last_split_merge=last_split_merge,
               shfl_xor=shfl_xor, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
               core_offset=cuda.jit(device=True, inline="always")(core_offset), load_tile=load_tile, key_ok=key_ok,
@@ -309,9 +377,26 @@ def mla_wg_attention(q, cache, lengths, ntok, mask, scale, split, normalize, o_p
     return kernel(max_registers=255)(ns["mla_wg_attention"])
 
 
-def mla_wg_launch(M, D, r, causal, work, fuse=False):
-    """(kernel, row tiles, threads, shared bytes) for mla.mla_attention's launch: M = T h query rows in tiles of 64
-    (one query's heads), 256 threads; `work` splits must be whole steps."""
+def mla_wg_launch(M, D, r, causal, work, cache, fuse=False):
+    """(kernel, row tiles, threads, shared bytes, tensor map) for mla.mla_attention's launch: M = T h query rows in
+    tiles of 64 (one query's heads), 256 threads; `work` splits must be whole steps. The tensor map (a device u64
+    array, made once per cache) is the kernel's third argument (unused without MLA_WG_TMA)."""
     if work is not None and work.split % MLA_WG_NK:
         raise ValueError(f"mla_attention: split {work.split} is not a multiple of {MLA_WG_NK} keys")
-    return mla_wg_kernel(D, r, causal, fuse=fuse), M // 64, 256, wg_smem(D, MLA_WG_NK, wg_stages(D))
+    tmap = cache_tensor_map(cache) if MLA_WG_TMA else cache
+    return mla_wg_kernel(D, r, causal, fuse=fuse), M // 64, 256, wg_smem(D, MLA_WG_NK, wg_stages(D)), tmap
+
+
+_TMAP_DEV = {}
+
+
+def cache_tensor_map(cache):
+    """The TMA tensor map of a bf16 latent cache [B, cap, D] seen as [B cap, D] rows, in device memory (made on the
+    first call for this cache, outside graph capture: engines warm up before they capture)."""
+    from kernels.bulk import tensor_map_2d
+    from kernels.gemm import _address
+    B, cap, D = cache.shape
+    key = (_address(cache), B * cap, D, MLA_WG_NK)
+    if key not in _TMAP_DEV:
+        _TMAP_DEV[key] = cuda.to_device(tensor_map_2d(key[0], B * cap, D, MLA_WG_NK, 64))
+    return _TMAP_DEV[key]

@@ -168,6 +168,18 @@ def test_gpu_mma_sync_path(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("case", WG_CASES)
+def test_gpu_wgmma_loads(case, tma, monkeypatch):
+    """The 64-head cases with the cache tiles loaded by cp.async (128 threads) or by TMA tensor copies
+    (kernels.mla_wg.MLA_WG_TMA): rows past each sequence's end are NaN in the cache (check), so a tile's rows past
+    the split's end must land as zeros either way."""
+    import kernels.mla_wg as kw
+    monkeypatch.setattr(kw, "MLA_WG_TMA", tma)
+    check(Env(gpu=True), **K2, **GPU_CASES[case], calls=2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", ["decode_h64_b9_auto", "tree17_h64", "decode_h8_b5_auto"])
 def test_gpu_fused_merge(case):
     """The split merge by the last split block of each row tile (kernels.mla.MLA_FUSED_MERGE, off by default:
@@ -193,8 +205,8 @@ def test_gpu_wgmma_path_taken(D, r):
 
 # --- PTX for sm_90 ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("D,r,fuse", [(192, 128, False)])   # K2's (576, 512): 4x the time; fuse=True: 30 s more
-def test_ptx_wgmma_kernel(D, r, fuse):
+@pytest.mark.parametrize("D,r,fuse,tma", [(192, 128, False, False), (192, 128, False, True)])   # K2's (576, 512):
+def test_ptx_wgmma_kernel(D, r, fuse, tma, monkeypatch):                            # 4x the time; fuse: 30 s more
     """kernels/mla_wg.py compiles for sm_90a: D/16 wgmma for S(0) and as many for S(i + 1), NK/16 (MN-major B)
     for P V in each warpgroup's loop, no float64, no local memory; ptxas (where installed) keeps the wgmmas
     asynchronous (no serialization notice) in 255 registers without spills. Session 10 on the H200 (K2 shapes):
@@ -205,8 +217,14 @@ def test_ptx_wgmma_kernel(D, r, fuse):
     import subprocess
     import tempfile
 
-    from kernels.mla_wg import MLA_WG_NK, mla_wg_kernel
-    ptx = ptx_or_skip(mla_wg_kernel(D, r, False, fuse=fuse).py_func, SIG, cc=(9, 0, "a"))
+    import kernels.mla_wg as kw
+    monkeypatch.setattr(kw, "MLA_WG_TMA", tma)
+    ptx = ptx_or_skip(kw.mla_wg_kernel(D, r, False, fuse=fuse).py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
+    MLA_WG_NK = kw.MLA_WG_NK
+    tensor = re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)
+    assert len(tensor) % (D // 64) == 0 and bool(tensor) == bool(tma), len(tensor)   # a copy per 64-column box of a tile
+    assert ("cp.async.cg" in ptx) != bool(tma)
+    assert ("fence.proxy.tensormap" in ptx) == tma
     ops = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16[^;]*,\s*(\d);", ptx)
     want = [(str(MLA_WG_NK), "0")] * (2 * D // 16) + [(str(r // 2), "1")] * (2 * MLA_WG_NK // 16)
     assert sorted(ops) == sorted(want), ops

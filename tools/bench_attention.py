@@ -9,6 +9,7 @@ overhead is not measured. `run(results, copy_bw_gbs)` is called by tools/bench_k
     ncu -k regex:mla python -m tools.bench_attention --profile-mla 64:1:4096:64  # heads:queries:context:batch
 """
 import argparse
+import contextlib
 import json
 import time
 
@@ -99,16 +100,23 @@ def bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch=256 * 1024, q_
     """MLA decode/verify: B sequences of `ctx` committed rows + T tree tokens (all-visible masks), at batch 1 and
     min(max_batch, tokens_per_batch / ctx). GB/s counts the cache rows read once; tflops the S and P V products.
     variant: kernels.mla settings to try (e.g. {"MLA_NK": 64, "MLA_MAX_STAGES": 2}), restored afterwards."""
+    from kernels.mla import mla_attention, mla_geometry, mla_step_keys, mla_work
+    with mla_settings(variant):
+        return _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap, max_batch,
+                          mla_attention, mla_geometry, mla_step_keys, mla_work)
+
+
+@contextlib.contextmanager
+def mla_settings(variant):
+    """kernels.mla (or kernels.mla_wg for MLA_WG* names) module settings set inside the block, restored after."""
     import kernels.mla as km
     import kernels.mla_wg as kw
-    from kernels.mla import mla_attention, mla_geometry, mla_step_keys, mla_work
-    mod = {k: kw if k.startswith("MLA_WG") else km for k in (variant or {})}    # MLA_WG*: the wgmma kernel's
+    mod = {k: kw if k.startswith("MLA_WG") else km for k in (variant or {})}
     saved = {k: getattr(mod[k], k) for k in (variant or {})}
     try:
         for k, v in (variant or {}).items():
             setattr(mod[k], k, v)
-        return _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap, max_batch,
-                          mla_attention, mla_geometry, mla_step_keys, mla_work)
+        yield
     finally:
         for k, v in saved.items():
             setattr(mod[k], k, v)
@@ -236,8 +244,9 @@ def profile_mla(case):
     mask = keep.arr(_cp().full((B, T, -(-T // 32)), 0xFFFFFFFF, np.uint32))
     out = keep.zeros((B, T, h, K2_R), np.float32)
     work = mla_work(keep.zeros, B, T, h, K2_R, ctx + T)
-    for _ in range(3):
-        mla_attention(q, cache, lengths, ntok, mask, 0.04, out, work)
+    with mla_settings(MLA_VARIANT):
+        for _ in range(3):
+            mla_attention(q, cache, lengths, ntok, mask, 0.04, out, work)
     _cp().cuda.runtime.deviceSynchronize()
 
 
@@ -506,12 +515,12 @@ def main():
     ap.add_argument("--mla-variant", metavar="JSON", help='kernels.mla settings for the mla table, e.g. {"MLA_NK": 64}')
     ap.add_argument("--profile-tree", metavar="BUDGET", help="run the tree stages three times for a profiler, exit")
     args = ap.parse_args()
+    if args.mla_variant:
+        MLA_VARIANT.update(json.loads(args.mla_variant))
     if args.profile_tree:
         return profile_tree(args.profile_tree)
     if args.profile_mla:
         return profile_mla(args.profile_mla)
-    if args.mla_variant:
-        MLA_VARIANT.update(json.loads(args.mla_variant))
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     def save(results):
