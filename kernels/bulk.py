@@ -20,30 +20,25 @@ import numpy as np
 
 from kernels.device import SIM, device, syncwarp
 
-_TMAPS = {}
-
-
 def tensor_map_2d(addr, rows, cols, box_rows, box_cols):
     """Tensor map (u64[16], host) of a row-major bf16 [rows, cols] tensor at device address addr, copied in boxes of
     box_rows x box_cols (box_cols * 2 = 128 bytes: one swizzle span) into the 128-byte-swizzle layout, L2 asked for
-    256-byte lines, rows past the end read as zeros. Made once per (address, shape, box)."""
-    key = (addr, rows, cols, box_rows, box_cols)
-    if key not in _TMAPS:
-        from cuda.bindings import driver as d
-        if box_cols * 2 != 128 or addr % 16 or cols * 2 % 16:
-            raise ValueError(f"tensor_map_2d: boxes of {box_cols} bf16 columns (must be 64), address {addr:#x} and "
-                             f"row pitch {cols * 2} bytes (must be 16-byte aligned)")
-        err, tmap = d.cuTensorMapEncodeTiled(
-            d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, addr, [d.cuuint64_t(cols), d.cuuint64_t(rows)],
-            [d.cuuint64_t(cols * 2)], [d.cuuint32_t(box_cols), d.cuuint32_t(box_rows)], [d.cuuint32_t(1)] * 2,
-            d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B, d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-        if err != d.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"tensor_map_2d: cuTensorMapEncodeTiled failed ({err}) for [{rows}, {cols}] at "
-                               f"{addr:#x}, box [{box_rows}, {box_cols}]")
-        _TMAPS[key] = np.array([int(v) for v in tmap.opaque], np.uint64)
-    return _TMAPS[key]
+    256-byte lines, rows past the end read as zeros."""
+    if box_cols * 2 != 128 or not 0 < box_rows <= 256 or addr % 16 or cols * 2 % 16:
+        raise ValueError(f"tensor_map_2d: boxes of {box_rows} x {box_cols} bf16 (<= 256 rows, 64 columns), address "
+                         f"{addr:#x} and row pitch {cols * 2} bytes (must be 16-byte aligned)")
+    from cuda.bindings import driver as d
+    err, tmap = d.cuTensorMapEncodeTiled(
+        d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, addr, [d.cuuint64_t(cols), d.cuuint64_t(rows)],
+        [d.cuuint64_t(cols * 2)], [d.cuuint32_t(box_cols), d.cuuint32_t(box_rows)], [d.cuuint32_t(1)] * 2,
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != d.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"tensor_map_2d: cuTensorMapEncodeTiled failed ({err}) for [{rows}, {cols}] at "
+                           f"{addr:#x}, box [{box_rows}, {box_cols}]")
+    return np.array([int(v) for v in tmap.opaque], np.uint64)
+
 
 if SIM:
     def mbar_init(bars, i):

@@ -203,6 +203,16 @@ def test_gpu_wgmma_path_taken(D, r):
     check(Env(gpu=True), B=2, T=3, h=64, D=D, r=r, lengths=(300, 40), ntok=(3, 2), work=64)
 
 
+@pytest.mark.parametrize("args", [(0x1000, 100, 576, 32, 32), (0x1008, 100, 576, 32, 64), (0x1000, 100, 572, 32, 64),
+                                  (0x1000, 100, 576, 257, 64)])
+def test_tensor_map_rejects(args):
+    """kernels/bulk.py tensor_map_2d: a box that is not 64 bf16 columns (one 128-byte swizzle span) or more than 256
+    rows, an unaligned address or row pitch: a one-line ValueError before the driver is asked."""
+    from kernels.bulk import tensor_map_2d
+    with pytest.raises(ValueError, match=r"^tensor_map_2d: boxes of .*\(must be 16-byte aligned\)$"):
+        tensor_map_2d(*args)
+
+
 # --- PTX for sm_90 ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("D,r,fuse,tma", [(192, 128, False, False), (192, 128, False, True)])   # K2's (576, 512):
@@ -222,7 +232,7 @@ def test_ptx_wgmma_kernel(D, r, fuse, tma, monkeypatch):                        
     ptx = ptx_or_skip(kw.mla_wg_kernel(D, r, False, fuse=fuse).py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
     MLA_WG_NK = kw.MLA_WG_NK
     tensor = re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)
-    assert len(tensor) % (D // 64) == 0 and bool(tensor) == bool(tma), len(tensor)   # a copy per 64-column box of a tile
+    assert len(tensor) % (D // 64) == 0 and bool(tensor) == bool(tma), len(tensor)   # a copy per 64-column box
     assert ("cp.async.cg" in ptx) != bool(tma)
     assert ("fence.proxy.tensormap" in ptx) == tma
     ops = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16[^;]*,\s*(\d);", ptx)
@@ -254,11 +264,14 @@ def test_ptx_geometries(M, D, r):
 
 def test_mla_cuts_match_the_kernel():
     """tools/mla_cuts.py's cuts still find their lines in kernels/mla_wg.py (a stale cut would stop the tool with
-    an error; this keeps it usable for the next measurement), and each one changes the source."""
-    from tools.mla_cuts import CUTS, cut_source
+    an error; this keeps it usable for the next measurement), each one changes the source, and the kernel built
+    from the cut source still parses (a cut that leaves broken indentation fails here)."""
+    from tools.mla_cuts import CUTS, cut_kernel, cut_source
     base = cut_source("base")
     for name in CUTS:
         assert cut_source(name) != base, name
+        cut_kernel(name)                                # the generated kernel source still runs (Python only)
+    assert cut_source("base+merge") == base             # a launch cut: the child skips the merge, no source change
     with pytest.raises(SystemExit, match="unknown cut"):
         cut_source("base+nonsense")
 

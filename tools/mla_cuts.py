@@ -3,6 +3,7 @@ wrong; only the time means something). Each variant runs in a child process that
 mla_wg.py's source with the cut lines removed (the file is not touched), then times mla_attention (kernel + merge)
 as CUDA-graph replays. Session 11's table in the README came from this.
     python -m tools.mla_cuts base softmax pv s load sync s+pv load+softmax s+pv+sync+q [--case 64:1:4096:64]
+    python -m tools.mla_cuts base q store merge q+store+merge     # the per-block fixed work (prologue, epilogue)
     python -m tools.mla_cuts --check       # CPU: every cut still compiles to sm_90a PTX (needs the NVVM wheels)
 A cut that also makes O dead code (store) lets the compiler drop more than the cut: read it with care."""
 import argparse
@@ -15,13 +16,18 @@ CUTS = {    # name: lines of mla_wg.py's kernel source removed, or (old, new) re
     "softmax": [f'{{softmax("{I12}")}}\n'],                           # warpgroup 0's softmax inside the loop
     "pv": [f'{{pv_calls("{I12}")}}\n'],                               # O += P V in both warpgroups' loops
     "s": [f'{{s_calls("{I12}")}}\n'],                                 # S(i + 1) = Q K^T inside the loop
-    "load": [f"{I12}load_tile(usm, cache, row0, lo + (i + 3) * {{NK}}, hi, (i + 3) % {{stages}}, tid - 128)\n"],
+    "load": [   # the ring's refills in the loop: cp.async pieces, or TMA boxes (then the refill copies nothing
+        #         but still completes its slot's mbarrier phase, so the waits do not hang)
+        ("load_tile(usm, cache, row0, lo + (i + 3) * {NK}, hi, (i + 3) % {stages}, tid - 128)", "pass"),
+        ("load_tile_tma(wsm, bars, tmap, row0, lo + (i + 3) * {NK}, hi, (i + 3) % {stages})",
+         "load_tile_tma(wsm, bars, tmap, row0, hi, hi, (i + 3) % {stages})")],
     "sync": [f"{I12}fence_proxy_async()                   # P(i) -> the wgmma proxy\n{I12}cuda.syncthreads()\n",
              f"{I12}fence_proxy_async()\n{I12}cuda.syncthreads()\n"],     # the per-step barrier (both loops)
     "q": [("ld16(q, qo)", "(uint32(0), uint32(0), uint32(0), uint32(0))"),      # the q prologue's global loads
           ("ld16(q, qo + 4)", "(uint32(0), uint32(0), uint32(0), uint32(0))")],
     "store": ["{store_out}\n"],                                          # the o_part stores (O becomes dead code)
 }
+LAUNCH_CUTS = {"merge"}     # cut in the child at run time, not in the source: the merge launch after the splits
 
 CHILD = """
 import sys
@@ -32,6 +38,9 @@ from tools.bench_attention import Keep, K2_D, K2_R, gpu_us
 ns = {"__name__": "kernels.mla_wg_cut"}
 exec(compile(cut_source(sys.argv[1]), W.__file__, "exec"), ns)
 W._make_kernel = ns["_make_kernel"]
+import kernels.mla as KM
+if "merge" in sys.argv[1].split("+"):
+    KM.merge_splits = lambda *args: None
 from kernels.mla import mla_attention, mla_work
 h, T, ctx, B = (int(v) for v in sys.argv[2].split(":"))
 keep = Keep()
@@ -51,8 +60,10 @@ def cut_source(variant):
     with open(W.__file__) as f:
         src = f.read()
     for name in filter(None, variant.replace("base", "").split("+")):
+        if name in LAUNCH_CUTS:
+            continue
         if name not in CUTS:
-            raise SystemExit(f"mla_cuts: unknown cut {name!r} (known: {', '.join(CUTS)})")
+            raise SystemExit(f"mla_cuts: unknown cut {name!r} (known: {', '.join([*CUTS, *LAUNCH_CUTS])})")
         for pat in CUTS[name]:
             old, new = pat if isinstance(pat, tuple) else (pat, "")
             if old not in src:
@@ -65,13 +76,19 @@ def check():
     """Every single cut compiles to sm_90a PTX at K2's widths (CPU)."""
     from numba import cuda
 
-    from kernels.mla import MLA_PTX_SIG
+    from kernels.mla_wg import MLA_WG_PTX_SIG
     for name in ["base", *CUTS]:
-        ns = {"__name__": "kernels.mla_wg_cut"}
-        exec(compile(cut_source(name), "mla_wg_cut", "exec"), ns)
-        kern = ns["_make_kernel"](576, 512, False, 32, 4)
-        cuda.compile_ptx(kern.py_func, MLA_PTX_SIG, cc=(9, 0, "a"))
+        cuda.compile_ptx(cut_kernel(name).py_func, MLA_WG_PTX_SIG, cc=(9, 0, "a"))
         print(f"{name}: compiles", flush=True)
+
+
+def cut_kernel(variant, D=576, r=512):
+    """The kernel (not compiled yet) of kernels/mla_wg.py's source with `variant`'s cuts, with the module's load
+    path (MLA_WG_TMA); building it runs the generated source, so a cut that breaks it fails here."""
+    import kernels.mla_wg as W
+    ns = {"__name__": "kernels.mla_wg_cut"}
+    exec(compile(cut_source(variant), "mla_wg_cut", "exec"), ns)
+    return ns["_make_kernel"](D, r, False, W.MLA_WG_NK, W.wg_stages(D), False, W.MLA_WG_TMA)
 
 
 def main():
