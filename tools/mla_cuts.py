@@ -77,6 +77,8 @@ def check():
     from numba import cuda
 
     from kernels.mla_wg import MLA_WG_PTX_SIG
+    from tools.ptx_stats import _sm90
+    _sm90()                                             # no GPU here: device functions compile for sm_90
     for name in ["base", *CUTS]:
         cuda.compile_ptx(cut_kernel(name).py_func, MLA_WG_PTX_SIG, cc=(9, 0, "a"))
         print(f"{name}: compiles", flush=True)
