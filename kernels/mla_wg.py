@@ -144,13 +144,14 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False):
         return "\n".join(indent + ln if ln else ln for ln in softmax_body.split("\n"))
     def rescale(indent):
         return "\n".join(f"{indent}o{i} *= {'al0' if i % 4 < 2 else 'al1'}" for i in range(NO))
-    stores = []
+    # O's stores: unsigned row / column indices (no negative-index checks; the column's constant folds into the
+    # store's address)
+    stores = [f"    ra, rb, cb = uint32(mb + r0), uint32(mb + r1), uint32(wg * {NPV} + 2 * t)"]
     for j in range(NPV // 8):
-        col = f"wg * {NPV} + {8 * j} + 2 * t"
         for half, (a, bb) in enumerate(((4 * j, 4 * j + 1), (4 * j + 2, 4 * j + 3))):
-            row, inv = ("r0", "inv0") if half == 0 else ("r1", "inv1")
-            stores.append(f"    o_part[b, s, mb + {row}, {col}] = o{a} * {inv}")
-            stores.append(f"    o_part[b, s, mb + {row}, {col} + 1] = o{bb} * {inv}")
+            row, inv = ("ra", "inv0") if half == 0 else ("rb", "inv1")
+            stores.append(f"    o_part[b, s, {row}, cb + uint32({8 * j})] = o{a} * {inv}")
+            stores.append(f"    o_part[b, s, {row}, cb + uint32({8 * j + 1})] = o{bb} * {inv}")
     store_out = "\n".join(stores)
     zero_o = "\n".join(f"    {v} = float32(0)" for v in ov)
     zero_s = "\n".join(f"    {v} = float32(0)" for v in sv)
@@ -208,10 +209,11 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
             qv[8 * p], qv[8 * p + 1], qv[8 * p + 2], qv[8 * p + 3] = ld16(q, qo)
             qv[8 * p + 4], qv[8 * p + 5], qv[8 * p + 6], qv[8 * p + 7] = ld16(q, qo + 4)
         for p in range({QG}):
-            u = tid + (p0 + p) * 256
-            o = sw128_offset(u // {D8}, 8 * (u % {D8}), 64) >> 2
+            u = uint32(tid + (p0 + p) * 256)      # unsigned 32 bits: the division by D8 is a multiply-shift and
+            qr = u // uint32({D8})                # the word index needs no negative-index check
+            o = uint32(sw128_offset(qr, 8 * (u - qr * uint32({D8})), 64) >> 2)
             for e in range(4):
-                wsm[o + e] = _pack2(as_f32(qv[8 * p + 2 * e]), as_f32(qv[8 * p + 2 * e + 1]))
+                wsm[o + uint32(e)] = _pack2(as_f32(qv[8 * p + 2 * e]), as_f32(qv[8 * p + 2 * e + 1]))
 {zero_o}
 {zero_s}
     m0, m1 = NEG_INF, NEG_INF                     # warpgroup 0: running max and sum of rows r0, r1
