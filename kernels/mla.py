@@ -418,18 +418,21 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW, FUSE):
         for p in range(stages - 1):                   # the ring's first tiles in flight
             load_tile(usm, cache, row0, lo + p * NK, hi, p, tid)
         for p0 in range(0, QPT, QG):                  # q tile: QG 16-byte loads in flight, then bf16 pairs
-            for p in range(QG):
-                idx = tid + (p0 + p) * THREADS
-                m = mt * MT + idx // D4
+            for p in range(QG):                       # piece idx: row idx // D4, 4 values at 4 (idx % D4); in
+                idx = uint32(tid + (p0 + p) * THREADS)    # unsigned 32 bits the division is a multiply-shift
+                qr = idx // uint32(D4)
+                m = mt * MT + qr
                 qv[4 * p], qv[4 * p + 1], qv[4 * p + 2], qv[4 * p + 3] = uint32(0), uint32(0), uint32(0), uint32(0)
                 if idx < MT * D4 and m < M:
-                    qv[4 * p], qv[4 * p + 1], qv[4 * p + 2], qv[4 * p + 3] = ld16(q, (b * M + m) * D + 4 * (idx % D4))
+                    qv[4 * p], qv[4 * p + 1], qv[4 * p + 2], qv[4 * p + 3] = ld16(
+                        q, (b * M + m) * D + 4 * (idx - qr * uint32(D4)))
             for p in range(QG):
-                idx = tid + (p0 + p) * THREADS
+                idx = uint32(tid + (p0 + p) * THREADS)
                 if idx < MT * D4:
-                    o = (U0 + (idx // D4) * DP + 4 * (idx % D4)) // 2
+                    qr = idx // uint32(D4)
+                    o = uint32((U0 + qr * DP + 4 * (idx - qr * uint32(D4))) // 2)
                     wsm[o] = _bf16_pair(as_f32(qv[4 * p]), as_f32(qv[4 * p + 1]))
-                    wsm[o + 1] = _bf16_pair(as_f32(qv[4 * p + 2]), as_f32(qv[4 * p + 3]))
+                    wsm[o + uint32(1)] = _bf16_pair(as_f32(qv[4 * p + 2]), as_f32(qv[4 * p + 3]))
         if tid < MT:
             fsm[tid] = NEG_INF
             fsm[MT + tid] = float32(0)
