@@ -170,6 +170,7 @@ def attention_split_kernel(q, k, v, kv_len, has_len, vis, has_vis, scale, split,
 
 MERGE_GROUPS = 8            # split groups per merge block (summed in shared memory)
 MERGE_ROWS = 4              # rows per merge block at <= MERGE_ROWS splits: their loads are in flight together
+MERGE_SPLITS = 4            # above that, one row per block and this many of a thread's splits loaded together
 
 
 @device
@@ -186,33 +187,50 @@ def _fold(acc, k, ms, ls, u0, u1, u2, u3):
 
 
 @functools.cache
-def merge_kernel(RB):
-    """merge_splits_kernel for RB rows per block (compiled once per value)."""
+def merge_kernel(RB, SU=1):
+    """merge_splits_kernel for RB rows per block, or one row (RB = 1) and SU of a thread's splits per load round
+    (compiled once per pair)."""
+    if SU > 1 and RB != 1:
+        raise ValueError(f"merge_kernel: {SU} splits per round need one row per block, not {RB}")
+
     @kernel(max_registers=64)                    # up to 1024 threads per block
     def merge_splits_kernel(o_part, ml_part, out):
         """Flash-decoding merge: out[b, m] = sum_s 2^(max_s - max) o_part[b, s, m] / sum_s 2^(max_s - max) sum_s
         (maxes in log2 units). Block (RB rows from m0, sequence b) of (r/4, G) threads: thread (x, y) folds splits
-        y, y+G, ... of each row for columns 4x..4x+3 (16-byte loads, the RB rows' loads in flight together, an
-        online max: one pass), the G partial folds meet in shared memory. One row per block (one load per thread)
-        took 17 us for 64 x 64 rows of 512 at two splits on the H200: latency, not bytes. o_part f32[B, nsplit, M,
-        r] and ml_part f32[B, nsplit, M, 2] contiguous (r % 4 == 0), out f32[B, M, r] (any strides); rows whose
-        splits saw no key get 0. Bytes: the partials once, the output once."""
+        y, y+G, ... of each row for columns 4x..4x+3 (16-byte loads, an online max: one pass), the loads of RB
+        rows x SU of its splits in flight together, then folded in split order; the G partial folds meet in
+        shared memory. One row per block (one load per thread) took 17 us for 64 x 64 rows of 512 at two splits on
+        the H200: latency, not bytes. o_part f32[B, nsplit, M, r] and ml_part f32[B, nsplit, M, 2] contiguous
+        (r % 4 == 0), out f32[B, M, r] (any strides); rows whose splits saw no key get 0. Bytes: the partials
+        once, the output once."""
         m0, b = cuda.blockIdx.x * RB, cuda.blockIdx.y
         x, y = cuda.threadIdx.x, cuda.threadIdx.y
         G, X = cuda.blockDim.y, cuda.blockDim.x
         nsplit, M, r = o_part.shape[1], o_part.shape[2], o_part.shape[3]
         red = cuda.shared.array(0, float32)
         acc = cuda.local.array((RB, 6), float32)        # per row: y0..y3, den, max (registers)
+        got = cuda.local.array((SU, 6), float32)        # one load round (RB = 1): max, sum, 4 values each
         for k in range(RB):
             for j in range(5):
                 acc[k, j] = float32(0)
             acc[k, 5] = NEG_INF
-        for s in range(y, nsplit, G):             # online over this thread's splits
-            for k in range(RB):                   # rows past M re-read row M - 1 (never written)
-                row = (b * nsplit + s) * M + min(m0 + k, M - 1)      # flat row of o_part / ml_part
-                ms, ls = as_f32(ld4(ml_part, 2 * row)), as_f32(ld4(ml_part, 2 * row + 1))
+        for s0 in range(y, nsplit, G * SU):       # online over this thread's splits, SU per round
+            if SU == 1:                           # each row's fold beside its loads (ptxas keeps them in flight)
+                for k in range(RB):               # rows past M re-read row M - 1 (never written)
+                    row = (b * nsplit + s0) * M + min(m0 + k, M - 1)     # flat row of o_part / ml_part
+                    ms, ls = as_f32(ld4(ml_part, 2 * row)), as_f32(ld4(ml_part, 2 * row + 1))
+                    u0, u1, u2, u3 = ld16(o_part, row * r + 4 * x)
+                    _fold(acc, k, ms, ls, as_f32(u0), as_f32(u1), as_f32(u2), as_f32(u3))
+                continue
+            for u in range(SU):                   # one row (RB = 1): SU splits' loads, then their folds
+                s = min(s0 + u * G, nsplit - 1)   # a round past the last split re-reads it (not folded)
+                row = (b * nsplit + s) * M + min(m0, M - 1)
+                got[u, 0], got[u, 1] = as_f32(ld4(ml_part, 2 * row)), as_f32(ld4(ml_part, 2 * row + 1))
                 u0, u1, u2, u3 = ld16(o_part, row * r + 4 * x)
-                _fold(acc, k, ms, ls, as_f32(u0), as_f32(u1), as_f32(u2), as_f32(u3))
+                got[u, 2], got[u, 3], got[u, 4], got[u, 5] = as_f32(u0), as_f32(u1), as_f32(u2), as_f32(u3)
+            for u in range(SU):
+                if s0 + u * G < nsplit:
+                    _fold(acc, 0, got[u, 0], got[u, 1], got[u, 2], got[u, 3], got[u, 4], got[u, 5])
         o = uint32(6 * RB * (y * X + x))
         if y > 0:
             for k in range(RB):
@@ -296,13 +314,14 @@ def last_split_merge(o_part, ml_part, out, count, b, tile, m0, rows):
 def merge_splits(o_part, ml_part, out):
     """One launch of merge_splits_kernel: grid (M / rows, B), block (r/4, groups), 24 rows bytes of shared memory
     per thread: MERGE_ROWS rows and a group per split where the splits are few (<= MERGE_ROWS, 48 KB), else one
-    row and min(MERGE_GROUPS, nsplit) groups."""
+    row, min(MERGE_GROUPS, nsplit) groups and up to MERGE_SPLITS of a thread's splits loaded per round."""
     B, nsplit, M, r = o_part.shape
     if r % 4:
         raise ValueError(f"merge_splits: value width {r} is not a multiple of 4 (16-byte partial loads)")
     few = nsplit <= MERGE_ROWS and 24 * MERGE_ROWS * r // 4 * nsplit <= 48 * 1024
     rows, groups = (MERGE_ROWS, nsplit) if few else (1, min(MERGE_GROUPS, nsplit))
-    launch(merge_kernel(rows), (-(-M // rows), B), (r // 4, groups), o_part, ml_part, out,
+    per_round = 1 if few else min(MERGE_SPLITS, -(-nsplit // groups))  # a thread's splits loaded together
+    launch(merge_kernel(rows, per_round), (-(-M // rows), B), (r // 4, groups), o_part, ml_part, out,
            shmem=24 * rows * r // 4 * groups)
 
 

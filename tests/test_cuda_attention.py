@@ -168,13 +168,14 @@ def test_ptx_attention(name, sig):
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-def test_ptx_merge(rows):
-    """The flash-decoding merge of all three attention kernels (one row or four rows per block): f32 only, no local
-    memory (the four rows' accumulators stay in registers)."""
+@pytest.mark.parametrize("rows,per_round", [(1, 1), (4, 1), (1, 4)])
+def test_ptx_merge(rows, per_round):
+    """The flash-decoding merge of all three attention kernels (one row or four rows per block, one or four splits
+    per load round): f32 only, no local memory (the accumulators and a round's loads stay in registers)."""
     import re
     from kernels.attention import merge_kernel
-    ptx = ptx_or_skip(merge_kernel(rows).py_func, "void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,:])")
+    ptx = ptx_or_skip(merge_kernel(rows, per_round).py_func,
+                      "void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,:])")
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
     assert not re.search(r"(ld|st)\.local", ptx), "local memory"
 

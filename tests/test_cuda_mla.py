@@ -97,7 +97,10 @@ def check_split_sizing(env):
 SIM_CASES = {
     "cp_piece_sw128": check_cp_piece_sw128,
     "ring_one_split": lambda env: check(env, seed=1),                                      # 5 steps > 4 stages
-    "ring_splits_merge": lambda env: check(env, work=32, seed=2),                          # 5 splits, 2 groups
+    "ring_splits_merge": lambda env: check(env, work=32, seed=2),                  # 5 splits of 64: 5 split groups
+    # 10 splits of 64 keys: 8 split groups per merge block, 2 splits per load round (groups 2..7's second round
+    # is past the last split: loaded, not folded)
+    "merge_split_rounds": lambda env: check(env, lengths=(600, 90), work=32, seed=5),
     # the merge by the last split block (3 splits: a round of 2, then 1), called twice on the same counters
     "merge_fused_dead_rows_empty_seq": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=4), B=3, T=3, h=4,
                                                                lengths=(45, 0, 64), ntok=(2, 0, 3), work=32, seed=13,
