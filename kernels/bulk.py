@@ -20,6 +20,7 @@ import numpy as np
 
 from kernels.device import SIM, device, syncwarp
 
+
 def tensor_map_2d(addr, rows, cols, box_rows, box_cols):
     """Tensor map (u64[16], host) of a row-major bf16 [rows, cols] tensor at device address addr, copied in boxes of
     box_rows x box_cols (box_cols * 2 = 128 bytes: one swizzle span) into the 128-byte-swizzle layout, L2 asked for
