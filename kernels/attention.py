@@ -215,7 +215,7 @@ def merge_kernel(RB, SU=1):
                 acc[k, j] = float32(0)
             acc[k, 5] = NEG_INF
         for s0 in range(y, nsplit, G * SU):       # online over this thread's splits, SU per round
-            if SU == 1:                           # each row's fold beside its loads (ptxas keeps them in flight)
+            if SU == 1:                           # fold each row as it loads (staging RB = 4 rows spills at 64 regs)
                 for k in range(RB):               # rows past M re-read row M - 1 (never written)
                     row = (b * nsplit + s0) * M + min(m0 + k, M - 1)     # flat row of o_part / ml_part
                     ms, ls = as_f32(ld4(ml_part, 2 * row)), as_f32(ld4(ml_part, 2 * row + 1))

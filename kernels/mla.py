@@ -647,15 +647,16 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     M = T * h
     nsplit = 1 if work is None else work.o.shape[1]
     fused = work is not None and nsplit <= MLA_FUSED_MERGE    # the fused kernels merge (out, count), no launch
-    wg = mla_wg_applies(h, D, r)
-    if wg:                                        # 64-head tiles on an sm_90 GPU: both products on wgmma
-        kern, tiles, threads, smem, tmap = mla_wg_launch(M, D, r, mask is None, work, cache, fused)
+    tmap = ()                                     # the wgmma kernel's tensor map, after the cache
+    if mla_wg_applies(h, D, r):                   # 64-head tiles on an sm_90 GPU: both products on wgmma
+        kern, tiles, threads, smem, tm = mla_wg_launch(M, D, r, mask is None, work, cache, fused)
+        tmap = (tm,)
     else:
         rg, kg, stages, threads, smem = mla_geometry(M, D, r)
         kern, tiles = mla_kernel(rg, kg, stages, mask is None, D, r, fuse=fused), -(-M // (16 * rg))
     maskarg = mask if mask is not None else placeholder(q, (1, 1, 1), np.uint32)
     if work is None:                              # out is o_part (out, count: the fused kernels')
-        args = (q, cache, *((tmap,) if wg else ()), lengths, ntok, maskarg, float32(scale * LOG2E),
+        args = (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E),
                 int32(cache.shape[1]), 1, out.reshape(B, 1, M, r), placeholder(q, (1, 1, 1, 2), np.float32),
                 placeholder(q, (1, 1, 1), np.float32), placeholder(q, (1, 1), np.int32))
         launch_smem(kern, (tiles, 1, B), threads, smem, args)
@@ -663,7 +664,7 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     if fused and work.count.shape != (B, M):
         raise ValueError(f"mla_attention: work for {work.count.shape} (B, T h) rows, not {(B, M)}")
     out3 = out.reshape(B, M, r)
-    args = (q, cache, *((tmap,) if wg else ()), lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0,
+    args = (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0,
             work.o, work.ml, out3, work.count)
     launch_smem(kern, (tiles, nsplit, B), threads, smem, args)
     if not fused:

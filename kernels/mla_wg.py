@@ -14,9 +14,10 @@ rows in 128-byte-swizzle atoms (the same bytes are the K-major B of S = Q K^T an
                issued after S of the next step so the softmax runs beside them.
 Bytes: each cache row of the split once per tile (the tiles of one split share it through L2), q once, the
 partials 64 r 4 per block. Same arguments and outputs as mla.py's kernel (o_part, ml_part, the merge after)."""
+import numpy as np
 from numba import cuda, float32, int32, uint16, uint32, uint64
 
-from kernels.attention import NEG_INF, last_split_merge, shfl_xor
+from kernels.attention import NEG_INF, last_split_merge, placeholder, shfl_xor
 from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16
 from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
 
@@ -382,10 +383,10 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
 def mla_wg_launch(M, D, r, causal, work, cache, fuse=False):
     """(kernel, row tiles, threads, shared bytes, tensor map) for mla.mla_attention's launch: M = T h query rows in
     tiles of 64 (one query's heads), 256 threads; `work` splits must be whole steps. The tensor map (a device u64
-    array, made once per cache) is the kernel's third argument (unused without MLA_WG_TMA)."""
+    array, made once per cache) is the kernel's third argument (a placeholder without MLA_WG_TMA)."""
     if work is not None and work.split % MLA_WG_NK:
         raise ValueError(f"mla_attention: split {work.split} is not a multiple of {MLA_WG_NK} keys")
-    tmap = cache_tensor_map(cache) if MLA_WG_TMA else cache
+    tmap = cache_tensor_map(cache) if MLA_WG_TMA else placeholder(cache, (16,), np.uint64)   # unread without TMA
     return mla_wg_kernel(D, r, causal, fuse=fuse), M // 64, 256, wg_smem(D, MLA_WG_NK, wg_stages(D)), tmap
 
 
