@@ -91,17 +91,37 @@ def assert_close(name, got, ref, where):
     return err
 
 
+def selection_margins(scores, top_k, n_group, topk_group):
+    """Per token, the smallest gap the grouped top-k router (kernels.moe.router_ref) decides on: between the
+    topk_group-th and next group score (sum of a group's two best) and between the k-th and next expert of the kept
+    groups. scores f64[n, E] (sigmoid + bias) -> f64[n]. (The plain top-k gap over all experts misses both: a
+    wide64 verify token with a 3.6e-4 gap inside its groups passed a 7.6e-2 global gap and flipped an expert.)"""
+    n, E = scores.shape
+    grouped = scores.reshape(n, n_group, E // n_group)
+    gap = np.full(n, np.inf)
+    if n_group > 1:
+        group = np.sort(np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2), axis=1)            # [n, n_group]
+        gap = group[:, -topk_group] - group[:, -topk_group - 1]
+        kept = np.argsort(-np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2), axis=1, kind="stable")[:, :topk_group]
+        masked = np.full_like(grouped, -np.inf)
+        rows = np.arange(n)[:, None]
+        masked[rows, kept] = grouped[rows, kept]
+        scores = masked.reshape(n, E)
+    s = np.sort(scores, axis=1)
+    return np.minimum(gap, s[:, -top_k] - s[:, -top_k - 1])
+
+
 @contextlib.contextmanager
 def routing_margins(ops):
-    """While open, the reference op table's router appends each call's smallest top-k margin to the yielded list."""
+    """While open, the reference op table's router appends each call's smallest selection margin
+    (selection_margins) to the yielded list."""
     from weights.dtypes import bf16_to_f32
     margins, router = [], ops.router
 
-    def recording(x, w_gate, bias, top_k, *rest):
+    def recording(x, w_gate, bias, top_k, n_group, topk_group, *rest):
         s = 1 / (1 + np.exp(-(x.astype(np.float64) @ bf16_to_f32(w_gate).astype(np.float64).T))) + bias
-        s = np.sort(s, axis=1)
-        margins.append(float((s[:, -top_k] - s[:, -top_k - 1]).min()))
-        return router(x, w_gate, bias, top_k, *rest)
+        margins.append(float(selection_margins(s, top_k, n_group, topk_group).min()))
+        return router(x, w_gate, bias, top_k, n_group, topk_group, *rest)
     ops.router = recording
     try:
         yield margins
