@@ -168,9 +168,10 @@ def attention_split_kernel(q, k, v, kv_len, has_len, vis, has_vis, scale, split,
             u += 1
 
 
-MERGE_GROUPS = 8            # split groups per merge block (summed in shared memory)
+MERGE_GROUPS = 32           # split groups per merge block (a tree of folds in shared memory)
 MERGE_ROWS = 4              # rows per merge block at <= MERGE_ROWS splits: their loads are in flight together
-MERGE_SPLITS = 4            # above that, one row per block and this many of a thread's splits loaded together
+MERGE_SPLITS = 4            # above that, one row per block and up to this many of a thread's splits loaded together
+MERGE_COLS = 32             # ... and column quads per block: a row's r/4 quads over r/(4 MERGE_COLS) blocks
 
 
 @device
@@ -196,17 +197,20 @@ def merge_kernel(RB, SU=1):
     @kernel(max_registers=64)                    # up to 1024 threads per block
     def merge_splits_kernel(o_part, ml_part, out):
         """Flash-decoding merge: out[b, m] = sum_s 2^(max_s - max) o_part[b, s, m] / sum_s 2^(max_s - max) sum_s
-        (maxes in log2 units). Block (RB rows from m0, sequence b) of (r/4, G) threads: thread (x, y) folds splits
-        y, y+G, ... of each row for columns 4x..4x+3 (16-byte loads, an online max: one pass), the loads of RB
-        rows x SU of its splits in flight together, then folded in split order; the G partial folds meet in
-        shared memory. One row per block (one load per thread) took 17 us for 64 x 64 rows of 512 at two splits on
-        the H200: latency, not bytes. o_part f32[B, nsplit, M, r] and ml_part f32[B, nsplit, M, 2] contiguous
-        (r % 4 == 0), out f32[B, M, r] (any strides); rows whose splits saw no key get 0. Bytes: the partials
+        (maxes in log2 units). Block (RB rows from m0 and X column quads of them, sequence b) of (X, G) threads:
+        thread (x, y) folds splits y, y+G, ... of each row for its 4 columns (16-byte loads, an online max: one
+        pass), the loads of RB rows x SU of its splits in flight together, then folded in split order; the G
+        partial folds meet in shared memory as a tree (log2 G rounds). H200, 65 splits of 8 rows of 512 (batch-1
+        decode, 8 heads): one block per row of (128, 8) threads took 12.2K cycles (ncu), 32 warps of ~670
+        instructions on each of 8 SMs. o_part f32[B, nsplit, M, r] and ml_part f32[B, nsplit, M, 2] contiguous
+        (r % 4X == 0), out f32[B, M, r] (any strides); rows whose splits saw no key get 0. Bytes: the partials
         once, the output once."""
-        m0, b = cuda.blockIdx.x * RB, cuda.blockIdx.y
         x, y = cuda.threadIdx.x, cuda.threadIdx.y
-        G, X = cuda.blockDim.y, cuda.blockDim.x
+        X, G = cuda.blockDim.x, cuda.blockDim.y
         nsplit, M, r = o_part.shape[1], o_part.shape[2], o_part.shape[3]
+        chunks = r // (4 * X)                          # blocks per row group
+        m0, b = (cuda.blockIdx.x // chunks) * RB, cuda.blockIdx.y
+        c = 4 * ((cuda.blockIdx.x % chunks) * X + x)   # this thread's first column
         red = cuda.shared.array(0, float32)
         acc = cuda.local.array((RB, 6), float32)        # per row: y0..y3, den, max (registers)
         got = cuda.local.array((SU, 6), float32)        # one load round (RB = 1): max, sum, 4 values each
@@ -219,36 +223,39 @@ def merge_kernel(RB, SU=1):
                 for k in range(RB):               # rows past M re-read row M - 1 (never written)
                     row = (b * nsplit + s0) * M + min(m0 + k, M - 1)     # flat row of o_part / ml_part
                     ms, ls = as_f32(ld4(ml_part, 2 * row)), as_f32(ld4(ml_part, 2 * row + 1))
-                    u0, u1, u2, u3 = ld16(o_part, row * r + 4 * x)
+                    u0, u1, u2, u3 = ld16(o_part, row * r + c)
                     _fold(acc, k, ms, ls, as_f32(u0), as_f32(u1), as_f32(u2), as_f32(u3))
                 continue
             for u in range(SU):                   # one row (RB = 1): SU splits' loads, then their folds
                 s = min(s0 + u * G, nsplit - 1)   # a round past the last split re-reads it (not folded)
                 row = (b * nsplit + s) * M + min(m0, M - 1)
                 got[u, 0], got[u, 1] = as_f32(ld4(ml_part, 2 * row)), as_f32(ld4(ml_part, 2 * row + 1))
-                u0, u1, u2, u3 = ld16(o_part, row * r + 4 * x)
+                u0, u1, u2, u3 = ld16(o_part, row * r + c)
                 got[u, 2], got[u, 3], got[u, 4], got[u, 5] = as_f32(u0), as_f32(u1), as_f32(u2), as_f32(u3)
             for u in range(SU):
                 if s0 + u * G < nsplit:
                     _fold(acc, 0, got[u, 0], got[u, 1], got[u, 2], got[u, 3], got[u, 4], got[u, 5])
-        o = uint32(6 * RB * (y * X + x))
-        if y > 0:
-            for k in range(RB):
-                for j in range(6):
-                    red[o + 6 * k + j] = acc[k, j]
-        cuda.syncthreads()
-        if y == 0:
-            for g in range(1, G):
-                o = uint32(6 * RB * (g * X + x))
+        step = 1
+        while step < G:                           # tree: group y takes group y + step's folds (y % 2 step == 0)
+            if y % (2 * step) == step:
+                o = uint32(6 * RB * (y * X + x))
+                for k in range(RB):
+                    for j in range(6):
+                        red[o + 6 * k + j] = acc[k, j]
+            cuda.syncthreads()                    # the next round writes other slots than this one reads
+            if y % (2 * step) == 0 and y + step < G:
+                o = uint32(6 * RB * ((y + step) * X + x))
                 for k in range(RB):
                     _fold(acc, k, red[o + 6 * k + 5], red[o + 6 * k + 4], red[o + 6 * k], red[o + 6 * k + 1],
                           red[o + 6 * k + 2], red[o + 6 * k + 3])
+            step *= 2
+        if y == 0:
             for k in range(RB):
                 if m0 + k < M:
                     den = acc[k, 4]
                     inv = float32(1) / den if den > float32(0) else float32(0)
-                    out[b, m0 + k, 4 * x], out[b, m0 + k, 4 * x + 1] = acc[k, 0] * inv, acc[k, 1] * inv
-                    out[b, m0 + k, 4 * x + 2], out[b, m0 + k, 4 * x + 3] = acc[k, 2] * inv, acc[k, 3] * inv
+                    out[b, m0 + k, c], out[b, m0 + k, c + 1] = acc[k, 0] * inv, acc[k, 1] * inv
+                    out[b, m0 + k, c + 2], out[b, m0 + k, c + 3] = acc[k, 2] * inv, acc[k, 3] * inv
     return merge_splits_kernel
 
 
@@ -312,17 +319,22 @@ def last_split_merge(o_part, ml_part, out, count, b, tile, m0, rows):
 
 
 def merge_splits(o_part, ml_part, out):
-    """One launch of merge_splits_kernel: grid (M / rows, B), block (r/4, groups), 24 rows bytes of shared memory
-    per thread: MERGE_ROWS rows and a group per split where the splits are few (<= MERGE_ROWS, 48 KB), else one
-    row, min(MERGE_GROUPS, nsplit) groups and up to MERGE_SPLITS of a thread's splits loaded per round."""
+    """One launch of merge_splits_kernel: where the splits are few (<= MERGE_ROWS, 48 KB of shared memory) MERGE_ROWS
+    rows per block of (r/4, nsplit) threads; else one row per block, its columns over r / (4 MERGE_COLS) blocks
+    (where r/4 divides), min(MERGE_GROUPS, nsplit) split groups and up to MERGE_SPLITS of a thread's splits loaded
+    per round. Shared memory: 24 bytes per thread and row."""
     B, nsplit, M, r = o_part.shape
     if r % 4:
         raise ValueError(f"merge_splits: value width {r} is not a multiple of 4 (16-byte partial loads)")
     few = nsplit <= MERGE_ROWS and 24 * MERGE_ROWS * r // 4 * nsplit <= 48 * 1024
-    rows, groups = (MERGE_ROWS, nsplit) if few else (1, min(MERGE_GROUPS, nsplit))
-    per_round = 1 if few else min(MERGE_SPLITS, -(-nsplit // groups))  # a thread's splits loaded together
-    launch(merge_kernel(rows, per_round), (-(-M // rows), B), (r // 4, groups), o_part, ml_part, out,
-           shmem=24 * rows * r // 4 * groups)
+    if few:
+        rows, groups, per_round, X = MERGE_ROWS, nsplit, 1, r // 4
+    else:
+        X = MERGE_COLS if (r // 4) % MERGE_COLS == 0 else r // 4
+        rows, groups = 1, min(nsplit, MERGE_GROUPS, 1024 // X)
+        per_round = min(MERGE_SPLITS, -(-nsplit // groups))        # a thread's splits loaded together
+    launch(merge_kernel(rows, per_round), (-(-M // rows) * (r // (4 * X)), B), (X, groups), o_part, ml_part, out,
+           shmem=24 * rows * X * groups)
 
 
 class AttnWork:

@@ -168,7 +168,7 @@ def test_ptx_attention(name, sig):
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
 
 
-@pytest.mark.parametrize("rows,per_round", [(1, 1), (4, 1), (1, 4)])
+@pytest.mark.parametrize("rows,per_round", [(1, 1), (4, 1), (1, 3), (1, 4)])
 def test_ptx_merge(rows, per_round):
     """The flash-decoding merge of all three attention kernels (one row or four rows per block, one or four splits
     per load round): f32 only, no local memory (the accumulators and a round's loads stay in registers)."""

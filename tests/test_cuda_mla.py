@@ -14,15 +14,16 @@ from weights.dtypes import bf16_to_f32, f32_to_bf16
 
 
 def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="none", causal=False, sms=132,
-          scale=None, seed=0, calls=1):
+          scale=None, seed=0, calls=1, margin=7):
     """mla_attention against mla_attention_ref. work: "none" (one normalized split), an int (keys per split)
     or "auto" (mla_work's sizing for `sms` SMs); with splits the row tiles' counters of the fused merge must be
     back at zero after each call (what a graph replay needs); calls > 1: again on the same work, output
-    re-poisoned."""
+    re-poisoned. margin: cache rows past the longest sequence (0: the cache ends at its last row, as the engine's
+    verify of a short prompt has it)."""
     from kernels.mla import mla_attention, mla_attention_ref, mla_work
     rng = np.random.default_rng(seed)
     lengths, ntok = np.array(lengths, np.int32), np.array(ntok, np.int32)
-    cap = int((lengths + ntok).max()) + 7
+    cap = int((lengths + ntok).max()) + margin
     q = bf16_to_f32(f32_to_bf16(rng.normal(size=(B, T, h, D)).astype(np.float32)))   # the kernel's bf16 q
     cache = f32_to_bf16(rng.normal(size=(B, cap, D)).astype(np.float32))
     for b in range(B):
@@ -46,10 +47,11 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
     return wk
 
 
-def check_knobs(env, knobs, **kw):
-    """check with kernels.mla settings changed (e.g. MLA_NK = 32: one column chunk per softmax thread),
-    restored afterwards."""
-    import kernels.mla as km
+def check_knobs(env, knobs, module="kernels.mla", **kw):
+    """check with `module`'s settings changed (e.g. kernels.mla's MLA_NK = 32: one column chunk per softmax
+    thread), restored afterwards."""
+    import importlib
+    km = importlib.import_module(module)
     saved = {k: getattr(km, k) for k in knobs}
     for k, v in knobs.items():
         setattr(km, k, v)
@@ -98,9 +100,13 @@ SIM_CASES = {
     "cp_piece_sw128": check_cp_piece_sw128,
     "ring_one_split": lambda env: check(env, seed=1),                                      # 5 steps > 4 stages
     "ring_splits_merge": lambda env: check(env, work=32, seed=2),                  # 5 splits of 64: 5 split groups
-    # 10 splits of 64 keys: 8 split groups per merge block, 2 splits per load round (groups 2..7's second round
-    # is past the last split: loaded, not folded)
-    "merge_split_rounds": lambda env: check(env, lengths=(600, 90), work=32, seed=5),
+    # 10 splits of 64 keys: 10 split groups per merge block (a tree of 4 rounds, 10 not a power of two)
+    "merge_ten_groups": lambda env: check(env, lengths=(600, 90), work=32, seed=5),
+    # the same with 2 split groups and 2 splits per load round (3 rounds, the last one's second split past the end:
+    # loaded, not folded) and each row's 16 column quads over 2 blocks of 8
+    "merge_split_rounds_column_blocks": lambda env: check_knobs(env, dict(MERGE_GROUPS=2, MERGE_SPLITS=2,
+                                                                          MERGE_COLS=8), "kernels.attention",
+                                                                lengths=(600, 90), work=32, seed=14),
     # the merge by the last split block (3 splits: a round of 2, then 1), called twice on the same counters
     "merge_fused_dead_rows_empty_seq": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=4), B=3, T=3, h=4,
                                                                lengths=(45, 0, 64), ntok=(2, 0, 3), work=32, seed=13,
@@ -148,6 +154,10 @@ GPU_CASES = {
     "tree17_h64_dead_queries": dict(B=3, T=17, h=64, lengths=(0, 2000, 64), ntok=(3, 17, 0), work="auto"),
     "tree9_h64_one_split": dict(B=2, T=9, h=64, lengths=(333, 31), ntok=(9, 4), work="none"),
     "decode_h128_split96": dict(B=2, T=1, h=128, lengths=(1000, 95), ntok=(1, 1), work=96),
+    # the engine's verify of a 2-token prompt: 4 tree rows, a cache of exactly 6 rows (less than one 64-key tile)
+    "tree4_h64_cap6": dict(B=1, T=4, h=64, lengths=(2,), ntok=(4,), work="none", margin=0),
+    "tree4_h8_cap6": dict(B=1, T=4, h=8, lengths=(2,), ntok=(4,), work="none", margin=0),
+    "tree5_h64_b2_cap_exact": dict(B=2, T=5, h=64, lengths=(60, 3), ntok=(5, 4), work="none", margin=0),
 }
 WG_CASES = sorted(c for c in GPU_CASES if GPU_CASES[c]["h"] % 64 == 0)     # kernels/mla_wg.py's on sm_90
 
