@@ -168,10 +168,10 @@ def attention_split_kernel(q, k, v, kv_len, has_len, vis, has_vis, scale, split,
             u += 1
 
 
-MERGE_GROUPS = 32           # split groups per merge block (a tree of folds in shared memory)
 MERGE_ROWS = 4              # rows per merge block at <= MERGE_ROWS splits: their loads are in flight together
-MERGE_SPLITS = 4            # above that, one row per block and up to this many of a thread's splits loaded together
-MERGE_COLS = 32             # ... and column quads per block: a row's r/4 quads over r/(4 MERGE_COLS) blocks
+MERGE_GROUPS = 16           # above that, one row per block, up to this many split groups (a tree of folds) ...
+MERGE_SPLITS = 4            # ... up to this many of a thread's splits loaded together ...
+MERGE_COLS = 16             # ... and this many column quads per block: a row's r/4 quads over r/(4 MERGE_COLS) blocks
 
 
 @device
@@ -197,20 +197,20 @@ def merge_kernel(RB, SU=1):
     @kernel(max_registers=64)                    # up to 1024 threads per block
     def merge_splits_kernel(o_part, ml_part, out):
         """Flash-decoding merge: out[b, m] = sum_s 2^(max_s - max) o_part[b, s, m] / sum_s 2^(max_s - max) sum_s
-        (maxes in log2 units). Block (RB rows from m0 and X column quads of them, sequence b) of (X, G) threads:
+        (maxes in log2 units). Block (RB rows from m0, sequence b, X column quads of chunk z) of (X, G) threads:
         thread (x, y) folds splits y, y+G, ... of each row for its 4 columns (16-byte loads, an online max: one
         pass), the loads of RB rows x SU of its splits in flight together, then folded in split order; the G
-        partial folds meet in shared memory as a tree (log2 G rounds). H200, 65 splits of 8 rows of 512 (batch-1
-        decode, 8 heads): one block per row of (128, 8) threads took 12.2K cycles (ncu), 32 warps of ~670
-        instructions on each of 8 SMs. o_part f32[B, nsplit, M, r] and ml_part f32[B, nsplit, M, 2] contiguous
+        partial folds meet in shared memory as a tree (log2 G rounds). H200 (ncu), 65 splits of 8 rows of 512
+        (batch-1 decode, 8 heads): blocks of (128, 8) threads, one per row, took 12.2K cycles (32 warps of ~670
+        instructions on each of 8 SMs); (32, 32) threads over 4 column blocks per row 15.3K (each block as many
+        instructions: 4x the work). o_part f32[B, nsplit, M, r] and ml_part f32[B, nsplit, M, 2] contiguous
         (r % 4X == 0), out f32[B, M, r] (any strides); rows whose splits saw no key get 0. Bytes: the partials
         once, the output once."""
         x, y = cuda.threadIdx.x, cuda.threadIdx.y
         X, G = cuda.blockDim.x, cuda.blockDim.y
         nsplit, M, r = o_part.shape[1], o_part.shape[2], o_part.shape[3]
-        chunks = r // (4 * X)                          # blocks per row group
-        m0, b = (cuda.blockIdx.x // chunks) * RB, cuda.blockIdx.y
-        c = 4 * ((cuda.blockIdx.x % chunks) * X + x)   # this thread's first column
+        m0, b = cuda.blockIdx.x * RB, cuda.blockIdx.y
+        c = 4 * (cuda.blockIdx.z * X + x)              # this thread's first column
         red = cuda.shared.array(0, float32)
         acc = cuda.local.array((RB, 6), float32)        # per row: y0..y3, den, max (registers)
         got = cuda.local.array((SU, 6), float32)        # one load round (RB = 1): max, sum, 4 values each
@@ -235,20 +235,22 @@ def merge_kernel(RB, SU=1):
             for u in range(SU):
                 if s0 + u * G < nsplit:
                     _fold(acc, 0, got[u, 0], got[u, 1], got[u, 2], got[u, 3], got[u, 4], got[u, 5])
-        step = 1
-        while step < G:                           # tree: group y takes group y + step's folds (y % 2 step == 0)
-            if y % (2 * step) == step:
+        yu, Gu, step = uint32(y), uint32(G), uint32(1)   # unsigned 32-bit: no int64 / uint64 compare (float64)
+        while step < Gu:                          # tree: group y takes group y + step's folds (y % 2 step == 0)
+            span = uint32(step + step)
+            low = uint32(yu & uint32(span - uint32(1)))
+            if low == step:
                 o = uint32(6 * RB * (y * X + x))
                 for k in range(RB):
                     for j in range(6):
                         red[o + 6 * k + j] = acc[k, j]
             cuda.syncthreads()                    # the next round writes other slots than this one reads
-            if y % (2 * step) == 0 and y + step < G:
+            if low == uint32(0) and uint32(yu + step) < Gu:
                 o = uint32(6 * RB * ((y + step) * X + x))
                 for k in range(RB):
                     _fold(acc, k, red[o + 6 * k + 5], red[o + 6 * k + 4], red[o + 6 * k], red[o + 6 * k + 1],
                           red[o + 6 * k + 2], red[o + 6 * k + 3])
-            step *= 2
+            step = span
         if y == 0:
             for k in range(RB):
                 if m0 + k < M:
@@ -333,7 +335,7 @@ def merge_splits(o_part, ml_part, out):
         X = MERGE_COLS if (r // 4) % MERGE_COLS == 0 else r // 4
         rows, groups = 1, min(nsplit, MERGE_GROUPS, 1024 // X)
         per_round = min(MERGE_SPLITS, -(-nsplit // groups))        # a thread's splits loaded together
-    launch(merge_kernel(rows, per_round), (-(-M // rows) * (r // (4 * X)), B), (X, groups), o_part, ml_part, out,
+    launch(merge_kernel(rows, per_round), (-(-M // rows), B, r // (4 * X)), (X, groups), o_part, ml_part, out,
            shmem=24 * rows * X * groups)
 
 

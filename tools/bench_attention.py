@@ -108,10 +108,12 @@ def bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch=256 * 1024, q_
 
 @contextlib.contextmanager
 def mla_settings(variant):
-    """kernels.mla (or kernels.mla_wg for MLA_WG* names) module settings set inside the block, restored after."""
+    """kernels.mla (or kernels.mla_wg for MLA_WG* names, kernels.attention for the merge's MERGE_*) module settings
+    set inside the block, restored after."""
+    import kernels.attention as ka
     import kernels.mla as km
     import kernels.mla_wg as kw
-    mod = {k: kw if k.startswith("MLA_WG") else km for k in (variant or {})}
+    mod = {k: kw if k.startswith("MLA_WG") else ka if k.startswith("MERGE_") else km for k in (variant or {})}
     saved = {k: getattr(mod[k], k) for k in (variant or {})}
     try:
         for k, v in (variant or {}).items():
@@ -450,6 +452,7 @@ ROUND_STAGES = ("topk", "build", "sample_T1", "walk", "commit")     # one DDTree
 
 OPT_IN = ("splits",)        # tables run only when asked for by name (--only)
 MLA_VARIANT = {}            # kernels.mla settings for the mla table (--mla-variant)
+MLA_MAX_BATCH = [64]        # the mla table's largest batch (--mla-max-batch)
 
 
 def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None, only=None):
@@ -468,7 +471,8 @@ def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None, only=None
     except Exception as e:                       # noqa: BLE001
         res["wgmma_error"] = repr(e)[:500]
         print("wgmma roof FAILED", repr(e)[:300], flush=True)
-    for name, fn in [("mla", lambda: bench_mla(ctxs, [64, 8], [1, 17, 65], copy_bw_gbs, variant=MLA_VARIANT)),
+    for name, fn in [("mla", lambda: bench_mla(ctxs, [64, 8], [1, 17, 65], copy_bw_gbs, variant=MLA_VARIANT,
+                                                        max_batch=MLA_MAX_BATCH[0])),
                      ("tree", lambda: bench_tree([16, 64, 255] if quick else [16, 32, 64, 128, 255],
                                                  copy_bw_gbs=copy_bw_gbs)),
                      ("prefill", lambda: bench_prefill()),
@@ -513,10 +517,13 @@ def main():
     ap.add_argument("--only", choices=["mla", "tree", "prefill", "drafter", "splits"], default=None)
     ap.add_argument("--profile-mla", metavar="H:T:CTX:B", help="run one MLA case three times for a profiler, exit")
     ap.add_argument("--mla-variant", metavar="JSON", help='kernels.mla settings for the mla table, e.g. {"MLA_NK": 64}')
+    ap.add_argument("--mla-max-batch", type=int, default=64, metavar="B",
+                    help="the mla table's largest batch (1: the batch-1 rows only)")
     ap.add_argument("--profile-tree", metavar="BUDGET", help="run the tree stages three times for a profiler, exit")
     args = ap.parse_args()
     if args.mla_variant:
         MLA_VARIANT.update(json.loads(args.mla_variant))
+    MLA_MAX_BATCH[0] = args.mla_max_batch
     if args.profile_tree:
         return profile_tree(args.profile_tree)
     if args.profile_mla:
