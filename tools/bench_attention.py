@@ -6,6 +6,7 @@ Every timing replays a CUDA graph of `reps` launches (numba launches captured on
 overhead is not measured. `run(results, copy_bw_gbs)` is called by tools/bench_kernels.py; alone:
     python -m tools.bench_attention [--out bench.json] [--quick] [--only mla|tree|prefill|drafter|splits]
     python -m tools.bench_attention --only mla --mla-variant '{"MLA_NK": 64}'     # a kernels.mla setting
+    python -m tools.bench_attention --only mla --quick --mla-max-batch 1 --mla-variant '[{}, {"MERGE_GROUPS": 8}]'
     ncu -k regex:mla python -m tools.bench_attention --profile-mla 64:1:4096:64  # heads:queries:context:batch
 """
 import argparse
@@ -246,7 +247,7 @@ def profile_mla(case):
     mask = keep.arr(_cp().full((B, T, -(-T // 32)), 0xFFFFFFFF, np.uint32))
     out = keep.zeros((B, T, h, K2_R), np.float32)
     work = mla_work(keep.zeros, B, T, h, K2_R, ctx + T)
-    with mla_settings(MLA_VARIANT):
+    with mla_settings(MLA_VARIANTS[0]):
         for _ in range(3):
             mla_attention(q, cache, lengths, ntok, mask, 0.04, out, work)
     _cp().cuda.runtime.deviceSynchronize()
@@ -451,8 +452,19 @@ ROUND_STAGES = ("topk", "build", "sample_T1", "walk", "commit")     # one DDTree
 
 
 OPT_IN = ("splits",)        # tables run only when asked for by name (--only)
-MLA_VARIANT = {}            # kernels.mla settings for the mla table (--mla-variant)
+MLA_VARIANTS = [{}]         # kernels.mla settings for the mla table, one table per entry (--mla-variant)
 MLA_MAX_BATCH = [64]        # the mla table's largest batch (--mla-max-batch)
+
+
+def mla_tables(ctxs, copy_bw_gbs):
+    """The mla table for each of MLA_VARIANTS in one process (kernels compiled once); with several, each row names
+    its variant."""
+    rows = []
+    for v in MLA_VARIANTS:
+        print("mla variant", v, flush=True)
+        table = bench_mla(ctxs, [64, 8], [1, 17, 65], copy_bw_gbs, variant=v, max_batch=MLA_MAX_BATCH[0])
+        rows += [dict(r, variant=v) for r in table] if len(MLA_VARIANTS) > 1 else table
+    return rows
 
 
 def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None, only=None):
@@ -471,8 +483,7 @@ def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None, only=None
     except Exception as e:                       # noqa: BLE001
         res["wgmma_error"] = repr(e)[:500]
         print("wgmma roof FAILED", repr(e)[:300], flush=True)
-    for name, fn in [("mla", lambda: bench_mla(ctxs, [64, 8], [1, 17, 65], copy_bw_gbs, variant=MLA_VARIANT,
-                                                        max_batch=MLA_MAX_BATCH[0])),
+    for name, fn in [("mla", lambda: mla_tables(ctxs, copy_bw_gbs)),
                      ("tree", lambda: bench_tree([16, 64, 255] if quick else [16, 32, 64, 128, 255],
                                                  copy_bw_gbs=copy_bw_gbs)),
                      ("prefill", lambda: bench_prefill()),
@@ -516,13 +527,15 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["mla", "tree", "prefill", "drafter", "splits"], default=None)
     ap.add_argument("--profile-mla", metavar="H:T:CTX:B", help="run one MLA case three times for a profiler, exit")
-    ap.add_argument("--mla-variant", metavar="JSON", help='kernels.mla settings for the mla table, e.g. {"MLA_NK": 64}')
+    ap.add_argument("--mla-variant", metavar="JSON", help='kernels.mla settings for the mla table, e.g. {"MLA_NK": 64}, '
+                    'or a list of them (a table each, one process)')
     ap.add_argument("--mla-max-batch", type=int, default=64, metavar="B",
                     help="the mla table's largest batch (1: the batch-1 rows only)")
     ap.add_argument("--profile-tree", metavar="BUDGET", help="run the tree stages three times for a profiler, exit")
     args = ap.parse_args()
     if args.mla_variant:
-        MLA_VARIANT.update(json.loads(args.mla_variant))
+        v = json.loads(args.mla_variant)
+        MLA_VARIANTS[:] = v if isinstance(v, list) else [v]
     MLA_MAX_BATCH[0] = args.mla_max_batch
     if args.profile_tree:
         return profile_tree(args.profile_tree)
