@@ -527,8 +527,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["mla", "tree", "prefill", "drafter", "splits"], default=None)
     ap.add_argument("--profile-mla", metavar="H:T:CTX:B", help="run one MLA case three times for a profiler, exit")
-    ap.add_argument("--mla-variant", metavar="JSON", help='kernels.mla settings for the mla table, e.g. {"MLA_NK": 64}, '
-                    'or a list of them (a table each, one process)')
+    ap.add_argument("--mla-variant", metavar="JSON",
+                    help='kernels.mla settings for the mla table, e.g. {"MLA_NK": 64}, or a list (a table each)')
     ap.add_argument("--mla-max-batch", type=int, default=64, metavar="B",
                     help="the mla table's largest batch (1: the batch-1 rows only)")
     ap.add_argument("--profile-tree", metavar="BUDGET", help="run the tree stages three times for a profiler, exit")
