@@ -100,7 +100,8 @@ SIM_CASES = {
     "cp_piece_sw128": check_cp_piece_sw128,
     "ring_one_split": lambda env: check(env, seed=1),                                      # 5 steps > 4 stages
     "ring_splits_merge": lambda env: check(env, work=32, seed=2),                  # 5 splits of 64: 5 split groups
-    # 10 splits of 64 keys: 10 split groups per merge block (a tree of 4 rounds, 10 not a power of two)
+    # 10 splits of 64 keys: 8 split groups per merge block (a tree of 3 rounds), 2 splits per load round (groups
+    # 2..7's second is past the last split: loaded, not folded); 5 splits (ring_splits_merge): a tree of 5 groups
     "merge_ten_groups": lambda env: check(env, lengths=(600, 90), work=32, seed=5),
     # the same with 2 split groups and 2 splits per load round (3 rounds, the last one's second split past the end:
     # loaded, not folded) and each row's 16 column quads over 2 blocks of 8
