@@ -100,9 +100,10 @@ def selection_margins(scores, top_k, n_group, topk_group):
     grouped = scores.reshape(n, n_group, E // n_group)
     gap = np.full(n, np.inf)
     if n_group > 1:
-        group = np.sort(np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2), axis=1)            # [n, n_group]
-        gap = group[:, -topk_group] - group[:, -topk_group - 1]
-        kept = np.argsort(-np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2), axis=1, kind="stable")[:, :topk_group]
+        group = np.sort(grouped, axis=2)[:, :, -2:].sum(axis=2)                             # [n, n_group]
+        ranked = np.sort(group, axis=1)
+        gap = ranked[:, -topk_group] - ranked[:, -topk_group - 1]
+        kept = np.argsort(-group, axis=1, kind="stable")[:, :topk_group]
         masked = np.full_like(grouped, -np.inf)
         rows = np.arange(n)[:, None]
         masked[rows, kept] = grouped[rows, kept]

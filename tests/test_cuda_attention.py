@@ -170,8 +170,9 @@ def test_ptx_attention(name, sig):
 
 @pytest.mark.parametrize("rows,per_round", [(1, 1), (4, 1), (1, 3), (1, 4)])
 def test_ptx_merge(rows, per_round):
-    """The flash-decoding merge of all three attention kernels (one row or four rows per block, one or four splits
-    per load round): f32 only, no local memory (the accumulators and a round's loads stay in registers)."""
+    """The flash-decoding merge of all three attention kernels (one row or four rows per block, one, three (65
+    splits over 32 groups) or four splits per load round): f32 only (the tree's unsigned group tests included), no
+    local memory (the accumulators and a round's loads stay in registers)."""
     import re
     from kernels.attention import merge_kernel
     ptx = ptx_or_skip(merge_kernel(rows, per_round).py_func,
