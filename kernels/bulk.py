@@ -45,6 +45,12 @@ if SIM:
     def mbar_init(bars, i):
         bars[i] = 0
 
+    def mbar_init_count(bars, i, count):
+        bars[i] = 0
+
+    def mbar_arrive(bars, i):
+        pass
+
     def mbar_fence_init():
         pass
 
@@ -98,6 +104,8 @@ else:
         return intrinsic(ns[name])
 
     mbar_init = _bar_op("mbar_init", "mbarrier.init.shared::cta.b64 [$0], 1;", 0)
+    mbar_init_count = _bar_op("mbar_init_count", "mbarrier.init.shared::cta.b64 [$0], $1;", 1)   # count arrivals
+    mbar_arrive = _bar_op("mbar_arrive", "mbarrier.arrive.shared::cta.b64 _, [$0];", 0)       # one arrival
     mbar_expect = _bar_op("mbar_expect", "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", 1)
     mbar_try_wait = _bar_op("mbar_try_wait", "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2;"
                             " selp.u32 $0, 1, 0, p; }", 1, ret=True)

@@ -18,13 +18,16 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from kernels.attention import NEG_INF, last_split_merge, placeholder, shfl_xor
-from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16
+from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16, shfl_idx
 from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
 
 MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
 MLA_WG_NK = 32              # cache rows per step (S is m64nNK per k16 step; four tiles must fit)
 MLA_WG_TMA = True           # cache tiles by TMA tensor copies (one thread, an mbarrier per ring slot); False: by
 #                             cp.async of the 128 threads of warpgroup 1 (measured slower, README "Kernel performance")
+MLA_WG_SEESAW = False       # FlashMLA-style seesaw (TMA only): the warpgroups take alternate tiles for S and the
+#                             softmax, each adds every tile's P V to its half of O. Correct (GPU tests) but slower on
+#                             the H200, session 23 (4K x batch 64: 137.3 vs 116.8 us; README "Kernel performance")
 MLA_WG_SMEM = 227 * 1024
 MLA_WG_PTX_SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], uint64[::1], int32[::1], int32[::1], uint32[:,:,::1], "
                   "float32, int32, int32, float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1], int32[:,::1])")
@@ -32,15 +35,19 @@ MLA_WG_PTX_SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], uint64[::1], int32[
 _KERNELS = {}
 
 
-def wg_smem(D, nk, stages):
-    """Bytes of shared memory: Q tile, `stages` cache tiles, two P tiles, then alpha (two rows) / max / sum
-    (f32[64] each), then one mbarrier per cache tile (TMA)."""
+def wg_smem(D, nk, stages, seesaw=False):
+    """Bytes of shared memory: Q tile, `stages` cache tiles, two P tiles, then the f32[64] rows of the statistics
+    (alpha x 2, max, sum; seesaw: alpha, max, sum per warpgroup and the final max), then (seesaw) the slots'
+    release counters (u32) and one mbarrier per cache tile (TMA; seesaw: and one per warpgroup's P)."""
+    if seesaw:
+        return 64 * D * 2 + stages * nk * D * 2 + 2 * 64 * nk * 2 + 7 * 64 * 4 + 4 * stages + 8 * (stages + 6)
     return 64 * D * 2 + stages * nk * D * 2 + 2 * 64 * nk * 2 + 4 * 64 * 4 + 8 * stages
 
 
-def wg_stages(D, nk=None):
+def wg_stages(D, nk=None, seesaw=None):
     """4 (tiles i - 1 .. i + 2 of the pipeline) if they fit, else 0."""
-    return 4 if wg_smem(D, nk or MLA_WG_NK, 4) <= MLA_WG_SMEM else 0
+    seesaw = MLA_WG_SEESAW and MLA_WG_TMA if seesaw is None else seesaw
+    return 4 if wg_smem(D, nk or MLA_WG_NK, 4, seesaw) <= MLA_WG_SMEM else 0
 
 
 def mla_wg_applies(h, D, r):
@@ -54,13 +61,14 @@ def mla_wg_applies(h, D, r):
 def mla_wg_kernel(D, r, causal, nk=None, fuse=False):
     """The kernel for latent width D, output width r; fuse: with the last split block's merge compiled in."""
     nk = nk or MLA_WG_NK
-    key = (D, r, causal, nk, fuse, MLA_WG_TMA)
+    seesaw = MLA_WG_SEESAW and MLA_WG_TMA
+    key = (D, r, causal, nk, fuse, MLA_WG_TMA, seesaw)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk), fuse, MLA_WG_TMA)
+        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk, seesaw), fuse, MLA_WG_TMA, seesaw)
     return _KERNELS[key]
 
 
-SOFTMAX = """\
+SOFTMAX_MAX = """\
 masked = c0 + {NK} > plain
 {softmax_in}
 for k in range(2):
@@ -72,31 +80,41 @@ if m1 != NEG_INF and mx1 <= m1 + LAZY:
     mx1 = m1
 mz0 = mx0 if mx0 != NEG_INF else float32(0)
 mz1 = mx1 if mx1 != NEG_INF else float32(0)
+al0 = _ex2(m0 - mx0) if mx0 != m0 else float32(1)
+al1 = _ex2(m1 - mx1) if mx1 != m1 else float32(1)
+m0, m1 = mx0, mx1
+if t == 0:
+    fsm[sa + r0] = al0
+    fsm[sa + r1] = al1{m_out}
+"""   # the online softmax's first half (kernel source, filled in by _make_kernel): the new max, alpha
+SOFTMAX_EXP = """\
 tot0, tot1 = float32(0), float32(0)
 {p_out}
 for k in range(2):
     tot0 += shfl_xor(tot0, 1 << k)
     tot1 += shfl_xor(tot1, 1 << k)
-al0 = _ex2(m0 - mx0) if mx0 != m0 else float32(1)
-al1 = _ex2(m1 - mx1) if mx1 != m1 else float32(1)
 l0, l1 = l0 * al0 + tot0, l1 * al1 + tot1
-m0, m1 = mx0, mx1
-if t == 0:
-    fsm[sa + r0] = al0
-    fsm[sa + r1] = al1
-"""   # warpgroup 0's online softmax (kernel source, filled in by _make_kernel)
+"""   # its second half: P = exp2(x - max) as bf16 into the P tile, the sums
 
 
-def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False):
+def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False):
     from kernels.mla import _ex2, _make_cp_piece, _pack2, _row_addr, _slot_addr
-    from kernels.wgmma import fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_wait0, wg_wait1
+    from kernels.wgmma import (fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_sync, wg_wait0,
+                               wg_wait1)
     if SIM:
         raise NotImplementedError("mla_wg: wgmma has no simulator twin")
+    if SEESAW and not TMA:
+        raise ValueError("mla_wg: the seesaw schedule fills its ring by TMA only (MLA_WG_TMA)")
     D8, NPV = D // 8, r // 2
     QBYTES, TILE, PBYTES = 64 * D * 2, NK * D * 2, 64 * NK * 2
     PB = QBYTES + stages * TILE                 # two P tiles (bytes), then the f32 stats
     SF = (PB + 2 * PBYTES) // 4                 # f32 index of alpha[2][64], max[64], sum[64]
     BAR = (PB + 2 * PBYTES + 4 * 64 * 4) // 8   # u64 index of the ring's mbarriers (TMA)
+    CNT = SF + 7 * 64                           # seesaw: u32 index of the slots' release counters
+    if SEESAW:
+        BAR = -(-(4 * (CNT + stages)) // 8)     # then the ring's mbarriers, then one per warpgroup's P (PBAR + w)
+    PBAR, VHALF = BAR + stages, NPV // 64 * NK * 128    # VHALF: bytes into a tile of warpgroup 1's V columns
+    MBAR, PFREE = PBAR + 2, PBAR + 4            # seesaw: per warpgroup, its max published / its P tile free
     NS, NO = NK // 2, NPV // 2                  # accumulators per thread: S (warpgroup 0), O (both)
     QPT = 64 * D8 // 256                        # q units (8 values: 16 bytes of the tile) per thread
     QG = max(g for g in (3, 2, 1) if QPT % g == 0)   # units in flight (two 16-byte loads each)
@@ -137,14 +155,19 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False):
         plines.append(f"{tot} += as_f32(w << uint32(16)) + as_f32(w & uint32(0xFFFF0000))")
         plines.append(f"wsm[(pb + core_offset({row}, {8 * (i // 4)} + 2 * t, {NK // 8})) >> 2] = w")
     p_out = "\n".join(plines)
-    softmax_body = SOFTMAX.replace("{softmax_in}", softmax_in).replace("{p_out}", p_out).replace("{NK}", str(NK))
+    m_out = "\n    fsm[sa + 128 + r0] = m0\n    fsm[sa + 128 + r1] = m1" if SEESAW else ""   # the max beside alpha
+    softmax_max = (SOFTMAX_MAX.replace("{softmax_in}", softmax_in).replace("{NK}", str(NK))
+                   .replace("{m_out}", m_out))
+    softmax_exp = SOFTMAX_EXP.replace("{p_out}", p_out)
 
-    def softmax(indent):
+    def softmax(indent, part=None):
         """Online softmax of S (registers) for the step at key c0: P as bf16 into the P tile at byte pb, the
-        rescale factors into alpha row sa and (al0, al1)."""
-        return "\n".join(indent + ln if ln else ln for ln in softmax_body.split("\n"))
-    def rescale(indent):
-        return "\n".join(f"{indent}o{i} *= {'al0' if i % 4 < 2 else 'al1'}" for i in range(NO))
+        rescale factors into alpha row sa and (al0, al1); part "max" or "exp": one half."""
+        body = {"max": softmax_max, "exp": softmax_exp}.get(part, softmax_max + softmax_exp)
+        return "\n".join(indent + ln if ln else ln for ln in body.split("\n"))
+
+    def rescale(indent, a="al"):
+        return "\n".join(f"{indent}o{i} *= {a}{0 if i % 4 < 2 else 1}" for i in range(NO))
     # O's stores: unsigned row / column indices (no negative-index checks; the column's constant folds into the
     # store's address)
     stores = [f"    ra, rb, cb = uint32(mb + r0), uint32(mb + r1), uint32(wg * {NPV} + 2 * t)"]
@@ -157,38 +180,129 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False):
     zero_o = "\n".join(f"    {v} = float32(0)" for v in ov)
     zero_s = "\n".join(f"    {v} = float32(0)" for v in sv)
 
-    src = f'''
-def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count):
-    T, h = q.shape[1], q.shape[2]
-    mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-    tid = cuda.threadIdx.x
-    wg, lane = tid >> 7, tid & 31
-    g, t = lane >> 2, lane & 3
-    r0 = 16 * ((tid >> 5) & 3) + g                # this thread's accumulator rows: r0 and r0 + 8
-    r1 = r0 + 8
-    M = T * h
-    mb = mt * 64                                  # the tile's first row (query t, head): rows mb .. mb + 63
-    tq = mb // h                                  # the query of this tile (64 of its heads)
-    fsm = cuda.shared.array(0, float32, alignment=1024)     # swizzle atoms are 1024-aligned
-    usm = cuda.shared.array(0, uint16, alignment=1024)
-    wsm = cuda.shared.array(0, uint32, alignment=1024)
-    bars = cuda.shared.array(0, uint64, alignment=1024)
-    L, n = lengths[b], ntok[b]
-    lo = s * split
-    hi = min(lo + split, L + n)
-    if tq >= n or lo >= hi:                       # a dead query or an empty split: nothing to attend
-        if normalize:
-            for idx in range(tid, 64 * {r}, 256):
-                o_part[b, s, mb + idx // {r}, idx % {r}] = float32(0)
-        elif tid < 64:
-            ml_part[b, s, mb + tid, 0] = NEG_INF
-            ml_part[b, s, mb + tid, 1] = float32(0)
-        if {FUSE}:
-            last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
-        return
-    row0 = b * cache.shape[1]
-    nsteps = (hi - lo + {NK - 1}) // {NK}
-    if {TMA}:
+
+    def lines(ind, text):
+        return "\n".join(ind + ln if ln else ln for ln in text.split("\n"))
+
+    def take(ind, J):
+        """Seesaw: the other warpgroup's tile J, first half: wait for its max and alpha (ap0, ap1), take them
+        (this warpgroup's sum rescaled; O is rescaled just before its P V)."""
+        return lines(ind, f'''jj = {J}
+mbar_wait(bars, {MBAR} + po, (jj >> 1) & 1)                    # its max and alpha published
+ap0, ap1 = fsm[{SF} + 64 * po + r0], fsm[{SF} + 64 * po + r1]
+m0, m1 = fsm[{SF + 128} + 64 * po + r0], fsm[{SF + 128} + 64 * po + r1]
+l0, l1 = l0 * ap0, l1 * ap1''')
+
+    def pv_other(ind, J):
+        """Seesaw: the other warpgroup's tile J into this half of O: rescale by its alpha, wait for its P, O += P V,
+        retire it, say its P tile is free, release the tile's slot."""
+        return lines(ind, f'''jj = {J}
+if ap0 != float32(1) or ap1 != float32(1):
+{rescale("    ", "ap")}
+mbar_wait(bars, {BAR} + jj % {stages}, (jj // {stages}) & 1)   # landed (its owner saw it: returns at once)
+mbar_wait(bars, {PBAR} + po, (jj >> 1) & 1)                    # its P published
+dp = desc_p(wsm, {PB} + po * {PBYTES})
+dv = desc_v(wsm, {QBYTES} + (jj % {stages}) * {TILE} + wg * {VHALF})
+wg_fence()
+{pv_calls("")}
+wg_commit()
+wg_wait0()
+mbar_arrive(bars, {PFREE} + po)               # its P tile may be rewritten
+release(wsm, bars, tmap, row0, lo, hi, nsteps, jj, lane)''')
+
+    def own(ind, J, prev=None):
+        """Seesaw: this warpgroup's tile J (S in registers): the new max and alpha published first (the chain
+        between the warpgroups), then P (into this warpgroup's P tile once the other has retired its P V of the
+        last one), then P V of the other's tile `prev` and of tile J into this half of O; both slots released."""
+        free = "" if prev is None else (f"if {J} >= 2:\n    mbar_wait(bars, {PFREE} + wg, ((({J}) - 2) >> 1) & 1)"
+                                        f"   # the other's P V of my last P done\n")
+        return lines(ind, f'''c0, pb, sa = lo + ({J}) * {NK}, {PB} + wg * {PBYTES}, {SF} + 64 * wg
+{softmax("", "max")}
+mbar_arrive(bars, {MBAR} + wg)                # the max and alpha of tile J published
+{free}{softmax("", "exp")}
+fence_proxy_async()                           # P -> the wgmma proxy (both warpgroups)
+mbar_arrive(bars, {PBAR} + wg)                # P of tile J published
+wg_sync(1 + wg)                               # this warpgroup's P rows all written
+{"" if prev is None else pv_other("", prev)}
+if al0 != float32(1) or al1 != float32(1):
+{rescale("    ")}
+dp = desc_p(wsm, pb)
+dv = desc_v(wsm, {QBYTES} + (({J}) % {stages}) * {TILE} + wg * {VHALF})
+wg_fence()
+{pv_calls("")}
+wg_commit()
+wg_wait0()
+release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
+
+    if SEESAW:
+        ring_init = f'''    if tid == 0:
+        for p in range({stages}):
+            mbar_init(bars, {BAR} + p)
+            wsm[{CNT} + p] = uint32(0)
+        for p in range(6):                        # P, max and P-free barriers of both warpgroups
+            mbar_init_count(bars, {PBAR} + p, 128)
+        mbar_fence_init()
+    if lane == 0:                                 # any warp's lane 0 may refill a slot (release)
+        tensormap_acquire(tmap)
+    cuda.syncthreads()
+    if tid == 0:                                  # tiles 0 .. stages - 1 in flight
+        for p in range({stages}):
+            if p < nsteps:
+                load_tile_tma(wsm, bars, tmap, row0, lo + p * {NK}, hi, p)
+'''
+        main = f'''    tw = tid & 127
+    m0, m1 = NEG_INF, NEG_INF                     # running max of rows r0, r1; sums over this warpgroup's tiles
+    l0, l1 = float32(0), float32(0)
+    plain = min(hi, L)                            # steps ending here see no mask
+    dq = desc_k(wsm, 0)
+    po = 1 - wg                                   # the other warpgroup
+    fence_proxy_async()                           # st.shared (q) -> the wgmma proxy
+    cuda.syncthreads()
+    # Seesaw (FlashMLA's schedule): warpgroup w takes tiles j = w, w + 2, ... for S = Q K^T and the softmax; both
+    # add every tile's P V to their half of O in tile order. The chain between them is only the running max: a
+    # warpgroup publishes tile j's max and alpha (MBAR) as soon as S(j) is reduced, then P(j) (PBAR), then adds
+    # the other's tile j - 1 and its own tile j; the other says when it has retired P V of a P tile (PFREE).
+    # A tile's slot is refilled (tile j + stages) by the last of the 8 warps to release it (smem counter).
+    if wg == 0:                                   # tile 0 (warpgroup 1 starts with S(1))
+        tile_landed(wsm, bars, lo, hi, 0, tw)
+        dk = desc_k(wsm, {QBYTES})
+        wg_fence()
+{s_calls("        ")}
+        wg_commit()
+        wg_wait0()
+{own("        ", "0")}
+    for j in range(2 - wg, nsteps, 2):
+        tile_landed(wsm, bars, lo, hi, j, tw)
+        dk = desc_k(wsm, {QBYTES} + (j % {stages}) * {TILE})
+        wg_fence()
+{s_calls("        ")}
+        wg_commit()
+{take("        ", "j - 1")}
+        wg_wait0()                                # S(j) done
+{own("        ", "j", "j - 1")}
+    if ((nsteps - 1) & 1) != wg:                  # the other's last tile
+{take("        ", "nsteps - 1")}
+{pv_other("        ", "nsteps - 1")}
+'''
+        stats = f'''    if t == 0:
+        fsm[{SF + 256} + 64 * wg + r0] = l0
+        fsm[{SF + 256} + 64 * wg + r1] = l1
+        if wg == 0:                               # (both warpgroups hold the final max)
+            fsm[{SF + 384} + r0] = m0
+            fsm[{SF + 384} + r1] = m1
+    cuda.syncthreads()
+    d0 = fsm[{SF + 256} + r0] + fsm[{SF + 320} + r0]
+    d1 = fsm[{SF + 256} + r1] + fsm[{SF + 320} + r1]
+    inv0, inv1 = float32(1), float32(1)
+    if normalize:
+        inv0 = float32(1) / d0 if d0 > float32(0) else float32(0)
+        inv1 = float32(1) / d1 if d1 > float32(0) else float32(0)
+    elif tid < 64:
+        ml_part[b, s, mb + tid, 0] = fsm[{SF + 384} + tid]
+        ml_part[b, s, mb + tid, 1] = fsm[{SF + 256} + tid] + fsm[{SF + 320} + tid]
+'''
+    else:
+        ring_init = f'''    if {TMA}:
         if tid == 128:
             for p in range({stages}):
                 mbar_init(bars, {BAR} + p)
@@ -202,22 +316,8 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                     load_tile_tma(wsm, bars, tmap, row0, lo + p * {NK}, hi, p)
             else:
                 load_tile(usm, cache, row0, lo + p * {NK}, hi, p, tid - 128)
-    qv = cuda.local.array({8 * QG}, uint32)
-    for p0 in range(0, {QPT}, {QG}):              # q tile -> bf16, 128-byte swizzle: unit u is 8 values, 8 lanes
-        for p in range({QG}):                     # read 256 contiguous bytes and store to 8 bank groups
-            u = tid + (p0 + p) * 256
-            qo = (b * M + mb) * {D} + 8 * u
-            qv[8 * p], qv[8 * p + 1], qv[8 * p + 2], qv[8 * p + 3] = ld16(q, qo)
-            qv[8 * p + 4], qv[8 * p + 5], qv[8 * p + 6], qv[8 * p + 7] = ld16(q, qo + 4)
-        for p in range({QG}):
-            u = uint32(tid + (p0 + p) * 256)      # unsigned 32 bits: the division by D8 is a multiply-shift and
-            qr = u // uint32({D8})                # the word index needs no negative-index check
-            o = uint32(sw128_offset(qr, 8 * (u - qr * uint32({D8})), 64) >> 2)
-            for e in range(4):
-                wsm[o + uint32(e)] = _pack2(as_f32(qv[8 * p + 2 * e]), as_f32(qv[8 * p + 2 * e + 1]))
-{zero_o}
-{zero_s}
-    m0, m1 = NEG_INF, NEG_INF                     # warpgroup 0: running max and sum of rows r0, r1
+'''
+        main = f'''    m0, m1 = NEG_INF, NEG_INF                     # warpgroup 0: running max and sum of rows r0, r1
     l0, l1 = float32(0), float32(0)
     plain = min(hi, L)                            # steps ending here see no mask
     dq = desc_k(wsm, 0)
@@ -289,7 +389,8 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
             wg_wait0()
     wg_wait0()
     cp_wait0()
-    if wg == 0 and t == 0:
+'''
+        stats = f'''    if wg == 0 and t == 0:
         fsm[{SF + 128} + r0], fsm[{SF + 192} + r0] = m0, l0
         fsm[{SF + 128} + r1], fsm[{SF + 192} + r1] = m1, l1
     cuda.syncthreads()
@@ -301,6 +402,57 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
     elif tid < 64:
         ml_part[b, s, mb + tid, 0] = fsm[{SF + 128} + tid]
         ml_part[b, s, mb + tid, 1] = fsm[{SF + 192} + tid]
+'''
+
+    src = f'''
+def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count):
+    T, h = q.shape[1], q.shape[2]
+    mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+    tid = cuda.threadIdx.x
+    wg, lane = {'shfl_idx(tid >> 7, 0)' if SEESAW else 'tid >> 7'}, tid & 31   # (seesaw: a warp-uniform value)
+    g, t = lane >> 2, lane & 3
+    r0 = 16 * ((tid >> 5) & 3) + g                # this thread's accumulator rows: r0 and r0 + 8
+    r1 = r0 + 8
+    M = T * h
+    mb = mt * 64                                  # the tile's first row (query t, head): rows mb .. mb + 63
+    tq = mb // h                                  # the query of this tile (64 of its heads)
+    fsm = cuda.shared.array(0, float32, alignment=1024)     # swizzle atoms are 1024-aligned
+    usm = cuda.shared.array(0, uint16, alignment=1024)
+    wsm = cuda.shared.array(0, uint32, alignment=1024)
+    bars = cuda.shared.array(0, uint64, alignment=1024)
+    L, n = lengths[b], ntok[b]
+    lo = s * split
+    hi = min(lo + split, L + n)
+    if tq >= n or lo >= hi:                       # a dead query or an empty split: nothing to attend
+        if normalize:
+            for idx in range(tid, 64 * {r}, 256):
+                o_part[b, s, mb + idx // {r}, idx % {r}] = float32(0)
+        elif tid < 64:
+            ml_part[b, s, mb + tid, 0] = NEG_INF
+            ml_part[b, s, mb + tid, 1] = float32(0)
+        if {FUSE}:
+            last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
+        return
+    row0 = b * cache.shape[1]
+    nsteps = (hi - lo + {NK - 1}) // {NK}
+{ring_init}
+    qv = cuda.local.array({8 * QG}, uint32)
+    for p0 in range(0, {QPT}, {QG}):              # q tile -> bf16, 128-byte swizzle: unit u is 8 values, 8 lanes
+        for p in range({QG}):                     # read 256 contiguous bytes and store to 8 bank groups
+            u = tid + (p0 + p) * 256
+            qo = (b * M + mb) * {D} + 8 * u
+            qv[8 * p], qv[8 * p + 1], qv[8 * p + 2], qv[8 * p + 3] = ld16(q, qo)
+            qv[8 * p + 4], qv[8 * p + 5], qv[8 * p + 6], qv[8 * p + 7] = ld16(q, qo + 4)
+        for p in range({QG}):
+            u = uint32(tid + (p0 + p) * 256)      # unsigned 32 bits: the division by D8 is a multiply-shift and
+            qr = u // uint32({D8})                # the word index needs no negative-index check
+            o = uint32(sw128_offset(qr, 8 * (u - qr * uint32({D8})), 64) >> 2)
+            for e in range(4):
+                wsm[o + uint32(e)] = _pack2(as_f32(qv[8 * p + 2 * e]), as_f32(qv[8 * p + 2 * e + 1]))
+{zero_o}
+{zero_s}
+{main}
+{stats}
 {store_out}
     if {FUSE}:                                    # the last split of the tile merges (no merge launch)
         last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
@@ -350,6 +502,17 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                     wsm[base + (k * NK + rr) * 32] = uint32(0)
 
     @cuda.jit(device=True, inline="always")
+    def release(wsm, bars, tmap, row0, lo, hi, nsteps, j, lane):
+        """Seesaw: this warp is done with tile j (its P V retired); the last of the 8 warps to say so refills the
+        slot with tile j + stages (TMA, issued by its lane 0) and resets the slot's counter."""
+        if lane == 0:
+            k = j % stages
+            if cuda.atomic.add(wsm, CNT + k, uint32(1)) == uint32(7):
+                wsm[CNT + k] = uint32(0)
+                if j + stages < nsteps:
+                    load_tile_tma(wsm, bars, tmap, row0, lo + (j + stages) * NK, hi, k)
+
+    @cuda.jit(device=True, inline="always")
     def key_ok(j, hi, L, tq, b, mask):
         """Cache row j is visible to query tq: before the split's end, committed, or a new token tq sees."""
         if j >= hi:
@@ -361,14 +524,16 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
             return jj <= tq
         return ((mask[b, tq, jj >> 5] >> uint32(jj & 31)) & uint32(1)) != uint32(0)
 
-    from kernels.bulk import mbar_expect, mbar_fence_init, mbar_init, mbar_wait, tensor_load_2d, tensormap_acquire
+    from kernels.bulk import (mbar_arrive, mbar_expect, mbar_fence_init, mbar_init, mbar_init_count, mbar_wait,
+                              tensor_load_2d, tensormap_acquire)
     from kernels.mla import LAZY
-    ns = dict(mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait,
+    ns = dict(mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait, mbar_arrive=mbar_arrive,
+              mbar_init_count=mbar_init_count, release=release, wg_sync=wg_sync,
               tensormap_acquire=tensormap_acquire,
               load_tile_tma=load_tile_tma, tile_landed=tile_landed, cuda=cuda, float32=float32, int32=int32,
               uint16=uint16, uint32=uint32, uint64=uint64, NEG_INF=NEG_INF,
               LAZY=LAZY, last_split_merge=last_split_merge,
-              shfl_xor=shfl_xor, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
+              shfl_xor=shfl_xor, shfl_idx=shfl_idx, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
               core_offset=cuda.jit(device=True, inline="always")(core_offset), load_tile=load_tile, key_ok=key_ok,
               sw128_offset=cuda.jit(device=True, inline="always")(sw128_offset),
               cp_wait0=cp_wait0, cp_wait1=cp_wait1, cp_wait2=cp_wait2, fence_proxy_async=fence_proxy_async,
@@ -387,7 +552,9 @@ def mla_wg_launch(M, D, r, causal, work, cache, fuse=False):
     if work is not None and work.split % MLA_WG_NK:
         raise ValueError(f"mla_attention: split {work.split} is not a multiple of {MLA_WG_NK} keys")
     tmap = cache_tensor_map(cache) if MLA_WG_TMA else placeholder(cache, (16,), np.uint64)   # unread without TMA
-    return mla_wg_kernel(D, r, causal, fuse=fuse), M // 64, 256, wg_smem(D, MLA_WG_NK, wg_stages(D)), tmap
+    seesaw = MLA_WG_SEESAW and MLA_WG_TMA
+    smem = wg_smem(D, MLA_WG_NK, wg_stages(D, seesaw=seesaw), seesaw)
+    return mla_wg_kernel(D, r, causal, fuse=fuse), M // 64, 256, smem, tmap
 
 
 _TMAP_DEV = {}

@@ -182,14 +182,15 @@ def test_gpu_mma_sync_path(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("path", ["cp.async", "tma", "seesaw"])
 @pytest.mark.parametrize("case", WG_CASES)
-def test_gpu_wgmma_loads(case, tma, monkeypatch):
+def test_gpu_wgmma_loads(case, path, monkeypatch):
     """The 64-head cases with the cache tiles loaded by cp.async (128 threads) or by TMA tensor copies
-    (kernels.mla_wg.MLA_WG_TMA): rows past each sequence's end are NaN in the cache (check), so a tile's rows past
-    the split's end must land as zeros either way."""
+    (kernels.mla_wg.MLA_WG_TMA), and TMA under the seesaw schedule (MLA_WG_SEESAW): rows past each sequence's end
+    are NaN in the cache (check), so a tile's rows past the split's end must land as zeros either way."""
     import kernels.mla_wg as kw
-    monkeypatch.setattr(kw, "MLA_WG_TMA", tma)
+    monkeypatch.setattr(kw, "MLA_WG_TMA", path != "cp.async")
+    monkeypatch.setattr(kw, "MLA_WG_SEESAW", path == "seesaw")
     check(Env(gpu=True), **K2, **GPU_CASES[case], calls=2)
 
 
@@ -229,13 +230,15 @@ def test_tensor_map_rejects(args):
 
 # --- PTX for sm_90 ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("D,r,fuse,tma", [(192, 128, False, False), (192, 128, False, True)])   # K2's (576, 512):
-def test_ptx_wgmma_kernel(D, r, fuse, tma, monkeypatch):                            # 4x the time; fuse: 30 s more
+@pytest.mark.parametrize("D,r,fuse,tma,seesaw", [(192, 128, False, False, False), (192, 128, False, True, False),
+                                                  (192, 128, False, True, True)])   # K2's (576, 512): 4x the time
+def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, monkeypatch):                    # fuse: 30 s more
     """kernels/mla_wg.py compiles for sm_90a: D/16 wgmma for S(0) and as many for S(i + 1), NK/16 (MN-major B)
-    for P V in each warpgroup's loop, no float64, no local memory; ptxas (where installed) keeps the wgmmas
-    asynchronous (no serialization notice) in 255 registers without spills. Session 10 on the H200 (K2 shapes):
-    254 registers. fuse: the variant with the last split block's merge (at K2's widths ptxas gives it 255
-    registers and a 4-byte spill; the default kernel carries none of that code: 254, no spill)."""
+    for P V in each warpgroup's loop (seesaw: own and other's tile, in the loop and at its ends), no float64, no
+    local memory; ptxas (where installed) keeps the wgmmas asynchronous (no serialization notice) in 255
+    registers without spills. Session 10 on the H200 (K2 shapes): 254 registers (seesaw, session 23: 255, ptxas
+    locally). fuse: the variant with the last split block's merge (at K2's widths ptxas gives it 255 registers and
+    a 4-byte spill; the default kernel carries none of that code: 254, no spill)."""
     import re
     import shutil
     import subprocess
@@ -243,6 +246,7 @@ def test_ptx_wgmma_kernel(D, r, fuse, tma, monkeypatch):                        
 
     import kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_TMA", tma)
+    monkeypatch.setattr(kw, "MLA_WG_SEESAW", seesaw)
     ptx = ptx_or_skip(kw.mla_wg_kernel(D, r, False, fuse=fuse).py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
     MLA_WG_NK = kw.MLA_WG_NK
     tensor = re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)
@@ -250,7 +254,7 @@ def test_ptx_wgmma_kernel(D, r, fuse, tma, monkeypatch):                        
     assert ("cp.async.cg" in ptx) != bool(tma)
     assert ("fence.proxy.tensormap" in ptx) == tma
     ops = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16[^;]*,\s*(\d);", ptx)
-    want = [(str(MLA_WG_NK), "0")] * (2 * D // 16) + [(str(r // 2), "1")] * (2 * MLA_WG_NK // 16)
+    want = [(str(MLA_WG_NK), "0")] * (2 * D // 16) + [(str(r // 2), "1")] * ((4 if seesaw else 2) * MLA_WG_NK // 16)
     assert sorted(ops) == sorted(want), ops
     assert not f64_lines(ptx) and not re.search(r"\b(ld|st)\.local", ptx)
     ptxas = shutil.which("ptxas")
