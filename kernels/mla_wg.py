@@ -181,6 +181,20 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False):
     zero_s = "\n".join(f"    {v} = float32(0)" for v in sv)
 
 
+    def finish(m_at, l_of):
+        """After the statistics are in shared memory (final max at row m_at, l_of(row) the sum's expression): the
+        1 / sum of rows r0, r1 (normalize) or the (max, sum) partials."""
+        return f'''    cuda.syncthreads()
+    d0, d1 = {l_of("r0")}, {l_of("r1")}
+    inv0, inv1 = float32(1), float32(1)
+    if normalize:
+        inv0 = float32(1) / d0 if d0 > float32(0) else float32(0)
+        inv1 = float32(1) / d1 if d1 > float32(0) else float32(0)
+    elif tid < 64:
+        ml_part[b, s, mb + tid, 0] = fsm[{m_at} + tid]
+        ml_part[b, s, mb + tid, 1] = {l_of("tid")}
+'''
+
     def lines(ind, text):
         return "\n".join(ind + ln if ln else ln for ln in text.split("\n"))
 
@@ -290,17 +304,7 @@ release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
         if wg == 0:                               # (both warpgroups hold the final max)
             fsm[{SF + 384} + r0] = m0
             fsm[{SF + 384} + r1] = m1
-    cuda.syncthreads()
-    d0 = fsm[{SF + 256} + r0] + fsm[{SF + 320} + r0]
-    d1 = fsm[{SF + 256} + r1] + fsm[{SF + 320} + r1]
-    inv0, inv1 = float32(1), float32(1)
-    if normalize:
-        inv0 = float32(1) / d0 if d0 > float32(0) else float32(0)
-        inv1 = float32(1) / d1 if d1 > float32(0) else float32(0)
-    elif tid < 64:
-        ml_part[b, s, mb + tid, 0] = fsm[{SF + 384} + tid]
-        ml_part[b, s, mb + tid, 1] = fsm[{SF + 256} + tid] + fsm[{SF + 320} + tid]
-'''
+''' + finish(SF + 384, lambda x: f"fsm[{SF + 256} + {x}] + fsm[{SF + 320} + {x}]")
     else:
         ring_init = f'''    if {TMA}:
         if tid == 128:
@@ -393,16 +397,7 @@ release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
         stats = f'''    if wg == 0 and t == 0:
         fsm[{SF + 128} + r0], fsm[{SF + 192} + r0] = m0, l0
         fsm[{SF + 128} + r1], fsm[{SF + 192} + r1] = m1, l1
-    cuda.syncthreads()
-    d0, d1 = fsm[{SF + 192} + r0], fsm[{SF + 192} + r1]
-    inv0, inv1 = float32(1), float32(1)
-    if normalize:
-        inv0 = float32(1) / d0 if d0 > float32(0) else float32(0)
-        inv1 = float32(1) / d1 if d1 > float32(0) else float32(0)
-    elif tid < 64:
-        ml_part[b, s, mb + tid, 0] = fsm[{SF + 128} + tid]
-        ml_part[b, s, mb + tid, 1] = fsm[{SF + 192} + tid]
-'''
+''' + finish(SF + 128, lambda x: f"fsm[{SF + 192} + {x}]")
 
     src = f'''
 def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count):
