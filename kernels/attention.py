@@ -514,9 +514,9 @@ def launch_kv_tc(q, k, v, kv_len, scale, out, work):
 _SMEM_SET = set()
 
 
-def launch_smem(kern, grid, threads, smem, args):
-    """device.launch with `smem` bytes of dynamic shared memory, raising the kernel's limit above 48 KB first
-    (once per compiled overload; numba has no API for the attribute)."""
+def launch_smem(kern, grid, threads, smem, args, cluster=None):
+    """device.launch with `smem` bytes of dynamic shared memory (and thread-block clusters of `cluster` blocks),
+    raising the kernel's limit above 48 KB first (once per compiled overload; numba has no API for the attribute)."""
     if not SIM and smem > 48 * 1024:
         types_ = tuple(kern.typeof_pyval(a) for a in args)
         key = (id(kern), types_, smem)
@@ -526,7 +526,7 @@ def launch_smem(kern, grid, threads, smem, args):
             attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             driver.cuKernelSetAttribute(attr, smem, cf.handle, cf.device.id)
             _SMEM_SET.add(key)
-    launch(kern, grid, threads, *args, shmem=smem)
+    launch(kern, grid, threads, *args, shmem=smem, cluster=cluster)
 
 
 # --- tensor-core kernel for kv_attention (f32 K/V rounded to bf16 in shared memory) ----------------------------------

@@ -171,10 +171,21 @@ _PDL_THREAD = threading.local()       # .on: this thread's numba launches carry 
 
 
 def _launch_config(*args, **kwargs):
-    """numba.cuda.dispatcher's LaunchConfig, with programmatic_stream_serialization while this thread is in pdl()."""
+    """numba.cuda.dispatcher's LaunchConfig, with programmatic_stream_serialization while this thread is in pdl()
+    and a thread-block cluster shape while it is in clusters() (cuda.core then counts the grid in clusters)."""
     if getattr(_PDL_THREAD, "on", False):
         kwargs["programmatic_stream_serialization"] = True
+    dims = getattr(_PDL_THREAD, "cluster", None)
+    if dims is not None:
+        kwargs["grid"] = tuple(g // c for g, c in zip(kwargs["grid"], dims))
+        kwargs["cluster"] = dims
     return _launch_config.orig(*args, **kwargs)
+
+
+def _patch_launch_config():
+    import numba.cuda.dispatcher as D
+    if D.LaunchConfig is not _launch_config:
+        _launch_config.orig, D.LaunchConfig = D.LaunchConfig, _launch_config
 
 
 @contextlib.contextmanager
@@ -183,14 +194,24 @@ def pdl():
     launch in numba.cuda.dispatcher; that name is replaced once by `_launch_config`, which adds the attribute while
     a thread-local flag is set, so ranks launching from several threads (numbaengine.devices) do not see each
     other's setting."""
-    import numba.cuda.dispatcher as D
-    if D.LaunchConfig is not _launch_config:
-        _launch_config.orig, D.LaunchConfig = D.LaunchConfig, _launch_config
+    _patch_launch_config()
     was, _PDL_THREAD.on = getattr(_PDL_THREAD, "on", False), True
     try:
         yield
     finally:
         _PDL_THREAD.on = was
+
+
+@contextlib.contextmanager
+def clusters(dims):
+    """Context: numba's launches from this thread run as thread-block clusters of dims = (x, y, z) blocks (each
+    grid dimension a multiple of its cluster dimension; blockIdx and gridDim still count blocks)."""
+    _patch_launch_config()
+    was, _PDL_THREAD.cluster = getattr(_PDL_THREAD, "cluster", None), tuple(dims)
+    try:
+        yield
+    finally:
+        _PDL_THREAD.cluster = was
 
 
 def device(fn):
@@ -294,6 +315,16 @@ if SIM:
     ld16_pf = ld16
     ld4_l2 = ld4
     ld16_l2 = ld16
+    lds16 = ld16
+
+    def sts8(arr, i, v0, v1):
+        """Two float32 -> elements i, i + 1 of a float32 shared array (8 bytes, 8-byte aligned)."""
+        arr[i], arr[i + 1] = v0, v1
+
+    def st16(arr, i, w0, w1, w2, w3):
+        """Four uint32 words -> element i of an array (16 bytes, 16-byte aligned)."""
+        a = _flat(arr)
+        a[i:i + 16 // a.itemsize].view(np.uint32)[:] = (w0, w1, w2, w3)
 
     def as_f32(u):
         return np.float32(_bits_f32(u))
@@ -417,6 +448,46 @@ else:
     ld16_pf = _make_load(4, ".L2::256B")    # same, asking L2 to fetch the surrounding 256 bytes
     ld4_l2 = _make_load(1, space=".cg")     # one word cached at L2 only: sees other blocks' writes of this kernel
     ld16_l2 = _make_load(4, space=".cg")    # four words, the same
+
+    @intrinsic
+    def st16(typingctx, arr, idx, w0, w1, w2, w3):
+        """Four uint32 words -> flat element idx of a contiguous global array: one st.global.v4 (16 B aligned)."""
+        sig = types.void(arr, idx, w0, w1, w2, w3)
+
+        def codegen(ctx, b, sig, args):
+            addr = _address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+            words = [ctx.cast(b, v, ty, types.uint32) for v, ty in zip(args[2:], sig.args[2:])]
+            fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] + [ir.IntType(32)] * 4)
+            b.call(ir.InlineAsm(fn, "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}",
+                                side_effect=True), [addr] + words)
+        return sig, codegen
+
+    @intrinsic
+    def lds16(typingctx, arr, idx):
+        """Four uint32 words from element idx of a 1-D shared array: one ld.shared.v4 (16 B aligned)."""
+        sig = types.UniTuple(types.uint32, 4)(arr, idx)
+
+        def codegen(ctx, b, sig, args):
+            addr = _smem_addr(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
+            i32 = ir.IntType(32)
+            fn = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
+            r = b.call(ir.InlineAsm(fn, "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
+                                    side_effect=True), [addr])
+            return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, k) for k in range(4)])
+        return sig, codegen
+
+    @intrinsic
+    def sts8(typingctx, arr, idx, v0, v1):
+        """Two float32 -> elements idx, idx + 1 of a 1-D float32 shared array: one st.shared.v2 (8 B aligned)."""
+        sig = types.void(arr, idx, v0, v1)
+
+        def codegen(ctx, b, sig, args):
+            addr = _smem_addr(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
+            vals = [ctx.cast(b, v, ty, types.float32) for v, ty in zip(args[2:], sig.args[2:])]
+            fn = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.FloatType(), ir.FloatType()])
+            b.call(ir.InlineAsm(fn, "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f,~{memory}", side_effect=True),
+                   [addr] + vals)
+        return sig, codegen
 
     @intrinsic
     def prefetch_l2(typingctx, arr, idx):
@@ -658,15 +729,20 @@ def current_stream():
     return _STREAMS[ptr]
 
 
-def launch(kern, grid, block, *args, shmem=0):
-    """Launch `kern` on the current stream. Arguments: numba device arrays (NumPy arrays under the simulator, used
-    in place: no copies, so views with any strides and aliased outputs behave as on the GPU)."""
+def launch(kern, grid, block, *args, shmem=0, cluster=None):
+    """Launch `kern` on the current stream (cluster: thread-block cluster dims, GPU only). Arguments: numba device
+    arrays (NumPy arrays under the simulator, used in place: no copies, so views with any strides and aliased
+    outputs behave as on the GPU)."""
     if SIM:
+        if cluster is not None:
+            raise NotImplementedError("launch: thread-block clusters have no simulator twin")
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         args = [FakeCUDAArray(a) if isinstance(a, np.ndarray) and a.ndim > 0 else a for a in args]
-    elif PDL and getattr(kern, "grid_dep", False):
-        with pdl():
-            kern[grid, block, current_stream(), shmem](*args)
+        kern[grid, block, current_stream(), shmem](*args)
         return
-    kern[grid, block, current_stream(), shmem](*args)
-
+    with contextlib.ExitStack() as ctx:
+        if PDL and getattr(kern, "grid_dep", False):
+            ctx.enter_context(pdl())
+        if cluster is not None:
+            ctx.enter_context(clusters(cluster))
+        kern[grid, block, current_stream(), shmem](*args)

@@ -48,7 +48,7 @@ from kernels.attention import (LOG2E, NEG_INF, attention_ref, last_split_merge, 
                                shfl_xor)
 from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16, mma_bf16  # noqa: E402
 import kernels.mla_wg as _wg  # noqa: E402
-from kernels.mla_wg import mla_wg_applies, mla_wg_launch  # noqa: E402
+from kernels.mla_wg import mla_wg_applies, mla_wg_launch, wg_cluster  # noqa: E402
 
 if not SIM:
     from llvmlite import ir
@@ -647,9 +647,10 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     M = T * h
     nsplit = 1 if work is None else work.o.shape[1]
     fused = work is not None and nsplit <= MLA_FUSED_MERGE    # the fused kernels merge (out, count), no launch
-    tmap = ()                                     # the wgmma kernel's tensor map, after the cache
+    tmap, cluster = (), 0                         # the wgmma kernel's tensor map, after the cache; its cluster size
     if mla_wg_applies(h, D, r):                   # 64-head tiles on an sm_90 GPU: both products on wgmma
-        kern, tiles, threads, smem, tm = mla_wg_launch(M, D, r, mask is None, work, cache, fused)
+        cluster = wg_cluster(nsplit, fused)       # splits merged in the kernel through distributed shared memory
+        kern, tiles, threads, smem, tm = mla_wg_launch(M, D, r, mask is None, work, cache, fused, cluster)
         tmap = (tm,)
     else:
         rg, kg, stages, threads, smem = mla_geometry(M, D, r)
@@ -666,7 +667,7 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     out3 = out.reshape(B, M, r)
     args = (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0,
             work.o, work.ml, out3, work.count)
-    launch_smem(kern, (tiles, nsplit, B), threads, smem, args)
-    if not fused:
+    launch_smem(kern, (tiles, nsplit, B), threads, smem, args, cluster=(1, cluster, 1) if cluster else None)
+    if not fused and not cluster:
         merge_splits(work.o, work.ml, out3)
     return out

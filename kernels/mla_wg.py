@@ -14,11 +14,14 @@ rows in 128-byte-swizzle atoms (the same bytes are the K-major B of S = Q K^T an
                issued after S of the next step so the softmax runs beside them.
 Bytes: each cache row of the split once per tile (the tiles of one split share it through L2), q once, the
 partials 64 r 4 per block. Same arguments and outputs as mla.py's kernel (o_part, ml_part, the merge after)."""
+import math
+
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from kernels.attention import NEG_INF, last_split_merge, placeholder, shfl_xor
-from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16, shfl_idx
+from kernels.cluster import cluster_sync, dsmem_ld4, dsmem_ld16
+from kernels.device import SIM, as_f32, as_u32, cp_commit, cp_wait, kernel, ld16, lds16, shfl_idx, st16, sts8
 from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
 
 MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
@@ -28,6 +31,10 @@ MLA_WG_TMA = True           # cache tiles by TMA tensor copies (one thread, an m
 MLA_WG_SEESAW = False       # FlashMLA-style seesaw (TMA only): the warpgroups take alternate tiles for S and the
 #                             softmax, each adds every tile's P V to its half of O. Correct (GPU tests) but slower on
 #                             the H200, session 23 (4K x batch 64: 137.3 vs 116.8 us; README "Kernel performance")
+MLA_WG_STAGED = True        # O leaves through shared memory in 16-byte stores (a warp writes 512 contiguous bytes),
+#                             not as 4-byte stores from the accumulator registers
+MLA_WG_CLUSTER = 8          # 2 .. this many splits of a row tile run as one thread-block cluster and merge through
+#                             distributed shared memory (kernels/cluster.py): no partials, no merge launch; 0: off
 MLA_WG_SMEM = 227 * 1024
 MLA_WG_PTX_SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], uint64[::1], int32[::1], int32[::1], uint32[:,:,::1], "
                   "float32, int32, int32, float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1], int32[:,::1])")
@@ -58,14 +65,22 @@ def mla_wg_applies(h, D, r):
     return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)
 
 
-def mla_wg_kernel(D, r, causal, nk=None, fuse=False):
-    """The kernel for latent width D, output width r; fuse: with the last split block's merge compiled in."""
+def mla_wg_kernel(D, r, causal, nk=None, fuse=False, cluster=0):
+    """The kernel for latent width D, output width r; fuse: with the last split block's merge compiled in;
+    cluster: the merge of that many splits through distributed shared memory compiled in (0: none)."""
     nk = nk or MLA_WG_NK
     seesaw = MLA_WG_SEESAW and MLA_WG_TMA
-    key = (D, r, causal, nk, fuse, MLA_WG_TMA, seesaw)
+    key = (D, r, causal, nk, fuse, MLA_WG_TMA, seesaw, MLA_WG_STAGED, cluster)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk, seesaw), fuse, MLA_WG_TMA, seesaw)
+        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk, seesaw), fuse, MLA_WG_TMA, seesaw,
+                                     MLA_WG_STAGED, cluster)
     return _KERNELS[key]
+
+
+def wg_cluster(nsplit, fuse=False):
+    """Cluster size for `nsplit` splits of a row tile: all of them (merged in the kernel) where 2 <= nsplit <=
+    MLA_WG_CLUSTER and the fused merge is off, else 0 (partials and merge_splits)."""
+    return nsplit if not fuse and 2 <= nsplit <= min(MLA_WG_CLUSTER, 8) else 0
 
 
 SOFTMAX_MAX = """\
@@ -90,14 +105,17 @@ if t == 0:
 SOFTMAX_EXP = """\
 tot0, tot1 = float32(0), float32(0)
 {p_out}
-for k in range(2):
-    tot0 += shfl_xor(tot0, 1 << k)
-    tot1 += shfl_xor(tot1, 1 << k)
 l0, l1 = l0 * al0 + tot0, l1 * al1 + tot1
-"""   # its second half: P = exp2(x - max) as bf16 into the P tile, the sums
+"""   # its second half: P = exp2(x - max) as bf16 into the P tile, this lane's share of the sums (its quad's four
+#       shares are added once, after the last step: QUAD_SUM)
+QUAD_SUM = """\
+    for k in range(2):
+        l0 += shfl_xor(l0, 1 << k)
+        l1 += shfl_xor(l1, 1 << k)
+"""
 
 
-def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False):
+def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, STAGED=False, CL=0):
     from kernels.mla import _ex2, _make_cp_piece, _pack2, _row_addr, _slot_addr
     from kernels.wgmma import (fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_sync, wg_wait0,
                                wg_wait1)
@@ -105,6 +123,8 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False):
         raise NotImplementedError("mla_wg: wgmma has no simulator twin")
     if SEESAW and not TMA:
         raise ValueError("mla_wg: the seesaw schedule fills its ring by TMA only (MLA_WG_TMA)")
+    if CL and (FUSE or not 2 <= CL <= 8):
+        raise ValueError(f"mla_wg: a cluster merge of {CL} splits (2..8, not with the fused merge)")
     D8, NPV = D // 8, r // 2
     QBYTES, TILE, PBYTES = 64 * D * 2, NK * D * 2, 64 * NK * 2
     PB = QBYTES + stages * TILE                 # two P tiles (bytes), then the f32 stats
@@ -116,6 +136,11 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False):
     PBAR, VHALF = BAR + stages, NPV // 64 * NK * 128    # VHALF: bytes into a tile of warpgroup 1's V columns
     MBAR, PFREE = PBAR + 2, PBAR + 4            # seesaw: per warpgroup, its max published / its P tile free
     NS, NO = NK // 2, NPV // 2                  # accumulators per thread: S (warpgroup 0), O (both)
+    PITCH, R4 = r + 8, r // 4                   # staged epilogue: f32 rows of O (8 floats of padding: st.shared.v2
+    #                                             of a warp without bank conflicts), r / 4 16-byte quads per row
+    ML, FAC = 64 * PITCH, 64 * PITCH + 128      # f32 index (cluster): this block's max, sum of 64 rows; fold factors
+    if (STAGED or CL) and 4 * (FAC + 64 * max(CL, 1)) > PB:
+        raise ValueError(f"mla_wg: the staged O tile ({64 * PITCH * 4} bytes) does not fit below the P tiles ({PB})")
     QPT = 64 * D8 // 256                        # q units (8 values: 16 bytes of the tile) per thread
     QG = max(g for g in (3, 2, 1) if QPT % g == 0)   # units in flight (two 16-byte loads each)
     PPT = -(-(NK * D8) // 128)                  # cache pieces per loader thread (warpgroup 1) and tile
@@ -176,6 +201,28 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False):
             row, inv = ("ra", "inv0") if half == 0 else ("rb", "inv1")
             stores.append(f"    o_part[b, s, {row}, cb + uint32({8 * j})] = o{a} * {inv}")
             stores.append(f"    o_part[b, s, {row}, cb + uint32({8 * j + 1})] = o{bb} * {inv}")
+    def merge_in_cluster(ind):
+        return "\n".join(ind + ln for ln in (
+            "cluster_sync()                                # every block's O rows and (max, sum) published",
+            "cluster_merge(wsm, fsm, out, b, s, mb, tid)   # this block's share of the tile's rows, from all",
+            "cluster_sync()                                # the others are done reading this block's memory"))
+
+    if STAGED or CL:      # O (times 1 / sum where normalized) into f32 rows of shared memory, then 16-byte stores
+        stores = [f"    ra = uint32(r0 * {PITCH} + wg * {NPV} + 2 * t)", f"    rb = ra + uint32({8 * PITCH})"]
+        for j in range(NPV // 8):
+            stores.append(f"    sts8(fsm, ra + uint32({8 * j}), o{4 * j} * inv0, o{4 * j + 1} * inv0)")
+            stores.append(f"    sts8(fsm, rb + uint32({8 * j}), o{4 * j + 2} * inv1, o{4 * j + 3} * inv1)")
+        if CL:
+            stores.append(merge_in_cluster("    "))
+        else:
+            stores.append(f'''    cuda.syncthreads()
+    ob = (b * o_part.shape[1] + s) * M + mb     # the tile's first row of o_part [B, splits, M, r]
+    for k in range({64 * R4 // 256}):           # a warp writes 512 contiguous bytes per store
+        u = uint32(tid + 256 * k)
+        row = u // uint32({R4})
+        col = uint32(4) * (u - row * uint32({R4}))
+        w0, w1, w2, w3 = lds16(wsm, row * uint32({PITCH}) + col)
+        st16(o_part, (ob + row) * {r} + col, w0, w1, w2, w3)''')
     store_out = "\n".join(stores)
     zero_o = "\n".join(f"    {v} = float32(0)" for v in ov)
     zero_s = "\n".join(f"    {v} = float32(0)" for v in sv)
@@ -191,9 +238,13 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False):
         inv0 = float32(1) / d0 if d0 > float32(0) else float32(0)
         inv1 = float32(1) / d1 if d1 > float32(0) else float32(0)
     elif tid < 64:
-        ml_part[b, s, mb + tid, 0] = fsm[{m_at} + tid]
-        ml_part[b, s, mb + tid, 1] = {l_of("tid")}
+        {ml_at(0)} = fsm[{m_at} + tid]
+        {ml_at(1)} = {l_of("tid")}
 '''
+
+    def ml_at(k):
+        """Where a block's (max, sum) of row tid go: ml_part, or (cluster) its shared memory for the others."""
+        return f"fsm[{ML + 64 * k} + tid]" if CL else f"ml_part[b, s, mb + tid, {k}]"
 
     def lines(ind, text):
         return "\n".join(ind + ln if ln else ln for ln in text.split("\n"))
@@ -298,7 +349,7 @@ release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
 {take("        ", "nsteps - 1")}
 {pv_other("        ", "nsteps - 1")}
 '''
-        stats = f'''    if t == 0:
+        stats = QUAD_SUM + f'''    if t == 0:
         fsm[{SF + 256} + 64 * wg + r0] = l0
         fsm[{SF + 256} + 64 * wg + r1] = l1
         if wg == 0:                               # (both warpgroups hold the final max)
@@ -394,11 +445,17 @@ release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
     wg_wait0()
     cp_wait0()
 '''
-        stats = f'''    if wg == 0 and t == 0:
+        stats = QUAD_SUM + f'''    if wg == 0 and t == 0:
         fsm[{SF + 128} + r0], fsm[{SF + 192} + r0] = m0, l0
         fsm[{SF + 128} + r1], fsm[{SF + 192} + r1] = m1, l1
 ''' + finish(SF + 128, lambda x: f"fsm[{SF + 192} + {x}]")
 
+    cluster_empty = "" if not CL else f'''        if tid < 64:                              # (cluster) no partial: max -inf, sum 0
+            fsm[{ML} + tid] = NEG_INF
+            fsm[{ML + 64} + tid] = float32(0)
+{merge_in_cluster("        ")}
+        return
+'''
     src = f'''
 def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count):
     T, h = q.shape[1], q.shape[2]
@@ -419,7 +476,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
     lo = s * split
     hi = min(lo + split, L + n)
     if tq >= n or lo >= hi:                       # a dead query or an empty split: nothing to attend
-        if normalize:
+{cluster_empty}        if normalize:
             for idx in range(tid, 64 * {r}, 256):
                 o_part[b, s, mb + idx // {r}, idx % {r}] = float32(0)
         elif tid < 64:
@@ -519,6 +576,59 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
             return jj <= tq
         return ((mask[b, tq, jj >> 5] >> uint32(jj & 31)) & uint32(1)) != uint32(0)
 
+    CLN = max(CL, 1)
+    RP = -(-64 // CLN)                          # (cluster) rows of the tile each block merges
+    MU = max(1, 8 // CLN)                       # items per round: MU x CL 16-byte loads in flight
+
+    @cuda.jit(device=True, inline="always")
+    def cluster_merge(wsm, fsm, out, b, s, mb, tid):
+        """Cluster of CL split blocks (rank s = split s; after a cluster barrier): fold rows s RP .. s RP + RP - 1
+        of the tile from every block's staged O and (max, sum), read through DSMEM, into out f32[B, M, r] (16-byte
+        stores): out = sum_c 2^(m_c - m) O_c / sum_c 2^(m_c - m) l_c, rows no split saw get 0 (merge_splits' rule)."""
+        row0 = s * RP
+        nrows = min(64, row0 + RP) - row0
+        if tid < nrows:                           # one thread per row: the fold factors of the CL partials
+            ms = cuda.local.array(CLN, float32)
+            ls = cuda.local.array(CLN, float32)
+            for c in range(CL):
+                ms[c] = as_f32(dsmem_ld4(wsm, ML + row0 + tid, c))
+                ls[c] = as_f32(dsmem_ld4(wsm, ML + 64 + row0 + tid, c))
+            mx = NEG_INF
+            for c in range(CL):
+                mx = max(mx, ms[c])
+            den = float32(0)
+            for c in range(CL):
+                ms[c] = math.exp2(ms[c] - mx) if ms[c] != NEG_INF else float32(0)
+                den += ms[c] * ls[c]
+            inv = float32(1) / den if den > float32(0) else float32(0)
+            for c in range(CL):
+                fsm[FAC + c * 64 + tid] = ms[c] * inv
+        cuda.syncthreads()
+        n = nrows * R4
+        M = out.shape[1]
+        v = cuda.local.array((MU, CLN, 4), uint32)
+        for i0 in range(tid, n, 256 * MU):
+            for u in range(MU):                   # every load of the round first
+                it = min(i0 + 256 * u, n - 1)
+                row = it // R4
+                for c in range(CL):
+                    v[u, c, 0], v[u, c, 1], v[u, c, 2], v[u, c, 3] = dsmem_ld16(
+                        wsm, (row0 + row) * PITCH + 4 * (it - row * R4), c)
+            for u in range(MU):
+                it = i0 + 256 * u
+                if it < n:
+                    row = it // R4
+                    a0, a1, a2, a3 = float32(0), float32(0), float32(0), float32(0)
+                    for c in range(CL):
+                        f = fsm[FAC + c * 64 + row]
+                        if f != float32(0):       # (a split with no partial staged nothing: skip its rows)
+                            a0 += f * as_f32(v[u, c, 0])
+                            a1 += f * as_f32(v[u, c, 1])
+                            a2 += f * as_f32(v[u, c, 2])
+                            a3 += f * as_f32(v[u, c, 3])
+                    st16(out, (b * M + mb + row0 + row) * r + 4 * (it - row * R4), as_u32(a0), as_u32(a1),
+                         as_u32(a2), as_u32(a3))
+
     from kernels.bulk import (mbar_arrive, mbar_expect, mbar_fence_init, mbar_init, mbar_init_count, mbar_wait,
                               tensor_load_2d, tensormap_acquire)
     from kernels.mla import LAZY
@@ -529,6 +639,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
               uint16=uint16, uint32=uint32, uint64=uint64, NEG_INF=NEG_INF,
               LAZY=LAZY, last_split_merge=last_split_merge,
               shfl_xor=shfl_xor, shfl_idx=shfl_idx, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
+              sts8=sts8, lds16=lds16, st16=st16, cluster_sync=cluster_sync, cluster_merge=cluster_merge,
               core_offset=cuda.jit(device=True, inline="always")(core_offset), load_tile=load_tile, key_ok=key_ok,
               sw128_offset=cuda.jit(device=True, inline="always")(sw128_offset),
               cp_wait0=cp_wait0, cp_wait1=cp_wait1, cp_wait2=cp_wait2, fence_proxy_async=fence_proxy_async,
@@ -540,16 +651,17 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
     return kernel(max_registers=255)(ns["mla_wg_attention"])
 
 
-def mla_wg_launch(M, D, r, causal, work, cache, fuse=False):
+def mla_wg_launch(M, D, r, causal, work, cache, fuse=False, cluster=0):
     """(kernel, row tiles, threads, shared bytes, tensor map) for mla.mla_attention's launch: M = T h query rows in
     tiles of 64 (one query's heads), 256 threads; `work` splits must be whole steps. The tensor map (a device u64
-    array, made once per cache) is the kernel's third argument (a placeholder without MLA_WG_TMA)."""
+    array, made once per cache) is the kernel's third argument (a placeholder without MLA_WG_TMA). cluster > 0
+    (wg_cluster): launch it in clusters of (1, cluster, 1) blocks; it writes out, no merge after."""
     if work is not None and work.split % MLA_WG_NK:
         raise ValueError(f"mla_attention: split {work.split} is not a multiple of {MLA_WG_NK} keys")
     tmap = cache_tensor_map(cache) if MLA_WG_TMA else placeholder(cache, (16,), np.uint64)   # unread without TMA
     seesaw = MLA_WG_SEESAW and MLA_WG_TMA
     smem = wg_smem(D, MLA_WG_NK, wg_stages(D, seesaw=seesaw), seesaw)
-    return mla_wg_kernel(D, r, causal, fuse=fuse), M // 64, 256, smem, tmap
+    return mla_wg_kernel(D, r, causal, fuse=fuse, cluster=cluster), M // 64, 256, smem, tmap
 
 
 _TMAP_DEV = {}

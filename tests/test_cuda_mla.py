@@ -194,6 +194,31 @@ def test_gpu_wgmma_loads(case, path, monkeypatch):
     check(Env(gpu=True), **K2, **GPU_CASES[case], calls=2)
 
 
+# splits of a row tile merged in a thread-block cluster (kernels.mla_wg.MLA_WG_CLUSTER): 2, 3 (rows 22 / 22 / 20),
+# 4 (two row tiles per query) and 8 (splits past the sequence's end: blocks with no partial) splits
+CLUSTER_CASES = {
+    "decode_h64_b3_split2": dict(B=3, h=64, lengths=(4000, 1500, 30), ntok=(1, 1, 1), work=2016),
+    "tree17_h64_split3_dead": dict(B=2, T=17, h=64, lengths=(2900, 40), ntok=(17, 6), work=1024),
+    "decode_h128_split4": dict(B=2, h=128, lengths=(3000, 500), ntok=(1, 1), work=800),
+    "decode_h64_split8": dict(B=2, h=64, lengths=(1000, 4000), ntok=(1, 1), work=512),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue", ["direct", "staged", "cluster"])
+@pytest.mark.parametrize("case", sorted(CLUSTER_CASES))
+def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
+    """The 64-head kernel's ways out: O stored from the accumulators (direct) or through shared memory (staged),
+    both with the partials merged by merge_splits, or merged in the kernel across a cluster of the split blocks
+    (cluster: the split counts of CLUSTER_CASES, checked to be what runs)."""
+    import kernels.mla_wg as kw
+    monkeypatch.setattr(kw, "MLA_WG_STAGED", epilogue != "direct")
+    monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 8 if epilogue == "cluster" else 0)
+    wk = check(Env(gpu=True), **K2, **CLUSTER_CASES[case], calls=2)
+    want = {"decode_h64_b3_split2": 2, "tree17_h64_split3_dead": 3, "decode_h128_split4": 4, "decode_h64_split8": 8}
+    assert kw.wg_cluster(wk.o.shape[1]) == (want[case] if epilogue == "cluster" else 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["decode_h64_b9_auto", "tree17_h64", "decode_h8_b5_auto"])
 def test_gpu_fused_merge(case):
@@ -230,9 +255,11 @@ def test_tensor_map_rejects(args):
 
 # --- PTX for sm_90 ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("D,r,fuse,tma,seesaw", [(192, 128, False, False, False), (192, 128, False, True, False),
-                                                  (192, 128, False, True, True)])   # K2's (576, 512): 4x the time
-def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, monkeypatch):                    # fuse: 30 s more
+@pytest.mark.parametrize("D,r,fuse,tma,seesaw,cl", [(192, 128, False, False, False, 0),
+                                                     (192, 128, False, True, False, 0),
+                                                     (192, 128, False, True, True, 0),
+                                                     (192, 128, False, True, False, 3)])
+def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, cl, monkeypatch):   # K2's (576, 512): 4x the time; fuse: 30 s more
     """kernels/mla_wg.py compiles for sm_90a: D/16 wgmma for S(0) and as many for S(i + 1), NK/16 (MN-major B)
     for P V in each warpgroup's loop (seesaw: own and other's tile, in the loop and at its ends), no float64, no
     local memory; ptxas (where installed) keeps the wgmmas asynchronous (no serialization notice) in 255
@@ -247,7 +274,12 @@ def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, monkeypatch):                
     import kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_TMA", tma)
     monkeypatch.setattr(kw, "MLA_WG_SEESAW", seesaw)
-    ptx = ptx_or_skip(kw.mla_wg_kernel(D, r, False, fuse=fuse).py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
+    ptx = ptx_or_skip(kw.mla_wg_kernel(D, r, False, fuse=fuse, cluster=cl).py_func, kw.MLA_WG_PTX_SIG,
+                      cc=(9, 0, "a"))
+    # the epilogue: O staged in shared memory, 16-byte global stores; (cluster) two cluster barriers on each path
+    # (an empty split's block and a working one) and the partials read through DSMEM
+    assert "st.shared.v2.f32" in ptx and "st.global.v4.u32" in ptx
+    assert ptx.count("barrier.cluster.wait") == (4 if cl else 0) and ("mapa.shared::cluster" in ptx) == bool(cl)
     MLA_WG_NK = kw.MLA_WG_NK
     tensor = re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)
     assert len(tensor) % (D // 64) == 0 and bool(tensor) == bool(tma), len(tensor)   # a copy per 64-column box

@@ -7,6 +7,7 @@ overhead is not measured. `run(results, copy_bw_gbs)` is called by tools/bench_k
     python -m tools.bench_attention [--out bench.json] [--quick] [--only mla|tree|prefill|drafter|splits]
     python -m tools.bench_attention --only mla --mla-variant '{"MLA_NK": 64}'     # a kernels.mla setting
     python -m tools.bench_attention --only mla --quick --mla-max-batch 1 --mla-variant '[{}, {"MERGE_GROUPS": 8}]'
+    python -m tools.bench_attention --only mla --mla-shapes '{"ctx": [4096], "heads": [64], "queries": [1]}'
     ncu -k regex:mla python -m tools.bench_attention --profile-mla 64:1:4096:64  # heads:queries:context:batch
 """
 import argparse
@@ -147,14 +148,16 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
                     nbytes = B * (ctx + T) * K2_D * 2
                     flops = 2.0 * B * (ctx + T) * T * h * (K2_D + K2_R)
                     gbs = nbytes / us / 1e3
+                    cluster = 0
                     if kw.mla_wg_applies(h, K2_D, K2_R):
                         kern, nk, stages = "wgmma", kw.MLA_WG_NK, kw.wg_stages(K2_D)
+                        cluster = kw.wg_cluster(work.o.shape[1])
                         smem = kw.wg_smem(K2_D, nk, stages, kw.MLA_WG_SEESAW and kw.MLA_WG_TMA)
                     else:
                         rg, kg, stages, _, smem = mla_geometry(T * h, K2_D, K2_R)
                         kern, nk = "mma.sync", mla_step_keys(rg, kg, K2_D, K2_R)
                     rows.append(dict(ctx=ctx, heads=h, queries=T, batch=B, split=work.split, splits=work.o.shape[1],
-                                     kernel=kern, nk=nk, stages=stages, smem_kb=smem // 1024,
+                                     cluster=cluster, kernel=kern, nk=nk, stages=stages, smem_kb=smem // 1024,
                                      us=round(us, 2), cache_gbs=round(gbs, 1), pct_copy=round(100 * gbs / copy_bw, 1),
                                      tflops=round(flops / us / 1e6, 1), timing=how))
                     print("mla", rows[-1], flush=True)
@@ -454,6 +457,7 @@ ROUND_STAGES = ("topk", "build", "sample_T1", "walk", "commit")     # one DDTree
 OPT_IN = ("splits",)        # tables run only when asked for by name (--only)
 MLA_VARIANTS = [{}]         # kernels.mla settings for the mla table, one table per entry (--mla-variant)
 MLA_MAX_BATCH = [64]        # the mla table's largest batch (--mla-max-batch)
+MLA_SHAPES = {}             # the mla table's contexts / heads / queries where not the defaults (--mla-shapes)
 
 
 def mla_tables(ctxs, copy_bw_gbs):
@@ -462,7 +466,8 @@ def mla_tables(ctxs, copy_bw_gbs):
     rows = []
     for v in MLA_VARIANTS:
         print("mla variant", v, flush=True)
-        table = bench_mla(ctxs, [64, 8], [1, 17, 65], copy_bw_gbs, variant=v, max_batch=MLA_MAX_BATCH[0])
+        table = bench_mla(MLA_SHAPES.get("ctx", ctxs), MLA_SHAPES.get("heads", [64, 8]),
+                          MLA_SHAPES.get("queries", [1, 17, 65]), copy_bw_gbs, variant=v, max_batch=MLA_MAX_BATCH[0])
         rows += [dict(r, variant=v) for r in table] if len(MLA_VARIANTS) > 1 else table
     return rows
 
@@ -531,12 +536,19 @@ def main():
                     help='kernels.mla settings for the mla table, e.g. {"MLA_NK": 64}, or a list (a table each)')
     ap.add_argument("--mla-max-batch", type=int, default=64, metavar="B",
                     help="the mla table's largest batch (1: the batch-1 rows only)")
+    ap.add_argument("--mla-shapes", metavar="JSON",
+                    help='the mla table\'s shapes, e.g. {"ctx": [4096, 16384], "heads": [64], "queries": [1]}')
     ap.add_argument("--profile-tree", metavar="BUDGET", help="run the tree stages three times for a profiler, exit")
     args = ap.parse_args()
     if args.mla_variant:
         v = json.loads(args.mla_variant)
         MLA_VARIANTS[:] = v if isinstance(v, list) else [v]
     MLA_MAX_BATCH[0] = args.mla_max_batch
+    if args.mla_shapes:
+        shapes = json.loads(args.mla_shapes)
+        if not isinstance(shapes, dict) or set(shapes) - {"ctx", "heads", "queries"}:
+            raise SystemExit(f"--mla-shapes {args.mla_shapes}: a JSON object of ctx / heads / queries lists")
+        MLA_SHAPES.update(shapes)
     if args.profile_tree:
         return profile_tree(args.profile_tree)
     if args.profile_mla:

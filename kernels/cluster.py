@@ -1,0 +1,57 @@
+"""Thread-block clusters (sm_90): the blocks of one cluster run at once on one GPC and read each other's shared
+memory (distributed shared memory, DSMEM) after a cluster barrier.
+
+Why: the flash-decoding splits of one 64-head MLA row tile can merge inside the kernel. Each split block leaves its
+partial O and (max, sum) in its own shared memory, the cluster barrier publishes them, and every block folds its
+share of the rows from all the cluster's blocks straight into the output: no partials in global memory and no merge
+launch (kernels/mla_wg.py). Launch such a kernel with `device.launch(..., cluster=dims)`.
+
+Protocol: `cluster_sync()` by every thread of every block (release of this block's shared writes, acquire of the
+others'), then `dsmem_ld4` / `dsmem_ld16` of any block's shared array by its rank in the cluster, then
+`cluster_sync()` again before any block exits (its shared memory must outlive the others' reads).
+The simulator has no twin (its blocks do not share memory): these raise there.
+"""
+from kernels.device import SIM
+
+if SIM:
+    def _no_twin(*args):
+        raise NotImplementedError("thread-block clusters have no simulator twin: run kernels/cluster.py on a GPU")
+
+    cluster_sync = dsmem_ld4 = dsmem_ld16 = _no_twin
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    from kernels.device import _barrier_op, _smem_addr
+
+    cluster_sync = _barrier_op("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;")
+
+    def _dsmem_load(words):
+        regs = ", ".join(f"${k}" for k in range(words))
+        vec = f".v{words}" if words > 1 else ""
+        asm = (f"{{ .reg .u32 ra; mapa.shared::cluster.u32 ra, ${words}, ${words + 1}; "
+               f"ld.shared::cluster{vec}.u32 {{{regs}}}, [ra]; }}" if words > 1 else
+               "{ .reg .u32 ra; mapa.shared::cluster.u32 ra, $1, $2; ld.shared::cluster.u32 $0, [ra]; }")
+        cons = ",".join(["=r"] * words) + ",r,r,~{memory}"
+
+        @intrinsic
+        def load(typingctx, arr, idx, rank):
+            """`words` uint32 from element idx of the 1-D shared array arr in the cluster's block `rank`."""
+            ret = types.UniTuple(types.uint32, words) if words > 1 else types.uint32
+            sig = ret(arr, idx, rank)
+
+            def codegen(ctx, b, sig, args):
+                i32 = ir.IntType(32)
+                addr = _smem_addr(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
+                rk = ctx.cast(b, args[2], sig.args[2], types.uint32)
+                lty = ir.LiteralStructType([i32] * words) if words > 1 else i32
+                r = b.call(ir.InlineAsm(ir.FunctionType(lty, [i32, i32]), asm, cons, side_effect=True), [addr, rk])
+                if words == 1:
+                    return r
+                return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, k) for k in range(words)])
+            return sig, codegen
+        return load
+
+    dsmem_ld4 = _dsmem_load(1)
+    dsmem_ld16 = _dsmem_load(4)
