@@ -511,21 +511,30 @@ def launch_kv_tc(q, k, v, kv_len, scale, out, work):
     return out
 
 
-_SMEM_SET = set()
+_SMEM_CF = {}       # (kernel, argument types, shared bytes, device) -> its compiled function, limit raised
+
+
+def raise_smem_limit(kern, args, smem):
+    """Raise `kern`'s dynamic shared memory limit to `smem` bytes where above 48 KB (once per compiled overload;
+    numba has no API for the attribute) -> the compiled function (GPU), None under the simulator."""
+    if SIM:
+        return None
+    types_ = tuple(kern.typeof_pyval(a) for a in args)
+    key = (id(kern), types_, smem, cuda.get_current_device().id)      # (the attribute is set per device)
+    if key not in _SMEM_CF:
+        cf = kern.compile(types_)._codelibrary.get_cufunc()
+        if smem > 48 * 1024:
+            from numba.cuda.cudadrv.driver import binding, driver
+            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.cuKernelSetAttribute(attr, smem, cf.handle, cf.device.id)
+        _SMEM_CF[key] = cf
+    return _SMEM_CF[key]
 
 
 def launch_smem(kern, grid, threads, smem, args, cluster=None):
-    """device.launch with `smem` bytes of dynamic shared memory (and thread-block clusters of `cluster` blocks),
-    raising the kernel's limit above 48 KB first (once per compiled overload; numba has no API for the attribute)."""
-    if not SIM and smem > 48 * 1024:
-        types_ = tuple(kern.typeof_pyval(a) for a in args)
-        key = (id(kern), types_, smem)
-        if key not in _SMEM_SET:
-            from numba.cuda.cudadrv.driver import binding, driver
-            cf = kern.compile(types_)._codelibrary.get_cufunc()
-            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            driver.cuKernelSetAttribute(attr, smem, cf.handle, cf.device.id)
-            _SMEM_SET.add(key)
+    """device.launch with `smem` bytes of dynamic shared memory (raise_smem_limit first) and thread-block clusters
+    of `cluster` blocks."""
+    raise_smem_limit(kern, args, smem)
     launch(kern, grid, threads, *args, shmem=smem, cluster=cluster)
 
 

@@ -44,11 +44,10 @@ def mla_attention_ref(q, cache, lengths, ntok, mask, scale, out, work=None):
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
 from kernels.attention import (LOG2E, NEG_INF, attention_ref, last_split_merge, launch_smem, merge_splits,  # noqa: E402
-                               placeholder,
-                               shfl_xor)
+                               placeholder, raise_smem_limit, shfl_xor)
 from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16, mma_bf16  # noqa: E402
 import kernels.mla_wg as _wg  # noqa: E402
-from kernels.mla_wg import mla_wg_applies, mla_wg_launch, wg_cluster  # noqa: E402
+from kernels.mla_wg import mla_wg_applies, mla_wg_kernel, mla_wg_launch, wg_cluster  # noqa: E402
 
 if not SIM:
     from llvmlite import ir
@@ -604,6 +603,7 @@ class MlaWork:
         self.o = zeros((B, nsplit, M, r), np.float32)
         self.ml = zeros((B, nsplit, M, 2), np.float32)
         self.count = zeros((B, M), np.int32)     # splits done per row tile (last_split_merge; <= M tiles)
+        self.cluster = 0                         # the cluster size of the last mla_attention call (0: none)
 
 
 def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132):
@@ -625,6 +625,14 @@ def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132):
     step = np.lcm(nk, _wg.MLA_WG_NK)              # whole steps of either kernel (mla_wg's for 64-head tiles)
     split = -(-split // step) * step
     return MlaWork(zeros, B, T * h, r, max_keys, int(split))
+
+
+def cluster_pays(blocks, size, fits, slots):
+    """Run `blocks` split blocks as clusters of `size` (kernels/mla_wg.py's in-kernel merge) only where they need
+    no more waves than a plain launch: `fits` clusters resident at once (cuOccupancyMaxActiveClusters) against
+    `slots` block slots. A cluster's blocks must share a GPC, so fewer may fit (H200, session 24: 16 clusters of 8
+    took 196 us where 128 plain blocks and the merge launch took 115)."""
+    return fits > 0 and -(-blocks // (size * fits)) <= -(-blocks // slots)
 
 
 def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
@@ -667,6 +675,13 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     out3 = out.reshape(B, M, r)
     args = (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0,
             work.o, work.ml, out3, work.count)
+    if cluster:
+        from kernels.cluster import max_clusters
+        fits = max_clusters(raise_smem_limit(kern, args, smem), threads, smem, (1, cluster, 1))
+        slots = cuda.get_current_device().MULTIPROCESSOR_COUNT * max(1, MLA_SMEM // smem)
+        if not cluster_pays(tiles * nsplit * B, cluster, fits, slots):
+            kern, cluster = mla_wg_kernel(D, r, mask is None), 0      # the plain kernel, the merge launch after it
+    work.cluster = cluster                        # (what ran: benchmarks report it)
     launch_smem(kern, (tiles, nsplit, B), threads, smem, args, cluster=(1, cluster, 1) if cluster else None)
     if not fused and not cluster:
         merge_splits(work.o, work.ml, out3)

@@ -216,7 +216,17 @@ def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
     monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 8 if epilogue == "cluster" else 0)
     wk = check(Env(gpu=True), **K2, **CLUSTER_CASES[case], calls=2)
     want = {"decode_h64_b3_split2": 2, "tree17_h64_split3_dead": 3, "decode_h128_split4": 4, "decode_h64_split8": 8}
-    assert kw.wg_cluster(wk.o.shape[1]) == (want[case] if epilogue == "cluster" else 0)
+    assert wk.cluster == (want[case] if epilogue == "cluster" else 0)     # (grids this small fit as clusters)
+
+
+@pytest.mark.parametrize("blocks,size,fits,slots,pays", [(128, 2, 66, 132, True), (128, 8, 16, 132, True),
+                                                         (128, 8, 15, 132, False), (132, 3, 43, 132, False),
+                                                         (200, 2, 66, 132, True), (64, 2, 0, 132, False)])
+def test_cluster_pays(blocks, size, fits, slots, pays):
+    """kernels.mla.cluster_pays: clusters only where they take no more waves than plain blocks (e.g. 33 splits of 4
+    sequences as 44 clusters of 3 where 43 fit: two waves instead of one); a size the driver fits 0 of: never."""
+    from kernels.mla import cluster_pays
+    assert cluster_pays(blocks, size, fits, slots) == pays
 
 
 @pytest.mark.gpu

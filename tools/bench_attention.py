@@ -151,7 +151,7 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
                     cluster = 0
                     if kw.mla_wg_applies(h, K2_D, K2_R):
                         kern, nk, stages = "wgmma", kw.MLA_WG_NK, kw.wg_stages(K2_D)
-                        cluster = kw.wg_cluster(work.o.shape[1])
+                        cluster = work.cluster          # the cluster size the call ran with
                         smem = kw.wg_smem(K2_D, nk, stages, kw.MLA_WG_SEESAW and kw.MLA_WG_TMA)
                     else:
                         rg, kg, stages, _, smem = mla_geometry(T * h, K2_D, K2_R)
