@@ -462,19 +462,27 @@ else:
                                 side_effect=True), [addr] + words)
         return sig, codegen
 
-    @intrinsic
-    def lds16(typingctx, arr, idx):
-        """Four uint32 words from element idx of a 1-D shared array: one ld.shared.v4 (16 B aligned)."""
-        sig = types.UniTuple(types.uint32, 4)(arr, idx)
+    def smem_load4(op, clobber=True):
+        """An intrinsic (1-D shared array, element idx) -> four uint32 from the PTX `op {$0..$3}, [addr]` on the
+        element's 32-bit shared address; clobber: it also orders memory (a plain load of data this kernel writes)."""
+        asm = op + " {$0, $1, $2, $3}, [$4];"
+        cons = "=r,=r,=r,=r,r" + (",~{memory}" if clobber else "")
 
-        def codegen(ctx, b, sig, args):
-            addr = _smem_addr(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
-            i32 = ir.IntType(32)
-            fn = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
-            r = b.call(ir.InlineAsm(fn, "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
-                                    side_effect=True), [addr])
-            return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, k) for k in range(4)])
-        return sig, codegen
+        @intrinsic
+        def load(typingctx, arr, idx):
+            sig = types.UniTuple(types.uint32, 4)(arr, idx)
+
+            def codegen(ctx, b, sig, args):
+                addr = _smem_addr(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
+                i32 = ir.IntType(32)
+                fn = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
+                r = b.call(ir.InlineAsm(fn, asm, cons, side_effect=True), [addr])
+                return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, k) for k in range(4)])
+            return sig, codegen
+        return load
+
+    lds16 = smem_load4("ld.shared.v4.u32")
+    lds16.__doc__ = "Four uint32 words from element idx of a 1-D shared array: one ld.shared.v4 (16 B aligned)."
 
     @intrinsic
     def sts8(typingctx, arr, idx, v0, v1):

@@ -55,25 +55,11 @@ if not SIM:
     from numba.cuda import libdevice
     from numba.cuda.extending import intrinsic
 
-    from kernels.device import _address, _asm_op, _cvt_pair, _smem_addr
+    from kernels.device import _address, _asm_op, _cvt_pair, _smem_addr, smem_load4
 
     def _make_ldsm(trans):
         """ldmatrix .x4 (optionally .trans): this lane passes the address of its row (uint16 element idx)."""
-        op = "ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "") + ".shared.b16"
-
-        @intrinsic
-        def ldsm(typingctx, ary, idx):
-            sig = types.UniTuple(types.uint32, 4)(ary, idx)
-
-            def codegen(context, builder, sig, args):
-                a = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-                i32 = ir.IntType(32)
-                fn = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
-                asm = op + " {$0,$1,$2,$3}, [$4];"
-                r = builder.call(ir.InlineAsm(fn, asm, "=r,=r,=r,=r,r", side_effect=True), [a])
-                return context.make_tuple(builder, sig.return_type, [builder.extract_value(r, k) for k in range(4)])
-            return sig, codegen
-        return ldsm
+        return smem_load4("ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "") + ".shared.b16", clobber=False)
 
     @intrinsic
     def _slot_addr(typingctx, sary, sidx):
