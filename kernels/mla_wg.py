@@ -11,9 +11,13 @@ rows in 128-byte-swizzle atoms (the same bytes are the K-major B of S = Q K^T an
                of 64 columns x MLA_WG_NK rows per 128-byte slab, issued by its first thread, an mbarrier per slot;
                it zeroes the rows of a tile past the split's end), or cp.async pieces by all 128 (MLA_WG_TMA off);
   both:        O[:, wg half] = alpha O + P V[:, wg half] (NK/16 wgmma m64n(r/2)k16; 64 x r/2 f32 per warpgroup),
-               issued after S of the next step so the softmax runs beside them.
+               issued after S of the next step so the softmax runs beside them; at the end O leaves through f32
+               rows of shared memory in 16-byte stores (MLA_WG_STAGED).
+Launched as thread-block clusters of a tile's 2..8 splits (MLA_WG_CLUSTER, where they fit as well as plain blocks:
+kernels.mla.cluster_pays), the split blocks merge through distributed shared memory (cluster_merge) and write out.
 Bytes: each cache row of the split once per tile (the tiles of one split share it through L2), q once, the
-partials 64 r 4 per block. Same arguments and outputs as mla.py's kernel (o_part, ml_part, the merge after)."""
+partials 64 r 4 per block (none in a cluster: the output once). Same arguments and outputs as mla.py's kernel
+(o_part, ml_part, the merge after; out in a cluster)."""
 import math
 
 import numpy as np
