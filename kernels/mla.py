@@ -47,7 +47,8 @@ from kernels.attention import (LOG2E, NEG_INF, attention_ref, last_split_merge, 
                                placeholder, raise_smem_limit, shfl_xor)
 from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16, mma_bf16  # noqa: E402
 import kernels.mla_wg as _wg  # noqa: E402
-from kernels.mla_wg import mla_wg_applies, mla_wg_kernel, mla_wg_launch, wg_cluster  # noqa: E402
+from kernels.cluster import max_clusters  # noqa: E402
+from kernels.mla_wg import mla_wg_applies, mla_wg_kernel, mla_wg_launch, wg_clusters  # noqa: E402
 
 if not SIM:
     from llvmlite import ir
@@ -641,10 +642,10 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     M = T * h
     nsplit = 1 if work is None else work.o.shape[1]
     fused = work is not None and nsplit <= MLA_FUSED_MERGE    # the fused kernels merge (out, count), no launch
-    tmap, cluster = (), 0                         # the wgmma kernel's tensor map, after the cache; its cluster size
+    tmap, sizes = (), []                          # the wgmma kernel's tensor map, after the cache; cluster sizes
     if mla_wg_applies(h, D, r):                   # 64-head tiles on an sm_90 GPU: both products on wgmma
-        cluster = wg_cluster(nsplit, fused)       # splits merged in the kernel through distributed shared memory
-        kern, tiles, threads, smem, tm = mla_wg_launch(M, D, r, mask is None, work, cache, fused, cluster)
+        sizes = wg_clusters(nsplit, fused)        # splits merged in the kernel through distributed shared memory
+        kern, tiles, threads, smem, tm = mla_wg_launch(M, D, r, mask is None, work, cache, fused)
         tmap = (tm,)
     else:
         rg, kg, stages, threads, smem = mla_geometry(M, D, r)
@@ -659,16 +660,22 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     if fused and work.count.shape != (B, M):
         raise ValueError(f"mla_attention: work for {work.count.shape} (B, T h) rows, not {(B, M)}")
     out3 = out.reshape(B, M, r)
-    args = (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0,
-            work.o, work.ml, out3, work.count)
-    if cluster:
-        from kernels.cluster import max_clusters
-        fits = max_clusters(raise_smem_limit(kern, args, smem), threads, smem, (1, cluster, 1))
+    o, ml, cluster = work.o, work.ml, 0
+    for size in sizes:                            # the first cluster size that takes no more waves than none
+        G = nsplit // size                        # partials left (G > 1: the first G of the buffers, merged after)
+        o_c, ml_c = (a.reshape(-1)[:B * G * M * a.shape[3]].reshape(B, G, M, a.shape[3]) for a in (work.o, work.ml))
+        kern_c = mla_wg_kernel(D, r, mask is None, cluster=size)
+        args = (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0,
+                o_c, ml_c, out3, work.count)
+        fits = max_clusters(raise_smem_limit(kern_c, args, smem), threads, smem, (1, size, 1))
         slots = cuda.get_current_device().MULTIPROCESSOR_COUNT * max(1, MLA_SMEM // smem)
-        if not cluster_pays(tiles * nsplit * B, cluster, fits, slots):
-            kern, cluster = mla_wg_kernel(D, r, mask is None), 0      # the plain kernel, the merge launch after it
+        if cluster_pays(tiles * nsplit * B, size, fits, slots):
+            kern, o, ml, cluster = kern_c, o_c, ml_c, size
+            break
     work.cluster = cluster                        # (what ran: benchmarks report it)
+    args = (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0,
+            o, ml, out3, work.count)
     launch_smem(kern, (tiles, nsplit, B), threads, smem, args, cluster=(1, cluster, 1) if cluster else None)
-    if not fused and not cluster:
-        merge_splits(work.o, work.ml, out3)
+    if not fused and nsplit != cluster:
+        merge_splits(o, ml, out3)
     return out

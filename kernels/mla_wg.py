@@ -39,6 +39,11 @@ MLA_WG_STAGED = True        # O leaves through shared memory in 16-byte stores (
 #                             not as 4-byte stores from the accumulator registers
 MLA_WG_CLUSTER = 8          # 2 .. this many splits of a row tile run as one thread-block cluster and merge through
 #                             distributed shared memory (kernels/cluster.py): no partials, no merge launch; 0: off
+MLA_WG_CLUSTER_GROUPS = False   # also clusters of a divisor of a tile's split count, each merging into one partial
+#                             (then merge_splits over the clusters' partials); off: NOT measured since it was combined
+#                             with kernels.mla.cluster_pays (session 24: without that check, clusters of 3 of 33 splits
+#                             ran two waves, 192 vs 104 us; where they fitted, 65 splits as clusters of 5: 18.0 vs
+#                             17.3 us), GPU-tested in its first form only (test_gpu_wgmma_epilogue "groups")
 MLA_WG_SMEM = 227 * 1024
 MLA_WG_PTX_SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], uint64[::1], int32[::1], int32[::1], uint32[:,:,::1], "
                   "float32, int32, int32, float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1], int32[:,::1])")
@@ -74,17 +79,24 @@ def mla_wg_kernel(D, r, causal, nk=None, fuse=False, cluster=0):
     cluster: the merge of that many splits through distributed shared memory compiled in (0: none)."""
     nk = nk or MLA_WG_NK
     seesaw = MLA_WG_SEESAW and MLA_WG_TMA
-    key = (D, r, causal, nk, fuse, MLA_WG_TMA, seesaw, MLA_WG_STAGED, cluster)
+    groups = bool(cluster and MLA_WG_CLUSTER_GROUPS)
+    key = (D, r, causal, nk, fuse, MLA_WG_TMA, seesaw, MLA_WG_STAGED, cluster, groups)
     if key not in _KERNELS:
         _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk, seesaw), fuse, MLA_WG_TMA, seesaw,
-                                     MLA_WG_STAGED, cluster)
+                                     MLA_WG_STAGED, cluster, groups)
     return _KERNELS[key]
 
 
-def wg_cluster(nsplit, fuse=False):
-    """Cluster size for `nsplit` splits of a row tile: all of them (merged in the kernel) where 2 <= nsplit <=
-    MLA_WG_CLUSTER and the fused merge is off, else 0 (partials and merge_splits)."""
-    return nsplit if not fuse and 2 <= nsplit <= min(MLA_WG_CLUSTER, 8) else 0
+def wg_clusters(nsplit, fuse=False):
+    """Cluster sizes to try for `nsplit` splits of a row tile, best first: all of them (merged into the output in
+    the kernel) where 2 <= nsplit <= MLA_WG_CLUSTER (<= 8, the portable size); with MLA_WG_CLUSTER_GROUPS every
+    divisor in 2 .. MLA_WG_CLUSTER, largest first (a partial per cluster); none with the fused merge."""
+    top = min(MLA_WG_CLUSTER, 8, nsplit)
+    if fuse or top < 2:
+        return []
+    if MLA_WG_CLUSTER_GROUPS:
+        return [c for c in range(top, 1, -1) if nsplit % c == 0]
+    return [nsplit] if nsplit <= top else []
 
 
 SOFTMAX_MAX = """\
@@ -119,7 +131,7 @@ QUAD_SUM = """\
 """
 
 
-def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, STAGED=False, CL=0):
+def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, STAGED=False, CL=0, GROUPS=False):
     from kernels.mla import _ex2, _make_cp_piece, _pack2, _row_addr, _slot_addr
     from kernels.wgmma import (fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_sync, wg_wait0,
                                wg_wait1)
@@ -208,7 +220,7 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, 
     def merge_in_cluster(ind):
         return "\n".join(ind + ln for ln in (
             "cluster_sync()                                # every block's O rows and (max, sum) published",
-            "cluster_merge(wsm, fsm, out, b, s, mb, tid)   # this block's share of the tile's rows, from all",
+            "cluster_merge(wsm, fsm, out, o_part, ml_part, b, s, mb, tid)   # this block's rows, from all",
             "cluster_sync()                                # the others are done reading this block's memory"))
 
     if STAGED or CL:      # O (times 1 / sum where normalized) into f32 rows of shared memory, then 16-byte stores
@@ -454,7 +466,8 @@ release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
         fsm[{SF + 128} + r1], fsm[{SF + 192} + r1] = m1, l1
 ''' + finish(SF + 128, lambda x: f"fsm[{SF + 192} + {x}]")
 
-    cluster_empty = "" if not CL else f'''        if tid < 64:                              # (cluster) no partial: max -inf, sum 0
+    # (cluster) a block with nothing to attend still joins the merge: max -inf, sum 0
+    cluster_empty = "" if not CL else f'''        if tid < 64:
             fsm[{ML} + tid] = NEG_INF
             fsm[{ML + 64} + tid] = float32(0)
 {merge_in_cluster("        ")}
@@ -585,11 +598,15 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
     MU = max(1, 8 // CLN)                       # items per round: MU x CL 16-byte loads in flight
 
     @cuda.jit(device=True, inline="always")
-    def cluster_merge(wsm, fsm, out, b, s, mb, tid):
-        """Cluster of CL split blocks (rank s = split s; after a cluster barrier): fold rows s RP .. s RP + RP - 1
-        of the tile from every block's staged O and (max, sum), read through DSMEM, into out f32[B, M, r] (16-byte
-        stores): out = sum_c 2^(m_c - m) O_c / sum_c 2^(m_c - m) l_c, rows no split saw get 0 (merge_splits' rule)."""
-        row0 = s * RP
+    def cluster_merge(wsm, fsm, out, o_part, ml_part, b, s, mb, tid):
+        """Cluster of CL consecutive split blocks (rank s % CL; after a cluster barrier): fold rows rank RP .. rank
+        RP + RP - 1 of the tile from every block's staged O and (max m_c, sum l_c), read through DSMEM. One cluster
+        (gridDim.y = CL): into out f32[B, M, r], out = sum_c 2^(m_c - m) O_c / sum_c 2^(m_c - m) l_c (rows no split
+        saw get 0, merge_splits' rule); G > 1 clusters: cluster s // CL's partial (sum_c 2^(m_c - m) O_c; m,
+        sum_c 2^(m_c - m) l_c) into o_part [B, G, M, r], ml_part [B, G, M, 2] for merge_splits. 16-byte stores."""
+        rank, grp = s % CL, s // CL
+        G = cuda.gridDim.y // CL if GROUPS else 1     # (without groups: one cluster, no partial code compiled)
+        row0 = rank * RP
         nrows = min(64, row0 + RP) - row0
         if tid < nrows:                           # one thread per row: the fold factors of the CL partials
             ms = cuda.local.array(CLN, float32)
@@ -605,11 +622,16 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                 ms[c] = math.exp2(ms[c] - mx) if ms[c] != NEG_INF else float32(0)
                 den += ms[c] * ls[c]
             inv = float32(1) / den if den > float32(0) else float32(0)
+            if G > 1:                             # a partial: the sum stays out (merge_splits divides)
+                inv = float32(1)
+                ml_part[b, grp, mb + row0 + tid, 0] = mx
+                ml_part[b, grp, mb + row0 + tid, 1] = den
             for c in range(CL):
                 fsm[FAC + c * 64 + tid] = ms[c] * inv
         cuda.syncthreads()
         n = nrows * R4
         M = out.shape[1]
+        dst = b * M + mb + row0 if G == 1 else (b * G + grp) * M + mb + row0     # flat row of out / o_part
         v = cuda.local.array((MU, CLN, 4), uint32)
         for i0 in range(tid, n, 256 * MU):
             for u in range(MU):                   # every load of the round first
@@ -630,8 +652,11 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                             a1 += f * as_f32(v[u, c, 1])
                             a2 += f * as_f32(v[u, c, 2])
                             a3 += f * as_f32(v[u, c, 3])
-                    st16(out, (b * M + mb + row0 + row) * r + 4 * (it - row * R4), as_u32(a0), as_u32(a1),
-                         as_u32(a2), as_u32(a3))
+                    col, w0, w1, w2, w3 = 4 * (it - row * R4), as_u32(a0), as_u32(a1), as_u32(a2), as_u32(a3)
+                    if G == 1:
+                        st16(out, (dst + row) * r + col, w0, w1, w2, w3)
+                    else:
+                        st16(o_part, (dst + row) * r + col, w0, w1, w2, w3)
 
     from kernels.bulk import (mbar_arrive, mbar_expect, mbar_fence_init, mbar_init, mbar_init_count, mbar_wait,
                               tensor_load_2d, tensormap_acquire)
@@ -655,17 +680,18 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
     return kernel(max_registers=255)(ns["mla_wg_attention"])
 
 
-def mla_wg_launch(M, D, r, causal, work, cache, fuse=False, cluster=0):
+def mla_wg_launch(M, D, r, causal, work, cache, fuse=False):
     """(kernel, row tiles, threads, shared bytes, tensor map) for mla.mla_attention's launch: M = T h query rows in
     tiles of 64 (one query's heads), 256 threads; `work` splits must be whole steps. The tensor map (a device u64
-    array, made once per cache) is the kernel's third argument (a placeholder without MLA_WG_TMA). cluster > 0
-    (wg_cluster): launch it in clusters of (1, cluster, 1) blocks; it writes out, no merge after."""
+    array, made once per cache) is the kernel's third argument (a placeholder without MLA_WG_TMA). Its cluster
+    variants (mla_wg_kernel(..., cluster=c), launched in clusters of (1, c, 1) blocks) write out where one cluster
+    holds all the splits, else one partial per cluster into o_part / ml_part [B, splits / c, M, ...]."""
     if work is not None and work.split % MLA_WG_NK:
         raise ValueError(f"mla_attention: split {work.split} is not a multiple of {MLA_WG_NK} keys")
     tmap = cache_tensor_map(cache) if MLA_WG_TMA else placeholder(cache, (16,), np.uint64)   # unread without TMA
     seesaw = MLA_WG_SEESAW and MLA_WG_TMA
     smem = wg_smem(D, MLA_WG_NK, wg_stages(D, seesaw=seesaw), seesaw)
-    return mla_wg_kernel(D, r, causal, fuse=fuse, cluster=cluster), M // 64, 256, smem, tmap
+    return mla_wg_kernel(D, r, causal, fuse=fuse), M // 64, 256, smem, tmap
 
 
 _TMAP_DEV = {}

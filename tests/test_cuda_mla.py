@@ -194,29 +194,50 @@ def test_gpu_wgmma_loads(case, path, monkeypatch):
     check(Env(gpu=True), **K2, **GPU_CASES[case], calls=2)
 
 
-# splits of a row tile merged in a thread-block cluster (kernels.mla_wg.MLA_WG_CLUSTER): 2, 3 (rows 22 / 22 / 20),
-# 4 (two row tiles per query) and 8 (splits past the sequence's end: blocks with no partial) splits
+# splits of a row tile merged in thread-block clusters (kernels.mla_wg.MLA_WG_CLUSTER): (splits, cluster size) =
+# (2, 2), (3, 3) (rows 22 / 22 / 20) with dead queries, (4, 4) (two row tiles per query), (8, 8) (splits past the
+# sequence's end: blocks with no partial); with MLA_WG_CLUSTER_GROUPS also (12, 6) and (9, 3): one partial per
+# cluster, then merge_splits, a cluster wholly past the sequence's end. Values: shape, cluster size without and
+# with groups (grids this small always fit as clusters).
 CLUSTER_CASES = {
-    "decode_h64_b3_split2": dict(B=3, h=64, lengths=(4000, 1500, 30), ntok=(1, 1, 1), work=2016),
-    "tree17_h64_split3_dead": dict(B=2, T=17, h=64, lengths=(2900, 40), ntok=(17, 6), work=1024),
-    "decode_h128_split4": dict(B=2, h=128, lengths=(3000, 500), ntok=(1, 1), work=800),
-    "decode_h64_split8": dict(B=2, h=64, lengths=(1000, 4000), ntok=(1, 1), work=512),
+    "decode_h64_b3_split2": (dict(B=3, h=64, lengths=(4000, 1500, 30), ntok=(1, 1, 1), work=2016), 2, 2),
+    "tree17_h64_split3_dead": (dict(B=2, T=17, h=64, lengths=(2900, 40), ntok=(17, 6), work=1024), 3, 3),
+    "decode_h128_split4": (dict(B=2, h=128, lengths=(3000, 500), ntok=(1, 1), work=800), 4, 4),
+    "decode_h64_split8": (dict(B=2, h=64, lengths=(1000, 4000), ntok=(1, 1), work=512), 8, 8),
+    "decode_h64_split12": (dict(B=2, h=64, lengths=(3000, 700), ntok=(1, 1), work=256), 0, 6),
+    "tree17_h64_split9": (dict(B=2, T=17, h=64, lengths=(2200, 1000), ntok=(17, 3), work=256), 0, 3),
 }
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("epilogue", ["direct", "staged", "cluster"])
+@pytest.mark.parametrize("epilogue", ["direct", "staged", "cluster", "groups"])
 @pytest.mark.parametrize("case", sorted(CLUSTER_CASES))
 def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
     """The 64-head kernel's ways out: O stored from the accumulators (direct) or through shared memory (staged),
     both with the partials merged by merge_splits, or merged in the kernel across a cluster of the split blocks
-    (cluster: the split counts of CLUSTER_CASES, checked to be what runs)."""
+    (cluster; groups: clusters of a divisor of the split count, a partial each), the cluster sizes of CLUSTER_CASES
+    checked to be what ran."""
     import kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_STAGED", epilogue != "direct")
-    monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 8 if epilogue == "cluster" else 0)
-    wk = check(Env(gpu=True), **K2, **CLUSTER_CASES[case], calls=2)
-    want = {"decode_h64_b3_split2": 2, "tree17_h64_split3_dead": 3, "decode_h128_split4": 4, "decode_h64_split8": 8}
-    assert wk.cluster == (want[case] if epilogue == "cluster" else 0)     # (grids this small fit as clusters)
+    monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 8 if epilogue in ("cluster", "groups") else 0)
+    monkeypatch.setattr(kw, "MLA_WG_CLUSTER_GROUPS", epilogue == "groups")
+    shape, plain, grouped = CLUSTER_CASES[case]
+    wk = check(Env(gpu=True), **K2, **shape, calls=2)
+    assert wk.cluster == {"cluster": plain, "groups": grouped}.get(epilogue, 0)
+
+
+@pytest.mark.parametrize("groups", [False, True])
+def test_wg_clusters(groups, monkeypatch):
+    """kernels.mla_wg.wg_clusters: all the splits as one cluster (2..8), or with groups every divisor up to 8,
+    largest first; none for one split, with the fused merge or past 8 without groups."""
+    import kernels.mla_wg as kw
+    monkeypatch.setattr(kw, "MLA_WG_CLUSTER_GROUPS", groups)
+    got = {n: kw.wg_clusters(n) for n in (1, 2, 7, 8, 9, 12, 13, 33, 65)}
+    want = {1: [], 2: [2], 7: [7], 8: [8], 9: [], 12: [], 13: [], 33: [], 65: []}
+    if groups:
+        want.update({8: [8, 4, 2], 9: [3], 12: [6, 4, 3, 2], 33: [3], 65: [5]})
+    assert got == want
+    assert kw.wg_clusters(4, fuse=True) == []
 
 
 @pytest.mark.parametrize("blocks,size,fits,slots,pays", [(128, 2, 66, 132, True), (128, 8, 16, 132, True),
