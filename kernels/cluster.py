@@ -46,6 +46,7 @@ def max_clusters(cf, threads, smem, dims):
         _MAX_CLUSTERS[key] = int(n)
     return _MAX_CLUSTERS[key]
 
+
 if SIM:
     def _no_twin(*args):
         raise NotImplementedError("thread-block clusters have no simulator twin: run kernels/cluster.py on a GPU")

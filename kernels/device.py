@@ -748,9 +748,11 @@ def launch(kern, grid, block, *args, shmem=0, cluster=None):
         args = [FakeCUDAArray(a) if isinstance(a, np.ndarray) and a.ndim > 0 else a for a in args]
         kern[grid, block, current_stream(), shmem](*args)
         return
-    with contextlib.ExitStack() as ctx:
-        if PDL and getattr(kern, "grid_dep", False):
-            ctx.enter_context(pdl())
-        if cluster is not None:
-            ctx.enter_context(clusters(cluster))
+    if cluster is not None:
+        with clusters(cluster):
+            launch(kern, grid, block, *args, shmem=shmem)
+    elif PDL and getattr(kern, "grid_dep", False):
+        with pdl():
+            kern[grid, block, current_stream(), shmem](*args)
+    else:
         kern[grid, block, current_stream(), shmem](*args)

@@ -622,6 +622,22 @@ def cluster_pays(blocks, size, fits, slots):
     return fits > 0 and -(-blocks // (size * fits)) <= -(-blocks // slots)
 
 
+_CLUSTER_PICK = {}
+
+
+def pick_cluster(sizes, kernel_args, threads, smem, blocks, tag):
+    """The first of the candidate cluster sizes that pays (cluster_pays, the driver's count of resident clusters
+    of the compiled kernel_args(size) = (kernel, args)), or 0; decided once per (kernel tag, sizes, blocks, shared
+    bytes, device): later calls are a dict lookup, no compile or driver query."""
+    dev = cuda.get_current_device()
+    key = (tag, tuple(sizes), blocks, threads, smem, dev.id)
+    if key not in _CLUSTER_PICK:
+        slots = dev.MULTIPROCESSOR_COUNT * max(1, MLA_SMEM // smem)
+        _CLUSTER_PICK[key] = next((c for c in sizes if cluster_pays(
+            blocks, c, max_clusters(raise_smem_limit(*kernel_args(c), smem), threads, smem, (1, c, 1)), slots)), 0)
+    return _CLUSTER_PICK[key]
+
+
 def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     """mla_attention_ref on the GPU or the simulator (same arguments). work=None: one split per sequence,
     normalized in place (no scratch); else an MlaWork (splits; read lengths/ntok on the device), merged by
@@ -661,21 +677,22 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     if fused and work.count.shape != (B, M):
         raise ValueError(f"mla_attention: work for {work.count.shape} (B, T h) rows, not {(B, M)}")
     out3 = out.reshape(B, M, r)
-    o, ml, cluster = work.o, work.ml, 0
-    for size in sizes:                            # the first cluster size that takes no more waves than none
-        G = nsplit // size                        # partials left (G > 1: the first G of the buffers, merged after)
-        o_c, ml_c = (a.reshape(-1)[:B * G * M * a.shape[3]].reshape(B, G, M, a.shape[3]) for a in (work.o, work.ml))
-        kern_c = mla_wg_kernel(D, r, mask is None, cluster=size)
-        args = (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0,
-                o_c, ml_c, out3, work.count)
-        fits = max_clusters(raise_smem_limit(kern_c, args, smem), threads, smem, (1, size, 1))
-        slots = cuda.get_current_device().MULTIPROCESSOR_COUNT * max(1, MLA_SMEM // smem)
-        if cluster_pays(tiles * nsplit * B, size, fits, slots):
-            kern, o, ml, cluster = kern_c, o_c, ml_c, size
-            break
+
+    def partials(size):                           # one per cluster of `size` splits (the first of the buffers,
+        G = nsplit // size if size else nsplit    # merged after where G > 1), or one per split
+        return [a.reshape(-1)[:B * G * M * a.shape[3]].reshape(B, G, M, a.shape[3]) for a in (work.o, work.ml)]
+
+    def args_of(o, ml):
+        return (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0,
+                o, ml, out3, work.count)
+    cluster = pick_cluster(
+        sizes, lambda c: (mla_wg_kernel(D, r, mask is None, cluster=c), args_of(*partials(c))), threads, smem,
+        tiles * nsplit * B, (D, r, mask is None)) if sizes else 0
+    if cluster:
+        kern = mla_wg_kernel(D, r, mask is None, cluster=cluster)
     work.cluster = cluster                        # (what ran: benchmarks report it)
-    args = (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0,
-            o, ml, out3, work.count)
+    o, ml = partials(cluster)
+    args = args_of(o, ml)
     launch_smem(kern, (tiles, nsplit, B), threads, smem, args, cluster=(1, cluster, 1) if cluster else None)
     if not fused and nsplit != cluster:
         merge_splits(o, ml, out3)
