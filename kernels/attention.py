@@ -531,11 +531,11 @@ def raise_smem_limit(kern, args, smem):
     return _SMEM_CF[key]
 
 
-def launch_smem(kern, grid, threads, smem, args, cluster=None):
-    """device.launch with `smem` bytes of dynamic shared memory (raise_smem_limit first) and thread-block clusters
-    of `cluster` blocks."""
+def launch_smem(kern, grid, threads, smem, args, cluster=None, coop=False):
+    """device.launch with `smem` bytes of dynamic shared memory (raise_smem_limit first), thread-block clusters of
+    `cluster` blocks, cooperative (coop: all blocks resident at once)."""
     raise_smem_limit(kern, args, smem)
-    launch(kern, grid, threads, *args, shmem=smem, cluster=cluster)
+    launch(kern, grid, threads, *args, shmem=smem, cluster=cluster, coop=coop)
 
 
 # --- tensor-core kernel for kv_attention (f32 K/V rounded to bf16 in shared memory) ----------------------------------

@@ -167,14 +167,17 @@ def kernel(**opts):
     return deco
 
 
-_PDL_THREAD = threading.local()       # .on: this thread's numba launches carry the PDL attribute (inside pdl())
+_PDL_THREAD = threading.local()       # this thread's launch settings: .on (PDL, inside pdl()), .cluster, .coop
 
 
 def _launch_config(*args, **kwargs):
-    """numba.cuda.dispatcher's LaunchConfig, with programmatic_stream_serialization while this thread is in pdl()
-    and a thread-block cluster shape while it is in clusters() (cuda.core then counts the grid in clusters)."""
+    """numba.cuda.dispatcher's LaunchConfig, with programmatic_stream_serialization while this thread is in pdl(),
+    a thread-block cluster shape while it is in clusters() (cuda.core then counts the grid in clusters), and the
+    cooperative flag while it is in cooperative()."""
     if getattr(_PDL_THREAD, "on", False):
         kwargs["programmatic_stream_serialization"] = True
+    if getattr(_PDL_THREAD, "coop", None):
+        kwargs["is_cooperative"] = True
     dims = getattr(_PDL_THREAD, "cluster", None)
     if dims is not None:
         kwargs["grid"] = tuple(g // c for g, c in zip(kwargs["grid"], dims))
@@ -189,29 +192,35 @@ def _patch_launch_config():
 
 
 @contextlib.contextmanager
+def _launch_flag(name, value):
+    """Context: this thread's numba launches carry `value` as _launch_config's thread-local `name`."""
+    _patch_launch_config()
+    was = getattr(_PDL_THREAD, name, None)
+    setattr(_PDL_THREAD, name, value)
+    try:
+        yield
+    finally:
+        setattr(_PDL_THREAD, name, was)
+
+
 def pdl():
     """Context: numba's launches from this thread carry the PDL attribute. numba builds a cuda.core LaunchConfig per
     launch in numba.cuda.dispatcher; that name is replaced once by `_launch_config`, which adds the attribute while
     a thread-local flag is set, so ranks launching from several threads (numbaengine.devices) do not see each
     other's setting."""
-    _patch_launch_config()
-    was, _PDL_THREAD.on = getattr(_PDL_THREAD, "on", False), True
-    try:
-        yield
-    finally:
-        _PDL_THREAD.on = was
+    return _launch_flag("on", True)
 
 
-@contextlib.contextmanager
 def clusters(dims):
     """Context: numba's launches from this thread run as thread-block clusters of dims = (x, y, z) blocks (each
     grid dimension a multiple of its cluster dimension; blockIdx and gridDim still count blocks)."""
-    _patch_launch_config()
-    was, _PDL_THREAD.cluster = getattr(_PDL_THREAD, "cluster", None), tuple(dims)
-    try:
-        yield
-    finally:
-        _PDL_THREAD.cluster = was
+    return _launch_flag("cluster", tuple(dims))
+
+
+def cooperative():
+    """Context: numba's launches from this thread are cooperative: all their blocks resident at once (the driver
+    refuses a grid larger than the GPU holds), so blocks may wait for each other (kernels/cluster.py group_barrier)."""
+    return _launch_flag("coop", True)
 
 
 def device(fn):
@@ -737,18 +746,21 @@ def current_stream():
     return _STREAMS[ptr]
 
 
-def launch(kern, grid, block, *args, shmem=0, cluster=None):
-    """Launch `kern` on the current stream (cluster: thread-block cluster dims, GPU only). Arguments: numba device
-    arrays (NumPy arrays under the simulator, used in place: no copies, so views with any strides and aliased
-    outputs behave as on the GPU)."""
+def launch(kern, grid, block, *args, shmem=0, cluster=None, coop=False):
+    """Launch `kern` on the current stream (cluster: thread-block cluster dims; coop: a cooperative launch; both GPU
+    only). Arguments: numba device arrays (NumPy arrays under the simulator, used in place: no copies, so views with
+    any strides and aliased outputs behave as on the GPU)."""
     if SIM:
-        if cluster is not None:
-            raise NotImplementedError("launch: thread-block clusters have no simulator twin")
+        if cluster is not None or coop:
+            raise NotImplementedError("launch: thread-block clusters and cooperative launches have no simulator twin")
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         args = [FakeCUDAArray(a) if isinstance(a, np.ndarray) and a.ndim > 0 else a for a in args]
         kern[grid, block, current_stream(), shmem](*args)
         return
-    if cluster is not None:
+    if coop:
+        with cooperative():
+            launch(kern, grid, block, *args, shmem=shmem, cluster=cluster)
+    elif cluster is not None:
         with clusters(cluster):
             launch(kern, grid, block, *args, shmem=shmem)
     elif PDL and getattr(kern, "grid_dep", False):

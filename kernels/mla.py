@@ -47,8 +47,8 @@ from kernels.attention import (LOG2E, NEG_INF, attention_ref, last_split_merge, 
                                placeholder, raise_smem_limit, shfl_xor)
 from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16, mma_bf16  # noqa: E402
 import kernels.mla_wg as _wg  # noqa: E402
-from kernels.cluster import max_clusters  # noqa: E402
-from kernels.mla_wg import mla_wg_applies, mla_wg_kernel, mla_wg_launch, wg_clusters  # noqa: E402
+from kernels.cluster import max_clusters, max_resident_blocks  # noqa: E402
+from kernels.mla_wg import mla_wg_applies, mla_wg_kernel, mla_wg_launch, wg_clusters, wg_grid  # noqa: E402
 
 if not SIM:
     from llvmlite import ir
@@ -591,6 +591,7 @@ class MlaWork:
         self.ml = zeros((B, nsplit, M, 2), np.float32)
         self.count = zeros((B, M), np.int32)     # splits done per row tile (last_split_merge; <= M tiles)
         self.cluster = 0                         # the cluster size of the last mla_attention call (0: none)
+        self.grid = False                        # whether it merged across a cooperative launch (grid_merge)
 
 
 def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132):
@@ -622,7 +623,7 @@ def cluster_pays(blocks, size, fits, slots):
     return fits > 0 and -(-blocks // (size * fits)) <= -(-blocks // slots)
 
 
-_CLUSTER_PICK = {}
+_MERGE_PICK = {}
 
 
 def pick_cluster(sizes, kernel_args, threads, smem, blocks, tag):
@@ -631,11 +632,22 @@ def pick_cluster(sizes, kernel_args, threads, smem, blocks, tag):
     bytes, device): later calls are a dict lookup, no compile or driver query."""
     dev = cuda.get_current_device()
     key = (tag, tuple(sizes), blocks, threads, smem, dev.id)
-    if key not in _CLUSTER_PICK:
+    if key not in _MERGE_PICK:
         slots = dev.MULTIPROCESSOR_COUNT * max(1, MLA_SMEM // smem)
-        _CLUSTER_PICK[key] = next((c for c in sizes if cluster_pays(
+        _MERGE_PICK[key] = next((c for c in sizes if cluster_pays(
             blocks, c, max_clusters(raise_smem_limit(*kernel_args(c), smem), threads, smem, (1, c, 1)), slots)), 0)
-    return _CLUSTER_PICK[key]
+    return _MERGE_PICK[key]
+
+
+def pick_grid(kernel_args, threads, smem, blocks, tag):
+    """Whether all `blocks` blocks of the grid-merge kernel (kernel_args() = (kernel, args)) fit on the GPU at once,
+    as its cooperative launch needs (kernels/cluster.py max_resident_blocks); decided once per (kernel tag, blocks,
+    shared bytes, device)."""
+    dev = cuda.get_current_device()
+    key = ("grid", tag, blocks, threads, smem, dev.id)
+    if key not in _MERGE_PICK:
+        _MERGE_PICK[key] = blocks <= max_resident_blocks(raise_smem_limit(*kernel_args(), smem), threads, smem)
+    return _MERGE_PICK[key]
 
 
 def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
@@ -659,9 +671,10 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     M = T * h
     nsplit = 1 if work is None else work.o.shape[1]
     fused = work is not None and nsplit <= MLA_FUSED_MERGE    # the fused kernels merge (out, count), no launch
-    tmap, sizes = (), []                          # the wgmma kernel's tensor map, after the cache; cluster sizes
+    tmap, sizes, gridded = (), [], False          # the wgmma kernel's tensor map, after the cache; cluster sizes
     if mla_wg_applies(h, D, r):                   # 64-head tiles on an sm_90 GPU: both products on wgmma
         sizes = wg_clusters(nsplit, fused)        # splits merged in the kernel through distributed shared memory
+        gridded = work is not None and wg_grid(nsplit, fused)     # or through L2 across a cooperative launch
         kern, tiles, threads, smem, tm = mla_wg_launch(M, D, r, mask is None, work, cache, fused)
         tmap = (tm,)
     else:
@@ -674,7 +687,7 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
                 placeholder(q, (1, 1, 1), np.float32), placeholder(q, (1, 1), np.int32))
         launch_smem(kern, (tiles, 1, B), threads, smem, args)
         return out
-    if fused and work.count.shape != (B, M):
+    if (fused or gridded) and work.count.shape != (B, M):
         raise ValueError(f"mla_attention: work for {work.count.shape} (B, T h) rows, not {(B, M)}")
     out3 = out.reshape(B, M, r)
 
@@ -688,12 +701,16 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     cluster = pick_cluster(
         sizes, lambda c: (mla_wg_kernel(D, r, mask is None, cluster=c), args_of(*partials(c))), threads, smem,
         tiles * nsplit * B, (D, r, mask is None)) if sizes else 0
-    if cluster:
-        kern = mla_wg_kernel(D, r, mask is None, cluster=cluster)
-    work.cluster = cluster                        # (what ran: benchmarks report it)
+    grid = not cluster and gridded and pick_grid(
+        lambda: (mla_wg_kernel(D, r, mask is None, grid=True), args_of(*partials(0))), threads, smem,
+        tiles * nsplit * B, (D, r, mask is None))
+    if cluster or grid:
+        kern = mla_wg_kernel(D, r, mask is None, cluster=cluster, grid=grid)
+    work.cluster, work.grid = cluster, grid       # (what ran: benchmarks report it)
     o, ml = partials(cluster)
     args = args_of(o, ml)
-    launch_smem(kern, (tiles, nsplit, B), threads, smem, args, cluster=(1, cluster, 1) if cluster else None)
-    if not fused and nsplit != cluster:
+    launch_smem(kern, (tiles, nsplit, B), threads, smem, args, cluster=(1, cluster, 1) if cluster else None,
+                coop=grid)
+    if not fused and nsplit != cluster and not grid:
         merge_splits(o, ml, out3)
     return out

@@ -24,8 +24,9 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from kernels.attention import NEG_INF, last_split_merge, placeholder, shfl_xor
-from kernels.cluster import cluster_sync, dsmem_ld4, dsmem_ld16
-from kernels.device import SIM, as_f32, as_u32, cp_commit, cp_wait, kernel, ld16, lds16, shfl_idx, st16, sts8
+from kernels.cluster import cluster_sync, dsmem_ld4, dsmem_ld16, group_barrier
+from kernels.device import (SIM, as_f32, as_u32, cp_commit, cp_wait, kernel, ld4_l2, ld16, ld16_l2, lds16, shfl_idx,
+                            st16, sts8)
 from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
 
 MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
@@ -39,6 +40,10 @@ MLA_WG_STAGED = True        # O leaves through shared memory in 16-byte stores (
 #                             not as 4-byte stores from the accumulator registers
 MLA_WG_CLUSTER = 8          # 2 .. this many splits of a row tile run as one thread-block cluster and merge through
 #                             distributed shared memory (kernels/cluster.py): no partials, no merge launch; 0: off
+MLA_WG_GRID = True          # more splits than a cluster takes (or than fit as clusters), where every block of the
+#                             launch is resident at once: a cooperative launch whose split blocks meet at a counter
+#                             per row tile and merge from the partials at L2 (grid_merge): no merge launch
+GRID_SPLITS = 256           # most splits of a grid merge (its shared memory; a cooperative launch holds fewer)
 MLA_WG_CLUSTER_GROUPS = False   # also clusters of a divisor of a tile's split count, each merging into one partial
 #                             (then merge_splits over the clusters' partials); off: NOT measured since it was combined
 #                             with kernels.mla.cluster_pays (session 24: without that check, clusters of 3 of 33 splits
@@ -74,16 +79,17 @@ def mla_wg_applies(h, D, r):
     return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)
 
 
-def mla_wg_kernel(D, r, causal, nk=None, fuse=False, cluster=0):
+def mla_wg_kernel(D, r, causal, nk=None, fuse=False, cluster=0, grid=False):
     """The kernel for latent width D, output width r; fuse: with the last split block's merge compiled in;
-    cluster: the merge of that many splits through distributed shared memory compiled in (0: none)."""
+    cluster: the merge of that many splits through distributed shared memory compiled in (0: none); grid: the
+    merge of all the splits of a cooperative launch through L2 (grid_merge)."""
     nk = nk or MLA_WG_NK
     seesaw = MLA_WG_SEESAW and MLA_WG_TMA
     groups = bool(cluster and MLA_WG_CLUSTER_GROUPS)
-    key = (D, r, causal, nk, fuse, MLA_WG_TMA, seesaw, MLA_WG_STAGED, cluster, groups)
+    key = (D, r, causal, nk, fuse, MLA_WG_TMA, seesaw, MLA_WG_STAGED, cluster, groups, grid)
     if key not in _KERNELS:
         _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk, seesaw), fuse, MLA_WG_TMA, seesaw,
-                                     MLA_WG_STAGED, cluster, groups)
+                                     MLA_WG_STAGED, cluster, groups, grid)
     return _KERNELS[key]
 
 
@@ -97,6 +103,12 @@ def wg_clusters(nsplit, fuse=False):
     if MLA_WG_CLUSTER_GROUPS:
         return [c for c in range(top, 1, -1) if nsplit % c == 0]
     return [nsplit] if nsplit <= top else []
+
+
+def wg_grid(nsplit, fuse=False):
+    """Whether `nsplit` splits of a row tile may merge across a cooperative launch (MLA_WG_GRID; kernels.mla then
+    asks whether all the blocks fit at once): 2 .. GRID_SPLITS splits, not with the fused merge."""
+    return MLA_WG_GRID and not fuse and 2 <= nsplit <= GRID_SPLITS
 
 
 SOFTMAX_MAX = """\
@@ -131,7 +143,8 @@ QUAD_SUM = """\
 """
 
 
-def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, STAGED=False, CL=0, GROUPS=False):
+def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, STAGED=False, CL=0, GROUPS=False,
+                 GRID=False):
     from kernels.mla import _ex2, _make_cp_piece, _pack2, _row_addr, _slot_addr
     from kernels.wgmma import (fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_sync, wg_wait0,
                                wg_wait1)
@@ -141,6 +154,8 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, 
         raise ValueError("mla_wg: the seesaw schedule fills its ring by TMA only (MLA_WG_TMA)")
     if CL and (FUSE or not 2 <= CL <= 8):
         raise ValueError(f"mla_wg: a cluster merge of {CL} splits (2..8, not with the fused merge)")
+    if GRID and (FUSE or CL):
+        raise ValueError("mla_wg: the grid merge is a third way out (not with the fused or the cluster merge)")
     D8, NPV = D // 8, r // 2
     QBYTES, TILE, PBYTES = 64 * D * 2, NK * D * 2, 64 * NK * 2
     PB = QBYTES + stages * TILE                 # two P tiles (bytes), then the f32 stats
@@ -155,7 +170,8 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, 
     PITCH, R4 = r + 8, r // 4                   # staged epilogue: f32 rows of O (8 floats of padding: st.shared.v2
     #                                             of a warp without bank conflicts), r / 4 16-byte quads per row
     ML, FAC = 64 * PITCH, 64 * PITCH + 128      # f32 index (cluster): this block's max, sum of 64 rows; fold factors
-    if (STAGED or CL) and 4 * (FAC + 64 * max(CL, 1)) > PB:
+    GRID_FSM = 2 * (64 + 3 * GRID_SPLITS) + 1024    # (grid) f32 beside them: factors, sums, the groups' sums
+    if (STAGED or CL or GRID) and 4 * (FAC + max(64 * max(CL, 1), GRID_FSM)) > PB:
         raise ValueError(f"mla_wg: the staged O tile ({64 * PITCH * 4} bytes) does not fit below the P tiles ({PB})")
     QPT = 64 * D8 // 256                        # q units (8 values: 16 bytes of the tile) per thread
     QG = max(g for g in (3, 2, 1) if QPT % g == 0)   # units in flight (two 16-byte loads each)
@@ -501,6 +517,8 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
             ml_part[b, s, mb + tid, 1] = float32(0)
         if {FUSE}:
             last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
+        if {GRID}:                                # (with max -inf, sum 0: the others skip its rows)
+            grid_merge(fsm, out, o_part, ml_part, count, b, s, mt, mb, tid)
         return
     row0 = b * cache.shape[1]
     nsteps = (hi - lo + {NK - 1}) // {NK}
@@ -525,6 +543,8 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
 {store_out}
     if {FUSE}:                                    # the last split of the tile merges (no merge launch)
         last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
+    if {GRID}:                                    # every split of the tile merges its share (no merge launch)
+        grid_merge(fsm, out, o_part, ml_part, count, b, s, mt, mb, tid)
 '''
     cp_piece = _make_cp_piece(D8, NK * D8, sw_rows=NK)
     cp_wait0, cp_wait1, cp_wait2 = cp_wait(0), cp_wait(1), cp_wait(2)
@@ -593,6 +613,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
             return jj <= tq
         return ((mask[b, tq, jj >> 5] >> uint32(jj & 31)) & uint32(1)) != uint32(0)
 
+    NQ, MU_GRID = 64 * R4, 8                    # (grid) 16-byte items of a tile; loads in flight per thread
     CLN = max(CL, 1)
     RP = -(-64 // CLN)                          # (cluster) rows of the tile each block merges
     MU = max(1, 8 // CLN)                       # items per round: MU x CL 16-byte loads in flight
@@ -658,6 +679,87 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                     else:
                         st16(o_part, (dst + row) * r + col, w0, w1, w2, w3)
 
+    @cuda.jit(device=True, inline="always")
+    def grid_merge(fsm, out, o_part, ml_part, count, b, s, mt, mb, tid):
+        """Split block s of a cooperative launch, its partial rows of o_part [B, splits, M, r] and ml_part written:
+        meet the tile's other splits at count[b, mt] (group_barrier), then fold items (row, 16-byte column quad)
+        s n / splits .. (s + 1) n / splits - 1 of the tile's n = 64 r / 4 from every split's partial, read at L2,
+        into out f32[B, M, r]: sum_c 2^(m_c - m) O_c / sum_c 2^(m_c - m) l_c (rows no split saw get 0). The fold
+        factors of the rows it touches first, a warp per row; where the block has fewer items than threads, G
+        groups of threads take every G-th split each and add up in shared memory."""
+        nsplit = cuda.gridDim.y
+        group_barrier(count, b, mt, nsplit)
+        M = out.shape[1]
+        i_lo, i_hi = s * NQ // nsplit, (s + 1) * NQ // nsplit
+        k_lo = i_lo // R4
+        rows = (i_hi + (R4 - 1)) // R4 - k_lo if i_hi > i_lo else 0
+        fl = FAC + 64 + 3 * nsplit                # f32 index of the sums beside the factors (FAC + k splits + c, k
+        gs = fl + 64 + 3 * nsplit                 # below `rows` <= items / R4 + 2), then the groups' sums
+        w, lane = tid >> 5, tid & 31
+        for k in range(w, rows, 8):               # a warp per row: max over the splits, then the factors
+            base = (b * nsplit * M + mb + k_lo + k) * 2
+            mx = NEG_INF
+            for c in range(lane, nsplit, 32):
+                mc = as_f32(ld4_l2(ml_part, base + 2 * c * M))
+                fsm[FAC + k * nsplit + c] = mc
+                fsm[fl + k * nsplit + c] = as_f32(ld4_l2(ml_part, base + 2 * c * M + 1))
+                mx = max(mx, mc)
+            for d in range(5):
+                mx = max(mx, shfl_xor(mx, 1 << d))
+            den = float32(0)
+            for c in range(lane, nsplit, 32):
+                mc = fsm[FAC + k * nsplit + c]
+                e = math.exp2(mc - mx) if mc != NEG_INF else float32(0)
+                fsm[FAC + k * nsplit + c] = e
+                den += e * fsm[fl + k * nsplit + c]
+            for d in range(5):
+                den += shfl_xor(den, 1 << d)
+            inv = float32(1) / den if den > float32(0) else float32(0)
+            for c in range(lane, nsplit, 32):
+                fsm[FAC + k * nsplit + c] *= inv
+        cuda.syncthreads()
+        items = i_hi - i_lo
+        G = max(1, min(nsplit, 256 // max(items, 1)))
+        W = 256 // G
+        g, wi = tid // W, tid - (tid // W) * W
+        acc = cuda.local.array(4, float32)
+        v = cuda.local.array((MU_GRID, 4), uint32)
+        fv = cuda.local.array(MU_GRID, float32)
+        for it in range(i_lo + wi, i_hi if g < G else i_lo, W):
+            row = it // R4
+            col = 4 * (it - row * R4)
+            fk = FAC + (row - k_lo) * nsplit
+            src = (b * nsplit * M + mb + row) * r + col          # split 0's quad; split c is c M r further
+            for j in range(4):
+                acc[j] = float32(0)
+            for c0 in range(g, nsplit, G * MU_GRID):
+                for u in range(MU_GRID):        # every load of the round first
+                    c = c0 + u * G
+                    fv[u] = fsm[fk + c] if c < nsplit else float32(0)
+                    if fv[u] != float32(0):       # (an empty split's rows: never read)
+                        v[u, 0], v[u, 1], v[u, 2], v[u, 3] = ld16_l2(o_part, src + c * M * r)
+                for u in range(MU_GRID):
+                    if fv[u] != float32(0):
+                        for j in range(4):
+                            acc[j] += fv[u] * as_f32(v[u, j])
+            if G == 1:
+                st16(out, (b * M + mb + row) * r + col, as_u32(acc[0]), as_u32(acc[1]), as_u32(acc[2]),
+                     as_u32(acc[3]))
+            else:
+                for j in range(4):
+                    fsm[gs + 4 * tid + j] = acc[j]
+        if G > 1:                                 # (then every thread has at most one item)
+            cuda.syncthreads()
+            if g == 0 and wi < items:
+                it = i_lo + wi
+                row = it // R4
+                for j in range(4):
+                    acc[j] = float32(0)
+                    for gg in range(G):
+                        acc[j] += fsm[gs + 4 * (gg * W + wi) + j]
+                st16(out, (b * M + mb + row) * r + 4 * (it - row * R4), as_u32(acc[0]), as_u32(acc[1]),
+                     as_u32(acc[2]), as_u32(acc[3]))
+
     from kernels.bulk import (mbar_arrive, mbar_expect, mbar_fence_init, mbar_init, mbar_init_count, mbar_wait,
                               tensor_load_2d, tensormap_acquire)
     from kernels.mla import LAZY
@@ -669,6 +771,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
               LAZY=LAZY, last_split_merge=last_split_merge,
               shfl_xor=shfl_xor, shfl_idx=shfl_idx, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
               sts8=sts8, lds16=lds16, st16=st16, cluster_sync=cluster_sync, cluster_merge=cluster_merge,
+              grid_merge=grid_merge,
               core_offset=cuda.jit(device=True, inline="always")(core_offset), load_tile=load_tile, key_ok=key_ok,
               sw128_offset=cuda.jit(device=True, inline="always")(sw128_offset),
               cp_wait0=cp_wait0, cp_wait1=cp_wait1, cp_wait2=cp_wait2, fence_proxy_async=fence_proxy_async,

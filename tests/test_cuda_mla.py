@@ -209,21 +209,34 @@ CLUSTER_CASES = {
 }
 
 
+# and many splits for the grid merge (kernels.mla_wg.MLA_WG_GRID): one sequence in 66 splits (124-125 items of a
+# tile per block: two thread groups per item), 129 splits (63-64 items: four groups; blocks past the 64th fold
+# rows the earlier ones also touch), two sequences of one 64-head tile each in 33 splits with empty ones
+GRID_CASES = {
+    "decode_h64_b1_split66": (dict(B=1, h=64, lengths=(4200,), ntok=(1,), work=64), 0, 0),
+    "decode_h64_b1_split129": (dict(B=1, h=64, lengths=(8200,), ntok=(1,), work=64), 0, 0),
+    "decode_h64_b2_split33": (dict(B=2, h=64, lengths=(2080, 1000), ntok=(1, 1), work=64), 0, 0),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("epilogue", ["direct", "staged", "cluster", "groups"])
-@pytest.mark.parametrize("case", sorted(CLUSTER_CASES))
+@pytest.mark.parametrize("epilogue", ["direct", "staged", "cluster", "groups", "grid"])
+@pytest.mark.parametrize("case", sorted(CLUSTER_CASES) + sorted(GRID_CASES))
 def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
     """The 64-head kernel's ways out: O stored from the accumulators (direct) or through shared memory (staged),
     both with the partials merged by merge_splits, or merged in the kernel across a cluster of the split blocks
     (cluster; groups: clusters of a divisor of the split count, a partial each), the cluster sizes of CLUSTER_CASES
-    checked to be what ran."""
+    checked to be what ran, or across all the splits of a cooperative launch through L2 (grid: these grids all fit
+    at once)."""
     import kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_STAGED", epilogue != "direct")
     monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 8 if epilogue in ("cluster", "groups") else 0)
     monkeypatch.setattr(kw, "MLA_WG_CLUSTER_GROUPS", epilogue == "groups")
-    shape, plain, grouped = CLUSTER_CASES[case]
+    monkeypatch.setattr(kw, "MLA_WG_GRID", epilogue == "grid")
+    shape, plain, grouped = {**CLUSTER_CASES, **GRID_CASES}[case]
     wk = check(Env(gpu=True), **K2, **shape, calls=2)
     assert wk.cluster == {"cluster": plain, "groups": grouped}.get(epilogue, 0)
+    assert wk.grid == (epilogue == "grid")
 
 
 @pytest.mark.parametrize("groups", [False, True])
@@ -238,6 +251,17 @@ def test_wg_clusters(groups, monkeypatch):
         want.update({8: [8, 4, 2], 9: [3], 12: [6, 4, 3, 2], 33: [3], 65: [5]})
     assert got == want
     assert kw.wg_clusters(4, fuse=True) == []
+
+
+def test_wg_grid(monkeypatch):
+    """kernels.mla_wg.wg_grid: 2 .. GRID_SPLITS splits may merge across a cooperative launch, not one, not with the
+    fused merge, none with MLA_WG_GRID off."""
+    import kernels.mla_wg as kw
+    monkeypatch.setattr(kw, "MLA_WG_GRID", True)
+    assert [kw.wg_grid(n) for n in (1, 2, 33, kw.GRID_SPLITS, kw.GRID_SPLITS + 1)] == [False, True, True, True, False]
+    assert not kw.wg_grid(8, fuse=True)
+    monkeypatch.setattr(kw, "MLA_WG_GRID", False)
+    assert not kw.wg_grid(8)
 
 
 @pytest.mark.parametrize("blocks,size,fits,slots,pays", [(128, 2, 66, 132, True), (128, 8, 16, 132, True),
@@ -286,11 +310,12 @@ def test_tensor_map_rejects(args):
 
 # --- PTX for sm_90 ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("D,r,fuse,tma,seesaw,cl", [(192, 128, False, False, False, 0),
-                                                     (192, 128, False, True, False, 0),
-                                                     (192, 128, False, True, True, 0),
-                                                     (192, 128, False, True, False, 3)])
-def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, cl, monkeypatch):   # K2's (576, 512): 4x the time; fuse: 30 s more
+@pytest.mark.parametrize("D,r,fuse,tma,seesaw,cl,grid", [(192, 128, False, False, False, 0, False),
+                                                          (192, 128, False, True, False, 0, False),
+                                                          (192, 128, False, True, True, 0, False),
+                                                          (192, 128, False, True, False, 3, False),
+                                                          (192, 128, False, True, False, 0, True)])
+def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, cl, grid, monkeypatch):   # K2's (576, 512): 4x the time; fuse: 30 s more
     """kernels/mla_wg.py compiles for sm_90a: D/16 wgmma for S(0) and as many for S(i + 1), NK/16 (MN-major B)
     for P V in each warpgroup's loop (seesaw: own and other's tile, in the loop and at its ends), no float64, no
     local memory; ptxas (where installed) keeps the wgmmas asynchronous (no serialization notice) in 255
@@ -305,12 +330,17 @@ def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, cl, monkeypatch):   # K2's (5
     import kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_TMA", tma)
     monkeypatch.setattr(kw, "MLA_WG_SEESAW", seesaw)
-    ptx = ptx_or_skip(kw.mla_wg_kernel(D, r, False, fuse=fuse, cluster=cl).py_func, kw.MLA_WG_PTX_SIG,
+    ptx = ptx_or_skip(kw.mla_wg_kernel(D, r, False, fuse=fuse, cluster=cl, grid=grid).py_func, kw.MLA_WG_PTX_SIG,
                       cc=(9, 0, "a"))
     # the epilogue: O staged in shared memory, 16-byte global stores; (cluster) two cluster barriers on each path
     # (an empty split's block and a working one) and the partials read through DSMEM
     assert "st.shared.v2.f32" in ptx and "st.global.v4.u32" in ptx
     assert ptx.count("barrier.cluster.wait") == (4 if cl else 0) and ("mapa.shared::cluster" in ptx) == bool(cl)
+    # (grid) each path's counter: arrive, spin on an atomic read (not a plain load that could be cached), leave, the
+    # last one's reset; the partials read at L2
+    spins = re.findall(r"\$L__BB\d+_\d+:\n\s*atom\.global\.add\.u32\s+%r\d+, \[%rd\d+\], 0;", ptx)
+    assert (len(spins), ptx.count("atom.global.exch")) == ((2, 2) if grid else (0, 0)), spins
+    assert ("ld.global.cg.v4" in ptx) == grid
     MLA_WG_NK = kw.MLA_WG_NK
     tensor = re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)
     assert len(tensor) % (D // 64) == 0 and bool(tensor) == bool(tma), len(tensor)   # a copy per 64-column box

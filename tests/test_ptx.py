@@ -139,7 +139,7 @@ def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
     """With kernels.device.PDL (NUMBAENGINE_PDL, "wait" by default) a kernel made by kernel() waits for the previous
     one before its body's first global load or store (and in "trigger" mode first lets the next one launch); the
     launch attribute exists in this cuda.core and kernels.device.pdl sets it on this thread's launches only (rank
-    threads launch concurrently), and only inside the context."""
+    threads launch concurrently), and only inside the context; kernels.device.cooperative likewise its flag."""
     import numba.cuda.dispatcher as D
     from numba import cuda
 
@@ -169,3 +169,9 @@ def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
     assert cfg.programmatic_stream_serialization
     assert not getattr(other[0], "programmatic_stream_serialization", False)
     assert not getattr(D.LaunchConfig(grid=1, block=32), "programmatic_stream_serialization", False)
+    seen = []                     # (cuda.core checks a cooperative config against the device: record its arguments)
+    monkeypatch.setattr(dev._launch_config, "orig", lambda *a, **k: seen.append(k.get("is_cooperative", False)))
+    with dev.cooperative():       # kernels/cluster.py group_barrier's launches
+        D.LaunchConfig(grid=4, block=32)
+    D.LaunchConfig(grid=4, block=32)
+    assert seen == [True, False]

@@ -148,16 +148,16 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
                     nbytes = B * (ctx + T) * K2_D * 2
                     flops = 2.0 * B * (ctx + T) * T * h * (K2_D + K2_R)
                     gbs = nbytes / us / 1e3
-                    cluster = 0
+                    cluster, grid = 0, False
                     if kw.mla_wg_applies(h, K2_D, K2_R):
                         kern, nk, stages = "wgmma", kw.MLA_WG_NK, kw.wg_stages(K2_D)
-                        cluster = work.cluster          # the cluster size the call ran with
+                        cluster, grid = work.cluster, work.grid     # how the call's splits merged
                         smem = kw.wg_smem(K2_D, nk, stages, kw.MLA_WG_SEESAW and kw.MLA_WG_TMA)
                     else:
                         rg, kg, stages, _, smem = mla_geometry(T * h, K2_D, K2_R)
                         kern, nk = "mma.sync", mla_step_keys(rg, kg, K2_D, K2_R)
                     rows.append(dict(ctx=ctx, heads=h, queries=T, batch=B, split=work.split, splits=work.o.shape[1],
-                                     cluster=cluster, kernel=kern, nk=nk, stages=stages, smem_kb=smem // 1024,
+                                     cluster=cluster, grid=grid, kernel=kern, nk=nk, stages=stages, smem_kb=smem // 1024,
                                      us=round(us, 2), cache_gbs=round(gbs, 1), pct_copy=round(100 * gbs / copy_bw, 1),
                                      tflops=round(flops / us / 1e6, 1), timing=how))
                     print("mla", rows[-1], flush=True)
