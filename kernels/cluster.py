@@ -14,10 +14,10 @@ A cluster's blocks must all be resident together on one GPC, so fewer blocks may
 (H200, session 24: 16 clusters of 8 blocks of 225 KB took 2x the time of 128 plain blocks); `max_clusters` asks the
 driver's occupancy calculator how many fit.
 
-Grid-wide groups (`group_barrier`): where more blocks must merge than a cluster holds, the blocks of a cooperative
-launch (`device.launch(..., cooperative=True)`: all resident at once, or the launch fails) meet at a counter in
-global memory instead and read each other's partials at L2; `max_resident_blocks` says how many blocks a launch
-may have for that.
+Grid-wide groups (`group_barrier`, `group_leave`): where more blocks must merge than a cluster holds, the blocks
+of a cooperative launch (`device.launch(..., coop=True)`: all resident at once, or the launch fails) meet at a
+counter in global memory instead and read each other's partials at L2; `max_resident_blocks` says how many blocks
+a launch may have for that.
 """
 from numba import cuda
 
@@ -80,7 +80,7 @@ if SIM:
         raise NotImplementedError("thread-block clusters and grid-wide groups have no simulator twin (its blocks run "
                                   "one at a time): run kernels/cluster.py on a GPU")
 
-    cluster_sync = dsmem_ld4 = dsmem_ld16 = group_barrier = _no_twin
+    cluster_sync = dsmem_ld4 = dsmem_ld16 = group_barrier = group_leave = _no_twin
 else:
     from llvmlite import ir
     from numba import types
@@ -121,16 +121,23 @@ else:
 
     @cuda.jit(device=True, inline="always")
     def group_barrier(count, b, t, n):
-        """The n blocks sharing the int32 counter count[b, t] (zero before, zero again after the last has left)
-        meet: every thread of each block calls it. They must be resident together (a cooperative launch): a block
-        spins until the others have arrived. Global writes before it are seen after it by L2 loads (ld.global.cg)."""
-        cuda.threadfence()                            # this thread's writes, before its block's arrival
+        """The n blocks sharing the int32 counter count[b, t] (zero before) meet: every thread of each block calls
+        it, then group_leave once it is done. They must be resident together (a cooperative launch): a block
+        spins until the others have arrived. Global writes before it (any thread) are seen after it by L2 loads
+        (ld.global.cg). Thread 0 alone fences, after the block barrier (CUTLASS's semaphore does the same)."""
         cuda.syncthreads()
         if cuda.threadIdx.x == 0:
+            cuda.threadfence()                    # the block's writes, before its arrival
             cuda.atomic.add(count, (b, t), 1)
-            while cuda.atomic.add(count, (b, t), 0) < n:          # (an atomic: read at L2, never a stale copy)
+            while cuda.atomic.add(count, (b, t), 0) < n:      # (an atomic: read at L2, never a stale copy)
                 pass
-            if cuda.atomic.add(count, (b, t), 1) == 2 * n - 1:    # the last to leave: every block is past its wait
-                cuda.atomic.exch(count, (b, t), 0)
+            cuda.threadfence()                    # the others' writes, before this block's loads
         cuda.syncthreads()
-        cuda.threadfence()
+
+    @cuda.jit(device=True, inline="always")
+    def group_leave(count, b, t, n):
+        """After group_barrier (off its critical path): the last of the n blocks to leave puts count[b, t] back to
+        zero, when every block is past its wait (what the next launch, or a graph replay, needs)."""
+        if cuda.threadIdx.x == 0:
+            if cuda.atomic.add(count, (b, t), 1) == 2 * n - 1:
+                cuda.atomic.exch(count, (b, t), 0)

@@ -24,7 +24,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from kernels.attention import NEG_INF, last_split_merge, placeholder, shfl_xor
-from kernels.cluster import cluster_sync, dsmem_ld4, dsmem_ld16, group_barrier
+from kernels.cluster import cluster_sync, dsmem_ld4, dsmem_ld16, group_barrier, group_leave
 from kernels.device import (SIM, as_f32, as_u32, cp_commit, cp_wait, kernel, ld4_l2, ld16, ld16_l2, lds16, shfl_idx,
                             st16, sts8)
 from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
@@ -613,7 +613,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
             return jj <= tq
         return ((mask[b, tq, jj >> 5] >> uint32(jj & 31)) & uint32(1)) != uint32(0)
 
-    NQ, MU_GRID = 64 * R4, 8                    # (grid) 16-byte items of a tile; loads in flight per thread
+    NQ, MU_GRID = 64 * R4, 16                   # (grid) 16-byte items of a tile; loads in flight per thread
     CLN = max(CL, 1)
     RP = -(-64 // CLN)                          # (cluster) rows of the tile each block merges
     MU = max(1, 8 // CLN)                       # items per round: MU x CL 16-byte loads in flight
@@ -679,14 +679,56 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                     else:
                         st16(o_part, (dst + row) * r + col, w0, w1, w2, w3)
 
+    def fold_items(IU, MS):
+        """grid_merge's fold of IU items (row, 16-byte column quad) at a time, MS splits of each per round of loads
+        (IU MS 16-byte L2 loads in flight per thread): items i_lo + wi, + W, .. below i_hi, splits g, g + G, .."""
+        @cuda.jit(device=True, inline="always")
+        def fold(fsm, out, o_part, b, mb, M, nsplit, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid):
+            acc = cuda.local.array((IU, 4), float32)
+            v = cuda.local.array((IU, MS, 4), uint32)
+            fv = cuda.local.array((IU, MS), float32)
+            for i0 in range(i_lo + wi, i_hi if g < G else i_lo, W * IU):
+                for iu in range(IU):
+                    for j in range(4):
+                        acc[iu, j] = float32(0)
+                for c0 in range(g, nsplit, G * MS):
+                    for iu in range(IU):          # every load of the round first
+                        it = min(i0 + iu * W, i_hi - 1)
+                        row = it // R4
+                        src = (b * nsplit * M + mb + row) * r + 4 * (it - row * R4)    # split 0's; c: c M r on
+                        for u in range(MS):
+                            c = c0 + u * G
+                            fv[iu, u] = fsm[FAC + (row - k_lo) * nsplit + c] if c < nsplit else float32(0)
+                            if fv[iu, u] != float32(0):   # (an empty split's rows: never read)
+                                v[iu, u, 0], v[iu, u, 1], v[iu, u, 2], v[iu, u, 3] = ld16_l2(o_part, src + c * M * r)
+                    for iu in range(IU):
+                        for u in range(MS):
+                            if fv[iu, u] != float32(0):
+                                for j in range(4):
+                                    acc[iu, j] += fv[iu, u] * as_f32(v[iu, u, j])
+                for iu in range(IU):
+                    it = i0 + iu * W
+                    if it < i_hi:
+                        row = it // R4
+                        if G == 1:
+                            st16(out, (b * M + mb + row) * r + 4 * (it - row * R4), as_u32(acc[iu, 0]),
+                                 as_u32(acc[iu, 1]), as_u32(acc[iu, 2]), as_u32(acc[iu, 3]))
+                        else:                     # (G > 1: at most one item per thread)
+                            for j in range(4):
+                                fsm[gs + 4 * tid + j] = acc[iu, j]
+        return fold
+
+    fold_many, fold_few = fold_items(1, MU_GRID), fold_items(2, MU_GRID // 2)
+
     @cuda.jit(device=True, inline="always")
     def grid_merge(fsm, out, o_part, ml_part, count, b, s, mt, mb, tid):
         """Split block s of a cooperative launch, its partial rows of o_part [B, splits, M, r] and ml_part written:
         meet the tile's other splits at count[b, mt] (group_barrier), then fold items (row, 16-byte column quad)
         s n / splits .. (s + 1) n / splits - 1 of the tile's n = 64 r / 4 from every split's partial, read at L2,
-        into out f32[B, M, r]: sum_c 2^(m_c - m) O_c / sum_c 2^(m_c - m) l_c (rows no split saw get 0). The fold
-        factors of the rows it touches first, a warp per row; where the block has fewer items than threads, G
-        groups of threads take every G-th split each and add up in shared memory."""
+        into out f32[B, M, r]: sum_c 2^(m_c - m) O_c / sum_c 2^(m_c - m) l_c (rows no split saw get 0). First the
+        (max, sum) of the rows it touches (one round of loads), their fold factors a warp per row; where the block
+        has fewer items than threads, G groups of threads take every G-th split each and add up in shared memory;
+        few splits per thread: two items per round of loads."""
         nsplit = cuda.gridDim.y
         group_barrier(count, b, mt, nsplit)
         M = out.shape[1]
@@ -695,15 +737,17 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
         rows = (i_hi + (R4 - 1)) // R4 - k_lo if i_hi > i_lo else 0
         fl = FAC + 64 + 3 * nsplit                # f32 index of the sums beside the factors (FAC + k splits + c, k
         gs = fl + 64 + 3 * nsplit                 # below `rows` <= items / R4 + 2), then the groups' sums
+        for p in range(tid, rows * nsplit, 256):  # (max, sum) of split c, row k_lo + k: p = k splits + c
+            k = p // nsplit
+            at = (b * nsplit * M + mb + k_lo + k) * 2 + 2 * (p - k * nsplit) * M
+            mc, lc = ld4_l2(ml_part, at), ld4_l2(ml_part, at + 1)
+            fsm[FAC + p], fsm[fl + p] = as_f32(mc), as_f32(lc)
+        cuda.syncthreads()
         w, lane = tid >> 5, tid & 31
         for k in range(w, rows, 8):               # a warp per row: max over the splits, then the factors
-            base = (b * nsplit * M + mb + k_lo + k) * 2
             mx = NEG_INF
             for c in range(lane, nsplit, 32):
-                mc = as_f32(ld4_l2(ml_part, base + 2 * c * M))
-                fsm[FAC + k * nsplit + c] = mc
-                fsm[fl + k * nsplit + c] = as_f32(ld4_l2(ml_part, base + 2 * c * M + 1))
-                mx = max(mx, mc)
+                mx = max(mx, fsm[FAC + k * nsplit + c])
             for d in range(5):
                 mx = max(mx, shfl_xor(mx, 1 << d))
             den = float32(0)
@@ -722,43 +766,23 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
         G = max(1, min(nsplit, 256 // max(items, 1)))
         W = 256 // G
         g, wi = tid // W, tid - (tid // W) * W
-        acc = cuda.local.array(4, float32)
-        v = cuda.local.array((MU_GRID, 4), uint32)
-        fv = cuda.local.array(MU_GRID, float32)
-        for it in range(i_lo + wi, i_hi if g < G else i_lo, W):
-            row = it // R4
-            col = 4 * (it - row * R4)
-            fk = FAC + (row - k_lo) * nsplit
-            src = (b * nsplit * M + mb + row) * r + col          # split 0's quad; split c is c M r further
-            for j in range(4):
-                acc[j] = float32(0)
-            for c0 in range(g, nsplit, G * MU_GRID):
-                for u in range(MU_GRID):        # every load of the round first
-                    c = c0 + u * G
-                    fv[u] = fsm[fk + c] if c < nsplit else float32(0)
-                    if fv[u] != float32(0):       # (an empty split's rows: never read)
-                        v[u, 0], v[u, 1], v[u, 2], v[u, 3] = ld16_l2(o_part, src + c * M * r)
-                for u in range(MU_GRID):
-                    if fv[u] != float32(0):
-                        for j in range(4):
-                            acc[j] += fv[u] * as_f32(v[u, j])
-            if G == 1:
-                st16(out, (b * M + mb + row) * r + col, as_u32(acc[0]), as_u32(acc[1]), as_u32(acc[2]),
-                     as_u32(acc[3]))
-            else:
-                for j in range(4):
-                    fsm[gs + 4 * tid + j] = acc[j]
+        if G == 1 and nsplit <= MU_GRID // 2:
+            fold_few(fsm, out, o_part, b, mb, M, nsplit, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid)
+        else:
+            fold_many(fsm, out, o_part, b, mb, M, nsplit, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid)
         if G > 1:                                 # (then every thread has at most one item)
             cuda.syncthreads()
             if g == 0 and wi < items:
                 it = i_lo + wi
                 row = it // R4
+                acc = cuda.local.array(4, float32)
                 for j in range(4):
                     acc[j] = float32(0)
                     for gg in range(G):
                         acc[j] += fsm[gs + 4 * (gg * W + wi) + j]
                 st16(out, (b * M + mb + row) * r + 4 * (it - row * R4), as_u32(acc[0]), as_u32(acc[1]),
                      as_u32(acc[2]), as_u32(acc[3]))
+        group_leave(count, b, mt, nsplit)
 
     from kernels.bulk import (mbar_arrive, mbar_expect, mbar_fence_init, mbar_init, mbar_init_count, mbar_wait,
                               tensor_load_2d, tensormap_acquire)

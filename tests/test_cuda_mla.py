@@ -226,8 +226,10 @@ def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
     """The 64-head kernel's ways out: O stored from the accumulators (direct) or through shared memory (staged),
     both with the partials merged by merge_splits, or merged in the kernel across a cluster of the split blocks
     (cluster; groups: clusters of a divisor of the split count, a partial each), the cluster sizes of CLUSTER_CASES
-    checked to be what ran, or across all the splits of a cooperative launch through L2 (grid: these grids all fit
-    at once)."""
+    checked to be what ran, or across all the splits of a cooperative launch through L2 (grid: where all the blocks
+    fit at once, one per SM, else the merge launch)."""
+    from numba import cuda
+
     import kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_STAGED", epilogue != "direct")
     monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 8 if epilogue in ("cluster", "groups") else 0)
@@ -236,7 +238,8 @@ def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
     shape, plain, grouped = {**CLUSTER_CASES, **GRID_CASES}[case]
     wk = check(Env(gpu=True), **K2, **shape, calls=2)
     assert wk.cluster == {"cluster": plain, "groups": grouped}.get(epilogue, 0)
-    assert wk.grid == (epilogue == "grid")
+    blocks = shape.get("T", 1) * shape["h"] // 64 * wk.o.shape[1] * shape["B"]     # row tiles x splits x B
+    assert wk.grid == (epilogue == "grid" and blocks <= cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
 @pytest.mark.parametrize("groups", [False, True])
