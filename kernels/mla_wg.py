@@ -40,9 +40,12 @@ MLA_WG_STAGED = True        # O leaves through shared memory in 16-byte stores (
 #                             not as 4-byte stores from the accumulator registers
 MLA_WG_CLUSTER = 8          # 2 .. this many splits of a row tile run as one thread-block cluster and merge through
 #                             distributed shared memory (kernels/cluster.py): no partials, no merge launch; 0: off
-MLA_WG_GRID = True          # more splits than a cluster takes (or than fit as clusters), where every block of the
-#                             launch is resident at once: a cooperative launch whose split blocks meet at a counter
-#                             per row tile and merge from the partials at L2 (grid_merge): no merge launch
+MLA_WG_GRID = 8             # up to this many splits that run no cluster, where every block of the launch is
+#                             resident at once: a cooperative launch whose split blocks meet at a counter per row tile
+#                             and merge from the partials at L2 (grid_merge), no merge launch; 0: off. H200, session
+#                             25 (64 heads, decode, against the merge launch in the same run): 16K x batch 16 (8
+#                             splits) 112.6 -> 107.5 us; slower with more splits: 64K x 4 (33) 102.8 -> 108.2, batch 1
+#                             4K (65) 16.9 -> 24.8, 16K / 64K (129) 24.6 / 43.2 -> 31.8 / 51.1
 GRID_SPLITS = 256           # most splits of a grid merge (its shared memory; a cooperative launch holds fewer)
 MLA_WG_CLUSTER_GROUPS = False   # also clusters of a divisor of a tile's split count, each merging into one partial
 #                             (then merge_splits over the clusters' partials); off: NOT measured since it was combined
@@ -106,9 +109,9 @@ def wg_clusters(nsplit, fuse=False):
 
 
 def wg_grid(nsplit, fuse=False):
-    """Whether `nsplit` splits of a row tile may merge across a cooperative launch (MLA_WG_GRID; kernels.mla then
-    asks whether all the blocks fit at once): 2 .. GRID_SPLITS splits, not with the fused merge."""
-    return MLA_WG_GRID and not fuse and 2 <= nsplit <= GRID_SPLITS
+    """Whether `nsplit` splits of a row tile may merge across a cooperative launch (kernels.mla then asks whether
+    all the blocks fit at once): 2 .. min(MLA_WG_GRID, GRID_SPLITS) splits, not with the fused merge."""
+    return not fuse and 2 <= nsplit <= min(MLA_WG_GRID, GRID_SPLITS)
 
 
 SOFTMAX_MAX = """\

@@ -234,7 +234,7 @@ def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
     monkeypatch.setattr(kw, "MLA_WG_STAGED", epilogue != "direct")
     monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 8 if epilogue in ("cluster", "groups") else 0)
     monkeypatch.setattr(kw, "MLA_WG_CLUSTER_GROUPS", epilogue == "groups")
-    monkeypatch.setattr(kw, "MLA_WG_GRID", epilogue == "grid")
+    monkeypatch.setattr(kw, "MLA_WG_GRID", kw.GRID_SPLITS if epilogue == "grid" else 0)
     shape, plain, grouped = {**CLUSTER_CASES, **GRID_CASES}[case]
     wk = check(Env(gpu=True), **K2, **shape, calls=2)
     assert wk.cluster == {"cluster": plain, "groups": grouped}.get(epilogue, 0)
@@ -257,13 +257,15 @@ def test_wg_clusters(groups, monkeypatch):
 
 
 def test_wg_grid(monkeypatch):
-    """kernels.mla_wg.wg_grid: 2 .. GRID_SPLITS splits may merge across a cooperative launch, not one, not with the
-    fused merge, none with MLA_WG_GRID off."""
+    """kernels.mla_wg.wg_grid: 2 .. MLA_WG_GRID (at most GRID_SPLITS) splits may merge across a cooperative launch,
+    not one, not with the fused merge, none with MLA_WG_GRID = 0."""
     import kernels.mla_wg as kw
-    monkeypatch.setattr(kw, "MLA_WG_GRID", True)
+    monkeypatch.setattr(kw, "MLA_WG_GRID", 8)
+    assert [kw.wg_grid(n) for n in (1, 2, 8, 9, 33)] == [False, True, True, False, False]
+    monkeypatch.setattr(kw, "MLA_WG_GRID", 1 << 20)
     assert [kw.wg_grid(n) for n in (1, 2, 33, kw.GRID_SPLITS, kw.GRID_SPLITS + 1)] == [False, True, True, True, False]
     assert not kw.wg_grid(8, fuse=True)
-    monkeypatch.setattr(kw, "MLA_WG_GRID", False)
+    monkeypatch.setattr(kw, "MLA_WG_GRID", 0)
     assert not kw.wg_grid(8)
 
 
