@@ -639,14 +639,18 @@ def pick_cluster(sizes, kernel_args, threads, smem, blocks, tag):
     return _MERGE_PICK[key]
 
 
-def pick_grid(kernel_args, threads, smem, blocks, tag):
-    """Whether all `blocks` blocks of the grid-merge kernel (kernel_args() = (kernel, args)) fit on the GPU at once,
-    as its cooperative launch needs (kernels/cluster.py max_resident_blocks); decided once per (kernel tag, blocks,
-    shared bytes, device)."""
+def pick_grid(kernel_args, threads, smem, blocks, tag, cluster=0):
+    """Whether all `blocks` blocks of the grid-merge kernel (kernel_args() = (kernel, args); in clusters of
+    `cluster` blocks) fit on the GPU at once, as its cooperative launch needs (kernels/cluster.py
+    max_resident_blocks, or max_clusters x cluster); decided once per (kernel tag, blocks, cluster, shared bytes,
+    device)."""
     dev = cuda.get_current_device()
-    key = ("grid", tag, blocks, threads, smem, dev.id)
+    key = ("grid", tag, blocks, cluster, threads, smem, dev.id)
     if key not in _MERGE_PICK:
-        _MERGE_PICK[key] = blocks <= max_resident_blocks(raise_smem_limit(*kernel_args(), smem), threads, smem)
+        cf = raise_smem_limit(*kernel_args(), smem)
+        fits = (max_clusters(cf, threads, smem, (1, cluster, 1)) * cluster if cluster else
+                max_resident_blocks(cf, threads, smem))
+        _MERGE_PICK[key] = blocks <= fits
     return _MERGE_PICK[key]
 
 
@@ -671,10 +675,9 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     M = T * h
     nsplit = 1 if work is None else work.o.shape[1]
     fused = work is not None and nsplit <= MLA_FUSED_MERGE    # the fused kernels merge (out, count), no launch
-    tmap, sizes, gridded = (), [], False          # the wgmma kernel's tensor map, after the cache; cluster sizes
-    if mla_wg_applies(h, D, r):                   # 64-head tiles on an sm_90 GPU: both products on wgmma
+    tmap, sizes, wg = (), [], mla_wg_applies(h, D, r)     # the wgmma kernel's tensor map, after the cache
+    if wg:                                        # 64-head tiles on an sm_90 GPU: both products on wgmma
         sizes = wg_clusters(nsplit, fused)        # splits merged in the kernel through distributed shared memory
-        gridded = work is not None and wg_grid(nsplit, fused)     # or through L2 across a cooperative launch
         kern, tiles, threads, smem, tm = mla_wg_launch(M, D, r, mask is None, work, cache, fused)
         tmap = (tm,)
     else:
@@ -687,8 +690,6 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
                 placeholder(q, (1, 1, 1), np.float32), placeholder(q, (1, 1), np.int32))
         launch_smem(kern, (tiles, 1, B), threads, smem, args)
         return out
-    if (fused or gridded) and work.count.shape != (B, M):
-        raise ValueError(f"mla_attention: work for {work.count.shape} (B, T h) rows, not {(B, M)}")
     out3 = out.reshape(B, M, r)
 
     def partials(size):                           # one per cluster of `size` splits (the first of the buffers,
@@ -698,12 +699,16 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     def args_of(o, ml):
         return (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0,
                 o, ml, out3, work.count)
+    blocks, tag = tiles * nsplit * B, (D, r, mask is None)
     cluster = pick_cluster(
         sizes, lambda c: (mla_wg_kernel(D, r, mask is None, cluster=c), args_of(*partials(c))), threads, smem,
-        tiles * nsplit * B, (D, r, mask is None)) if sizes else 0
-    grid = not cluster and gridded and pick_grid(
-        lambda: (mla_wg_kernel(D, r, mask is None, grid=True), args_of(*partials(0))), threads, smem,
-        tiles * nsplit * B, (D, r, mask is None))
+        blocks, tag) if sizes else 0
+    parts = nsplit // cluster if cluster else nsplit      # partials left after the kernel's cluster merge (if any)
+    grid = wg and wg_grid(parts, fused) and pick_grid(    # ... merged across a cooperative launch through L2
+        lambda: (mla_wg_kernel(D, r, mask is None, cluster=cluster, grid=True), args_of(*partials(cluster))),
+        threads, smem, blocks, tag, cluster)
+    if (fused or grid) and work.count.shape != (B, M):      # (their row tiles' counters)
+        raise ValueError(f"mla_attention: work for {work.count.shape} (B, T h) rows, not {(B, M)}")
     if cluster or grid:
         kern = mla_wg_kernel(D, r, mask is None, cluster=cluster, grid=grid)
     work.cluster, work.grid = cluster, grid       # (what ran: benchmarks report it)

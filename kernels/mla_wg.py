@@ -40,15 +40,17 @@ MLA_WG_STAGED = True        # O leaves through shared memory in 16-byte stores (
 #                             not as 4-byte stores from the accumulator registers
 MLA_WG_CLUSTER = 8          # 2 .. this many splits of a row tile run as one thread-block cluster and merge through
 #                             distributed shared memory (kernels/cluster.py): no partials, no merge launch; 0: off
-MLA_WG_GRID = 8             # up to this many splits that run no cluster, where every block of the launch is
+MLA_WG_GRID = 8             # up to this many partials (splits that run no cluster, or with MLA_WG_CLUSTER_GROUPS
+#                             clusters), where every block of the launch is
 #                             resident at once: a cooperative launch whose split blocks meet at a counter per row tile
 #                             and merge from the partials at L2 (grid_merge), no merge launch; 0: off. H200, session
 #                             25 (64 heads, decode, against the merge launch in the same run): 16K x batch 16 (8
 #                             splits) 112.6 -> 107.5 us; slower with more splits: 64K x 4 (33) 102.8 -> 108.2, batch 1
 #                             4K (65) 16.9 -> 24.8, 16K / 64K (129) 24.6 / 43.2 -> 31.8 / 51.1
-GRID_SPLITS = 256           # most splits of a grid merge (its shared memory; a cooperative launch holds fewer)
+GRID_SPLITS = 256           # most partials of a grid merge (its shared memory; a cooperative launch holds fewer)
 MLA_WG_CLUSTER_GROUPS = False   # also clusters of a divisor of a tile's split count, each merging into one partial
-#                             (then merge_splits over the clusters' partials); off: NOT measured since it was combined
+#                             (then merge_splits over the clusters' partials, or where all fit at once the grid merge:
+#                             a cooperative launch of clusters, NOT GPU-run); off: NOT measured since it was combined
 #                             with kernels.mla.cluster_pays (session 24: without that check, clusters of 3 of 33 splits
 #                             ran two waves, 192 vs 104 us; where they fitted, 65 splits as clusters of 5: 18.0 vs
 #                             17.3 us), GPU-tested in its first form only (test_gpu_wgmma_epilogue "groups")
@@ -109,8 +111,9 @@ def wg_clusters(nsplit, fuse=False):
 
 
 def wg_grid(nsplit, fuse=False):
-    """Whether `nsplit` splits of a row tile may merge across a cooperative launch (kernels.mla then asks whether
-    all the blocks fit at once): 2 .. min(MLA_WG_GRID, GRID_SPLITS) splits, not with the fused merge."""
+    """Whether `nsplit` partials of a row tile (its splits', or its clusters') may merge across a cooperative launch
+    (kernels.mla then asks whether all the blocks fit at once): 2 .. min(MLA_WG_GRID, GRID_SPLITS), not with the
+    fused merge."""
     return not fuse and 2 <= nsplit <= min(MLA_WG_GRID, GRID_SPLITS)
 
 
@@ -157,8 +160,8 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, 
         raise ValueError("mla_wg: the seesaw schedule fills its ring by TMA only (MLA_WG_TMA)")
     if CL and (FUSE or not 2 <= CL <= 8):
         raise ValueError(f"mla_wg: a cluster merge of {CL} splits (2..8, not with the fused merge)")
-    if GRID and (FUSE or CL):
-        raise ValueError("mla_wg: the grid merge is a third way out (not with the fused or the cluster merge)")
+    if GRID and (FUSE or (CL and not GROUPS)):
+        raise ValueError("mla_wg: the grid merge is not for the fused merge, nor after a cluster of all the splits")
     D8, NPV = D // 8, r // 2
     QBYTES, TILE, PBYTES = 64 * D * 2, NK * D * 2, 64 * NK * 2
     PB = QBYTES + stages * TILE                 # two P tiles (bytes), then the f32 stats
@@ -490,6 +493,8 @@ release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
             fsm[{ML} + tid] = NEG_INF
             fsm[{ML + 64} + tid] = float32(0)
 {merge_in_cluster("        ")}
+        if {GRID}:                                # (groups: then the clusters' partials merge across the grid)
+            grid_merge(fsm, out, o_part, ml_part, count, b, s, mt, mb, tid)
         return
 '''
     src = f'''
@@ -683,10 +688,11 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                         st16(o_part, (dst + row) * r + col, w0, w1, w2, w3)
 
     def fold_items(IU, MS):
-        """grid_merge's fold of IU items (row, 16-byte column quad) at a time, MS splits of each per round of loads
-        (IU MS 16-byte L2 loads in flight per thread): items i_lo + wi, + W, .. below i_hi, splits g, g + G, .."""
+        """grid_merge's fold of IU items (row, 16-byte column quad) at a time, MS of the P partials of each per round
+        of loads (IU MS 16-byte L2 loads in flight per thread): items i_lo + wi, + W, .. below i_hi, partials g,
+        g + G, .."""
         @cuda.jit(device=True, inline="always")
-        def fold(fsm, out, o_part, b, mb, M, nsplit, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid):
+        def fold(fsm, out, o_part, b, mb, M, P, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid):
             acc = cuda.local.array((IU, 4), float32)
             v = cuda.local.array((IU, MS, 4), uint32)
             fv = cuda.local.array((IU, MS), float32)
@@ -694,14 +700,14 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                 for iu in range(IU):
                     for j in range(4):
                         acc[iu, j] = float32(0)
-                for c0 in range(g, nsplit, G * MS):
+                for c0 in range(g, P, G * MS):
                     for iu in range(IU):          # every load of the round first
                         it = min(i0 + iu * W, i_hi - 1)
                         row = it // R4
-                        src = (b * nsplit * M + mb + row) * r + 4 * (it - row * R4)    # split 0's; c: c M r on
+                        src = (b * P * M + mb + row) * r + 4 * (it - row * R4)    # partial 0's; c: c M r on
                         for u in range(MS):
                             c = c0 + u * G
-                            fv[iu, u] = fsm[FAC + (row - k_lo) * nsplit + c] if c < nsplit else float32(0)
+                            fv[iu, u] = fsm[FAC + (row - k_lo) * P + c] if c < P else float32(0)
                             if fv[iu, u] != float32(0):   # (an empty split's rows: never read)
                                 v[iu, u, 0], v[iu, u, 1], v[iu, u, 2], v[iu, u, 3] = ld16_l2(o_part, src + c * M * r)
                     for iu in range(IU):
@@ -725,54 +731,55 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
 
     @cuda.jit(device=True, inline="always")
     def grid_merge(fsm, out, o_part, ml_part, count, b, s, mt, mb, tid):
-        """Split block s of a cooperative launch, its partial rows of o_part [B, splits, M, r] and ml_part written:
-        meet the tile's other splits at count[b, mt] (group_barrier), then fold items (row, 16-byte column quad)
-        s n / splits .. (s + 1) n / splits - 1 of the tile's n = 64 r / 4 from every split's partial, read at L2,
-        into out f32[B, M, r]: sum_c 2^(m_c - m) O_c / sum_c 2^(m_c - m) l_c (rows no split saw get 0). First the
+        """Split block s of a cooperative launch, its share of the P partials o_part [B, P, M, r] and ml_part written
+        (P = splits: its own; P = clusters, with MLA_WG_CLUSTER_GROUPS: its rows of its cluster's): meet the
+        tile's other splits at count[b, mt] (group_barrier), then fold items (row, 16-byte column quad) s n /
+        splits .. (s + 1) n / splits - 1 of the tile's n = 64 r / 4 from all P partials, read at L2, into out
+        f32[B, M, r]: sum_c 2^(m_c - m) O_c / sum_c 2^(m_c - m) l_c (rows no split saw get 0). First the
         (max, sum) of the rows it touches (one round of loads), their fold factors a warp per row; where the block
-        has fewer items than threads, G groups of threads take every G-th split each and add up in shared memory;
-        few splits per thread: two items per round of loads."""
-        nsplit = cuda.gridDim.y
+        has fewer items than threads, G groups of threads take every G-th partial each and add up in shared memory;
+        few partials: two items per round of loads."""
+        nsplit, P = cuda.gridDim.y, o_part.shape[1]
         group_barrier(count, b, mt, nsplit)
         M = out.shape[1]
         i_lo, i_hi = s * NQ // nsplit, (s + 1) * NQ // nsplit
         k_lo = i_lo // R4
         rows = (i_hi + (R4 - 1)) // R4 - k_lo if i_hi > i_lo else 0
-        fl = FAC + 64 + 3 * nsplit                # f32 index of the sums beside the factors (FAC + k splits + c, k
-        gs = fl + 64 + 3 * nsplit                 # below `rows` <= items / R4 + 2), then the groups' sums
-        for p in range(tid, rows * nsplit, 256):  # (max, sum) of split c, row k_lo + k: p = k splits + c
-            k = p // nsplit
-            at = (b * nsplit * M + mb + k_lo + k) * 2 + 2 * (p - k * nsplit) * M
+        fl = FAC + 64 + 3 * P                     # f32 index of the sums beside the factors (FAC + k P + c, k below
+        gs = fl + 64 + 3 * P                      # `rows` <= items / R4 + 2), then the groups' sums
+        for p in range(tid, rows * P, 256):       # (max, sum) of partial c, row k_lo + k: p = k P + c
+            k = p // P
+            at = (b * P * M + mb + k_lo + k) * 2 + 2 * (p - k * P) * M
             mc, lc = ld4_l2(ml_part, at), ld4_l2(ml_part, at + 1)
             fsm[FAC + p], fsm[fl + p] = as_f32(mc), as_f32(lc)
         cuda.syncthreads()
         w, lane = tid >> 5, tid & 31
         for k in range(w, rows, 8):               # a warp per row: max over the splits, then the factors
             mx = NEG_INF
-            for c in range(lane, nsplit, 32):
-                mx = max(mx, fsm[FAC + k * nsplit + c])
+            for c in range(lane, P, 32):
+                mx = max(mx, fsm[FAC + k * P + c])
             for d in range(5):
                 mx = max(mx, shfl_xor(mx, 1 << d))
             den = float32(0)
-            for c in range(lane, nsplit, 32):
-                mc = fsm[FAC + k * nsplit + c]
+            for c in range(lane, P, 32):
+                mc = fsm[FAC + k * P + c]
                 e = math.exp2(mc - mx) if mc != NEG_INF else float32(0)
-                fsm[FAC + k * nsplit + c] = e
-                den += e * fsm[fl + k * nsplit + c]
+                fsm[FAC + k * P + c] = e
+                den += e * fsm[fl + k * P + c]
             for d in range(5):
                 den += shfl_xor(den, 1 << d)
             inv = float32(1) / den if den > float32(0) else float32(0)
-            for c in range(lane, nsplit, 32):
-                fsm[FAC + k * nsplit + c] *= inv
+            for c in range(lane, P, 32):
+                fsm[FAC + k * P + c] *= inv
         cuda.syncthreads()
         items = i_hi - i_lo
-        G = max(1, min(nsplit, 256 // max(items, 1)))
+        G = max(1, min(P, 256 // max(items, 1)))
         W = 256 // G
         g, wi = tid // W, tid - (tid // W) * W
-        if G == 1 and nsplit <= MU_GRID // 2:
-            fold_few(fsm, out, o_part, b, mb, M, nsplit, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid)
+        if G == 1 and P <= MU_GRID // 2:
+            fold_few(fsm, out, o_part, b, mb, M, P, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid)
         else:
-            fold_many(fsm, out, o_part, b, mb, M, nsplit, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid)
+            fold_many(fsm, out, o_part, b, mb, M, P, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid)
         if G > 1:                                 # (then every thread has at most one item)
             cuda.syncthreads()
             if g == 0 and wi < items:

@@ -220,26 +220,34 @@ GRID_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("epilogue", ["direct", "staged", "cluster", "groups", "grid"])
+@pytest.mark.parametrize("epilogue", ["direct", "staged", "cluster", "groups", "grid", "groups_grid"])
 @pytest.mark.parametrize("case", sorted(CLUSTER_CASES) + sorted(GRID_CASES))
 def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
     """The 64-head kernel's ways out: O stored from the accumulators (direct) or through shared memory (staged),
     both with the partials merged by merge_splits, or merged in the kernel across a cluster of the split blocks
     (cluster; groups: clusters of a divisor of the split count, a partial each), the cluster sizes of CLUSTER_CASES
     checked to be what ran, or across all the splits of a cooperative launch through L2 (grid: where all the blocks
-    fit at once, one per SM, else the merge launch)."""
+    fit at once, one per SM, else the merge launch), or groups whose clusters' partials then merge across the grid
+    (groups_grid: a cooperative launch of clusters; not yet GPU-run, session 25)."""
     from numba import cuda
 
     import kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_STAGED", epilogue != "direct")
-    monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 8 if epilogue in ("cluster", "groups") else 0)
-    monkeypatch.setattr(kw, "MLA_WG_CLUSTER_GROUPS", epilogue == "groups")
-    monkeypatch.setattr(kw, "MLA_WG_GRID", kw.GRID_SPLITS if epilogue == "grid" else 0)
+    monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 8 if epilogue in ("cluster", "groups", "groups_grid") else 0)
+    monkeypatch.setattr(kw, "MLA_WG_CLUSTER_GROUPS", epilogue in ("groups", "groups_grid"))
+    monkeypatch.setattr(kw, "MLA_WG_GRID", kw.GRID_SPLITS if epilogue in ("grid", "groups_grid") else 0)
     shape, plain, grouped = {**CLUSTER_CASES, **GRID_CASES}[case]
     wk = check(Env(gpu=True), **K2, **shape, calls=2)
-    assert wk.cluster == {"cluster": plain, "groups": grouped}.get(epilogue, 0)
-    blocks = shape.get("T", 1) * shape["h"] // 64 * wk.o.shape[1] * shape["B"]     # row tiles x splits x B
-    assert wk.grid == (epilogue == "grid" and blocks <= cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    if epilogue != "groups_grid":             # (its cluster: the largest divisor whose clusters all fit at once)
+        assert wk.cluster == {"cluster": plain, "groups": grouped}.get(epilogue, 0)
+    nsplit = wk.o.shape[1]
+    blocks = shape.get("T", 1) * shape["h"] // 64 * nsplit * shape["B"]     # row tiles x splits x B
+    fits = blocks <= cuda.get_current_device().MULTIPROCESSOR_COUNT
+    left = nsplit // wk.cluster if wk.cluster else nsplit                  # partials after any cluster merge
+    if epilogue == "groups_grid" and blocks > 64:    # (<= 64 blocks fit as clusters of <= 8 on the H200's 8
+        assert not wk.grid or (fits and left > 1)    # GPCs; beyond, the driver's cluster count decides)
+    else:
+        assert wk.grid == (epilogue in ("grid", "groups_grid") and fits and left > 1)
 
 
 @pytest.mark.parametrize("groups", [False, True])
@@ -319,7 +327,8 @@ def test_tensor_map_rejects(args):
                                                           (192, 128, False, True, False, 0, False),
                                                           (192, 128, False, True, True, 0, False),
                                                           (192, 128, False, True, False, 3, False),
-                                                          (192, 128, False, True, False, 0, True)])
+                                                          (192, 128, False, True, False, 0, True),
+                                                          (192, 128, False, True, False, 3, True)])
 def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, cl, grid, monkeypatch):   # K2's (576, 512): 4x the time
     """kernels/mla_wg.py compiles for sm_90a: D/16 wgmma for S(0) and as many for S(i + 1), NK/16 (MN-major B)
     for P V in each warpgroup's loop (seesaw: own and other's tile, in the loop and at its ends), no float64, no
@@ -327,7 +336,8 @@ def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, cl, grid, monkeypatch):   # K
     registers without spills. Session 10 on the H200 (K2 shapes): 254 registers (seesaw, session 23: 255, ptxas
     locally). fuse: the variant with the last split block's merge (at K2's widths ptxas gives it 255 registers and
     a 4-byte spill; the default kernel carries none of that code: 254, no spill); cl: the cluster merge of 3
-    splits; grid: the grid merge (K2's widths, ptxas locally, session 25: 251 registers, no spill)."""
+    splits; grid: the grid merge (K2's widths, ptxas locally, session 25: 251 registers, no spill); both: clusters
+    of 3 with a partial each, then the grid merge."""
     import re
     import shutil
     import subprocess
@@ -336,6 +346,7 @@ def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, cl, grid, monkeypatch):   # K
     import kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_TMA", tma)
     monkeypatch.setattr(kw, "MLA_WG_SEESAW", seesaw)
+    monkeypatch.setattr(kw, "MLA_WG_CLUSTER_GROUPS", bool(cl and grid))     # (clusters' partials, then the grid)
     kern = kw.mla_wg_kernel(D, r, False, fuse=fuse, cluster=cl, grid=grid)
     ptx = ptx_or_skip(kern.py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
     # the epilogue: O staged in shared memory, 16-byte global stores; (cluster) two cluster barriers on each path
