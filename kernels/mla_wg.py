@@ -14,7 +14,9 @@ rows in 128-byte-swizzle atoms (the same bytes are the K-major B of S = Q K^T an
                issued after S of the next step so the softmax runs beside them; at the end O leaves through f32
                rows of shared memory in 16-byte stores (MLA_WG_STAGED).
 Launched as thread-block clusters of a tile's 2..8 splits (MLA_WG_CLUSTER, where they fit as well as plain blocks:
-kernels.mla.cluster_pays), the split blocks merge through distributed shared memory (cluster_merge) and write out.
+kernels.mla.cluster_pays), the split blocks merge through distributed shared memory (cluster_merge) and write out;
+other split counts up to MLA_WG_GRID, where the whole grid fits at once, run as a cooperative launch whose blocks
+meet at a counter per row tile and merge from the partials at L2 (grid_merge).
 Bytes: each cache row of the split once per tile (the tiles of one split share it through L2), q once, the
 partials 64 r 4 per block (none in a cluster: the output once). Same arguments and outputs as mla.py's kernel
 (o_part, ml_part, the merge after; out in a cluster)."""
