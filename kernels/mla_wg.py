@@ -42,13 +42,13 @@ MLA_WG_STAGED = True        # O leaves through shared memory in 16-byte stores (
 #                             not as 4-byte stores from the accumulator registers
 MLA_WG_CLUSTER = 8          # 2 .. this many splits of a row tile run as one thread-block cluster and merge through
 #                             distributed shared memory (kernels/cluster.py): no partials, no merge launch; 0: off
-MLA_WG_GRID = 8             # up to this many partials (splits that run no cluster, or with MLA_WG_CLUSTER_GROUPS
-#                             clusters), where every block of the launch is
-#                             resident at once: a cooperative launch whose split blocks meet at a counter per row tile
-#                             and merge from the partials at L2 (grid_merge), no merge launch; 0: off. H200, session
-#                             25 (64 heads, decode, against the merge launch in the same run): 16K x batch 16 (8
-#                             splits) 112.6 -> 107.5 us; slower with more splits: 64K x 4 (33) 102.8 -> 108.2, batch 1
-#                             4K (65) 16.9 -> 24.8, 16K / 64K (129) 24.6 / 43.2 -> 31.8 / 51.1
+MLA_WG_GRID = 8             # up to this many partials (splits that run no cluster; with MLA_WG_CLUSTER_GROUPS the
+#                             clusters') merge across a cooperative launch where all its blocks are resident at once:
+#                             the split blocks meet at a counter per row tile and fold the partials from L2
+#                             (grid_merge), no merge launch; 0: off. H200, session 25, 64-head decode against the
+#                             merge launch in one run (copy 4243 GB/s): 16K x batch 16 (8 splits) 112.6 -> 107.5 us
+#                             (63.2 -> 66.2% of copy); slower with more splits: 64K x 4 (33) 102.8 -> 108.2 us
+#                             (69.2 -> 65.8%), batch 1 4K (65) 16.9 -> 24.8 us (6.6 -> 4.5%)
 GRID_SPLITS = 256           # most partials of a grid merge (its shared memory; a cooperative launch holds fewer)
 MLA_WG_CLUSTER_GROUPS = False   # also clusters of a divisor of a tile's split count, each merging into one partial
 #                             (then merge_splits over the clusters' partials, or where all fit at once the grid merge:
