@@ -172,6 +172,9 @@ MERGE_ROWS = 4              # rows per merge block at <= MERGE_ROWS splits: thei
 MERGE_GROUPS = 8            # above that, one row per block, up to this many split groups (a tree of folds) ...
 MERGE_SPLITS = 4            # ... up to this many of a thread's splits loaded together ...
 MERGE_COLS = 32             # ... and this many column quads per block: a row's r/4 quads over r/(4 MERGE_COLS) blocks
+MERGE_WAVE_THREADS = 132 * 2048     # ... and no more groups than keep the launch within one wave of threads (H100,
+# 64 heads, 16K x batch 16, 8 splits, 4096 blocks, mla_attention incl. its split kernel: 8 groups of one split
+# 137.2 us -> 2 groups of 4 splits 128.3 us; bench/h200_2026-12-02e)
 
 
 @device
@@ -321,21 +324,27 @@ def last_split_merge(o_part, ml_part, out, count, b, tile, m0, rows):
         count[b, tile] = 0
 
 
-def merge_splits(o_part, ml_part, out):
-    """One launch of merge_splits_kernel: where the splits are few (<= MERGE_ROWS, 48 KB of shared memory) MERGE_ROWS
-    rows per block of (r/4, nsplit) threads; else one row per block, its columns over r / (4 MERGE_COLS) blocks
-    (where r/4 divides), min(MERGE_GROUPS, nsplit) split groups and up to MERGE_SPLITS of a thread's splits loaded
-    per round. Shared memory: 24 bytes per thread and row."""
-    B, nsplit, M, r = o_part.shape
+def merge_shape(B, nsplit, M, r):
+    """merge_splits' launch shape for partials [B, nsplit, M, r] -> (rows per block, split groups, a thread's splits
+    per load round, column quads per block X). Where the splits are few (<= MERGE_ROWS, 48 KB of shared memory)
+    MERGE_ROWS rows per block of (r/4, nsplit) threads; else one row per block, its columns over r / (4 MERGE_COLS)
+    blocks (where r/4 divides), min(MERGE_GROUPS, nsplit) split groups, but no more than keep the B M r/4 quads'
+    threads within MERGE_WAVE_THREADS (many rows: a thread takes more splits), and up to MERGE_SPLITS of a thread's
+    splits loaded per round."""
     if r % 4:
         raise ValueError(f"merge_splits: value width {r} is not a multiple of 4 (16-byte partial loads)")
-    few = nsplit <= MERGE_ROWS and 24 * MERGE_ROWS * r // 4 * nsplit <= 48 * 1024
-    if few:
-        rows, groups, per_round, X = MERGE_ROWS, nsplit, 1, r // 4
-    else:
-        X = MERGE_COLS if (r // 4) % MERGE_COLS == 0 else r // 4
-        rows, groups = 1, min(nsplit, MERGE_GROUPS, 1024 // X)
-        per_round = min(MERGE_SPLITS, -(-nsplit // groups))        # a thread's splits loaded together
+    if nsplit <= MERGE_ROWS and 24 * MERGE_ROWS * r // 4 * nsplit <= 48 * 1024:
+        return MERGE_ROWS, nsplit, 1, r // 4
+    X = MERGE_COLS if (r // 4) % MERGE_COLS == 0 else r // 4
+    groups = max(1, min(nsplit, MERGE_GROUPS, 1024 // X, MERGE_WAVE_THREADS // (B * M * r // 4)))
+    return 1, groups, min(MERGE_SPLITS, -(-nsplit // groups)), X
+
+
+def merge_splits(o_part, ml_part, out):
+    """One launch of merge_splits_kernel over the partials o_part f32[B, nsplit, M, r], ml_part f32[B, nsplit, M, 2]
+    into out f32[B, M, r], shaped by merge_shape. Shared memory: 24 bytes per thread and row."""
+    B, nsplit, M, r = o_part.shape
+    rows, groups, per_round, X = merge_shape(B, nsplit, M, r)
     launch(merge_kernel(rows, per_round), (-(-M // rows), B, r // (4 * X)), (X, groups), o_part, ml_part, out,
            shmem=24 * rows * X * groups)
 

@@ -659,7 +659,8 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     normalized in place (no scratch); else an MlaWork (splits; read lengths/ntok on the device), merged by
     merge_splits (or by the last split block of each row tile: MLA_FUSED_MERGE; or, 64-head tiles, inside the kernel
     by thread-block clusters of the split blocks where they fit: kernels/mla_wg.py cluster_merge, cluster_pays; or
-    across a cooperative launch through L2 where all its blocks fit: grid_merge, up to MLA_WG_GRID partials).
+    across a cooperative launch through L2 where all its blocks fit: grid_merge, up to MLA_WG_GRID partials, off
+    by default).
     Launch: grid (row tiles, splits, B) of mla_geometry's threads and shared memory, or kernels/mla_wg.py's
     (mla_wg_launch) for 64-head tiles on sm_90."""
     B, T, h, D = q.shape

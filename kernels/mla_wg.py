@@ -15,8 +15,9 @@ rows in 128-byte-swizzle atoms (the same bytes are the K-major B of S = Q K^T an
                rows of shared memory in 16-byte stores (MLA_WG_STAGED).
 Launched as thread-block clusters of a tile's 2..8 splits (MLA_WG_CLUSTER, where they fit as well as plain blocks:
 kernels.mla.cluster_pays), the split blocks merge through distributed shared memory (cluster_merge) and write out;
-other split counts up to MLA_WG_GRID, where the whole grid fits at once, run as a cooperative launch whose blocks
-meet at a counter per row tile and merge from the partials at L2 (grid_merge).
+other split counts leave partials for kernels.attention's merge_splits launch, or (MLA_WG_GRID, off by default:
+slower than that launch since session 26), where the whole grid fits at once, run as a cooperative launch whose
+blocks meet at a counter per row tile and merge from the partials at L2 (grid_merge).
 Bytes: each cache row of the split once per tile (the tiles of one split share it through L2), q once, the
 partials 64 r 4 per block (none in a cluster: the output once). Same arguments and outputs as mla.py's kernel
 (o_part, ml_part, the merge after; out in a cluster)."""
@@ -42,13 +43,16 @@ MLA_WG_STAGED = True        # O leaves through shared memory in 16-byte stores (
 #                             not as 4-byte stores from the accumulator registers
 MLA_WG_CLUSTER = 8          # 2 .. this many splits of a row tile run as one thread-block cluster and merge through
 #                             distributed shared memory (kernels/cluster.py): no partials, no merge launch; 0: off
-MLA_WG_GRID = 8             # up to this many partials (splits that run no cluster; with MLA_WG_CLUSTER_GROUPS the
+MLA_WG_GRID = 0             # up to this many partials (splits that run no cluster; with MLA_WG_CLUSTER_GROUPS the
 #                             clusters') merge across a cooperative launch where all its blocks are resident at once:
 #                             the split blocks meet at a counter per row tile and fold the partials from L2
-#                             (grid_merge), no merge launch; 0: off. H200, session 25, 64-head decode against the
-#                             merge launch in one run (copy 4243 GB/s): 16K x batch 16 (8 splits) 112.6 -> 107.5 us
-#                             (63.2 -> 66.2% of copy); slower with more splits: 64K x 4 (33) 102.8 -> 108.2 us
-#                             (69.2 -> 65.8%), batch 1 4K (65) 16.9 -> 24.8 us (6.6 -> 4.5%)
+#                             (grid_merge), no merge launch; 0: off (the default since session 26). H200, session 25,
+#                             64-head decode against the merge launch in one run (copy 4243 GB/s): 16K x batch 16
+#                             (8 splits) 112.6 -> 107.5 us (63.2 -> 66.2% of copy); slower with more splits: 64K x 4
+#                             (33) 102.8 -> 108.2 us (69.2 -> 65.8%), batch 1 4K (65) 16.9 -> 24.8 us (6.6 -> 4.5%).
+#                             Session 26, with merge_splits' wave rule (kernels.attention MERGE_WAVE_THREADS), H200
+#                             copy 4269-4278 GB/s, 8 -> 0: 16K x 16 109.7 -> 103.3 us (64.4 -> 68.3%), a 17-query
+#                             tree at 4K x batch 1 (7 splits) 48.7 -> 40.6 us; H100 16K x 16: 133.1 -> 128.3 us
 GRID_SPLITS = 256           # most partials of a grid merge (its shared memory; a cooperative launch holds fewer)
 MLA_WG_CLUSTER_GROUPS = False   # also clusters of a divisor of a tile's split count, each merging into one partial
 #                             (then merge_splits over the clusters' partials, or where all fit at once the grid merge:

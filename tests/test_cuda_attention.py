@@ -181,6 +181,22 @@ def test_ptx_merge(rows, per_round):
     assert not re.search(r"(ld|st)\.local", ptx), "local memory"
 
 
+@pytest.mark.parametrize("B,nsplit,M,want", [
+    (16, 8, 64, (1, 2, 4, 32)),       # 16K x 16, 64 heads: 131072 quads -> 2 groups of 4 splits (one wave of threads)
+    (1, 129, 64, (1, 8, 4, 32)),      # batch 1: 8 groups (the cap), 4 splits per round (of 17 each)
+    (4, 33, 64, (1, 8, 4, 32)),       # 64K x 4: 32768 quads, 8 groups
+    (1, 8, 1088, (1, 1, 4, 32)),      # a 17-query tree at batch 1: 139264 quads, one group, two rounds of 4
+    (64, 3, 64, (4, 3, 1, 128)),      # few splits: 4 rows per block, a group per split
+    (1000, 40, 64, (1, 1, 4, 32)),    # more quads than a wave: still one group
+])
+def test_merge_shape(B, nsplit, M, want):
+    """merge_splits' launch shape: a thread takes more splits where the rows alone fill a wave of threads."""
+    from kernels.attention import merge_shape
+    assert merge_shape(B, nsplit, M, 512) == want
+    with pytest.raises(ValueError, match="multiple of 4"):
+        merge_shape(B, nsplit, M, 510)
+
+
 @pytest.mark.parametrize("M,d,dv", [(48, 64, 64), (64, 128, 128), (16, 128, 128)])
 def test_ptx_kv_attention(M, d, dv):
     """The tensor-core drafter kernel at the pair (48 rows per kv head) and K2 drafter shapes."""

@@ -108,6 +108,9 @@ SIM_CASES = {
     "merge_split_rounds_column_blocks": lambda env: check_knobs(env, dict(MERGE_GROUPS=2, MERGE_SPLITS=2,
                                                                           MERGE_COLS=8), "kernels.attention",
                                                                 lengths=(600, 90), work=32, seed=14),
+    # many rows for their splits (merge_shape's wave rule): one split group, 4 splits per round (3 rounds of 10)
+    "merge_one_group_rounds": lambda env: check_knobs(env, dict(MERGE_WAVE_THREADS=1), "kernels.attention",
+                                                      lengths=(600, 90), work=32, seed=15),
     # the merge by the last split block (3 splits: a round of 2, then 1), called twice on the same counters
     "merge_fused_dead_rows_empty_seq": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=4), B=3, T=3, h=4,
                                                                lengths=(45, 0, 64), ntok=(2, 0, 3), work=32, seed=13,
