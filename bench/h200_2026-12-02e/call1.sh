@@ -1,8 +1,6 @@
 #!/bin/bash
 # Session 26, device call 1: the 16K x 16 merge variants (MERGE_GROUPS, cluster groups +- grid), then the groups tests.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 OPENBLAS_NUM_THREADS=4
-nvidia-smi --query-gpu=name,clocks.max.mem,clocks.max.sm,power.limit --format=csv > $OUT/gpu.txt
+source bench/h200_2026-12-02e/prelude.sh
 timeout 340 python -m tools.bench_attention --only mla --mla-max-batch 16 \
   --mla-shapes '{"ctx": [16384], "heads": [64], "queries": [1]}' \
   --mla-variant '[{"MLA_WG_GRID": 0}, {"MLA_WG_GRID": 0, "MERGE_GROUPS": 2}, {}, {"MLA_WG_CLUSTER_GROUPS": true, "MLA_WG_GRID": 0}, {"MLA_WG_CLUSTER_GROUPS": true}]' \

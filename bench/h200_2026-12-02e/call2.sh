@@ -1,9 +1,7 @@
 #!/bin/bash
 # Session 26, device call 2: merge_shape's wave rule (kernels.attention MERGE_WAVE_THREADS) against the grid merge and
 # the cluster groups at 16K / 64K, the 17-query tree at batch 1 with the rule off / on, then the MLA GPU tests.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 OPENBLAS_NUM_THREADS=4
-nvidia-smi --query-gpu=name,clocks.max.mem,clocks.max.sm,power.limit --format=csv > $OUT/gpu.txt
+source bench/h200_2026-12-02e/prelude.sh
 timeout 290 python -m tools.bench_attention --only mla --mla-max-batch 16 \
   --mla-shapes '{"ctx": [16384, 65536], "heads": [64], "queries": [1]}' \
   --mla-variant '[{"MLA_WG_GRID": 0}, {}, {"MLA_WG_CLUSTER_GROUPS": true, "MLA_WG_GRID": 0}]' \
