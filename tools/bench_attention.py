@@ -9,10 +9,13 @@ overhead is not measured. `run(results, copy_bw_gbs)` is called by tools/bench_k
     python -m tools.bench_attention --only mla --quick --mla-max-batch 1 --mla-variant '[{}, {"MERGE_GROUPS": 8}]'
     python -m tools.bench_attention --only mla --mla-shapes '{"ctx": [4096], "heads": [64], "queries": [1]}'
     ncu -k regex:mla python -m tools.bench_attention --profile-mla 64:1:4096:64  # heads:queries:context:batch
+    python -m tools.bench_attention --only mla --parallel --out v.json --mla-variant '[{}, {"MLA_WG_GRID": 8}]'
+(--parallel: a process per variant; all compile at once, then each times alone: tools/turns.py)
 """
 import argparse
 import contextlib
 import json
+import os
 import time
 
 import numpy as np
@@ -65,6 +68,9 @@ def _sm_count():
     return cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
 
 
+WARM = [False]              # True: gpu_us calls fn once (compiles) and times nothing (a --parallel child's warm pass)
+
+
 def gpu_us(fn, reps=10):
     """Microseconds per call of fn: a CUDA graph of `reps` calls, replayed; eager events if capture fails."""
     cp = _cp()
@@ -73,6 +79,8 @@ def gpu_us(fn, reps=10):
     with stream:
         fn()                                    # compile, set attributes, make placeholders
         stream.synchronize()
+        if WARM[0]:
+            return 0.0, "warm"
         try:
             stream.begin_capture()
             for _ in range(reps):
@@ -161,7 +169,8 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
                                      smem_kb=smem // 1024,
                                      us=round(us, 2), cache_gbs=round(gbs, 1), pct_copy=round(100 * gbs / copy_bw, 1),
                                      tflops=round(flops / us / 1e6, 1), timing=how))
-                    print("mla", rows[-1], flush=True)
+                    if not WARM[0]:
+                        print("mla", rows[-1], flush=True)
                     del keep
     return rows
 
@@ -473,11 +482,58 @@ def mla_tables(ctxs, copy_bw_gbs):
     return rows
 
 
+def mla_contexts(quick):
+    return [1024, 4096] if quick else [1024, 4096, 16384, 65536]
+
+
+def parallel_mla(args, folder):
+    """--parallel: the mla table of each --mla-variant in its own child process (tools/turns.py: all compile at
+    once, then each times alone); returns {"attention": {"copy_bw_gbs": [per variant], "mla": rows}}."""
+    import sys
+
+    from tools.turns import run_children
+    shared = ["--mla-max-batch", str(MLA_MAX_BATCH[0])] + (["--quick"] if args.quick else []) + (
+        ["--mla-shapes", args.mla_shapes] if args.mla_shapes else [])
+    cmds, outs = [], []
+    for i, v in enumerate(MLA_VARIANTS):
+        outs.append(os.path.join(folder, f"variant{i}.json"))
+        cmds.append([sys.executable, "-m", "tools.bench_attention", "--only", "mla", "--mla-variant", json.dumps(v),
+                     "--out", outs[-1], "--turn", f"{folder}:{i}:{len(MLA_VARIANTS)}"] + shared)
+    codes = run_children(cmds, folder)
+    rows, bws = [], []
+    for v, out, code in zip(MLA_VARIANTS, outs, codes):
+        if code or not os.path.exists(out):
+            raise SystemExit(f"bench_attention --parallel: the child of variant {v} exited with {code}"
+                             + ("" if code else f" and wrote no {out}"))
+        with open(out) as f:
+            child = json.load(f)
+        bws.append(child["copy_bw_gbs"])
+        rows += [dict(r, variant=v) for r in child["mla"]]
+    return {"attention": {"copy_bw_gbs": bws, "mla": rows}}
+
+
+def timed_child(args):
+    """--turn FOLDER:I:N: one variant's mla table, compiled in a warm pass beside its siblings, then timed alone
+    (copy bandwidth first) while holding the folder's lock."""
+    from tools.turns import turn
+    folder, index, count = args.turn.rsplit(":", 2)
+    ctxs = mla_contexts(args.quick)
+    WARM[0] = True
+    mla_tables(ctxs, 1.0)
+    WARM[0] = False
+    with turn(folder, int(index), int(count)):
+        bw = copy_bandwidth()
+        print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
+        result = {"copy_bw_gbs": bw, "mla": mla_tables(ctxs, bw)}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def run(results: dict, copy_bw_gbs: float, quick=False, on_table=None, only=None):
     """Fill results['attention'] with every table above but the OPT_IN ones, or the one named `only` (called by
     tools/bench_kernels.py); on_table(results) after each table (to save partial results)."""
     t0 = time.time()
-    ctxs = [1024, 4096] if quick else [1024, 4096, 16384, 65536]
+    ctxs = mla_contexts(quick)
     res = results.setdefault("attention", {})
     res["copy_bw_gbs"] = copy_bw_gbs
     res["k2_round_us"] = K2_ROUND_US
@@ -540,6 +596,10 @@ def main():
     ap.add_argument("--mla-shapes", metavar="JSON",
                     help='the mla table\'s shapes, e.g. {"ctx": [4096, 16384], "heads": [64], "queries": [1]}')
     ap.add_argument("--profile-tree", metavar="BUDGET", help="run the tree stages three times for a profiler, exit")
+    ap.add_argument("--parallel", action="store_true",
+                    help="with --only mla and several --mla-variant: a process per variant, compiling at once, "
+                         "timing one at a time")
+    ap.add_argument("--turn", metavar="FOLDER:I:N", help=argparse.SUPPRESS)    # a --parallel child
     args = ap.parse_args()
     if args.mla_variant:
         v = json.loads(args.mla_variant)
@@ -554,6 +614,17 @@ def main():
         return profile_tree(args.profile_tree)
     if args.profile_mla:
         return profile_mla(args.profile_mla)
+    if args.turn:
+        return timed_child(args)
+    if args.parallel:
+        if args.only != "mla" or not args.out:
+            raise SystemExit("bench_attention --parallel: runs the mla table only (--only mla) and needs --out")
+        import tempfile
+        results = parallel_mla(args, tempfile.mkdtemp(prefix="bench_turns_", dir=os.path.dirname(
+            os.path.abspath(args.out))))
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        return
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw:.0f} GB/s", flush=True)
     def save(results):
