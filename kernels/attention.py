@@ -174,7 +174,8 @@ MERGE_SPLITS = 4            # ... up to this many of a thread's splits loaded to
 MERGE_COLS = 32             # ... and this many column quads per block: a row's r/4 quads over r/(4 MERGE_COLS) blocks
 MERGE_WAVE_THREADS = 132 * 2048     # ... and no more groups than keep the launch within one wave of threads (H100,
 # 64 heads, 16K x batch 16, 8 splits, 4096 blocks, mla_attention incl. its split kernel: 8 groups of one split
-# 137.2 us -> 2 groups of 4 splits 128.3 us; bench/h200_2026-12-02e)
+# 137.2 us -> 2 groups of 4 splits 128.3 us = 73.0 -> 78.1% of copy; H200 with the rule 103.3 us = 68.3%, 112.6 us =
+# 63.2% without it in session 25; bench/h200_2026-12-02e)
 
 
 @device

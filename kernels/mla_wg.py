@@ -52,7 +52,8 @@ MLA_WG_GRID = 0             # up to this many partials (splits that run no clust
 #                             (33) 102.8 -> 108.2 us (69.2 -> 65.8%), batch 1 4K (65) 16.9 -> 24.8 us (6.6 -> 4.5%).
 #                             Session 26, with merge_splits' wave rule (kernels.attention MERGE_WAVE_THREADS), H200
 #                             copy 4269-4278 GB/s, 8 -> 0: 16K x 16 109.7 -> 103.3 us (64.4 -> 68.3%), a 17-query
-#                             tree at 4K x batch 1 (7 splits) 48.7 -> 40.6 us; H100 16K x 16: 133.1 -> 128.3 us
+#                             tree at 4K x batch 1 (7 splits) 48.7 -> 40.6 us (2.3 -> 2.7%: latency-bound); H100
+#                             (copy 3016 GB/s) 16K x 16: 133.1 -> 128.3 us (75.2 -> 78.1%)
 GRID_SPLITS = 256           # most partials of a grid merge (its shared memory; a cooperative launch holds fewer)
 MLA_WG_CLUSTER_GROUPS = False   # also clusters of a divisor of a tile's split count, each merging into one partial
 #                             (then merge_splits over the clusters' partials, or where all fit at once the grid merge:

@@ -153,6 +153,8 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
                     out = keep.zeros((B, T, h, K2_R), np.float32)
                     work = mla_work(keep.zeros, B, T, h, K2_R, ctx + T)
                     us, how = gpu_us(lambda: mla_attention(q, cache, lengths, ntok, mask, 0.04, out, work))
+                    if WARM[0]:                 # compiled, nothing timed: no row
+                        continue
                     nbytes = B * (ctx + T) * K2_D * 2
                     flops = 2.0 * B * (ctx + T) * T * h * (K2_D + K2_R)
                     gbs = nbytes / us / 1e3
@@ -169,8 +171,7 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
                                      smem_kb=smem // 1024,
                                      us=round(us, 2), cache_gbs=round(gbs, 1), pct_copy=round(100 * gbs / copy_bw, 1),
                                      tflops=round(flops / us / 1e6, 1), timing=how))
-                    if not WARM[0]:
-                        print("mla", rows[-1], flush=True)
+                    print("mla", rows[-1], flush=True)
                     del keep
     return rows
 
