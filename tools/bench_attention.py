@@ -69,6 +69,7 @@ def _sm_count():
 
 
 WARM = [False]              # True: gpu_us calls fn once (compiles) and times nothing (a --parallel child's warm pass)
+PARTS = [False]             # True (--mla-parts): MLA rows that end in the merge launch also time its two halves
 
 
 def gpu_us(fn, reps=10):
@@ -152,9 +153,11 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
                     mask = keep.arr(_cp().full((B, T, words), 0xFFFFFFFF, np.uint32))    # cost does not depend on it
                     out = keep.zeros((B, T, h, K2_R), np.float32)
                     work = mla_work(keep.zeros, B, T, h, K2_R, ctx + T)
-                    us, how = gpu_us(lambda: mla_attention(q, cache, lengths, ntok, mask, 0.04, out, work))
+                    call = lambda: mla_attention(q, cache, lengths, ntok, mask, 0.04, out, work)  # noqa: E731
+                    us, how = gpu_us(call)
                     if WARM[0]:                 # compiled, nothing timed: no row
                         continue
+                    split_us, merge_us = split_merge_us(call) if PARTS[0] else (None, None)
                     nbytes = B * (ctx + T) * K2_D * 2
                     flops = 2.0 * B * (ctx + T) * T * h * (K2_D + K2_R)
                     gbs = nbytes / us / 1e3
@@ -171,9 +174,28 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
                                      smem_kb=smem // 1024,
                                      us=round(us, 2), cache_gbs=round(gbs, 1), pct_copy=round(100 * gbs / copy_bw, 1),
                                      tflops=round(flops / us / 1e6, 1), timing=how))
+                    if split_us is not None:
+                        rows[-1].update(split_us=round(split_us, 2), merge_us=round(merge_us, 2),
+                                        split_pct_copy=round(100 * nbytes / split_us / 1e3 / copy_bw, 1))
                     print("mla", rows[-1], flush=True)
                     del keep
     return rows
+
+
+def split_merge_us(call):
+    """(split kernel alone, merge launch alone) in us for an mla_attention call that ends in kernels.attention's
+    merge_splits (graph replays as gpu_us; the merge alone re-reads the same partials), else (None, None). Where
+    the time of a split call goes: the difference to the whole call is what the kernels overlap or leave idle."""
+    import kernels.mla as km
+    seen, merge = [], km.merge_splits
+    km.merge_splits = lambda *a: seen.append(a)
+    try:
+        split_us, _ = gpu_us(call)
+    finally:
+        km.merge_splits = merge
+    if not seen:
+        return None, None
+    return split_us, gpu_us(lambda: merge(*seen[0]))[0]
 
 
 def mma_peak_tflops(chains=8, steps=4096):
@@ -494,6 +516,7 @@ def parallel_mla(args, folder):
 
     from tools.turns import run_children
     shared = ["--mla-max-batch", str(MLA_MAX_BATCH[0])] + (["--quick"] if args.quick else []) + (
+        ["--mla-parts"] if args.mla_parts else []) + (
         ["--mla-shapes", args.mla_shapes] if args.mla_shapes else [])
     cmds, outs = [], []
     for i, v in enumerate(MLA_VARIANTS):
@@ -597,6 +620,8 @@ def main():
     ap.add_argument("--mla-shapes", metavar="JSON",
                     help='the mla table\'s shapes, e.g. {"ctx": [4096, 16384], "heads": [64], "queries": [1]}')
     ap.add_argument("--profile-tree", metavar="BUDGET", help="run the tree stages three times for a profiler, exit")
+    ap.add_argument("--mla-parts", action="store_true",
+                    help="MLA rows merged by the merge launch also time the split kernel and the merge alone")
     ap.add_argument("--parallel", action="store_true",
                     help="with --only mla and several --mla-variant: a process per variant, compiling at once, "
                          "timing one at a time")
@@ -606,6 +631,7 @@ def main():
         v = json.loads(args.mla_variant)
         MLA_VARIANTS[:] = v if isinstance(v, list) else [v]
     MLA_MAX_BATCH[0] = args.mla_max_batch
+    PARTS[0] = args.mla_parts
     if args.mla_shapes:
         shapes = json.loads(args.mla_shapes)
         if not isinstance(shapes, dict) or set(shapes) - {"ctx", "heads", "queries"}:
