@@ -57,6 +57,9 @@ MLA_WG_GRID = 0             # up to this many partials (splits that run no clust
 MLA_WG_TRIGGER = False      # PDL: each block lets the next kernel (the merge launch) launch once its main loop is
 #                             done (griddepcontrol.launch_dependents), so that launch overlaps the O epilogue; the
 #                             merge's blocks still wait for this kernel's end before they read (NOT measured yet)
+MLA_WG_GRID_COOP = True     # the grid merge's launch is cooperative (the driver guarantees every block resident at
+#                             once); False, for measurement only: a plain launch (pick_grid counted that all fit,
+#                             nothing guarantees it; spinning blocks could wait on blocks that never start)
 GRID_SPLITS = 256           # most partials of a grid merge (its shared memory; a cooperative launch holds fewer)
 MLA_WG_CLUSTER_GROUPS = False   # also clusters of a divisor of a tile's split count, each merging into one partial
 #                             (then merge_splits over the clusters' partials, or where all fit at once the grid merge:
