@@ -399,9 +399,6 @@ if SIM:
     def cp_wait(n):
         return cp_commit
 
-    def launch_next():
-        """Simulator: launches are serial; nothing to signal."""
-
 else:
     from llvmlite import ir
     from numba import types
@@ -532,12 +529,6 @@ else:
     cp_commit = _barrier_op("cp.async.commit_group;")
     _launch_dependents = _barrier_op("griddepcontrol.launch_dependents;")
     _wait_previous = _barrier_op("griddepcontrol.wait;")
-
-    @cuda.jit(device=True, forceinline=True)
-    def launch_next():
-        """PDL: this block lets the next kernel launch now (its blocks still wait for this one to finish before they
-        read or write: kernel()'s griddepcontrol.wait); a no-op without the launch attribute."""
-        _launch_dependents()
 
     @cuda.jit(device=True, forceinline=True)
     def grid_dep():

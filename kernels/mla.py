@@ -717,7 +717,7 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     o, ml = partials(cluster)
     args = args_of(o, ml)
     launch_smem(kern, (tiles, nsplit, B), threads, smem, args, cluster=(1, cluster, 1) if cluster else None,
-                coop=grid and _wg.MLA_WG_GRID_COOP)
+                coop=grid)
     if not fused and nsplit != cluster and not grid:
         merge_splits(o, ml, out3)
     return out

@@ -28,8 +28,8 @@ from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from kernels.attention import NEG_INF, last_split_merge, placeholder, shfl_xor
 from kernels.cluster import cluster_sync, dsmem_ld4, dsmem_ld16, group_barrier, group_leave
-from kernels.device import (SIM, as_f32, as_u32, cp_commit, cp_wait, kernel, launch_next, ld4_l2, ld16, ld16_l2, lds16,
-                            shfl_idx, st16, sts8)
+from kernels.device import (SIM, as_f32, as_u32, cp_commit, cp_wait, kernel, ld4_l2, ld16, ld16_l2, lds16, shfl_idx,
+                            st16, sts8)
 from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
 
 MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
@@ -53,13 +53,12 @@ MLA_WG_GRID = 0             # up to this many partials (splits that run no clust
 #                             Session 26, with merge_splits' wave rule (kernels.attention MERGE_WAVE_THREADS), H200
 #                             copy 4269-4278 GB/s, 8 -> 0: 16K x 16 109.7 -> 103.3 us (64.4 -> 68.3%), a 17-query
 #                             tree at 4K x batch 1 (7 splits) 48.7 -> 40.6 us (2.3 -> 2.7%: latency-bound); H100
-#                             (copy 3016 GB/s) 16K x 16: 133.1 -> 128.3 us (75.2 -> 78.1%)
-MLA_WG_TRIGGER = False      # PDL: each block lets the next kernel (the merge launch) launch once its main loop is
-#                             done (griddepcontrol.launch_dependents), so that launch overlaps the O epilogue; the
-#                             merge's blocks still wait for this kernel's end before they read (NOT measured yet)
-MLA_WG_GRID_COOP = True     # the grid merge's launch is cooperative (the driver guarantees every block resident at
-#                             once); False, for measurement only: a plain launch (pick_grid counted that all fit,
-#                             nothing guarantees it; spinning blocks could wait on blocks that never start)
+#                             (copy 3016 GB/s) 16K x 16: 133.1 -> 128.3 us (75.2 -> 78.1%). Session 27 (H200, copy
+#                             4270-4281 GB/s, bench/h200_2026-12-03): the grid merge as a plain launch instead of a
+#                             cooperative one ran as slowly (16K x 16 109.0 vs 108.7 us, 64K x 4 108.6 vs 108.3), so
+#                             the ~13 us it adds to the split kernel (96 us alone) are its own work, not the launch;
+#                             also measured there and dropped: a PDL trigger after the main loop (the merge launch
+#                             earlier): 103.1 -> 103.6 us at 16K x 16, 103.2 -> 103.0 at 64K x 4
 GRID_SPLITS = 256           # most partials of a grid merge (its shared memory; a cooperative launch holds fewer)
 MLA_WG_CLUSTER_GROUPS = False   # also clusters of a divisor of a tile's split count, each merging into one partial
 #                             (then merge_splits over the clusters' partials, or where all fit at once the grid merge:
@@ -104,10 +103,10 @@ def mla_wg_kernel(D, r, causal, nk=None, fuse=False, cluster=0, grid=False):
     nk = nk or MLA_WG_NK
     seesaw = MLA_WG_SEESAW and MLA_WG_TMA
     groups = bool(cluster and MLA_WG_CLUSTER_GROUPS)
-    key = (D, r, causal, nk, fuse, MLA_WG_TMA, seesaw, MLA_WG_STAGED, cluster, groups, grid, MLA_WG_TRIGGER)
+    key = (D, r, causal, nk, fuse, MLA_WG_TMA, seesaw, MLA_WG_STAGED, cluster, groups, grid)
     if key not in _KERNELS:
         _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk, seesaw), fuse, MLA_WG_TMA, seesaw,
-                                     MLA_WG_STAGED, cluster, groups, grid, MLA_WG_TRIGGER)
+                                     MLA_WG_STAGED, cluster, groups, grid)
     return _KERNELS[key]
 
 
@@ -163,7 +162,7 @@ QUAD_SUM = """\
 
 
 def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, STAGED=False, CL=0, GROUPS=False,
-                 GRID=False, TRIGGER=False):
+                 GRID=False):
     from kernels.mla import _ex2, _make_cp_piece, _pack2, _row_addr, _slot_addr
     from kernels.wgmma import (fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_sync, wg_wait0,
                                wg_wait1)
@@ -560,7 +559,6 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
 {zero_o}
 {zero_s}
 {main}
-{"    launch_next()                                # (PDL) the merge launch may start" if TRIGGER else ""}
 {stats}
 {store_out}
     if {FUSE}:                                    # the last split of the tile merges (no merge launch)
@@ -819,7 +817,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
               LAZY=LAZY, last_split_merge=last_split_merge,
               shfl_xor=shfl_xor, shfl_idx=shfl_idx, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
               sts8=sts8, lds16=lds16, st16=st16, cluster_sync=cluster_sync, cluster_merge=cluster_merge,
-              grid_merge=grid_merge, launch_next=launch_next,
+              grid_merge=grid_merge,
               core_offset=cuda.jit(device=True, inline="always")(core_offset), load_tile=load_tile, key_ok=key_ok,
               sw128_offset=cuda.jit(device=True, inline="always")(sw128_offset),
               cp_wait0=cp_wait0, cp_wait1=cp_wait1, cp_wait2=cp_wait2, fence_proxy_async=fence_proxy_async,

@@ -90,7 +90,7 @@ from numba import cuda, float32, int32, uint32, uint64  # noqa: E402
 from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device, kernel, launch, ld16, lane_id,  # noqa: E402
                             pack_bf16x2)
 from kernels.attention import launch_smem  # noqa: E402
-from kernels.device import ld4_l2, shfl_idx, syncwarp, warp_argmax, warp_sum  # noqa: E402
+from kernels.device import shfl_idx, syncwarp, warp_argmax, warp_sum  # noqa: E402
 from kernels.bulk import bulk_load, mbar_expect, mbar_fence_init, mbar_init, mbar_wait  # noqa: E402
 from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_int4_mma, _build_mainloop,  # noqa: E402
                           _build_prep_unit, _cached, _split_range, _words, lds16)
@@ -208,22 +208,19 @@ class MoeWorkspace:
     item_start: object
     item_len: object
     n_items: object       # i32[1]
-    count: object         # i32[n_max * H/16]             (fused combine) units done per (token, row block); zero
     n_max: int
     top_k: int
     xs: int               # B operand parts (1: bf16 activations, 2: hi + lo)
 
 
-def moe_workspace(n_max, top_k, hidden, inter, n_experts, alloc, xs=MOE_XS, zeros=None):
-    """alloc(shape, dtype) -> array (numba.cuda.device_array, or np.empty under the simulator); zeros(shape, dtype)
-    -> a zero-filled one (the fused combine's counters; default: alloc, which must then give zeros)."""
+def moe_workspace(n_max, top_k, hidden, inter, n_experts, alloc, xs=MOE_XS):
+    """alloc(shape, dtype) -> array (numba.cuda.device_array, or np.empty under the simulator)."""
     s = n_max * top_k
     return MoeWorkspace(alloc((router_slices(hidden), n_max, n_experts), np.float32),
                         alloc((n_max * xs * hidden // 2,), np.uint32), alloc((s * xs * inter // 2,), np.uint32),
                         alloc((s, hidden), np.float32),
                         alloc((s,), np.int32), alloc((s,), np.int32), alloc((s,), np.int32), alloc((s,), np.int32),
-                        alloc((1,), np.int32), (zeros or alloc)((n_max * -(-hidden // 16),), np.int32), n_max,
-                        top_k, xs)
+                        alloc((1,), np.int32), n_max, top_k, xs)
 
 
 # ------------------------------------------------------------------------------------------------------ router
@@ -629,41 +626,11 @@ def bulk_ring_bytes(cfg):
     return 4 * cfg.WR * cfg.WK * cfg.S * cfg.U * cfg.R * BULK_WORDS
 
 
-@device
-def _live_slots(idx, tok, top_k, e0, n_exp):
-    """How many of token tok's top_k experts (idx i32[n, k], global ids) this device holds (e0 .. e0+n_exp-1)."""
-    live = 0
-    for j in range(top_k):
-        e = idx[tok, j] - e0
-        if e >= 0 and e < n_exp:
-            live += 1
-    return live
-
-
-@device
-def _combine_rows(y, shared, out, idx, tok, h0, h1, top_k, e0, n_exp, has_shared, nrows):
-    """out[tok, h] for h in h0 + thread, h0 + thread + blockDim .. below h1: the token's live slots' y rows added in
-    slot order (+ shared[tok, h]), as the combine kernel adds them (the same bits). y is read at L2 (other blocks
-    wrote it in this kernel)."""
-    for h in range(h0 + cuda.threadIdx.x, h1, cuda.blockDim.x):
-        v = F0
-        for j in range(top_k):
-            e = idx[tok, j] - e0
-            if e >= 0 and e < n_exp:
-                v += _f(ld4_l2(y, (tok * top_k + j) * nrows + h))
-        if has_shared:
-            v += shared[tok, h]
-        out[tok, h] = v
-
-
-def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S=0, FC=0):
+def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S=0):
     """One expert GEMM stage over the work items (persistent grid). down=0: gate_up with rows interleaved per tile
     (8 gate rows, then the matching 8 up rows) and silu(gate) * up written as the next B operand (act);
     down=1: rows in order, output * routing weight written per slot (y). S > 0: INT4 weights in the bulk layout
-    through S-slot bulk-copy rings (`_build_bulk_ring`; w is then u32 [E, words of one expert]).
-    FC=1 (down): the combine fused in (no combine launch): a unit that finishes a token's row block (the last of
-    its live slots' units there, counted at count[token, row block]) adds that token's slots into out; tokens with
-    no slot here get shared (or 0) from the grid's last blocks."""
+    through S-slot bulk-copy rings (`_build_bulk_ring`; w is then u32 [E, words of one expert])."""
     mainloop = _cached(_build_mainloop, fmt, T, R, XS, G, U, PF)
     ring_start, ring_consume = _cached(_build_bulk_ring, T, R, XS, S, U) if S else (None, None)
     NBAR = MAX_WARPS * max(S, 1)
@@ -674,11 +641,10 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
 
     @kernel(**({"launch_bounds": bounds} if bounds else {}))
     def expert_gemm(xb, w, sc, act16, y, wts, sorted_slot, item_e, item_start, item_len, n_items, top_k, nrows, kdim,
-                    nwr, nwk, out, shared, idx, count, e0, n_exp, has_shared):
+                    nwr, nwk):
         """Launch: grid = fixed (persistent), block 32*nwr*nwk (<= 256); each block loops over (item, row block) units.
         xb u32 flat [rows, XS, k/2]; w u32 [E, nrows*k/WDIV]; sc u16 [E, nrows*k/32] (int4);
-        act16 u16 flat [slots, XS, nrows/2] (down=0); y f32[slots, nrows] (down=1). FC: out f32[n, nrows], shared
-        f32[n, nrows] (has_shared), idx i32[n, k], count i32[>= n * row blocks] (zero between calls).
+        act16 u16 flat [slots, XS, nrows/2] (down=0); y f32[slots, nrows] (down=1).
         Moves the weights (and scales) of every live expert once per item."""
         lane = lane_id()
         g, t = lane // 4, lane % 4
@@ -693,7 +659,6 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
         boff = cuda.local.array(T, int32)
         acc = cuda.local.array(NACC, float32)
         total = n_items[0] * rblocks
-        fin = cuda.shared.array(32, int32)          # (FC) the unit's tokens whose row block it completes, else -1
         if S:                                       # the warp's bulk ring over all of this block's units
             ring = cuda.shared.array(0, uint32)
             bars = cuda.shared.array(NBAR, uint64)
@@ -755,32 +720,6 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
                                         act16[base] = hb & 0xFFFF
                                         if XS == 2:
                                             act16[base + inter] = pack_bf16x2(h - bf16_lo(hb), F0) & 0xFFFF
-            if FC:                                  # count this unit's tokens done in row block rb
-                cuda.threadfence()                  # (this thread's y rows visible before the count moves)
-                cuda.syncthreads()
-                tid = cuda.threadIdx.x
-                if tid < ln:
-                    tok = sorted_slot[start + tid] // top_k
-                    at = tok * rblocks + rb
-                    last = cuda.atomic.add(count, at, 1) == _live_slots(idx, tok, top_k, e0, n_exp) - 1
-                    if last:
-                        count[at] = 0               # (no other unit of this call counts there: ready for the next)
-                    fin[tid] = tok if last else -1
-                cuda.syncthreads()
-                cuda.threadfence()
-                h0 = rb * nwr * R * 16
-                for c in range(ln):
-                    if fin[c] >= 0:
-                        _combine_rows(y, shared, out, idx, fin[c], h0, min(h0 + nwr * R * 16, nrows), top_k, e0,
-                                      n_exp, has_shared, nrows)
-                cuda.syncthreads()                  # (fin is the next unit's)
-        if FC:                                      # tokens with no slot here (expert parallelism): the last blocks
-            nt = cuda.blockDim.x
-            for i in range((cuda.gridDim.x - 1 - cuda.blockIdx.x) * nt + cuda.threadIdx.x, idx.shape[0] * nrows,
-                           cuda.gridDim.x * nt):
-                tok = i // nrows
-                if _live_slots(idx, tok, top_k, e0, n_exp) == 0:
-                    out[tok, i - tok * nrows] = shared[tok, i - tok * nrows] if has_shared else F0
     return expert_gemm
 
 
@@ -858,31 +797,23 @@ def _cfgs(experts, cfg_gate_up, cfg_down):
     return cfg_gate_up or gate_up, cfg_down or down
 
 
-MOE_FUSED_COMBINE = True    # the combine inside the down stage (FC): one launch fewer per MoE layer, the same bits
-#                             (GPU tests compare them with the combine launch's)
-
-
-def moe(x, idx, wts, experts: DeviceExperts, out, ws: MoeWorkspace, shared=None, cfg_gate_up=None, cfg_down=None,
-        before_down=None, fused=None):
+def moe(x, idx, wts, experts: DeviceExperts, out, ws: MoeWorkspace, shared=None, cfg_gate_up=None, cfg_down=None):
     """GPU moe_ref: out f32[n, H] = sum_j wts[t, j] * E_idx[t, j](x[t]) (+ shared[t] when given).
-    Launches: plan with the B prep of x, gate_up (+SiLU-mul), down (* routing weight) with the combine fused in
-    (fused, default MOE_FUSED_COMBINE; else a combine launch after it). Only live experts' weights are read; grids
-    are fixed by the workspace size so the sequence can be graph-captured. The workspace's xs decides the
-    activations' precision in the mma (MOE_XS). before_down(): called before the launch that first reads `shared`
-    (the engine joins the shared expert's branch there)."""
-    fused = MOE_FUSED_COMBINE if fused is None else fused
+    Launches: plan with the B prep of x, gate_up (+SiLU-mul), down (* routing weight), combine. Only live experts'
+    weights are read; grids are fixed by the workspace size so the sequence can be graph-captured. The workspace's
+    xs decides the activations' precision in the mma (MOE_XS)."""
+    moe_experts(x, idx, wts, experts, ws, cfg_gate_up, cfg_down)
+    moe_combine(out, shared, ws, idx, experts)
+    return out
+
+
+def moe_experts(x, idx, wts, experts: DeviceExperts, ws: MoeWorkspace, cfg_gate_up=None, cfg_down=None):
+    """Everything of `moe` before the combine: plan (with the B prep), gate_up, down -> ws.y f32[n*k, H], each
+    slot's expert output times its routing weight. Cuts None: the defaults of the experts' layout."""
     cfg_gate_up, cfg_down = _cfgs(experts, cfg_gate_up, cfg_down)
     moe_plan(x, idx, experts, ws, cfg_gate_up, cfg_down)
     moe_stage(0, experts, wts, ws, cfg_gate_up)
-    if not fused:
-        moe_stage(1, experts, wts, ws, cfg_down)
-    if before_down is not None:
-        before_down()
-    if fused:
-        moe_stage(1, experts, wts, ws, cfg_down, combine=(out, shared, idx))
-    else:
-        moe_combine(out, shared, ws, idx, experts)
-    return out
+    moe_stage(1, experts, wts, ws, cfg_down)
 
 
 def moe_dims(experts):
@@ -916,12 +847,9 @@ def moe_plan(x, idx, experts, ws, cfg_gate_up=None, cfg_down=None):
            int32(h))
 
 
-def moe_stage(down, experts, wts, ws, cfg=None, combine=None):
-    """One expert GEMM over the live work items: gate_up (down=0: x -> act) or down (down=1: act -> y; with
-    combine = (out, shared or None, idx) also the combine into out, as moe_combine)."""
+def moe_stage(down, experts, wts, ws, cfg=None):
+    """One expert GEMM over the live work items: gate_up (down=0: x -> act) or down (down=1: act -> y)."""
     cfg = cfg or _cfgs(experts, None, None)[down]
-    if combine is not None and not down:
-        raise ValueError("moe: the combine fuses into the down stage only")
     fmt, n_exp, hidden, inter = moe_dims(experts)
     tiled = 0 if down else experts.tiled
     if bool(cfg.S) != bool(tiled) or (cfg.S and cfg.R != tiled):
@@ -934,17 +862,7 @@ def moe_stage(down, experts, wts, ws, cfg=None, combine=None):
     g = int4_group_block(kdim) if fmt == INT4 else 1
     bounds = (32 * cfg.WR * cfg.WK, cfg.min_blocks) if cfg.min_blocks else None
     kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds,
-                   cfg.S, int(combine is not None))
-    if combine is None:                             # (the fused combine's arguments, unread)
-        out = shared = ws.y
-        idx, has_shared = ws.sorted_slot.reshape(-1, 1), False
-    else:
-        out, shared, idx = combine
-        has_shared = shared is not None
-        shared = ws.y if shared is None else shared
-        _check_combine(out, None if not has_shared else shared, ws, idx)
-        if 8 * cfg.T > min(32, 32 * cfg.WR * cfg.WK):
-            raise ValueError(f"moe: the fused combine takes items of <= 32 slots (and <= the block's threads): {cfg}")
+                   cfg.S)
     rblocks = math.ceil(nrows / 16 / (cfg.WR * cfg.R))
     grid = min(ws.n_max * ws.top_k * rblocks, _sm_count() * cfg.blocks_per_sm)
     words = _words(w)
@@ -953,22 +871,16 @@ def moe_stage(down, experts, wts, ws, cfg=None, combine=None):
     launch_smem(kern, grid, 32 * cfg.WR * cfg.WK, bulk_ring_bytes(cfg) if cfg.S else 0,
                 (ws.act if down else ws.xb, e_words, e_sc, ws.act.view(np.uint16), ws.y, wts, ws.sorted_slot,
                  ws.item_e, ws.item_start, ws.item_len, ws.n_items, int32(ws.top_k), int32(nrows), int32(kdim),
-                 int32(cfg.WR), int32(cfg.WK), out, shared, idx, ws.count, int32(experts.offset), int32(n_exp),
-                 int32(has_shared)))
-
-
-def _check_combine(out, shared, ws, idx):
-    h, n = ws.y.shape[1], idx.shape[0]
-    if out.shape != (n, h) or (shared is not None and shared.shape != (n, h)):
-        raise ValueError(f"moe: out {out.shape} / shared {None if shared is None else shared.shape} not [{n}, {h}]")
-    if idx.shape[1] != ws.top_k or n > ws.n_max:
-        raise ValueError(f"moe: idx {idx.shape} is not [n <= {ws.n_max}, {ws.top_k}] (the workspace's n_max, top_k)")
+                 int32(cfg.WR), int32(cfg.WK)))
 
 
 def moe_combine(out, shared, ws, idx, experts):
     """out[t] = sum over the token's slots on experts held here of y (+ shared[t])."""
-    _check_combine(out, shared, ws, idx)
     h, n = ws.y.shape[1], idx.shape[0]
+    if out.shape != (n, h) or (shared is not None and shared.shape != (n, h)):
+        raise ValueError(f"moe: out {out.shape} / shared {None if shared is None else shared.shape} not [{n}, {h}]")
+    if idx.shape[1] != ws.top_k:
+        raise ValueError(f"moe: idx {idx.shape} is not [n, {ws.top_k}] (the workspace's top_k)")
     launch(_cached(_build_combine, ws.top_k), math.ceil(n * h / 256), 256, ws.y,
            shared if shared is not None else out, out, idx, int32(experts.offset), int32(moe_dims(experts)[1]),
            int32(n), int32(h), int32(shared is not None))

@@ -30,8 +30,8 @@ from kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
 from kernels.gemm import (TILES_MAX, GemmWorkspace, contiguous, gemm, gemm_config, gemm_sync_words,
                           gemm_workspace_words, head_gemm, head_gemm_workspace_words)
 from kernels.mla import mla_attention, mla_work
-from kernels.moe import (MAX_SLOTS, ROUTER_XS, Experts, device_experts, moe, moe_dims, moe_workspace, router,
-                         router_slices)
+from kernels.moe import (MAX_SLOTS, ROUTER_XS, Experts, device_experts, moe_combine, moe_dims, moe_experts,
+                         moe_workspace, router, router_slices)
 from kernels.norm import add_rmsnorm, rmsnorm
 from kernels.rope import qk_norm_rope, rope
 from kernels.sample import sample
@@ -353,7 +353,7 @@ class KernelOps:
 
     def moe(self, x, idx, wts, experts, out, shared=None, after=None):
         """Routed experts (+ shared[t] when given) -> out f32[n, H], in blocks of tokens the routing plan holds.
-        after: the branch computing `shared`, joined just before the down stage (its combine reads it)."""
+        after: the branch computing `shared`, joined just before the combine that reads it."""
         n, top_k = idx.shape
         rows = MAX_SLOTS // top_k
         if n > rows:
@@ -365,9 +365,12 @@ class KernelOps:
         key = (top_k, x.shape[1], inter, n_exp)
         ws = self._moe_ws.get(key)
         if ws is None or ws.n_max < n:
-            ws = self._moe_ws[key] = moe_workspace(n, top_k, x.shape[1], inter, n_exp, self._alloc,
-                                                   zeros=self.xp.zeros)
-        return moe(x, idx, wts, experts, out, ws, shared, before_down=None if after is None else after.join)
+            ws = self._moe_ws[key] = moe_workspace(n, top_k, x.shape[1], inter, n_exp, self._alloc)
+        moe_experts(x, idx, wts, experts, ws)          # kernels.moe.moe, with the join before the combine
+        if after is not None:
+            after.join()
+        moe_combine(out, shared, ws, idx, experts)
+        return out
 
     def sample(self, logits, temperature, seed, seq, pos, out):
         """sample_ref; host seq/pos are uploaded, a host `out` is filled from the device (one sync)."""

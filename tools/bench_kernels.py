@@ -40,8 +40,12 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     # 54.6 / 75.5), where gate_up alone was 70 / 78 / 82 / 83 / 76% at n = 1 / 4 / 9 / 17 / 33 and down 44 / 52 /
     # 59 / 61 / 63% (register down: 51 / 67 / 71 / 76 / 73%). The INT4 bias as the mma's starting value from
     # per-group sums of B (no bf16x2 FMA per weight pair; commit 5211ee7): 50.7 / 74.4 (moe_off_rejected.json).
+    # session 27 (bench/h200_2026-12-03/call1, call4): the gate_up ring cuts below, n = 1 / 17 chained % of copy
+    # (default 59.3 / 79.6): S=4 U=1 49.6 / 69.4, S=3 U=2 44.9 / 72.0. And the combine fused into the down stage
+    # (commits 92b4ff2 + 3f7de68, reverted): a unit finishing a token's row block (counter per token and row block)
+    # added its slots into out, the same bits as the combine launch (GPU tests passed), but down's main loop got
+    # slower (ptxas at the 128-register cap: 32 vs 16 bytes of spills): 56.5 / 67.9 vs 59.1 / 80.8 unfused.
     "regs": dict(tiled=0),
-    "unfused": dict(fused=False),      # the combine as its own launch (the default before session 27)
     "bulk_s4u1": dict(gu=dict(S=4, U=1)), "bulk_s3u2": dict(gu=dict(S=3)),   # gate_up-only rings: NOT measured yet
     "bound2_8w": dict(tiled=0, gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2),   # register gate_up, as measured
                       dn=dict(WR=8, WK=1, blocks_per_sm=4, min_blocks=2)),
@@ -220,7 +224,7 @@ def moe_cuts(over):
 
 
 def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
-    from kernels.moe import MOE_FUSED_COMBINE, MOE_TILED, MOE_XS, moe_combine, moe_plan, moe_stage, moe_workspace, router
+    from kernels.moe import MOE_TILED, MOE_XS, moe_combine, moe_plan, moe_stage, moe_workspace, router
     rng = np.random.default_rng(0)
     dv = cuda.as_cuda_array
     gate_up, down = rand_words(cp, (E, 2 * I, H // 8)), rand_words(cp, (E, H, I // 8))
@@ -238,19 +242,17 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
     wss = {xs: moe_workspace(max(NS), TOPK, H, I, E, alloc, xs=xs) for xs in (1, 2)}   # xs=2: the router's logits
     rows = results.setdefault("moe", [])
 
-    def run(n, xs, gu_cfg, dn_cfg, tag, stages=False, ex=ex, fused=MOE_FUSED_COMBINE):
+    def run(n, xs, gu_cfg, dn_cfg, tag, stages=False, ex=ex):
         def layer_args():
             idx, wts = routing(rng, n)
             x = dv(cp.random.standard_normal((n, H), dtype=cp.float32))
             return len(np.unique(idx)), x, dv(cp.asarray(idx)), dv(cp.asarray(wts))
 
-        def layer_parts(x, di, dw):          # (fused: the combine inside the down stage, kernels/moe.py FC)
-            parts = {"plan+prep": lambda: moe_plan(x, di, ex, ws, gu_cfg, dn_cfg),
-                     "gate_up": lambda: moe_stage(0, ex, dw, ws, gu_cfg),
-                     "down": lambda: moe_stage(1, ex, dw, ws, dn_cfg, combine=(out, None, di) if fused else None)}
-            if not fused:
-                parts["combine"] = lambda: moe_combine(out, None, ws, di, ex)
-            return parts
+        def layer_parts(x, di, dw):
+            return {"plan+prep": lambda: moe_plan(x, di, ex, ws, gu_cfg, dn_cfg),
+                    "gate_up": lambda: moe_stage(0, ex, dw, ws, gu_cfg),
+                    "down": lambda: moe_stage(1, ex, dw, ws, dn_cfg),
+                    "combine": lambda: moe_combine(out, None, ws, di, ex)}
 
         ws, out = wss[xs], dv(cp.zeros((n, H), cp.float32))
         layers = [layer_args() for _ in range(CHAIN_MIN)]   # each its own routing: as consecutive layers read
@@ -270,7 +272,7 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
         row = dict(op="moe_int4", tag=tag, n=n, xs=xs, distinct_experts=distinct, bytes=nbytes, graph_ms=g_ms,
                    eager_ms=e_ms, gbps=nbytes / g_ms / 1e6, pct_copy_single=100 * nbytes / g_ms / 1e6 / copy_bw,
                    chain_ms=c_ms, chain_bytes=c_bytes, pct_copy=100 * c_bytes / c_ms / 1e6 / copy_bw,
-                   gate_up_cfg=gu_cfg.__dict__, down_cfg=dn_cfg.__dict__, fused_combine=fused)
+                   gate_up_cfg=gu_cfg.__dict__, down_cfg=dn_cfg.__dict__)
         if stages:   # each stage alone (its graph replays the same plan: run the plan first)
             full()
             for name, f in parts.items():
@@ -285,23 +287,21 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
               f"{c_bytes / c_ms / 1e6:7.0f} GB/s {row['pct_copy']:5.1f}%  eager {e_ms * 1e3:8.1f} us"
               + (f"  [gate_up {row['gate_up_ms'] * 1e3:.1f} us {row['gate_up_pct_copy']:.0f}%, down "
                  f"{row['down_ms'] * 1e3:.1f} us {row['down_pct_copy']:.0f}%, plan+prep {row['plan+prep_ms'] * 1e3:.1f}"
-                 f" us, combine " + (f"{row['combine_ms'] * 1e3:.1f} us]" if not fused else "in down]")
-                 if stages else ""), flush=True)
+                 f" us, combine {row['combine_ms'] * 1e3:.1f} us]" if stages else ""), flush=True)
         return row
 
     # a sweep of cuts at the target sizes (n = 1, 17), then every n with the best one
     variants = {"default": {}, **_chosen(MOE_VARIANTS, tags)}
     best, best_pct = "default", -1.0
     for tag, over in variants.items():
-        pct = np.mean([run(n, over.get("xs", MOE_XS), *moe_cuts(over), tag, ex=experts(over),
-                           fused=over.get("fused", MOE_FUSED_COMBINE))["pct_copy"] for n in (1, 17)])
+        pct = np.mean([run(n, over.get("xs", MOE_XS), *moe_cuts(over), tag, ex=experts(over))["pct_copy"]
+                       for n in (1, 17)])
         if pct > best_pct:
             best, best_pct = tag, pct
     results["moe_best_cut"] = best
     over = variants[best]
     for n in NS:
-        run(n, over.get("xs", MOE_XS), *moe_cuts(over), "best", stages=True, ex=experts(over),
-            fused=over.get("fused", MOE_FUSED_COMBINE))
+        run(n, over.get("xs", MOE_XS), *moe_cuts(over), "best", stages=True, ex=experts(over))
     if quick:
         return
 

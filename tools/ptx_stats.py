@@ -142,23 +142,21 @@ def default_cut(down):
     return default_cuts(MOE_TILED)[down]
 
 
-def expert_gemm_ptx(down, cfg=None, fused=None):
+def expert_gemm_ptx(down, cfg=None):
     """PTX of the INT4 expert GEMM stage with the default cut (`default_cut`) or `cfg` (S > 0: the bulk-ring
-    kernel), K2's G = 4; down with the combine fused in where `fused` (default kernels.moe.MOE_FUSED_COMBINE)."""
+    kernel), K2's G = 4."""
     from numba import cuda
     from numba import types as ty
 
     from kernels.gemm import INT4
-    from kernels.moe import MOE_FUSED_COMBINE, MOE_XS, _build_expert_gemm
+    from kernels.moe import MOE_XS, _build_expert_gemm
     _sm90()
     c = cfg or default_cut(down)
     bounds = (32 * c.WR * c.WK, c.min_blocks) if c.min_blocks else None
-    fc = int(bool(down and (MOE_FUSED_COMBINE if fused is None else fused)))
-    kern = _build_expert_gemm(INT4, down, c.T, c.R, MOE_XS, 4, c.U, 1, c.PF, bounds, c.S, fc)
+    kern = _build_expert_gemm(INT4, down, c.T, c.R, MOE_XS, 4, c.U, 1, c.PF, bounds, c.S)
     u32, u16, i32, f32 = ty.uint32, ty.uint16, ty.int32, ty.float32
     sc = u32[:, ::1] if c.S else u16[:, ::1]        # bulk layout: the scales are inside the weight chunks
-    sig = ((u32[::1], u32[:, ::1], sc, u16[::1], f32[:, ::1], f32[:, ::1]) + (i32[::1],) * 5 + (i32,) * 5
-           + (f32[:, ::1], f32[:, ::1], i32[:, ::1], i32[::1], i32, i32, i32))
+    sig = (u32[::1], u32[:, ::1], sc, u16[::1], f32[:, ::1], f32[:, ::1]) + (i32[::1],) * 5 + (i32,) * 5
     return cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))[0], c
 
 
