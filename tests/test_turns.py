@@ -96,3 +96,26 @@ def test_parallel_mla_merges_the_children(tmp_path, monkeypatch):
         ba.parallel_mla(args, str(tmp_path))
     with pytest.raises(SystemExit, match="exited with 0 and wrote no"):
         ba.parallel_mla(args, str(tmp_path / "elsewhere"))
+
+
+def test_split_merge_us_times_each_half(monkeypatch):
+    """bench_attention --mla-parts: the call timed with merge_splits recorded and skipped, then the recorded merge
+    alone; kernels.mla.merge_splits is restored; a call that merges in the kernel gives (None, None)."""
+    import kernels.mla as km
+    import tools.bench_attention as ba
+    timed, merged = [], []
+
+    def fake_merge(*a):
+        merged.append(a)
+    monkeypatch.setattr(km, "merge_splits", fake_merge)
+
+    def fake_gpu_us(fn):
+        fn()
+        timed.append(len(timed))
+        return 10.0 * len(timed), "graph"
+    monkeypatch.setattr(ba, "gpu_us", fake_gpu_us)
+    assert ba.split_merge_us(lambda: km.merge_splits("o", "ml", "out")) == (10.0, 20.0)
+    assert merged == [("o", "ml", "out")]           # only the merge-alone pass reached the real (here: fake) merge
+    assert km.merge_splits is fake_merge
+    timed.clear()
+    assert ba.split_merge_us(lambda: None) == (None, None) and timed == [0]
