@@ -54,7 +54,7 @@ MLA_WG_GRID = 0             # up to this many partials (splits that run no clust
 #                             copy 4269-4278 GB/s, 8 -> 0: 16K x 16 109.7 -> 103.3 us (64.4 -> 68.3%), a 17-query
 #                             tree at 4K x batch 1 (7 splits) 48.7 -> 40.6 us (2.3 -> 2.7%: latency-bound); H100
 #                             (copy 3016 GB/s) 16K x 16: 133.1 -> 128.3 us (75.2 -> 78.1%). Session 27 (H200, copy
-#                             4270-4281 GB/s, bench/h200_2026-12-03): the grid merge as a plain launch instead of a
+#                             4242-4281 GB/s, bench/h200_2026-12-03): the grid merge as a plain launch instead of a
 #                             cooperative one ran as slowly (16K x 16 109.0 vs 108.7 us, 64K x 4 108.6 vs 108.3), so
 #                             the ~13 us it adds to the split kernel (96 us alone) are its own work, not the launch;
 #                             also measured there and dropped: a PDL trigger after the main loop (the merge launch
