@@ -22,6 +22,7 @@ Bytes: each cache row of the split once per tile (the tiles of one split share i
 partials 64 r 4 per block (none in a cluster: the output once). Same arguments and outputs as mla.py's kernel
 (o_part, ml_part, the merge after; out in a cluster)."""
 import math
+import textwrap
 
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32, uint64
@@ -63,7 +64,12 @@ MLA_WG_GRID = 0             # up to this many partials (splits that run no clust
 #                             SASS (262 instructions), but the kernel is 14.0K SASS instructions against 5.4K (the
 #                             merge inlined at both exits, both folds unrolled, a branch around every partial load),
 #                             and 44% of the merge's stall samples are instruction fetch (no_inst): a compact merge
-#                             is the lead (bench/h200_2026-12-03/call5)
+#                             is the lead (bench/h200_2026-12-03/call5). Since then (written after the device budget
+#                             was spent, NOT GPU-run): one inlined copy (an empty split's block falls through to
+#                             it; with clusters the two exits stay), one fold (2 items x 8 partials per round of
+#                             loads, for every case), no branch per partial load (a factor-0 partial's values are
+#                             selected away): 14.0K -> 8.7K SASS at K2's widths, 247 registers, no spill; the
+#                             default and cluster kernels' PTX unchanged
 GRID_SPLITS = 256           # most partials of a grid merge (its shared memory; a cooperative launch holds fewer)
 MLA_WG_CLUSTER_GROUPS = False   # also clusters of a divisor of a tile's split count, each merging into one partial
 #                             (then merge_splits over the clusters' partials, or where all fit at once the grid merge:
@@ -542,10 +548,12 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
             ml_part[b, s, mb + tid, 1] = float32(0)
         if {FUSE}:
             last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
-        if {GRID}:                                # (with max -inf, sum 0: the others skip its rows)
+'''
+    empty_exit = f'''        if {GRID}:                                # (max -inf, sum 0: the others skip its rows)
             grid_merge(fsm, out, o_part, ml_part, count, b, s, mt, mb, tid)
         return
-    row0 = b * cache.shape[1]
+'''
+    body = f'''    row0 = b * cache.shape[1]
     nsteps = (hi - lo + {NK - 1}) // {NK}
 {ring_init}
     qv = cuda.local.array({8 * QG}, uint32)
@@ -568,9 +576,14 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
 {store_out}
     if {FUSE}:                                    # the last split of the tile merges (no merge launch)
         last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
-    if {GRID}:                                    # every split of the tile merges its share (no merge launch)
+'''
+    tail = f'''    if {GRID}:                                    # each split merges its share of the tile (no launch)
         grid_merge(fsm, out, o_part, ml_part, count, b, s, mt, mb, tid)
 '''
+    if GRID and not CL:     # one inlined copy of the grid merge: the empty split's block falls through to it
+        src += "    else:\n" + textwrap.indent(body, "    ") + tail
+    else:
+        src += empty_exit + body + tail
     cp_piece = _make_cp_piece(D8, NK * D8, sw_rows=NK)
     cp_wait0, cp_wait1, cp_wait2 = cp_wait(0), cp_wait(1), cp_wait(2)
 
@@ -707,7 +720,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
     def fold_items(IU, MS):
         """grid_merge's fold of IU items (row, 16-byte column quad) at a time, MS of the P partials of each per round
         of loads (IU MS 16-byte L2 loads in flight per thread): items i_lo + wi, + W, .. below i_hi, partials g,
-        g + G, .."""
+        g + G, .. (G > 1: one item per thread; the other IU - 1 load the last item again and store nothing)."""
         @cuda.jit(device=True, inline="always")
         def fold(fsm, out, o_part, b, mb, M, P, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid):
             acc = cuda.local.array((IU, 4), float32)
@@ -723,15 +736,16 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                         row = it // R4
                         src = (b * P * M + mb + row) * r + 4 * (it - row * R4)    # partial 0's; c: c M r on
                         for u in range(MS):
-                            c = c0 + u * G
-                            fv[iu, u] = fsm[FAC + (row - k_lo) * P + c] if c < P else float32(0)
-                            if fv[iu, u] != float32(0):   # (an empty split's rows: never read)
-                                v[iu, u, 0], v[iu, u, 1], v[iu, u, 2], v[iu, u, 3] = ld16_l2(o_part, src + c * M * r)
+                            c = min(c0 + u * G, P - 1)    # (a round past the last partial re-reads it, factor 0)
+                            f = fsm[FAC + (row - k_lo) * P + c]
+                            fv[iu, u] = f if c0 + u * G < P else float32(0)
+                            v[iu, u, 0], v[iu, u, 1], v[iu, u, 2], v[iu, u, 3] = ld16_l2(o_part, src + c * M * r)
                     for iu in range(IU):
                         for u in range(MS):
-                            if fv[iu, u] != float32(0):
-                                for j in range(4):
-                                    acc[iu, j] += fv[iu, u] * as_f32(v[iu, u, j])
+                            f = fv[iu, u]
+                            for j in range(4):            # (factor 0: an empty split's rows, whatever they hold)
+                                x = as_f32(v[iu, u, j])
+                                acc[iu, j] += f * (x if f != float32(0) else float32(0))
                 for iu in range(IU):
                     it = i0 + iu * W
                     if it < i_hi:
@@ -744,7 +758,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                                 fsm[gs + 4 * tid + j] = acc[iu, j]
         return fold
 
-    fold_many, fold_few = fold_items(1, MU_GRID), fold_items(2, MU_GRID // 2)
+    fold = fold_items(2, MU_GRID // 2)      # (one fold for every case: a second copy cost ~0.9K SASS per call site)
 
     @cuda.jit(device=True, inline="always")
     def grid_merge(fsm, out, o_part, ml_part, count, b, s, mt, mb, tid):
@@ -755,7 +769,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
         f32[B, M, r]: sum_c 2^(m_c - m) O_c / sum_c 2^(m_c - m) l_c (rows no split saw get 0). First the
         (max, sum) of the rows it touches (one round of loads), their fold factors a warp per row; where the block
         has fewer items than threads, G groups of threads take every G-th partial each and add up in shared memory;
-        few partials: two items per round of loads."""
+        two items x 8 partials per round of loads."""
         nsplit, P = cuda.gridDim.y, o_part.shape[1]
         group_barrier(count, b, mt, nsplit)
         M = out.shape[1]
@@ -793,10 +807,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
         G = max(1, min(P, 256 // max(items, 1)))
         W = 256 // G
         g, wi = tid // W, tid - (tid // W) * W
-        if G == 1 and P <= MU_GRID // 2:
-            fold_few(fsm, out, o_part, b, mb, M, P, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid)
-        else:
-            fold_many(fsm, out, o_part, b, mb, M, P, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid)
+        fold(fsm, out, o_part, b, mb, M, P, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid)
         if G > 1:                                 # (then every thread has at most one item)
             cuda.syncthreads()
             if g == 0 and wi < items:
