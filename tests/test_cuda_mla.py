@@ -339,7 +339,8 @@ def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, cl, grid, monkeypatch):   # K
     registers without spills. Session 10 on the H200 (K2 shapes): 254 registers (seesaw, session 23: 255, ptxas
     locally). fuse: the variant with the last split block's merge (at K2's widths ptxas gives it 255 registers and
     a 4-byte spill; the default kernel carries none of that code: 254, no spill); cl: the cluster merge of 3
-    splits; grid: the grid merge (K2's widths, ptxas locally, session 25: 251 registers, no spill); both: clusters
+    splits; grid: the grid merge (K2's widths, ptxas locally, session 25: 251 registers, no spill; session 27's
+    compact merge: 247); both: clusters
     of 3 with a partial each, then the grid merge."""
     import re
     import shutil

@@ -46,7 +46,7 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     # added its slots into out, the same bits as the combine launch (GPU tests passed), but down's main loop got
     # slower (ptxas at the 128-register cap: 32 vs 16 bytes of spills): 56.5 / 67.9 vs 59.1 / 80.8 unfused.
     "regs": dict(tiled=0),
-    "bulk_s4u1": dict(gu=dict(S=4, U=1)), "bulk_s3u2": dict(gu=dict(S=3)),   # gate_up-only rings: NOT measured yet
+    "bulk_s4u1": dict(gu=dict(S=4, U=1)), "bulk_s3u2": dict(gu=dict(S=3)),   # gate_up-only rings (session 27: slower)
     "bound2_8w": dict(tiled=0, gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2),   # register gate_up, as measured
                       dn=dict(WR=8, WK=1, blocks_per_sm=4, min_blocks=2)),
     # session 7 (n = 1 / 17, % of copy; default 47.5 / 69.3): down U=4 46.1 / 65.3, down R=4 47.8 / 68.0; the
