@@ -64,12 +64,14 @@ MLA_WG_GRID = 0             # up to this many partials (splits that run no clust
 #                             SASS (262 instructions), but the kernel is 14.0K SASS instructions against 5.4K (the
 #                             merge inlined at both exits, both folds unrolled, a branch around every partial load),
 #                             and 44% of the merge's stall samples are instruction fetch (no_inst): a compact merge
-#                             is the lead (bench/h200_2026-12-03/call5). Since then (written after the device budget
-#                             was spent, NOT GPU-run): one inlined copy (an empty split's block falls through to
-#                             it; with clusters the two exits stay), one fold (2 items x 8 partials per round of
-#                             loads, for every case), no branch per partial load (a factor-0 partial's values are
-#                             selected away): 14.0K -> 8.7K SASS at K2's widths, 247 registers, no spill; the
-#                             default and cluster kernels' PTX unchanged
+#                             is the lead (bench/h200_2026-12-03/call5). Since then: one inlined copy (an empty
+#                             split's block falls through to it; with clusters the two exits stay), one fold (2
+#                             items x 8 partials per round of loads, for every case), no branch per partial load (a
+#                             factor-0 partial's values are selected away): 14.0K -> 8.7K SASS at K2's widths, 247
+#                             registers, no spill. Session 28 (H200, copy 4241-4246 GB/s, bench/h200_2026-12-03b):
+#                             it ties the merge launch at 16K x 16 (8: 102.88, 64: 102.45 vs 102.37 us = 69.5%) and
+#                             loses at 64K x 4 (103.69 vs 102.89); its partials landed in shared memory by cp.async
+#                             first (grid_merge_cp_async.patch there, not applied) were 4-6 us slower still
 GRID_SPLITS = 256           # most partials of a grid merge (its shared memory; a cooperative launch holds fewer)
 MLA_WG_CLUSTER_GROUPS = False   # also clusters of a divisor of a tile's split count, each merging into one partial
 #                             (then merge_splits over the clusters' partials, or where all fit at once the grid merge:
