@@ -10,6 +10,7 @@ bf16 values travel as raw bits: `uint16` arrays, or `uint32` words holding a pai
 import contextlib
 import os
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -335,6 +336,11 @@ if SIM:
         a = _flat(arr)
         a[i:i + 16 // a.itemsize].view(np.uint32)[:] = (w0, w1, w2, w3)
 
+    def timer_regs():
+        """Simulator: (ns, ns, SM 0) from the host clock (see the GPU version)."""
+        t = np.uint32(time.perf_counter_ns() & 0xFFFFFFFF)
+        return t, t, np.uint32(0)
+
     def as_f32(u):
         return np.float32(_bits_f32(u))
 
@@ -539,6 +545,21 @@ else:
     def cp_wait(n):
         """cp.async.wait_group n: all but this thread's n most recent groups have landed."""
         return _barrier_op(f"cp.async.wait_group {n};")
+
+    @intrinsic
+    def timer_regs(typingctx):
+        """(SM cycles, global ns, SM id) as u32 (the low halves of %clock64 and %globaltimer): phase stamps of a
+        block (kernels/mla_wg.py MLA_WG_STAMPS); volatile, so not moved across the code it brackets."""
+        sig = types.UniTuple(types.uint32, 3)()
+
+        def codegen(ctx, b, sig, args):
+            i32 = ir.IntType(32)
+            fn = ir.FunctionType(ir.LiteralStructType([i32] * 3), [])
+            asm = ("{ .reg .u64 c, g; mov.u64 c, %clock64; mov.u64 g, %globaltimer; cvt.u32.u64 $0, c; "
+                   "cvt.u32.u64 $1, g; mov.u32 $2, %smid; }")
+            r = b.call(ir.InlineAsm(fn, asm, "=r,=r,=r,~{memory}", side_effect=True), [])
+            return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, k) for k in range(3)])
+        return sig, codegen
 
     def _asm_op(name, asm, cons, argtys, retty):
         """An intrinsic around one inline-PTX instruction; arguments are cast to `argtys` first."""

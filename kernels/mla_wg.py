@@ -30,7 +30,7 @@ from numba import cuda, float32, int32, uint16, uint32, uint64
 from kernels.attention import NEG_INF, last_split_merge, placeholder, shfl_xor
 from kernels.cluster import cluster_sync, dsmem_ld4, dsmem_ld16, group_barrier, group_leave
 from kernels.device import (SIM, as_f32, as_u32, cp_commit, cp_wait, kernel, ld4_l2, ld16, ld16_l2, lds16, shfl_idx,
-                            st16, sts8)
+                            st16, sts8, timer_regs)
 from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
 
 MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
@@ -79,6 +79,25 @@ MLA_WG_CLUSTER_GROUPS = False   # also clusters of a divisor of a tile's split c
 #                             with kernels.mla.cluster_pays (session 24: without that check, clusters of 3 of 33 splits
 #                             ran two waves, 192 vs 104 us; where they fitted, 65 splits as clusters of 5: 18.0 vs
 #                             17.3 us), GPU-tested in its first form only (test_gpu_wgmma_epilogue "groups")
+MLA_WG_QG = 18              # q prologue: 8-value units of the q tile each thread has in flight (two 16-byte loads
+#                             each; the largest divisor of the units per thread up to this: all 18 at K2's widths).
+#                             H200, session 29 (tools/mla_stamps.py, bench/h200_2026-12-03c): at 3 (before) the
+#                             prologue took 7.3 us of a 16K x 16 block's 95.8 (6.6 at 64K x 4, 9.2 at 4K x 64), 147
+#                             KB of f32 q per block at ~20 GB/s per SM; at 18: 6.4 us. 64-head decode (call 2, copy
+#                             4246 GB/s) QG 3 / 9 / 18: 4K x 64 98.52 / 97.79 / 97.01 us (72.2 / 72.8 / 73.3% of
+#                             copy), 16K x 16 104.18 / 101.65 / 101.71 (68.3 / 70.0 / 69.9%), 64K x 4 103.99 /
+#                             101.97 / 101.22 (68.4 / 69.8 / 70.3%)
+MLA_WG_Q_FIRST = True       # (TMA) the q prologue's loads go out before the ring's first three tiles, which are
+#                             issued between them and q's conversion (the tiles are not needed until the main loop).
+#                             Call 4 (copy 4250 GB/s), on / off: 4K x 64 95.95 / 96.32 us (74.1 / 73.8%), 16K x 16
+#                             100.17 / 100.79 (70.9 / 70.5%), 64K x 4 99.77 / 100.36 (71.2 / 70.8%); batch 1 mixed
+#                             (4K 17.80 / 16.94, 16K 24.52 / 25.33, 64K 42.29 / 43.03). Also measured (call 3):
+#                             all four ring tiles issued before the prologue instead of three: slower (16K x 16
+#                             104.81 vs 102.48 us; its prologue 6.4 -> 8.8 us: q's loads queue behind the tiles)
+MLA_WG_STAMPS = False       # measurement only: thread 0 of every block writes (SM cycles, global ns) at 7 points of
+#                             its timeline into `count` [blocks, STAMP_WORDS] (int32 bits), then its SM and steps;
+#                             tools/mla_stamps.py reads them (where a block's fixed work goes). Default PTX unchanged
+STAMP_WORDS = 16
 MLA_WG_SMEM = 227 * 1024
 MLA_WG_PTX_SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], uint64[::1], int32[::1], int32[::1], uint32[:,:,::1], "
                   "float32, int32, int32, float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1], int32[:,::1])")
@@ -116,10 +135,12 @@ def mla_wg_kernel(D, r, causal, nk=None, fuse=False, cluster=0, grid=False):
     nk = nk or MLA_WG_NK
     seesaw = MLA_WG_SEESAW and MLA_WG_TMA
     groups = bool(cluster and MLA_WG_CLUSTER_GROUPS)
-    key = (D, r, causal, nk, fuse, MLA_WG_TMA, seesaw, MLA_WG_STAGED, cluster, groups, grid)
+    stamps = MLA_WG_STAMPS and not (fuse or cluster or grid)      # (those use count themselves)
+    key = (D, r, causal, nk, fuse, MLA_WG_TMA, seesaw, MLA_WG_STAGED, cluster, groups, grid, stamps, MLA_WG_QG,
+           MLA_WG_Q_FIRST)
     if key not in _KERNELS:
         _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk, seesaw), fuse, MLA_WG_TMA, seesaw,
-                                     MLA_WG_STAGED, cluster, groups, grid)
+                                     MLA_WG_STAGED, cluster, groups, grid, stamps, MLA_WG_QG, MLA_WG_Q_FIRST)
     return _KERNELS[key]
 
 
@@ -175,7 +196,7 @@ QUAD_SUM = """\
 
 
 def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, STAGED=False, CL=0, GROUPS=False,
-                 GRID=False):
+                 GRID=False, STAMPS=False, QG=18, Q_FIRST=True):
     from kernels.mla import _ex2, _make_cp_piece, _pack2, _row_addr, _slot_addr
     from kernels.wgmma import (fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_sync, wg_wait0,
                                wg_wait1)
@@ -205,8 +226,15 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, 
     if (STAGED or CL or GRID) and 4 * (FAC + max(64 * max(CL, 1), GRID_FSM)) > PB:
         raise ValueError(f"mla_wg: the staged O tile ({64 * PITCH * 4} bytes) does not fit below the P tiles ({PB})")
     QPT = 64 * D8 // 256                        # q units (8 values: 16 bytes of the tile) per thread
-    QG = max(g for g in (3, 2, 1) if QPT % g == 0)   # units in flight (two 16-byte loads each)
+    QG = max(g for g in range(1, min(QG, QPT) + 1) if QPT % g == 0)   # units in flight (two 16-byte loads each)
     PPT = -(-(NK * D8) // 128)                  # cache pieces per loader thread (warpgroup 1) and tile
+
+    def stamp(k, ind="    "):
+        """(STAMPS) thread 0 writes point k of its block's timeline: SM cycles, then global ns."""
+        if not STAMPS:
+            return ""
+        return (f"{ind}if tid == 0:\n{ind}    cyc, ns, sm = timer_regs()\n"
+                f"{ind}    count[blk, {2 * k}], count[blk, {2 * k + 1}] = int32(cyc), int32(ns)\n")
     sv = [f"s{i}" for i in range(NS)]
     ov = [f"o{i}" for i in range(NO)]
     S, O = ", ".join(sv), ", ".join(ov)
@@ -378,6 +406,7 @@ release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
             if p < nsteps:
                 load_tile_tma(wsm, bars, tmap, row0, lo + p * {NK}, hi, p)
 '''
+        ring_fill = ""
         main = f'''    tw = tid & 127
     m0, m1 = NEG_INF, NEG_INF                     # running max of rows r0, r1; sums over this warpgroup's tiles
     l0, l1 = float32(0), float32(0)
@@ -427,7 +456,8 @@ release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
             mbar_fence_init()
             tensormap_acquire(tmap)
         cuda.syncthreads()
-    if wg == 1:                                   # warpgroup 1 loads the ring: tiles 0, 1, 2 in flight
+'''
+        ring_fill = f'''    if wg == 1:                                   # warpgroup 1: ring tiles 0, 1, 2 in flight
         for p in range(3):
             if {TMA}:
                 if tid == 128 and p <= nsteps:
@@ -455,7 +485,7 @@ release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
     if wg == 0:                                   # one loop per warpgroup: no path crosses between them
         if {TMA}:
             mbar_wait(bars, {BAR}, 0)             # (warpgroup 1 saw it land: this wait returns at once)
-        dk = desc_k(wsm, {QBYTES})
+{stamp(3, "        ")}        dk = desc_k(wsm, {QBYTES})
         wg_fence()
 {s_calls("        ")}
         wg_commit()
@@ -534,7 +564,8 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
     M = T * h
     mb = mt * 64                                  # the tile's first row (query t, head): rows mb .. mb + 63
     tq = mb // h                                  # the query of this tile (64 of its heads)
-    fsm = cuda.shared.array(0, float32, alignment=1024)     # swizzle atoms are 1024-aligned
+{'    blk = (b * cuda.gridDim.y + s) * cuda.gridDim.x + mt' if STAMPS else ''}
+{stamp(0)}    fsm = cuda.shared.array(0, float32, alignment=1024)     # swizzle atoms are 1024-aligned
     usm = cuda.shared.array(0, uint16, alignment=1024)
     wsm = cuda.shared.array(0, uint32, alignment=1024)
     bars = cuda.shared.array(0, uint64, alignment=1024)
@@ -555,17 +586,20 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
             grid_merge(fsm, out, o_part, ml_part, count, b, s, mt, mb, tid)
         return
 '''
+    q_first = Q_FIRST and TMA and not SEESAW     # the ring's first tiles issued after the q loads (see MLA_WG_Q_FIRST)
+    fill_after_q = ("        if p0 == 0:                               # (q's first loads are out: now the ring)\n"
+                    + textwrap.indent(ring_fill, "        ")) if q_first else ""
     body = f'''    row0 = b * cache.shape[1]
     nsteps = (hi - lo + {NK - 1}) // {NK}
 {ring_init}
-    qv = cuda.local.array({8 * QG}, uint32)
+{stamp(1)}{"" if q_first else ring_fill}    qv = cuda.local.array({8 * QG}, uint32)
     for p0 in range(0, {QPT}, {QG}):              # q tile -> bf16, 128-byte swizzle: unit u is 8 values, 8 lanes
         for p in range({QG}):                     # read 256 contiguous bytes and store to 8 bank groups
             u = tid + (p0 + p) * 256
             qo = (b * M + mb) * {D} + 8 * u
             qv[8 * p], qv[8 * p + 1], qv[8 * p + 2], qv[8 * p + 3] = ld16(q, qo)
             qv[8 * p + 4], qv[8 * p + 5], qv[8 * p + 6], qv[8 * p + 7] = ld16(q, qo + 4)
-        for p in range({QG}):
+{fill_after_q}        for p in range({QG}):
             u = uint32(tid + (p0 + p) * 256)      # unsigned 32 bits: the division by D8 is a multiply-shift and
             qr = u // uint32({D8})                # the word index needs no negative-index check
             o = uint32(sw128_offset(qr, 8 * (u - qr * uint32({D8})), 64) >> 2)
@@ -573,9 +607,11 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                 wsm[o + uint32(e)] = _pack2(as_f32(qv[8 * p + 2 * e]), as_f32(qv[8 * p + 2 * e + 1]))
 {zero_o}
 {zero_s}
-{main}
-{stats}
-{store_out}
+{stamp(2)}{main}
+{stamp(4)}{stats}
+{stamp(5)}{store_out}
+{stamp(6)}{'    if tid == 0:' if STAMPS else ''}
+{'        count[blk, 14], count[blk, 15] = int32(sm), int32(nsteps)' if STAMPS else ''}
     if {FUSE}:                                    # the last split of the tile merges (no merge launch)
         last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
 '''
@@ -835,7 +871,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
               LAZY=LAZY, last_split_merge=last_split_merge,
               shfl_xor=shfl_xor, shfl_idx=shfl_idx, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
               sts8=sts8, lds16=lds16, st16=st16, cluster_sync=cluster_sync, cluster_merge=cluster_merge,
-              grid_merge=grid_merge,
+              grid_merge=grid_merge, timer_regs=timer_regs,
               core_offset=cuda.jit(device=True, inline="always")(core_offset), load_tile=load_tile, key_ok=key_ok,
               sw128_offset=cuda.jit(device=True, inline="always")(sw128_offset),
               cp_wait0=cp_wait0, cp_wait1=cp_wait1, cp_wait2=cp_wait2, fence_proxy_async=fence_proxy_async,

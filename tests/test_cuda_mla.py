@@ -280,6 +280,63 @@ def test_wg_grid(monkeypatch):
     assert not kw.wg_grid(8)
 
 
+def test_stamp_phases():
+    """tools/mla_stamps.py phases: per-phase times from (cycles, ns) stamps at a block's own clock, across the 32-bit
+    wrap of both counters; blocks missing a point (an empty split) are left out; none at all: a clear error."""
+    from tools.mla_stamps import PHASES, phases
+    rng = np.random.default_rng()
+    ghz = rng.uniform(1.2, 2.0, size=3)
+    dur_us = rng.uniform(0.5, 20.0, size=(3, 6))               # the six phases of three blocks
+    start_ns = np.array([(1 << 32) - 700, 100, 2500])           # the first block's counters wrap inside it
+    st = np.zeros((4, 16), np.int64)
+    for i in range(3):
+        t = np.concatenate([[0.0], np.cumsum(dur_us[i])]) * 1e3            # ns since entry
+        st[i, 1:14:2] = (start_ns[i] + np.round(t)) % (1 << 32)
+        st[i, 0:14:2] = ((1 << 32) - 5000 + np.round(t * ghz[i])) % (1 << 32)
+        st[i, 14], st[i, 15] = i, 10 * (i + 1)
+    st[3, :2] = 7                                                # stamped its entry only
+    got = phases(st.astype(np.uint32).view(np.int32))
+    for k, name in enumerate(PHASES):
+        assert abs(got[name]["med"] - np.median(dur_us[:, k])) < 2e-3, (name, got[name], dur_us[:, k])
+        assert abs(got[name]["max"] - dur_us[:, k].max()) < 2e-3
+    assert got["blocks"] == 3 and got["sms"] == 3 and got["steps"] == 20
+    assert abs(got["ghz"] - np.median(ghz)) < 1e-3
+    assert abs(got["start spread us"] - 3.2) < 1e-9             # 2500 - (2^32 - 700) mod 2^32 ns
+    ends = [((start_ns[i] - start_ns[0]) % (1 << 32) + 1e3 * dur_us[i].sum()) / 1e3 for i in range(3)]
+    assert abs(got["span us"] - max(ends)) < 2e-3, (got["span us"], ends)
+    with pytest.raises(ValueError, match="no block stamped"):
+        phases(np.zeros((2, 16), np.int32))
+
+
+def test_ptx_stamps():
+    """MLA_WG_STAMPS compiles thread 0's seven (clock, global timer, SM) reads into the split kernel; the default
+    kernel has none (its PTX is the same as without the flag)."""
+    import kernels.mla_wg as kw
+    plain = ptx_or_skip(kw.mla_wg_kernel(192, 128, False).py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
+    try:
+        kw.MLA_WG_STAMPS = True
+        stamped = ptx_or_skip(kw.mla_wg_kernel(192, 128, False).py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
+        assert kw.mla_wg_kernel(192, 128, False, cluster=2) is not kw.mla_wg_kernel(192, 128, False)
+    finally:
+        kw.MLA_WG_STAMPS = False
+    assert "%globaltimer" not in plain and stamped.count("%globaltimer") == 7 and stamped.count("%clock64") == 7
+
+
+@pytest.mark.gpu
+def test_gpu_stamps():
+    """tools/mla_stamps.py on the GPU: every split block of a 2-sequence 8K decode stamps all its points, in order
+    (phases >= 0), a block inside the kernel's span, and its main-loop steps (4 per block, 65 splits) no faster
+    than all blocks' 36 KB tiles at 5 TB/s (above the H200's 4.8 TB/s peak)."""
+    import kernels.mla_wg as kw
+    from tools.mla_stamps import PHASES, run_case
+    if not kw.mla_wg_applies(64, 576, 512):
+        pytest.skip("the 64-head wgmma kernel runs on sm_90 only")
+    row = run_case(8192, 2, {"MLA_WG_CLUSTER": 0})
+    assert row["blocks"] == 2 * row["splits"], row
+    assert all(row[p]["min"] >= 0 for p in PHASES), row
+    assert row["block"] <= row["span us"] + 1.0 and row["main loop per step"] > 36864 * row["blocks"] / 5e6, row
+
+
 @pytest.mark.parametrize("blocks,size,fits,slots,pays", [(128, 2, 66, 132, True), (128, 8, 16, 132, True),
                                                          (128, 8, 15, 132, False), (132, 3, 43, 132, False),
                                                          (200, 2, 66, 132, True), (64, 2, 0, 132, False)])
