@@ -5,6 +5,8 @@ roof but 38% of the wgmma one (README, "Kernel performance").
 
 Block (64-row tile = query t, split s, sequence b), two warpgroups; Q and a ring of 4 tiles of MLA_WG_NK cache
 rows in 128-byte-swizzle atoms (the same bytes are the K-major B of S = Q K^T and the MN-major B of O += P V):
+  prologue:    all 256 threads load the f32 q tile, every unit at once (MLA_WG_QG), then the ring's first three
+               tiles go out (MLA_WG_Q_FIRST) while q is stored as bf16 into its atoms;
   warpgroup 0: S = Q K^T over the D latent + rope columns (D/16 wgmma m64nNKk16), the online softmax in its
                registers, P as bf16 into shared memory (two P tiles alternate), the rescale factors beside it;
   warpgroup 1: the ring's loads (three tiles ahead): TMA tensor copies (kernels/bulk.py tensor_load_2d: one box
