@@ -310,13 +310,16 @@ def test_stamp_phases():
 
 def test_ptx_stamps():
     """MLA_WG_STAMPS compiles thread 0's seven (clock, global timer, SM) reads into the split kernel; the default
-    kernel has none (its PTX is the same as without the flag)."""
+    kernel has none; the cluster, fused and grid kernels are not stamped (the same compiled objects)."""
     import kernels.mla_wg as kw
     plain = ptx_or_skip(kw.mla_wg_kernel(192, 128, False).py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
+    unstamped = [kw.mla_wg_kernel(192, 128, False, **kw_) for kw_ in ({"cluster": 2}, {"fuse": True}, {"grid": True})]
     try:
         kw.MLA_WG_STAMPS = True
         stamped = ptx_or_skip(kw.mla_wg_kernel(192, 128, False).py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
-        assert kw.mla_wg_kernel(192, 128, False, cluster=2) is not kw.mla_wg_kernel(192, 128, False)
+        # the merges that use `count` themselves (fused, grid) and the cluster kernels stay as they are
+        assert unstamped == [kw.mla_wg_kernel(192, 128, False, **kw_)
+                             for kw_ in ({"cluster": 2}, {"fuse": True}, {"grid": True})]
     finally:
         kw.MLA_WG_STAMPS = False
     assert "%globaltimer" not in plain and stamped.count("%globaltimer") == 7 and stamped.count("%clock64") == 7
