@@ -326,10 +326,11 @@ def test_ptx_stamps():
 
 
 @pytest.mark.gpu
-def test_gpu_stamps():
+def test_gpu_stamps(monkeypatch):
     """tools/mla_stamps.py on the GPU: every split block of a 2-sequence 8K decode stamps all its points, in order
     (phases >= 0), a block inside the kernel's span, and its main-loop steps (4 per block, 65 splits) no faster
-    than all blocks' 36 KB tiles at 5 TB/s (above the H200's 4.8 TB/s peak)."""
+    than all blocks' 36 KB tiles at 5 TB/s (above the H200's 4.8 TB/s peak); mla_attention refuses stamps without
+    a [blocks, 16] work.count (NOT GPU-run yet: written after the session's device budget)."""
     import kernels.mla_wg as kw
     from tools.mla_stamps import PHASES, run_case
     if not kw.mla_wg_applies(64, 576, 512):
@@ -338,6 +339,21 @@ def test_gpu_stamps():
     assert row["blocks"] == 2 * row["splits"], row
     assert all(row[p]["min"] >= 0 for p in PHASES), row
     assert row["block"] <= row["span us"] + 1.0 and row["main loop per step"] > 36864 * row["blocks"] / 5e6, row
+    # stamps into an ordinary work's [B, M] counters (or none) would write past them: refused
+    from numba import cuda
+
+    from kernels.mla import mla_attention, mla_work
+
+    def dz(shape, dtype):
+        return cuda.to_device(np.zeros(shape, dtype))
+    q, cache, out = dz((2, 1, 64, 576), np.float32), dz((2, 4100, 576), np.uint16), dz((2, 1, 64, 512), np.float32)
+    lengths, ntok = cuda.to_device(np.full(2, 4096, np.int32)), cuda.to_device(np.ones(2, np.int32))
+    work = mla_work(dz, 2, 1, 64, 512, 4100)
+    monkeypatch.setattr(kw, "MLA_WG_STAMPS", True)
+    monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 0)
+    for w in (work, None):
+        with pytest.raises(ValueError, match="MLA_WG_STAMPS"):
+            mla_attention(q, cache, lengths, ntok, None, 0.04, out, w)
 
 
 @pytest.mark.parametrize("blocks,size,fits,slots,pays", [(128, 2, 66, 132, True), (128, 8, 16, 132, True),
