@@ -686,9 +686,8 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
         rg, kg, stages, threads, smem = mla_geometry(M, D, r)
         kern, tiles = mla_kernel(rg, kg, stages, mask is None, D, r, fuse=fused), -(-M // (16 * rg))
     maskarg = mask if mask is not None else placeholder(q, (1, 1, 1), np.uint32)
-    if wg and _wg.MLA_WG_STAMPS and work is None:
-        raise ValueError("mla_attention: MLA_WG_STAMPS writes its stamps into work.count: pass an MlaWork "
-                         "(tools/mla_stamps.py)")
+    if wg and _wg.wg_stamps(fused):               # (stamp mode: every 64-head call brings the stamps' buffer)
+        _wg.check_stamps(None if work is None else work.count, tiles * nsplit * B)
     if work is None:                              # out is o_part (out, count: the fused kernels')
         args = (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E),
                 int32(cache.shape[1]), 1, out.reshape(B, 1, M, r), placeholder(q, (1, 1, 1, 2), np.float32),
@@ -714,10 +713,6 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
         threads, smem, blocks, tag, cluster)
     if (fused or grid) and work.count.shape != (B, M):      # (their row tiles' counters)
         raise ValueError(f"mla_attention: work for {work.count.shape} (B, T h) rows, not {(B, M)}")
-    if wg and _wg.MLA_WG_STAMPS and not (fused or grid or cluster) and (
-            work.count.shape[0] < blocks or work.count.shape[1] < _wg.STAMP_WORDS):
-        raise ValueError(f"mla_attention: MLA_WG_STAMPS needs work.count of [>= {blocks} blocks, "
-                         f">= {_wg.STAMP_WORDS}] int32, not {work.count.shape} (tools/mla_stamps.py)")
     if cluster or grid:
         kern = mla_wg_kernel(D, r, mask is None, cluster=cluster, grid=grid)
     work.cluster, work.grid = cluster, grid       # (what ran: benchmarks report it)

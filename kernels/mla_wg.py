@@ -137,13 +137,27 @@ def mla_wg_kernel(D, r, causal, nk=None, fuse=False, cluster=0, grid=False):
     nk = nk or MLA_WG_NK
     seesaw = MLA_WG_SEESAW and MLA_WG_TMA
     groups = bool(cluster and MLA_WG_CLUSTER_GROUPS)
-    stamps = MLA_WG_STAMPS and not (fuse or cluster or grid)      # (those use count themselves)
+    stamps = wg_stamps(fuse, cluster, grid)
     key = (D, r, causal, nk, fuse, MLA_WG_TMA, seesaw, MLA_WG_STAGED, cluster, groups, grid, stamps, MLA_WG_QG,
            MLA_WG_Q_FIRST)
     if key not in _KERNELS:
         _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk, seesaw), fuse, MLA_WG_TMA, seesaw,
                                      MLA_WG_STAGED, cluster, groups, grid, stamps, MLA_WG_QG, MLA_WG_Q_FIRST)
     return _KERNELS[key]
+
+
+def wg_stamps(fuse=False, cluster=0, grid=False):
+    """Whether MLA_WG_STAMPS is compiled into the kernel of these merges: not into those that use `count` for their
+    own counters (fused, grid) nor the cluster kernels."""
+    return MLA_WG_STAMPS and not (fuse or cluster or grid)
+
+
+def check_stamps(count, blocks):
+    """The stamps of `blocks` blocks need count int32 [>= blocks, >= STAMP_WORDS] (tools/mla_stamps.py makes it);
+    an ordinary work's [B, M] counters (or none) would be written past."""
+    if count is None or count.shape[0] < blocks or count.shape[1] < STAMP_WORDS:
+        raise ValueError(f"mla_attention: MLA_WG_STAMPS needs work.count of [>= {blocks} blocks, >= {STAMP_WORDS}]"
+                         f" int32, not {None if count is None else count.shape} (tools/mla_stamps.py)")
 
 
 def wg_clusters(nsplit, fuse=False):
@@ -237,6 +251,8 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, 
             return ""
         return (f"{ind}if tid == 0:\n{ind}    cyc, ns, sm = timer_regs()\n"
                 f"{ind}    count[blk, {2 * k}], count[blk, {2 * k + 1}] = int32(cyc), int32(ns)\n")
+    stamp_tail = ("    if tid == 0:                              # (STAMPS) then its SM and steps\n"
+                  "        count[blk, 14], count[blk, 15] = int32(sm), int32(nsteps)\n") if STAMPS else ""
     sv = [f"s{i}" for i in range(NS)]
     ov = [f"o{i}" for i in range(NO)]
     S, O = ", ".join(sv), ", ".join(ov)
@@ -612,9 +628,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
 {stamp(2)}{main}
 {stamp(4)}{stats}
 {stamp(5)}{store_out}
-{stamp(6)}{'    if tid == 0:' if STAMPS else ''}
-{'        count[blk, 14], count[blk, 15] = int32(sm), int32(nsteps)' if STAMPS else ''}
-    if {FUSE}:                                    # the last split of the tile merges (no merge launch)
+{stamp(6)}{stamp_tail}    if {FUSE}:                                    # the last split block of the tile merges
         last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
 '''
     tail = f'''    if {GRID}:                                    # each split merges its share of the tile (no launch)
