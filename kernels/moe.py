@@ -90,7 +90,7 @@ from numba import cuda, float32, int32, uint32, uint64  # noqa: E402
 from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device, kernel, launch, ld16, lane_id,  # noqa: E402
                             pack_bf16x2)
 from kernels.attention import launch_smem  # noqa: E402
-from kernels.device import shfl_idx, syncwarp, warp_argmax, warp_sum  # noqa: E402
+from kernels.device import shfl_idx, syncwarp, timer_regs, warp_argmax, warp_sum  # noqa: E402
 from kernels.bulk import bulk_load, mbar_expect, mbar_fence_init, mbar_init, mbar_wait  # noqa: E402
 from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_int4_mma, _build_mainloop,  # noqa: E402
                           _build_prep_unit, _cached, _split_range, _words, lds16)
@@ -211,6 +211,7 @@ class MoeWorkspace:
     n_max: int
     top_k: int
     xs: int               # B operand parts (1: bf16 activations, 2: hi + lo)
+    stamps: object = None  # i32[>= grid, STAMP_WORDS]: the stamped stage's block timelines (MOE_STAMPS only)
 
 
 def moe_workspace(n_max, top_k, hidden, inter, n_experts, alloc, xs=MOE_XS):
@@ -621,16 +622,37 @@ def _build_bulk_ring(T, R, XS, S, U):
     return start, consume
 
 
+MOE_STAMPS = False   # measurement only: expert GEMMs compiled with a block timeline (tools/moe_stamps.py); the
+#                     workspace then needs stamps (moe_stage checks); default kernels unchanged
+STAMP_UNITS = 6      # units per block whose points are kept (later units are counted, not stamped)
+STAMP_WORDS = 4 + 6 * STAMP_UNITS   # entry (cycles, ns), SM, units run; per unit 3 points x (cycles, ns)
+
+
+@device
+def _stamp(stamps, u, k):
+    """Thread 0 writes point k of its block's timeline: k = 0 entry (words 0, 1, and the SM at 2), else point k of
+    unit u (1 start, 2 main loop done, 3 unit done) at words 4 + 6u + 2(k-1), as (SM cycles, global ns) low halves."""
+    if cuda.threadIdx.x == 0:
+        cyc, ns, sm = timer_regs()
+        if k == 0:
+            stamps[cuda.blockIdx.x, 0], stamps[cuda.blockIdx.x, 1] = int32(cyc), int32(ns)
+            stamps[cuda.blockIdx.x, 2] = int32(sm)
+        elif u < STAMP_UNITS:
+            i = 4 + 6 * u + 2 * (k - 1)
+            stamps[cuda.blockIdx.x, i], stamps[cuda.blockIdx.x, i + 1] = int32(cyc), int32(ns)
+
+
 def bulk_ring_bytes(cfg):
     """Dynamic shared bytes of a block's bulk rings (ExpertConfig with S > 0)."""
     return 4 * cfg.WR * cfg.WK * cfg.S * cfg.U * cfg.R * BULK_WORDS
 
 
-def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S=0):
+def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S=0, STAMPS=False):
     """One expert GEMM stage over the work items (persistent grid). down=0: gate_up with rows interleaved per tile
     (8 gate rows, then the matching 8 up rows) and silu(gate) * up written as the next B operand (act);
     down=1: rows in order, output * routing weight written per slot (y). S > 0: INT4 weights in the bulk layout
-    through S-slot bulk-copy rings (`_build_bulk_ring`; w is then u32 [E, words of one expert])."""
+    through S-slot bulk-copy rings (`_build_bulk_ring`; w is then u32 [E, words of one expert]).
+    STAMPS (measurement, MOE_STAMPS): thread 0 writes its block's timeline into stamps (`_stamp`)."""
     mainloop = _cached(_build_mainloop, fmt, T, R, XS, G, U, PF)
     ring_start, ring_consume = _cached(_build_bulk_ring, T, R, XS, S, U) if S else (None, None)
     NBAR = MAX_WARPS * max(S, 1)
@@ -641,11 +663,13 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
 
     @kernel(**({"launch_bounds": bounds} if bounds else {}))
     def expert_gemm(xb, w, sc, act16, y, wts, sorted_slot, item_e, item_start, item_len, n_items, top_k, nrows, kdim,
-                    nwr, nwk):
+                    nwr, nwk, stamps):
         """Launch: grid = fixed (persistent), block 32*nwr*nwk (<= 256); each block loops over (item, row block) units.
         xb u32 flat [rows, XS, k/2]; w u32 [E, nrows*k/WDIV]; sc u16 [E, nrows*k/32] (int4);
-        act16 u16 flat [slots, XS, nrows/2] (down=0); y f32[slots, nrows] (down=1).
-        Moves the weights (and scales) of every live expert once per item."""
+        act16 u16 flat [slots, XS, nrows/2] (down=0); y f32[slots, nrows] (down=1); stamps i32 [grid, STAMP_WORDS]
+        (STAMPS only; else not touched). Moves the weights (and scales) of every live expert once per item."""
+        if STAMPS:
+            _stamp(stamps, 0, 0)
         lane = lane_id()
         g, t = lane // 4, lane % 4
         warp = cuda.threadIdx.x // 32
@@ -671,7 +695,10 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
             prod = cuda.local.array(4, int32)      # lane 0's producer: unit, stage, expert, word offset
             ring_start(bars, ring, w, item_e, geo, prod, lane)
         f0 = 0
+        nu = 0                                      # (STAMPS) units this block ran
         for unit in range(cuda.blockIdx.x, total, cuda.gridDim.x):
+            if STAMPS:
+                _stamp(stamps, nu, 1)
             it, rb = unit // rblocks, unit % rblocks
             e, start, ln = item_e[it], item_start[it], item_len[it]
             tile0 = (rb * nwr + wr) * R
@@ -694,6 +721,8 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
                 f0 += geo[G_NST]
             else:
                 mainloop(w[e], sc[e], xb, s0, s1, t, half, aoff, soff, boff, acc)
+            if STAMPS:
+                _stamp(stamps, nu, 2)
             block_reduce(acc, wr, wk, nwr, nwk, lane)
             if wk == 0:
                 for r in range(R):
@@ -720,6 +749,11 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
                                         act16[base] = hb & 0xFFFF
                                         if XS == 2:
                                             act16[base + inter] = pack_bf16x2(h - bf16_lo(hb), F0) & 0xFFFF
+            if STAMPS:
+                _stamp(stamps, nu, 3)
+            nu += 1
+        if STAMPS and cuda.threadIdx.x == 0:
+            stamps[cuda.blockIdx.x, 3] = nu
     return expert_gemm
 
 
@@ -862,16 +896,19 @@ def moe_stage(down, experts, wts, ws, cfg=None):
     g = int4_group_block(kdim) if fmt == INT4 else 1
     bounds = (32 * cfg.WR * cfg.WK, cfg.min_blocks) if cfg.min_blocks else None
     kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds,
-                   cfg.S)
+                   cfg.S, MOE_STAMPS)
     rblocks = math.ceil(nrows / 16 / (cfg.WR * cfg.R))
     grid = min(ws.n_max * ws.top_k * rblocks, _sm_count() * cfg.blocks_per_sm)
+    if MOE_STAMPS and (ws.stamps is None or ws.stamps.shape[0] < grid or ws.stamps.shape[1] < STAMP_WORDS):
+        raise ValueError(f"moe: MOE_STAMPS needs ws.stamps of [>= {grid} blocks, >= {STAMP_WORDS}] int32, not "
+                         f"{None if ws.stamps is None else ws.stamps.shape} (tools/moe_stamps.py)")
     words = _words(w)
     e_words = words.reshape(n_exp, words.size // n_exp)
     e_sc = sc.reshape(n_exp, sc.size // n_exp) if sc is not None else e_words
     launch_smem(kern, grid, 32 * cfg.WR * cfg.WK, bulk_ring_bytes(cfg) if cfg.S else 0,
                 (ws.act if down else ws.xb, e_words, e_sc, ws.act.view(np.uint16), ws.y, wts, ws.sorted_slot,
                  ws.item_e, ws.item_start, ws.item_len, ws.n_items, int32(ws.top_k), int32(nrows), int32(kdim),
-                 int32(cfg.WR), int32(cfg.WK)))
+                 int32(cfg.WR), int32(cfg.WK), ws.stamps if MOE_STAMPS else ws.n_items.reshape(1, 1)))
 
 
 def moe_combine(out, shared, ws, idx, experts):

@@ -248,6 +248,58 @@ def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, s
             f"moe tiled={tiled}: not the register path's bits (max diff {np.max(np.abs(got - want))})"
 
 
+def check_moe_stamps(env, n, hidden, inter, n_exp, k, cfgs, seed=0, tiled=0):
+    """MOE_STAMPS (tools/moe_stamps.py): each expert stage stamped alone leaves its outputs' bits as the unstamped
+    stage's, and every block of its grid records its units: the count it was dealt (units b, b + grid, ...), the
+    points of its first STAMP_UNITS units in time order (differences mod 2^32), on one SM. A stamped stage without
+    ws.stamps is refused; tools.moe_stamps.timeline reads what was written. tiled=R: gate_up in the bulk layout."""
+    import math
+
+    import kernels.moe as M
+    from tools.moe_stamps import timeline
+    rng = np.random.default_rng(seed)
+    idx, wts = routing(rng, n, n_exp, k, "random")
+    dex = M.device_experts(make_experts(rng, n_exp, hidden, inter, True), env.dev, tiled=tiled)
+    ws = M.moe_workspace(n, k, hidden, inter, n_exp, lambda shape, dtype: poisoned(env, shape, dtype), xs=1)
+    x, di, dw = (env.dev(a) for a in (rng.standard_normal((n, hidden)).astype(np.float32), idx, wts))
+    items = int(sum(math.ceil(c / (8 * cfgs[0].T)) for c in np.unique(idx, return_counts=True)[1]))
+    M.moe_plan(x, di, dex, ws, *cfgs)
+    for down, cfg in enumerate(cfgs):
+        target = ws.y if down else ws.act
+        M.moe_stage(down, dex, dw, ws, cfg)
+        env.sync()
+        plain = env.host(target).copy()
+        grid = min(n * k * math.ceil((hidden if down else 2 * inter) / 16 / (cfg.WR * cfg.R)),
+                   M._sm_count() * cfg.blocks_per_sm)
+        saved, M.MOE_STAMPS = M.MOE_STAMPS, True
+        try:
+            ws.stamps = None
+            try:
+                M.moe_stage(down, dex, dw, ws, cfg)
+                raise AssertionError("moe_stage stamped without ws.stamps")
+            except ValueError as e:
+                assert "MOE_STAMPS needs ws.stamps" in str(e), e
+            ws.stamps = env.zeros((grid, M.STAMP_WORDS), np.int32)
+            M.moe_stage(down, dex, dw, ws, cfg)
+            env.sync()
+        finally:
+            M.MOE_STAMPS = saved
+        got = env.host(target)
+        assert np.array_equal(got.view(np.uint8), plain.view(np.uint8)), f"stage {down}: stamps changed the output"
+        st = env.host(ws.stamps).astype(np.int64) & 0xFFFFFFFF
+        units = items * math.ceil((hidden if down else 2 * inter) / 16 / (cfg.WR * cfg.R))
+        want = [len(range(b, units, grid)) for b in range(grid)]
+        assert st[:, 3].tolist() == want, f"stage {down}: units per block {st[:, 3].tolist()} want {want}"
+        for b in range(grid):
+            kept = min(want[b], M.STAMP_UNITS)
+            ns = [st[b, 1]] + [st[b, 4 + 2 * p + 1] for p in range(3 * kept)]
+            steps = [(q - p) % (1 << 32) for p, q in zip(ns, ns[1:])]
+            assert all(d < 1 << 31 for d in steps), f"stage {down} block {b}: points out of order {ns}"
+        summ = timeline(st, 1000, M.STAMP_UNITS)
+        assert summ["units"] == units and summ["blocks"] == sum(w > 0 for w in want), summ
+    ws.stamps = None
+
+
 def check_plan(env, n, n_exp, k, mode, held=None, warp_slots=32, seed=0):
     """The MoE routing plan alone (kernels.moe.moe_plan) against a NumPy plan, exactly: live slots (experts held
     here: held=(offset, count)) in expert order, stable inside an expert; then per expert in order, work items

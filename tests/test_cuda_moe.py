@@ -31,6 +31,9 @@ SIM_CASES = {
                                                               seed=3),
     "moe_int4_70_experts_plan_scans_3_warps": lambda env: C.check_moe(env, 3, 128, 64, 70, 2, "random", 1,
                                                                       cfgs=SMALL, seed=5, warp_slots=0),
+    # more units than blocks (4 per block at gate_up: 8 past STAMP_UNITS are counted only), both stages
+    "moe_stamps": lambda env: C.check_moe_stamps(env, 3, 128, 64, 4, 2, (ExpertConfig(R=1, WR=1, WK=1, T=1,
+                                                 blocks_per_sm=2), ExpertConfig(R=1, WR=2, WK=1, T=1, blocks_per_sm=1))),
     "plan_warp_32_slots": lambda env: C.check_plan(env, 16, 40, 2, "one_hot", held=(0, 24), seed=6),  # 2 items
     "plan_warp_one_token_held": lambda env: C.check_plan(env, 1, 384, 8, "random", held=(100, 200), seed=7),
     "plan_block_33_slots": lambda env: C.check_plan(env, 11, 40, 3, "one_hot", held=(0, 32), seed=8),
@@ -81,6 +84,13 @@ def test_gpu_moe_int4_bulk_few_k_steps(hidden):
     """The engine's default cuts (bulk gate_up, WK = 2) where H has 1 or 2 k-steps: a warp with no step issues no
     copy (H = 128 faulted the tiny engine's prefill: CUDA_ERROR_LAUNCH_FAILED)."""
     C.check_moe(Env(gpu=True), 9, hidden, 64, 4, 2, "random", 1, tiled=2)
+
+
+@pytest.mark.gpu
+def test_gpu_moe_stamps():
+    """MOE_STAMPS on the engine's default cuts (gate_up through the bulk rings, down on registers) at K2 widths."""
+    from kernels.moe import MOE_TILED, default_cuts
+    C.check_moe_stamps(Env(gpu=True), 4, 7168, 2048, 16, 8, default_cuts(MOE_TILED), tiled=MOE_TILED)
 
 
 @pytest.mark.gpu

@@ -50,7 +50,7 @@ def _moe():
                                    (INT4, 0, 1, 1, 1, 1), (BF16, 0, 2, 2, 2, 1)]:
         w = ty.uint32[:, ::1]
         sc = ty.uint16[:, ::1] if fmt == INT4 else w
-        sig = (A1(u32), w, sc, A1(u16), A2(f32), A2(f32)) + (A1(i32),) * 5 + (i32,) * 5
+        sig = (A1(u32), w, sc, A1(u16), A2(f32), A2(f32)) + (A1(i32),) * 5 + (i32,) * 5 + (A2(i32),)
         name = f"expert_{'int4' if fmt == INT4 else 'bf16'}_{'down' if down else 'gate_up'}_T{T}_R{R}_XS{XS}_G{G}"
         cases[name] = (_build_expert_gemm(fmt, down, T, R, XS, G, 2, int(fmt == INT4), int(down)), sig, True)
     cases["router_logits"] = (_build_router_logits(4), (A1(f32), A1(u32), A3(f32), i32, i32, i32), False)
