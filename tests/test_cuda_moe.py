@@ -15,6 +15,7 @@ BULK = (ExpertConfig(R=2, WR=1, WK=1, T=1, U=2, S=2, blocks_per_sm=2), SMALL[1])
 # gate_up through bulk rings with more warps along k than k-steps (H = 128: one step for WK = 2, the engine's cut on
 # the tiny test models): the warp with no step must issue no (zero-byte) copy
 BULK_WK2 = (ExpertConfig(R=2, WR=1, WK=2, T=1, U=2, S=2, blocks_per_sm=2), SMALL[1])
+STAMPED = (ExpertConfig(R=1, WR=1, WK=1, T=1, blocks_per_sm=2), ExpertConfig(R=1, WR=2, WK=1, T=1, blocks_per_sm=1))
 SIM_CASES = {
     "moe_int4_bulk_warp_without_k_steps": lambda env: C.check_moe(env, 3, 128, 64, 4, 2, "random", 1, cfgs=BULK_WK2,
                                                                   tiled=2, exact=False),
@@ -32,8 +33,7 @@ SIM_CASES = {
     "moe_int4_70_experts_plan_scans_3_warps": lambda env: C.check_moe(env, 3, 128, 64, 70, 2, "random", 1,
                                                                       cfgs=SMALL, seed=5, warp_slots=0),
     # more units than blocks (4 per block at gate_up: 8 past STAMP_UNITS are counted only), both stages
-    "moe_stamps": lambda env: C.check_moe_stamps(env, 3, 128, 64, 4, 2, (ExpertConfig(R=1, WR=1, WK=1, T=1,
-                                                 blocks_per_sm=2), ExpertConfig(R=1, WR=2, WK=1, T=1, blocks_per_sm=1))),
+    "moe_stamps": lambda env: C.check_moe_stamps(env, 3, 128, 64, 4, 2, STAMPED),
     "plan_warp_32_slots": lambda env: C.check_plan(env, 16, 40, 2, "one_hot", held=(0, 24), seed=6),  # 2 items
     "plan_warp_one_token_held": lambda env: C.check_plan(env, 1, 384, 8, "random", held=(100, 200), seed=7),
     "plan_block_33_slots": lambda env: C.check_plan(env, 11, 40, 3, "one_hot", held=(0, 32), seed=8),
