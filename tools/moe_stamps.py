@@ -1,7 +1,7 @@
 """Where an INT4 MoE expert stage's time goes (issue 5): kernels/moe.py compiled with MOE_STAMPS has thread 0 of every
 block write (SM cycles, global ns) at its entry and, per unit (item x row block), at the unit's start, after its main
-loop and after its epilogue (k-split reduce, stores). One eager call of the stage per case, L2 flushed before it;
-then the blocks' start spread, the kernel's span, and per phase the median / min / max over units in microseconds
+loop and after its epilogue (k-split reduce, stores). One eager call of the stage per case, L2 flushed (by a read) before it;
+then the blocks' start spread, each block's end (its max: the kernel's span from the first entry), and per phase the median / min / max over units in microseconds
 (cycles at the GPU's median clock), with the bytes a unit streams and its main loop's rate.
     python -m tools.moe_stamps [--cases 1,4,17] [--stages gate_up,down] [--variant '{"dn": {"U": 4}}'] [--out f.json]
 (--variant: a tools/bench_kernels.py MOE_VARIANTS entry, e.g. {"tiled": 0} for gate_up on the register path.)
@@ -100,15 +100,10 @@ def run_case(n, stages, variant=None, seed=0):
                 stamps[:] = 0
                 flush.sum()                                       # L2 now holds clean lines of flush only (a
                 cp.cuda.Device().synchronize()                    # written flush's write-backs slowed the stage)
-                start, end = cp.cuda.Event(), cp.cuda.Event()
-                start.record()
                 M.moe_stage(int(down), ex, dw, ws, cfg)
-                end.record()
-                end.synchronize()
-            us = cp.cuda.get_elapsed_time(start, end) * 1e3
+                cp.cuda.Device().synchronize()
             stage_bytes = distinct * nrows * (kdim // 2 + kdim // GROUP * 2)
-            rows.append(dict(n=n, stage=stage, experts=distinct, cfg=cfg.__dict__, event_us=round(us, 2),
-                             stage_MB=round(stage_bytes / 1e6, 1),
+            rows.append(dict(n=n, stage=stage, experts=distinct, cfg=cfg.__dict__, stage_MB=round(stage_bytes / 1e6, 1),
                              **timeline(stamps.get(), unit_bytes, M.STAMP_UNITS)))
     finally:
         M.MOE_STAMPS = saved
