@@ -1,8 +1,9 @@
 """Where an INT4 MoE expert stage's time goes (issue 5): kernels/moe.py compiled with MOE_STAMPS has thread 0 of every
 block write (SM cycles, global ns) at its entry and, per unit (item x row block), at the unit's start, after its main
-loop and after its epilogue (k-split reduce, stores). One eager call of the stage per case, L2 flushed (by a read) before it;
-then the blocks' start spread, each block's end (its max: the kernel's span from the first entry), and per phase the median / min / max over units in microseconds
-(cycles at the GPU's median clock), with the bytes a unit streams and its main loop's rate.
+loop and after its epilogue (k-split reduce, stores). One eager call of the stage per case, L2 flushed by a read
+before it; then the blocks' start spread, each block's end (the max: the kernel's span from the first entry), and
+per phase the median / min / max over units in microseconds (cycles at the GPU's median clock), with the bytes a unit
+streams and its main loop's rate.
     python -m tools.moe_stamps [--cases 1,4,17] [--stages gate_up,down] [--variant '{"dn": {"U": 4}}'] [--out f.json]
 (--variant: a tools/bench_kernels.py MOE_VARIANTS entry, e.g. {"tiled": 0} for gate_up on the register path.)
 """
