@@ -226,7 +226,7 @@ def moe_cuts(over):
     return replace(gate_up, **over.get("gu", {})), replace(down, **over.get("dn", {}))
 
 
-def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
+def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
     from kernels.moe import MOE_TILED, MOE_XS, moe_combine, moe_plan, moe_stage, moe_workspace, router
     rng = np.random.default_rng(0)
     dv = cuda.as_cuda_array
@@ -293,12 +293,12 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None):
                  f" us, combine {row['combine_ms'] * 1e3:.1f} us]" if stages else ""), flush=True)
         return row
 
-    # a sweep of cuts at the target sizes (n = 1, 17), then every n with the best one
+    # a sweep of cuts at the target sizes (sweep_ns: n = 1, 17 unless --moe-sweep-ns), then every n with the best one
     variants = {"default": {}, **_chosen(MOE_VARIANTS, tags)}
     best, best_pct = "default", -1.0
     for tag, over in variants.items():
         pct = np.mean([run(n, over.get("xs", MOE_XS), *moe_cuts(over), tag, ex=experts(over))["pct_copy"]
-                       for n in (1, 17)])
+                       for n in sweep_ns])
         if pct > best_pct:
             best, best_pct = tag, pct
     results["moe_best_cut"] = best
@@ -546,9 +546,14 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="default cuts only")
     ap.add_argument("--only", choices=("moe", "gemm", "attention"), action="append")
     ap.add_argument("--variants", help="comma-separated MOE_VARIANTS / GEMM_VARIANTS tags to sweep (default: all)")
+    ap.add_argument("--moe-sweep-ns", default="1,17", help="token counts the MoE variants are compared at")
     ap.add_argument("--profile", help="run one case for a profiler, then exit: moe[:n[:variant]], router[:n] or a "
                                       "GEMM name[:m] (lm_head:33)")
     args = ap.parse_args(argv)
+    try:
+        sweep_ns = tuple(int(v) for v in args.moe_sweep_ns.split(","))
+    except ValueError:
+        ap.error(f"--moe-sweep-ns {args.moe_sweep_ns!r}: want token counts separated by commas")
     if args.profile:
         return profile(args.profile)
     import cupy as cp
@@ -560,7 +565,7 @@ def main(argv=None):
     print(f"device {results['device']}: copy {copy_bw:.0f} GB/s (read + write) {copies}", flush=True)
     only = set(args.only or ("moe", "gemm", "attention"))
     tags = set(args.variants.split(",")) if args.variants is not None else None
-    sections = [("moe", lambda: bench_moe(cp, cuda, results, copy_bw, args.quick, tags)),
+    sections = [("moe", lambda: bench_moe(cp, cuda, results, copy_bw, args.quick, tags, sweep_ns)),
                 ("gemm", lambda: bench_gemm(cp, cuda, results, copy_bw, args.quick, tags))]
     if importlib.util.find_spec("tools.bench_attention") is not None:
         sections.append(("attention", lambda: importlib.import_module("tools.bench_attention").run(results, copy_bw)))
