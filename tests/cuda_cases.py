@@ -297,6 +297,7 @@ def check_moe_stamps(env, n, hidden, inter, n_exp, k, cfgs, seed=0, tiled=0):
             assert all(d < 1 << 31 for d in steps), f"stage {down} block {b}: points out of order {ns}"
         summ = timeline(st, 1000, M.STAMP_UNITS)
         assert summ["units"] == units and summ["blocks"] == sum(w > 0 for w in want), summ
+        assert summ["block end us"]["all_units"] == (max(want) <= M.STAMP_UNITS), summ
     ws.stamps = None
 
 

@@ -165,3 +165,30 @@ def test_int4_bulk_tiles_layout(R):
                         assert np.array_equal(sc16[e, p // R, s, u:u + 4], scales[e, row, 4 * s:4 * s + 4])
     with pytest.raises(ValueError, match="int4_bulk_tiles"):
         int4_bulk_tiles(words[:, :, :24], scales[:, :, :6], R)          # K = 192: not a multiple of 128
+
+
+def test_moe_stamp_timeline():
+    """tools/moe_stamps.timeline on synthetic stamps at 2 GHz, counters wrapping past 2^32: the phases' times, the
+    start spread and block ends, the blocks that ran nothing left out, the cut-off flag."""
+    import numpy as np
+
+    from kernels.moe import STAMP_UNITS, STAMP_WORDS
+    from tools.moe_stamps import timeline
+    st = np.zeros((3, STAMP_WORDS), np.int64)
+    base = (1 << 32) - 3000                                     # both counters wrap inside block 0's first unit
+    for b, (t0, ran) in enumerate([(0, 2), (500, 1)]):          # ns offsets of the entries, units run
+        c, ns = base + 2 * t0, base + t0
+        st[b, :4] = c, ns, 7 + b, ran
+        marks = [1000, 4000, 500, 200, 3000, 600][:3 * ran]     # ns: setup, loop, epilogue, between, loop, epilogue
+        for p, d in enumerate(marks):
+            c, ns = c + 2 * d, ns + d
+            st[b, 4 + 2 * p:6 + 2 * p] = c, ns
+    st[2, 3] = 0                                                # a block with no unit
+    st = (st & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+    out = timeline(st, 8000, STAMP_UNITS)
+    assert out["blocks"] == 2 and out["units"] == 3 and out["sms"] == 2 and out["ghz"] == 2.0
+    assert out["setup"]["med"] == 1.0 and out["main loop"] == dict(med=4.0, min=3.0, max=4.0)
+    assert out["epilogue"]["max"] == 0.6 and out["between units"]["med"] == 0.2
+    assert out["unit loop GB/s"] == 2.0 and out["start spread us"]["max"] == 0.5
+    assert out["block end us"] == dict(med=7.65, max=9.3, all_units=True)       # ends 9.3 and 0.5 + 5.5
+    assert not timeline(st, 8000, 1)["block end us"]["all_units"]

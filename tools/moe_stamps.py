@@ -21,7 +21,8 @@ def _wrap(d):
 
 def timeline(stamps, unit_bytes, units_kept):
     """stamps int32 [grid, >= 4 + 6 * units_kept] (kernels/moe.py `_stamp` layout) -> summary dict. Blocks that ran no
-    unit are left out; a block's units past units_kept are counted, not timed. 32-bit wrap-around is undone."""
+    unit are left out; a block's units past units_kept are counted, not timed (then "block end us" is the end of its
+    last kept unit, flagged all_units False, and not the span). 32-bit wrap-around is undone."""
     s = np.asarray(stamps, np.int64) & 0xFFFFFFFF
     ran = s[:, 3]
     s, ran = s[ran > 0], ran[ran > 0]
@@ -58,7 +59,8 @@ def timeline(stamps, unit_bytes, units_kept):
     out["ghz"] = round(ghz, 3)
     out["start spread us"] = dict(med=round(float(np.median(since[ref])) / 1e3, 3),
                                   max=round(float(since[ref].max()) / 1e3, 3))
-    out["block end us"] = dict(med=round(float(np.median(ends)), 3), max=round(float(ends.max()), 3))
+    out["block end us"] = dict(med=round(float(np.median(ends)), 3), max=round(float(ends.max()), 3),
+                               all_units=bool((ran <= units_kept).all()))   # False: ends of the kept units only
     out["blocks"], out["units"] = int(len(s)), int(ran.sum())
     sms, per_sm = np.unique(s[:, 2], return_counts=True)
     out["sms"], out["blocks per sm"] = int(len(sms)), dict(min=int(per_sm.min()), max=int(per_sm.max()))
