@@ -55,7 +55,7 @@ SIM_CASES = {
     "router_nan_row_picks_experts": lambda env: C.check_router(env, 2, 64, 16, 4, 1, 1, seed=4, nan_row=True),
 }
 
-SIM_COST = {"moe_int4_bulk_rings": 25, "moe_int4_prep_2_blocks_per_row": 30,
+SIM_COST = {"moe_int4_bulk_rings": 25, "moe_int4_prep_2_blocks_per_row": 30, "moe_stamps": 15,
             "moe_int4_70_experts_plan_scans_3_warps": 45,
             "router_twin_experts_exact_ties": 10, "router_mma_logits": 8,
             "router_mma_through_the_op_table": 11, "router_picks_past_the_kept_groups": 6}
