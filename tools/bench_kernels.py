@@ -46,7 +46,9 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
     # added its slots into out, the same bits as the combine launch (GPU tests passed), but down's main loop got
     # slower (ptxas at the 128-register cap: 32 vs 16 bytes of spills): 56.5 / 67.9 vs 59.1 / 80.8 unfused.
     # session 30: blocks_per_sm=8 launches 2 waves of blocks (4 fit per SM at the 128-register cap): tools/moe_stamps
-    # showed gate_up's setup (ring start included) at 6.3 us per block (n = 1), paid again by the second wave; slower
+    # showed gate_up's setup (ring start included) at 6.3 us per block (n = 1), paid again by the second wave. One
+    # wave was slower, chained % of copy (bench/h200_2026-12-03d/call4, call5): n = 1 / 4 / 9 / 17 default 59.0 / 74.7 /
+    # 80.0 / 81.3, gu_bps4 59.1 / 73.5 / 78.3 / 79.3, bps4 59.6 / 73.8 / 79.0 / 78.5
     "gu_bps4": dict(gu=dict(blocks_per_sm=4)), "bps4": dict(gu=dict(blocks_per_sm=4), dn=dict(blocks_per_sm=4)),
     "regs": dict(tiled=0),
     "bulk_s4u1": dict(gu=dict(S=4, U=1)), "bulk_s3u2": dict(gu=dict(S=3)),   # gate_up-only rings (session 27: slower)
