@@ -629,6 +629,15 @@ else:
 # Helpers written once for both modes
 # ---------------------------------------------------------------------------------------------------------------
 @device
+def stamp_point(arr, row, word):
+    """Timeline stamp of a block: now's (SM cycles, global ns) at arr[row, word], arr[row, word + 1] (int32 bits of
+    the low halves) -> the SM id. Used by kernels/mla_wg.py MLA_WG_STAMPS and kernels/moe.py MOE_STAMPS."""
+    cyc, ns, sm = timer_regs()
+    arr[row, word], arr[row, word + 1] = int32(cyc), int32(ns)
+    return sm
+
+
+@device
 def bf16_lo(w):
     """Low bf16 of a word -> float32."""
     return as_f32(uint32(w) << uint32(16))

@@ -32,7 +32,7 @@ from numba import cuda, float32, int32, uint16, uint32, uint64
 from kernels.attention import NEG_INF, last_split_merge, placeholder, shfl_xor
 from kernels.cluster import cluster_sync, dsmem_ld4, dsmem_ld16, group_barrier, group_leave
 from kernels.device import (SIM, as_f32, as_u32, cp_commit, cp_wait, kernel, ld4_l2, ld16, ld16_l2, lds16, shfl_idx,
-                            st16, sts8, timer_regs)
+                            stamp_point, st16, sts8)
 from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
 
 MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
@@ -249,8 +249,7 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, 
         """(STAMPS) thread 0 writes point k of its block's timeline: SM cycles, then global ns."""
         if not STAMPS:
             return ""
-        return (f"{ind}if tid == 0:\n{ind}    cyc, ns, sm = timer_regs()\n"
-                f"{ind}    count[blk, {2 * k}], count[blk, {2 * k + 1}] = int32(cyc), int32(ns)\n")
+        return f"{ind}if tid == 0:\n{ind}    sm = stamp_point(count, blk, {2 * k})\n"
     stamp_tail = ("    if tid == 0:                              # (STAMPS) then its SM and steps\n"
                   "        count[blk, 14], count[blk, 15] = int32(sm), int32(nsteps)\n") if STAMPS else ""
     sv = [f"s{i}" for i in range(NS)]
@@ -887,7 +886,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
               LAZY=LAZY, last_split_merge=last_split_merge,
               shfl_xor=shfl_xor, shfl_idx=shfl_idx, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
               sts8=sts8, lds16=lds16, st16=st16, cluster_sync=cluster_sync, cluster_merge=cluster_merge,
-              grid_merge=grid_merge, timer_regs=timer_regs,
+              grid_merge=grid_merge, stamp_point=stamp_point,
               core_offset=cuda.jit(device=True, inline="always")(core_offset), load_tile=load_tile, key_ok=key_ok,
               sw128_offset=cuda.jit(device=True, inline="always")(sw128_offset),
               cp_wait0=cp_wait0, cp_wait1=cp_wait1, cp_wait2=cp_wait2, fence_proxy_async=fence_proxy_async,

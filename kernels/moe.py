@@ -90,7 +90,7 @@ from numba import cuda, float32, int32, uint32, uint64  # noqa: E402
 from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device, kernel, launch, ld16, lane_id,  # noqa: E402
                             pack_bf16x2)
 from kernels.attention import launch_smem  # noqa: E402
-from kernels.device import shfl_idx, syncwarp, timer_regs, warp_argmax, warp_sum  # noqa: E402
+from kernels.device import shfl_idx, stamp_point, syncwarp, warp_argmax, warp_sum  # noqa: E402
 from kernels.bulk import bulk_load, mbar_expect, mbar_fence_init, mbar_init, mbar_wait  # noqa: E402
 from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_int4_mma, _build_mainloop,  # noqa: E402
                           _build_prep_unit, _cached, _split_range, _words, lds16)
@@ -633,13 +633,10 @@ def _stamp(stamps, u, k):
     """Thread 0 writes point k of its block's timeline: k = 0 entry (words 0, 1, and the SM at 2), else point k of
     unit u (1 start, 2 main loop done, 3 unit done) at words 4 + 6u + 2(k-1), as (SM cycles, global ns) low halves."""
     if cuda.threadIdx.x == 0:
-        cyc, ns, sm = timer_regs()
         if k == 0:
-            stamps[cuda.blockIdx.x, 0], stamps[cuda.blockIdx.x, 1] = int32(cyc), int32(ns)
-            stamps[cuda.blockIdx.x, 2] = int32(sm)
+            stamps[cuda.blockIdx.x, 2] = int32(stamp_point(stamps, cuda.blockIdx.x, 0))
         elif u < STAMP_UNITS:
-            i = 4 + 6 * u + 2 * (k - 1)
-            stamps[cuda.blockIdx.x, i], stamps[cuda.blockIdx.x, i + 1] = int32(cyc), int32(ns)
+            stamp_point(stamps, cuda.blockIdx.x, 4 + 6 * u + 2 * (k - 1))
 
 
 def bulk_ring_bytes(cfg):
