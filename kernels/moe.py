@@ -211,7 +211,8 @@ class MoeWorkspace:
     n_max: int
     top_k: int
     xs: int               # B operand parts (1: bf16 activations, 2: hi + lo)
-    stamps: object = None  # i32[>= grid, STAMP_WORDS]: the stamped stage's block timelines (MOE_STAMPS only)
+    stamps: object = None  # i32[>= grid, STAMP_WORDS]: the stamped stage's block timelines (MOE_STAMPS; else a
+    #                        [1, 1] placeholder the kernels do not touch, made once: no per-call host work)
 
 
 def moe_workspace(n_max, top_k, hidden, inter, n_experts, alloc, xs=MOE_XS):
@@ -221,7 +222,7 @@ def moe_workspace(n_max, top_k, hidden, inter, n_experts, alloc, xs=MOE_XS):
                         alloc((n_max * xs * hidden // 2,), np.uint32), alloc((s * xs * inter // 2,), np.uint32),
                         alloc((s, hidden), np.float32),
                         alloc((s,), np.int32), alloc((s,), np.int32), alloc((s,), np.int32), alloc((s,), np.int32),
-                        alloc((1,), np.int32), n_max, top_k, xs)
+                        alloc((1,), np.int32), n_max, top_k, xs, alloc((1, 1), np.int32))
 
 
 # ------------------------------------------------------------------------------------------------------ router
@@ -905,7 +906,7 @@ def moe_stage(down, experts, wts, ws, cfg=None):
     launch_smem(kern, grid, 32 * cfg.WR * cfg.WK, bulk_ring_bytes(cfg) if cfg.S else 0,
                 (ws.act if down else ws.xb, e_words, e_sc, ws.act.view(np.uint16), ws.y, wts, ws.sorted_slot,
                  ws.item_e, ws.item_start, ws.item_len, ws.n_items, int32(ws.top_k), int32(nrows), int32(kdim),
-                 int32(cfg.WR), int32(cfg.WK), ws.stamps if MOE_STAMPS else ws.n_items.reshape(1, 1)))
+                 int32(cfg.WR), int32(cfg.WK), ws.stamps))
 
 
 def moe_combine(out, shared, ws, idx, experts):

@@ -252,7 +252,8 @@ def check_moe_stamps(env, n, hidden, inter, n_exp, k, cfgs, seed=0, tiled=0):
     """MOE_STAMPS (tools/moe_stamps.py): each expert stage stamped alone leaves its outputs' bits as the unstamped
     stage's, and every block of its grid records its units: the count it was dealt (units b, b + grid, ...), the
     points of its first STAMP_UNITS units in time order (differences mod 2^32), on one SM. A stamped stage without
-    ws.stamps is refused; tools.moe_stamps.timeline reads what was written. tiled=R: gate_up in the bulk layout."""
+    ws.stamps (or with the workspace's [1, 1] placeholder) is refused; tools.moe_stamps.timeline reads what was
+    written. tiled=R: gate_up in the bulk layout."""
     import math
 
     import kernels.moe as M
@@ -261,6 +262,8 @@ def check_moe_stamps(env, n, hidden, inter, n_exp, k, cfgs, seed=0, tiled=0):
     idx, wts = routing(rng, n, n_exp, k, "random")
     dex = M.device_experts(make_experts(rng, n_exp, hidden, inter, True), env.dev, tiled=tiled)
     ws = M.moe_workspace(n, k, hidden, inter, n_exp, lambda shape, dtype: poisoned(env, shape, dtype), xs=1)
+    placeholder = ws.stamps                                      # what unstamped launches pass: [1, 1]
+    assert placeholder.shape == (1, 1), placeholder.shape
     x, di, dw = (env.dev(a) for a in (rng.standard_normal((n, hidden)).astype(np.float32), idx, wts))
     items = int(sum(math.ceil(c / (8 * cfgs[0].T)) for c in np.unique(idx, return_counts=True)[1]))
     M.moe_plan(x, di, dex, ws, *cfgs)
@@ -273,12 +276,12 @@ def check_moe_stamps(env, n, hidden, inter, n_exp, k, cfgs, seed=0, tiled=0):
                    M._sm_count() * cfg.blocks_per_sm)
         saved, M.MOE_STAMPS = M.MOE_STAMPS, True
         try:
-            ws.stamps = None
-            try:
-                M.moe_stage(down, dex, dw, ws, cfg)
-                raise AssertionError("moe_stage stamped without ws.stamps")
-            except ValueError as e:
-                assert "MOE_STAMPS needs ws.stamps" in str(e), e
+            for ws.stamps in (placeholder, None):                # the workspace's [1, 1], or none: refused
+                try:
+                    M.moe_stage(down, dex, dw, ws, cfg)
+                    raise AssertionError(f"moe_stage stamped into {ws.stamps}")
+                except ValueError as e:
+                    assert "MOE_STAMPS needs ws.stamps" in str(e), e
             ws.stamps = env.zeros((grid, M.STAMP_WORDS), np.int32)
             M.moe_stage(down, dex, dw, ws, cfg)
             env.sync()
@@ -298,7 +301,7 @@ def check_moe_stamps(env, n, hidden, inter, n_exp, k, cfgs, seed=0, tiled=0):
         summ = timeline(st, 1000, M.STAMP_UNITS)
         assert summ["units"] == units and summ["blocks"] == sum(w > 0 for w in want), summ
         assert summ["block end us"]["all_units"] == (max(want) <= M.STAMP_UNITS), summ
-    ws.stamps = None
+    ws.stamps = placeholder
 
 
 def check_plan(env, n, n_exp, k, mode, held=None, warp_slots=32, seed=0):
