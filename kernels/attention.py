@@ -43,7 +43,7 @@ import math  # noqa: E402
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
 from kernels.device import (SIM, as_f32, as_u32, device, kernel, launch, ld4, ld4_l2,  # noqa: E402,F401
-                            ld16, ld16_l2)
+                            ld16, ld16_l2, ld_quad, ld_quad_l2)
 
 if SIM:
     from kernels.device import shfl_xor  # noqa: E402,F401
@@ -208,8 +208,8 @@ def merge_kernel(RB, SU=1):
         decode, 8 heads): blocks of (128, 8) threads, one per row, took 12.2K cycles (ncu: 32 warps of ~670
         instructions on each of 8 SMs); (32, 32) threads over 4 column blocks per row 15.3K (each block as many
         instructions, 4x the work); (32, 8) over 4 column blocks (the default) took the whole 4K x 8-head decode
-        (split kernel + merge, graph) from 15.37 to 13.94 us. o_part f32[B, nsplit, M, r] and ml_part
-        f32[B, nsplit, M, 2] contiguous (r % 4X == 0), out f32[B, M, r] (any strides); rows whose splits saw no key
+        (split kernel + merge, graph) from 15.37 to 13.94 us. o_part f32 or bf16 (u16 bits: ld_quad widens
+        them) [B, nsplit, M, r] and ml_part f32[B, nsplit, M, 2] contiguous (r % 4X == 0), out f32[B, M, r] (any strides); rows whose splits saw no key
         get 0. Bytes: the partials once, the output once."""
         x, y = cuda.threadIdx.x, cuda.threadIdx.y
         X, G = cuda.blockDim.x, cuda.blockDim.y
@@ -228,14 +228,14 @@ def merge_kernel(RB, SU=1):
                 for k in range(RB):               # rows past M re-read row M - 1 (never written)
                     row = (b * nsplit + s0) * M + min(m0 + k, M - 1)     # flat row of o_part / ml_part
                     ms, ls = as_f32(ld4(ml_part, 2 * row)), as_f32(ld4(ml_part, 2 * row + 1))
-                    u0, u1, u2, u3 = ld16(o_part, row * r + c)
+                    u0, u1, u2, u3 = ld_quad(o_part, row * r + c)
                     _fold(acc, k, ms, ls, as_f32(u0), as_f32(u1), as_f32(u2), as_f32(u3))
                 continue
             for u in range(SU):                   # one row (RB = 1): SU splits' loads, then their folds
                 s = min(s0 + u * G, nsplit - 1)   # a round past the last split re-reads it (not folded)
                 row = (b * nsplit + s) * M + min(m0, M - 1)
                 got[u, 0], got[u, 1] = as_f32(ld4(ml_part, 2 * row)), as_f32(ld4(ml_part, 2 * row + 1))
-                u0, u1, u2, u3 = ld16(o_part, row * r + c)
+                u0, u1, u2, u3 = ld_quad(o_part, row * r + c)
                 got[u, 2], got[u, 3], got[u, 4], got[u, 5] = as_f32(u0), as_f32(u1), as_f32(u2), as_f32(u3)
             for u in range(SU):
                 if s0 + u * G < nsplit:
@@ -307,7 +307,7 @@ def last_split_merge(o_part, ml_part, out, count, b, tile, m0, rows):
                     it = min(i0 + k * nt + t, n - 1)
                     row = (b * nsplit + min(s0 + q, nsplit - 1)) * M + m0 + it // X
                     ml[q, k, 0], ml[q, k, 1] = ld4_l2(ml_part, 2 * row), ld4_l2(ml_part, 2 * row + 1)
-                    u[q, k, 0], u[q, k, 1], u[q, k, 2], u[q, k, 3] = ld16_l2(o_part, row * r + 4 * (it % X))
+                    u[q, k, 0], u[q, k, 1], u[q, k, 2], u[q, k, 3] = ld_quad_l2(o_part, row * r + 4 * (it % X))
             for q in range(MERGE_TAIL_SPLITS):
                 if s0 + q < nsplit:
                     for k in range(MERGE_TAIL_ITEMS):
@@ -342,8 +342,8 @@ def merge_shape(B, nsplit, M, r):
 
 
 def merge_splits(o_part, ml_part, out):
-    """One launch of merge_splits_kernel over the partials o_part f32[B, nsplit, M, r], ml_part f32[B, nsplit, M, 2]
-    into out f32[B, M, r], shaped by merge_shape. Shared memory: 24 bytes per thread and row."""
+    """One launch of merge_splits_kernel over the partials o_part f32 or bf16 [B, nsplit, M, r], ml_part
+    f32[B, nsplit, M, 2] into out f32[B, M, r], shaped by merge_shape. Shared memory: 24 bytes per thread and row."""
     B, nsplit, M, r = o_part.shape
     rows, groups, per_round, X = merge_shape(B, nsplit, M, r)
     launch(merge_kernel(rows, per_round), (-(-M // rows), B, r // (4 * X)), (X, groups), o_part, ml_part, out,

@@ -336,6 +336,23 @@ if SIM:
         a = _flat(arr)
         a[i:i + 16 // a.itemsize].view(np.uint32)[:] = (w0, w1, w2, w3)
 
+    def _quad_load(arr, i):
+        a = _flat(arr)
+        if a.dtype == np.uint16:                  # bf16 bits -> the f32 bit patterns
+            return tuple(np.uint32(int(x) << 16) for x in a[i:i + 4])
+        return ld16(arr, i)
+
+    ld_quad = ld_quad_l2 = _quad_load
+
+    def st_quad(arr, i, w0, w1, w2, w3):
+        """Four float32 (bit patterns) -> elements i .. i + 3 of a float32 array, or of a bf16 (uint16) one rounded
+        to nearest even (16 / 8 bytes, aligned)."""
+        a = _flat(arr)
+        if a.dtype == np.uint16:
+            a[i:i + 4] = [_bf16_rne(_bits_f32(w)) for w in (w0, w1, w2, w3)]
+        else:
+            st16(arr, i, w0, w1, w2, w3)
+
     def timer_regs():
         """Simulator: (ns, ns, SM 0) from the host clock (see the GPU version)."""
         t = np.uint32(time.perf_counter_ns() & 0xFFFFFFFF)
@@ -463,6 +480,58 @@ else:
     ld16_pf = _make_load(4, ".L2::256B")    # same, asking L2 to fetch the surrounding 256 bytes
     ld4_l2 = _make_load(1, space=".cg")     # one word cached at L2 only: sees other blocks' writes of this kernel
     ld16_l2 = _make_load(4, space=".cg")    # four words, the same
+
+    _BF16_OR_F32 = (types.float32, types.uint16)
+
+    def _make_quad_load(space):
+        """ld_quad / ld_quad_l2: four values from flat element idx of a float32 array (one 16-byte load) or of a
+        bf16 (uint16 bits) one (one 8-byte load, widened) -> their float32 bit patterns as four uint32."""
+        @intrinsic
+        def load(typingctx, arr, idx):
+            if not (isinstance(arr, types.Array) and arr.dtype in _BF16_OR_F32 and isinstance(idx, types.Integer)):
+                return None
+            sig, bf = types.UniTuple(types.uint32, 4)(arr, idx), arr.dtype == types.uint16
+            words = 2 if bf else 4
+            regs = ",".join(f"${k}" for k in range(words))
+            asm = f"ld.global{space}.v{words}.u32 {{{regs}}}, [${words}];"
+
+            def codegen(ctx, b, sig, args):
+                addr = _address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+                i32 = ir.IntType(32)
+                fn = ir.FunctionType(ir.LiteralStructType([i32] * words), [ir.IntType(64)])
+                r = b.call(ir.InlineAsm(fn, asm, ",".join(["=r"] * words) + ",l", side_effect=space != ".nc"),
+                           [addr])
+                w = [b.extract_value(r, k) for k in range(words)]
+                if bf:                            # word k holds values 2k (low half) and 2k + 1 (high half)
+                    hi = ir.Constant(i32, 0xFFFF0000)
+                    w = [f(x) for x in w for f in (lambda x: b.shl(x, ir.Constant(i32, 16)),
+                                                   lambda x: b.and_(x, hi))]
+                return ctx.make_tuple(b, sig.return_type, w)
+            return sig, codegen
+        return load
+
+    ld_quad = _make_quad_load(".nc")
+    ld_quad_l2 = _make_quad_load(".cg")           # at L2 only: sees other blocks' writes of this kernel
+
+    @intrinsic
+    def st_quad(typingctx, arr, idx, w0, w1, w2, w3):
+        """Four float32 (bit patterns as uint32) -> flat elements idx .. idx + 3 of a float32 array (one 16-byte
+        store) or of a bf16 (uint16 bits) one, rounded to nearest even (one 8-byte store)."""
+        if not (isinstance(arr, types.Array) and arr.dtype in _BF16_OR_F32):
+            return None
+        sig, bf = types.void(arr, idx, w0, w1, w2, w3), arr.dtype == types.uint16
+        asm = ("{ .reg .b32 p, q; cvt.rn.bf16x2.f32 p, $2, $1; cvt.rn.bf16x2.f32 q, $4, $3; "
+               "st.global.v2.u32 [$0], {p, q}; }" if bf else "st.global.v4.u32 [$0], {$1, $2, $3, $4};")
+
+        def codegen(ctx, b, sig, args):
+            addr = _address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+            words = [ctx.cast(b, v, ty, types.uint32) for v, ty in zip(args[2:], sig.args[2:])]
+            vty = ir.FloatType() if bf else ir.IntType(32)
+            vals = [b.bitcast(w, vty) for w in words]
+            fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] + [vty] * 4)
+            cons = "l," + ",".join(["f" if bf else "r"] * 4) + ",~{memory}"
+            b.call(ir.InlineAsm(fn, asm, cons, side_effect=True), [addr] + vals)
+        return sig, codegen
 
     @intrinsic
     def st16(typingctx, arr, idx, w0, w1, w2, w3):

@@ -45,7 +45,7 @@ from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
 from kernels.attention import (LOG2E, NEG_INF, attention_ref, last_split_merge, launch_smem, merge_splits,  # noqa: E402
                                placeholder, raise_smem_limit, shfl_xor)
-from kernels.device import SIM, as_f32, cp_commit, cp_wait, kernel, ld16, mma_bf16  # noqa: E402
+from kernels.device import SIM, as_f32, as_u32, cp_commit, cp_wait, kernel, ld16, mma_bf16, st_quad  # noqa: E402
 import kernels.mla_wg as _wg  # noqa: E402
 from kernels.cluster import max_clusters, max_resident_blocks  # noqa: E402
 from kernels.mla_wg import mla_wg_applies, mla_wg_kernel, mla_wg_launch, wg_clusters, wg_grid  # noqa: E402
@@ -281,6 +281,9 @@ MLA_FUSED_MERGE = 0         # up to this many splits the last split block of a r
 # and 8 heads 100.3 -> 123.9 us (70.3 -> 57.1%): the last blocks' merge is a slow tail.
 MLA_SPLIT_COST = 128        # a split's fixed cost in cache rows for the split rule (q prologue, partial write, merge
 #                             share: ~8 us of a 64-head block at ~2.1 us per 32 rows, session 11's cuts on the H200)
+MLA_PARTIALS = "bf16"       # the split partials O (mla_work): "bf16" (half the bytes of the store and the merge's
+#                             loads; each partial rounded once, as P already is) or "f32"
+PARTIAL_DTYPES = {"f32": np.float32, "bf16": np.uint16}
 MLA_MAX_WAVES = 8           # the split rule adds splits up to this many waves of blocks (bounds the partials' memory)
 _MLA_KERNELS = {}
 
@@ -351,6 +354,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW, FUSE):
     KB = PO + MT * NKP
     KSTAGE = NK * DP
     OB, RS = U0 // 2, r + 8                           # f32 output tile [MT][RS] over the Q tile and the ring
+    R4 = r // 4                                       # column quads of an output row (16-byte stores)
     D4 = D // 4                                       # 16-byte pieces of a q row (f32)
     QPT = -(-(MT * D4) // THREADS)                    # q pieces per thread
     QG = min(QPT, 8)                                  # q loads in flight per thread
@@ -561,18 +565,22 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW, FUSE):
             fsm[OB + row * RS + col + 1] = acc[x + 1]
         cuda.syncthreads()
         nlive = n * h                                 # rows m < n*h belong to live queries
-        for idx in range(tid, MT * r, THREADS):       # coalesced rows of o_part
-            row, col = idx // r, idx % r
+        for idx in range(tid, MT * R4, THREADS):      # coalesced rows of o_part, 4 columns a thread
+            row = idx // R4
+            col = 4 * (idx - row * R4)
             m = mt * MT + row
             if m < M:
                 live = m < nlive
                 den = fsm[MT + row]
-                y = fsm[OB + row * RS + col]
-                if normalize:
-                    y = y / den if den > float32(0) and live else float32(0)
-                elif not live:
-                    y = float32(0)
-                o_part[b, s, m, col] = y
+                y = cuda.local.array(4, float32)
+                for k in range(4):
+                    y[k] = fsm[OB + row * RS + col + k]
+                    if normalize:
+                        y[k] = y[k] / den if den > float32(0) and live else float32(0)
+                    elif not live:
+                        y[k] = float32(0)
+                st_quad(o_part, ((b * o_part.shape[1] + s) * M + m) * r + col, as_u32(y[0]), as_u32(y[1]),
+                        as_u32(y[2]), as_u32(y[3]))       # f32, or bf16 partials (MlaWork)
                 if not normalize and col == 0:
                     ml_part[b, s, m, 0] = fsm[row] if live else NEG_INF
                     ml_part[b, s, m, 1] = den if live else float32(0)
@@ -582,20 +590,24 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW, FUSE):
 
 
 class MlaWork:
-    """Flash-decoding scratch of mla_attention: cache rows per split and the partial buffers."""
+    """Flash-decoding scratch of mla_attention: cache rows per split and the partial buffers (o: f32, or bf16 bits
+    as uint16 with partials="bf16")."""
 
-    def __init__(self, zeros, B, M, r, max_keys, split):
+    def __init__(self, zeros, B, M, r, max_keys, split, partials="f32"):
+        if partials not in PARTIAL_DTYPES:
+            raise ValueError(f"mla_work: partials {partials!r} is not one of {sorted(PARTIAL_DTYPES)}")
         self.split = split
         nsplit = max(1, -(-max_keys // split))
-        self.o = zeros((B, nsplit, M, r), np.float32)
+        self.o = zeros((B, nsplit, M, r), PARTIAL_DTYPES[partials])
         self.ml = zeros((B, nsplit, M, 2), np.float32)
         self.count = zeros((B, M), np.int32)     # splits done per row tile (last_split_merge; <= M tiles)
         self.cluster = 0                         # the cluster size of the last mla_attention call (0: none)
         self.grid = False                        # whether it merged across a cooperative launch (grid_merge)
 
 
-def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132):
-    """Scratch for up to max_keys cache rows per sequence (committed + new); zeros = np.zeros or cupy.zeros.
+def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132, partials=None):
+    """Scratch for up to max_keys cache rows per sequence (committed + new); zeros = np.zeros or cupy.zeros;
+    partials "f32" or "bf16" (None: MLA_PARTIALS).
     split=None: the split count (at least MLA_MIN_SPLIT keys each, at most MLA_MAX_WAVES waves of blocks) that
     minimizes waves x (keys per split + MLA_SPLIT_COST). Within one wave that is as many splits as fit beside
     the row tiles (the rule before session 11); it also takes more waves of many splits where one split per
@@ -612,7 +624,7 @@ def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132):
         split = -(-max_keys // nsplit)
     step = np.lcm(nk, _wg.MLA_WG_NK)              # whole steps of either kernel (mla_wg's for 64-head tiles)
     split = -(-split // step) * step
-    return MlaWork(zeros, B, T * h, r, max_keys, int(split))
+    return MlaWork(zeros, B, T * h, r, max_keys, int(split), partials or MLA_PARTIALS)
 
 
 def cluster_pays(blocks, size, fits, slots):
@@ -685,6 +697,8 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     else:
         rg, kg, stages, threads, smem = mla_geometry(M, D, r)
         kern, tiles = mla_kernel(rg, kg, stages, mask is None, D, r, fuse=fused), -(-M // (16 * rg))
+    if wg and work is not None and work.o.dtype != np.float32 and not _wg.MLA_WG_STAGED:
+        raise ValueError("mla_attention: bf16 partials need kernels.mla_wg.MLA_WG_STAGED (its register stores are f32)")
     maskarg = mask if mask is not None else placeholder(q, (1, 1, 1), np.uint32)
     if wg and _wg.wg_stamps(fused):               # (stamp mode: every 64-head call brings the stamps' buffer)
         _wg.check_stamps(None if work is None else work.count, tiles * nsplit * B)

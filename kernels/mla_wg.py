@@ -31,8 +31,8 @@ from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from kernels.attention import NEG_INF, last_split_merge, placeholder, shfl_xor
 from kernels.cluster import cluster_sync, dsmem_ld4, dsmem_ld16, group_barrier, group_leave
-from kernels.device import (SIM, as_f32, as_u32, cp_commit, cp_wait, kernel, ld4_l2, ld16, ld16_l2, lds16, shfl_idx,
-                            stamp_point, st16, sts8)
+from kernels.device import (SIM, as_f32, as_u32, cp_commit, cp_wait, kernel, ld4_l2, ld16, ld_quad_l2, lds16,
+                            shfl_idx, stamp_point, st16, st_quad, sts8)
 from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
 
 MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
@@ -330,7 +330,7 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, 
         row = u // uint32({R4})
         col = uint32(4) * (u - row * uint32({R4}))
         w0, w1, w2, w3 = lds16(wsm, row * uint32({PITCH}) + col)
-        st16(o_part, (ob + row) * {r} + col, w0, w1, w2, w3)''')
+        st_quad(o_part, (ob + row) * {r} + col, w0, w1, w2, w3)   # (f32, or bf16 partials: 8-byte stores)''')
     store_out = "\n".join(stores)
     zero_o = "\n".join(f"    {v} = float32(0)" for v in ov)
     zero_s = "\n".join(f"    {v} = float32(0)" for v in sv)
@@ -768,7 +768,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                     if G == 1:
                         st16(out, (dst + row) * r + col, w0, w1, w2, w3)
                     else:
-                        st16(o_part, (dst + row) * r + col, w0, w1, w2, w3)
+                        st_quad(o_part, (dst + row) * r + col, w0, w1, w2, w3)
 
     def fold_items(IU, MS):
         """grid_merge's fold of IU items (row, 16-byte column quad) at a time, MS of the P partials of each per round
@@ -792,7 +792,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                             c = min(c0 + u * G, P - 1)    # (a round past the last partial re-reads it, factor 0)
                             f = fsm[FAC + (row - k_lo) * P + c]
                             fv[iu, u] = f if c0 + u * G < P else float32(0)
-                            v[iu, u, 0], v[iu, u, 1], v[iu, u, 2], v[iu, u, 3] = ld16_l2(o_part, src + c * M * r)
+                            v[iu, u, 0], v[iu, u, 1], v[iu, u, 2], v[iu, u, 3] = ld_quad_l2(o_part, src + c * M * r)
                     for iu in range(IU):
                         for u in range(MS):
                             f = fv[iu, u]
@@ -885,7 +885,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
               uint16=uint16, uint32=uint32, uint64=uint64, NEG_INF=NEG_INF,
               LAZY=LAZY, last_split_merge=last_split_merge,
               shfl_xor=shfl_xor, shfl_idx=shfl_idx, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
-              sts8=sts8, lds16=lds16, st16=st16, cluster_sync=cluster_sync, cluster_merge=cluster_merge,
+              sts8=sts8, lds16=lds16, st16=st16, st_quad=st_quad, cluster_sync=cluster_sync, cluster_merge=cluster_merge,
               grid_merge=grid_merge, stamp_point=stamp_point,
               core_offset=cuda.jit(device=True, inline="always")(core_offset), load_tile=load_tile, key_ok=key_ok,
               sw128_offset=cuda.jit(device=True, inline="always")(sw128_offset),

@@ -168,17 +168,21 @@ def test_ptx_attention(name, sig):
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
 
 
-@pytest.mark.parametrize("rows,per_round", [(1, 1), (4, 1), (1, 3), (1, 4)])
-def test_ptx_merge(rows, per_round):
+@pytest.mark.parametrize("rows,per_round,partials", [(1, 1, "float32"), (4, 1, "float32"), (1, 3, "float32"),
+                                                     (1, 4, "float32"), (1, 4, "uint16"), (4, 1, "uint16")])
+def test_ptx_merge(rows, per_round, partials):
     """The flash-decoding merge of all three attention kernels (one row or four rows per block, one, three (65
-    splits over 32 groups) or four splits per load round): f32 only (the tree's unsigned group tests included), no
-    local memory (the accumulators and a round's loads stay in registers)."""
+    splits over 32 groups) or four splits per load round), over f32 or bf16 (uint16) partials: f32 math only (the
+    tree's unsigned group tests included), no local memory (the accumulators and a round's loads stay in
+    registers); a partial's 4 values are one 16-byte load, or one 8-byte load of bf16."""
     import re
     from kernels.attention import merge_kernel
     ptx = ptx_or_skip(merge_kernel(rows, per_round).py_func,
-                      "void(float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,:])")
+                      f"void({partials}[:,:,:,::1], float32[:,:,:,::1], float32[:,:,:])")
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
     assert not re.search(r"(ld|st)\.local", ptx), "local memory"
+    assert ("ld.global.nc.v2.u32" in ptx) == (partials == "uint16")
+    assert ("ld.global.nc.v4.u32" in ptx) == (partials == "float32")
 
 
 @pytest.mark.parametrize("B,nsplit,M,want", [

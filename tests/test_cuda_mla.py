@@ -14,13 +14,14 @@ from weights.dtypes import bf16_to_f32, f32_to_bf16
 
 
 def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="none", causal=False, sms=132,
-          scale=None, seed=0, calls=1, margin=7):
+          scale=None, seed=0, calls=1, margin=7, partials=None):
     """mla_attention against mla_attention_ref. work: "none" (one normalized split), an int (keys per split)
     or "auto" (mla_work's sizing for `sms` SMs); with splits the row tiles' counters of the fused merge must be
     back at zero after each call (what a graph replay needs); calls > 1: again on the same work, output
     re-poisoned. margin: cache rows past the longest sequence (0: the cache ends at its last row, as the engine's
-    verify of a short prompt has it)."""
-    from kernels.mla import mla_attention, mla_attention_ref, mla_work
+    verify of a short prompt has it). partials: the split partials' type ("f32", "bf16"; None: mla_work's default),
+    poisoned before the first call."""
+    from kernels.mla import MLA_PARTIALS, PARTIAL_DTYPES, mla_attention, mla_attention_ref, mla_work
     rng = np.random.default_rng(seed)
     lengths, ntok = np.array(lengths, np.int32), np.array(ntok, np.int32)
     cap = int((lengths + ntok).max()) + margin
@@ -33,7 +34,10 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
     want = mla_attention_ref(q, cache, lengths, ntok, mask, scale, np.empty((B, T, h, r), np.float32))
     out = env.dev(np.full((B, T, h, r), np.nan, np.float32))
     wk = None if work == "none" else mla_work(env.zeros, B, T, h, r, cap, None if work == "auto" else work,
-                                               D=D, sms=sms)
+                                               D=D, sms=sms, partials=partials)
+    if wk is not None:
+        assert wk.o.dtype == PARTIAL_DTYPES[partials or MLA_PARTIALS], wk.o.dtype
+        wk.o = env.dev(np.full(wk.o.shape, 0x7FC0 if wk.o.dtype == np.uint16 else np.nan, wk.o.dtype))  # NaN
     args = (env.dev(q), env.dev(cache), env.dev(lengths), env.dev(ntok), None if causal else env.dev(mask), scale)
     for call in range(calls):
         if call:
@@ -100,6 +104,7 @@ SIM_CASES = {
     "cp_piece_sw128": check_cp_piece_sw128,
     "ring_one_split": lambda env: check(env, seed=1),                                      # 5 steps > 4 stages
     "ring_splits_merge": lambda env: check(env, work=32, seed=2),                  # 5 splits of 64: 5 split groups
+    "ring_splits_merge_f32": lambda env: check(env, work=32, seed=16, partials="f32"),   # (bf16 is the default)
     # 10 splits of 64 keys: 8 split groups per merge block (a tree of 3 rounds), 2 splits per load round (groups
     # 2..7's second is past the last split: loaded, not folded); 5 splits (ring_splits_merge): a tree of 5 groups
     "merge_ten_groups": lambda env: check(env, lengths=(600, 90), work=32, seed=5),
@@ -115,6 +120,8 @@ SIM_CASES = {
     "merge_fused_dead_rows_empty_seq": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=4), B=3, T=3, h=4,
                                                                lengths=(45, 0, 64), ntok=(2, 0, 3), work=32, seed=13,
                                                                calls=2),
+    "merge_fused_f32": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=4), B=2, T=2, h=4, lengths=(100, 30),
+                                               ntok=(2, 1), work=32, seed=17, partials="f32"),
     "many_splits_auto": lambda env: check(env, B=1, lengths=(300,), ntok=(1,), work="auto", sms=12, seed=3),
     "pv_two_tiles_per_warp": lambda env: check(env, B=1, T=16, h=4, D=160, r=128, lengths=(70,),
                                                        ntok=(13,), work=64, seed=4),
@@ -162,6 +169,11 @@ GPU_CASES = {
     "tree4_h64_cap6": dict(B=1, T=4, h=64, lengths=(2,), ntok=(4,), work="none", margin=0),
     "tree4_h8_cap6": dict(B=1, T=4, h=8, lengths=(2,), ntok=(4,), work="none", margin=0),
     "tree5_h64_b2_cap_exact": dict(B=2, T=5, h=64, lengths=(60, 3), ntok=(5, 4), work="none", margin=0),
+    # f32 split partials (bf16 is the default: kernels.mla MLA_PARTIALS)
+    "decode_h64_b9_auto_f32": dict(B=9, h=64, lengths=(3000, 17, 900, 4000, 1, 2500, 64, 65, 3333), ntok=(1,) * 9,
+                                   work="auto", partials="f32"),
+    "decode_h8_b5_auto_f32": dict(B=5, h=8, lengths=(4100, 33, 0, 2000, 777), ntok=(1, 1, 1, 0, 1), work="auto",
+                                  partials="f32"),
 }
 WG_CASES = sorted(c for c in GPU_CASES if GPU_CASES[c]["h"] % 64 == 0)     # kernels/mla_wg.py's on sm_90
 
@@ -226,7 +238,8 @@ GRID_CASES = {
 @pytest.mark.parametrize("epilogue", ["direct", "staged", "cluster", "groups", "grid", "groups_grid"])
 @pytest.mark.parametrize("case", sorted(CLUSTER_CASES) + sorted(GRID_CASES))
 def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
-    """The 64-head kernel's ways out: O stored from the accumulators (direct) or through shared memory (staged),
+    """The 64-head kernel's ways out: O stored from the accumulators (direct, f32 partials only) or through shared
+    memory (staged),
     both with the partials merged by merge_splits, or merged in the kernel across a cluster of the split blocks
     (cluster; groups: clusters of a divisor of the split count, a partial each), the cluster sizes of CLUSTER_CASES
     checked to be what ran, or across all the splits of a cooperative launch through L2 (grid: where all the blocks
@@ -240,7 +253,10 @@ def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
     monkeypatch.setattr(kw, "MLA_WG_CLUSTER_GROUPS", epilogue in ("groups", "groups_grid"))
     monkeypatch.setattr(kw, "MLA_WG_GRID", kw.GRID_SPLITS if epilogue in ("grid", "groups_grid") else 0)
     shape, plain, grouped = {**CLUSTER_CASES, **GRID_CASES}[case]
-    wk = check(Env(gpu=True), **K2, **shape, calls=2)
+    if epilogue == "direct":                  # (its register stores write f32 only: bf16 partials are refused)
+        with pytest.raises(ValueError, match="bf16 partials need kernels.mla_wg.MLA_WG_STAGED"):
+            check(Env(gpu=True), **K2, **shape, partials="bf16")
+    wk = check(Env(gpu=True), **K2, **shape, calls=2, partials="f32" if epilogue == "direct" else None)
     if epilogue != "groups_grid":             # (its cluster: the largest divisor whose clusters all fit at once)
         assert wk.cluster == {"cluster": plain, "groups": grouped}.get(epilogue, 0)
     nsplit = wk.o.shape[1]
@@ -460,15 +476,42 @@ def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, cl, grid, monkeypatch):   # K
             assert "serialized" not in out.stderr, out.stderr[-800:]
 
 
-@pytest.mark.parametrize("M,D,r", [(8, 576, 512), (32, 576, 512), (48, 576, 512), (6, 160, 128), (64, 160, 128)])
-def test_ptx_geometries(M, D, r):
+def bf16_partials(sig):
+    """A kernel signature (MLA_PTX_SIG, MLA_WG_PTX_SIG) with bf16 (uint16) split partials o_part."""
+    f32_parts = "float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1]"       # o_part, ml_part, out
+    assert sig.count(f32_parts) == 1, sig
+    return sig.replace(f32_parts, "uint16" + f32_parts[7:])
+
+
+@pytest.mark.parametrize("M,D,r,partials", [(8, 576, 512, "f32"), (32, 576, 512, "f32"), (48, 576, 512, "f32"),
+                                            (6, 160, 128, "f32"), (64, 160, 128, "f32"), (8, 576, 512, "bf16")])
+def test_ptx_geometries(M, D, r, partials):
+    """The mma.sync kernel at each row-tile geometry: no float64, no local memory; O leaves in 16-byte stores, or
+    (bf16 partials) rounded pairwise to bf16 in 8-byte ones."""
     import re
     from kernels.mla import mla_geometry, mla_kernel
     rg, kg, stages, _, _ = mla_geometry(M, D, r)
-    ptx = ptx_or_skip(mla_kernel(rg, kg, stages, False, D, r).py_func, SIG)
+    ptx = ptx_or_skip(mla_kernel(rg, kg, stages, False, D, r).py_func, bf16_partials(SIG) if partials == "bf16"
+                      else SIG)
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
     assert ptx.count("mma.sync") and ptx.count("ldmatrix") and ptx.count("cp.async.cg")
     assert not re.search(r"(ld|st)\.local", ptx), "local memory"
+    assert ("st.global.v2.u32" in ptx and "cvt.rn.bf16x2.f32" in ptx) == (partials == "bf16")
+    assert ("st.global.v4.u32" in ptx) == (partials == "f32")
+
+
+@pytest.mark.parametrize("grid", [False, True])
+def test_ptx_wgmma_bf16_partials(grid):
+    """kernels/mla_wg.py with bf16 split partials: the staged O leaves as bf16 pairs in 8-byte stores (and, grid
+    merge, the partials come back from L2 in 8-byte loads); no float64, no local memory."""
+    import re
+
+    import kernels.mla_wg as kw
+    ptx = ptx_or_skip(kw.mla_wg_kernel(192, 128, False, grid=grid).py_func, bf16_partials(kw.MLA_WG_PTX_SIG),
+                      cc=(9, 0, "a"))
+    assert "cvt.rn.bf16x2.f32" in ptx and "st.global.v2.u32" in ptx
+    assert ("ld.global.cg.v2.u32" in ptx) == grid
+    assert not f64_lines(ptx) and not re.search(r"\b(ld|st)\.local", ptx)
 
 
 def test_mla_cuts_match_the_kernel():
