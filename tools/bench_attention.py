@@ -170,6 +170,7 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
                         rg, kg, stages, _, smem = mla_geometry(T * h, K2_D, K2_R)
                         kern, nk = "mma.sync", mla_step_keys(rg, kg, K2_D, K2_R)
                     rows.append(dict(ctx=ctx, heads=h, queries=T, batch=B, split=work.split, splits=work.o.shape[1],
+                                     partials="bf16" if work.o.dtype == np.uint16 else "f32",
                                      cluster=cluster, grid=grid, kernel=kern, nk=nk, stages=stages,
                                      smem_kb=smem // 1024,
                                      us=round(us, 2), cache_gbs=round(gbs, 1), pct_copy=round(100 * gbs / copy_bw, 1),
