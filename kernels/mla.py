@@ -281,8 +281,14 @@ MLA_FUSED_MERGE = 0         # up to this many splits the last split block of a r
 # and 8 heads 100.3 -> 123.9 us (70.3 -> 57.1%): the last blocks' merge is a slow tail.
 MLA_SPLIT_COST = 128        # a split's fixed cost in cache rows for the split rule (q prologue, partial write, merge
 #                             share: ~8 us of a 64-head block at ~2.1 us per 32 rows, session 11's cuts on the H200)
-MLA_PARTIALS = "bf16"       # the split partials O (mla_work): "bf16" (half the bytes of the store and the merge's
-#                             loads; each partial rounded once, as P already is) or "f32"
+MLA_PARTIALS = "auto"       # the split partials O (mla_work): "bf16" (half the bytes of the store and the merge's
+#                             loads; each partial rounded once, as P already is), "f32", or "auto": bf16 where the
+#                             64-head wgmma kernel runs (mla_wg_applies), else f32. H200, session 31, decode, bf16 /
+#                             f32 in one run (copy 4250 GB/s; bench/h200_2026-12-04 call 1): 64 heads 16K x 16 96.33 /
+#                             99.30 us (73.8 / 71.5% of copy), 64K x 4 96.18 / 98.68 (73.9 / 72.0%), batch 1 4K /
+#                             16K / 64K 16.5 / 17.6, 22.1 / 24.3, 40.1 / 42.0 us (4K x 64: a cluster merge, no
+#                             partials: 95.3 both); 8 heads (mma.sync) 0.4-0.7 us slower with bf16 (4K x 64 94.53 /
+#                             93.93, 16K x 16 93.61 / 93.22, 64K x 4 92.11 / 91.37; batch 1 0.4-0.5 us)
 PARTIAL_DTYPES = {"f32": np.float32, "bf16": np.uint16}
 MLA_MAX_WAVES = 8           # the split rule adds splits up to this many waves of blocks (bounds the partials' memory)
 _MLA_KERNELS = {}
@@ -595,7 +601,7 @@ class MlaWork:
 
     def __init__(self, zeros, B, M, r, max_keys, split, partials="f32"):
         if partials not in PARTIAL_DTYPES:
-            raise ValueError(f"mla_work: partials {partials!r} is not one of {sorted(PARTIAL_DTYPES)}")
+            raise ValueError(f"mla_work: partials {partials!r} is not one of {['auto', *sorted(PARTIAL_DTYPES)]}")
         self.split = split
         nsplit = max(1, -(-max_keys // split))
         self.o = zeros((B, nsplit, M, r), PARTIAL_DTYPES[partials])
@@ -607,7 +613,7 @@ class MlaWork:
 
 def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132, partials=None):
     """Scratch for up to max_keys cache rows per sequence (committed + new); zeros = np.zeros or cupy.zeros;
-    partials "f32" or "bf16" (None: MLA_PARTIALS).
+    partials "f32", "bf16" or "auto" (bf16 for the 64-head wgmma kernel; None: MLA_PARTIALS).
     split=None: the split count (at least MLA_MIN_SPLIT keys each, at most MLA_MAX_WAVES waves of blocks) that
     minimizes waves x (keys per split + MLA_SPLIT_COST). Within one wave that is as many splits as fit beside
     the row tiles (the rule before session 11); it also takes more waves of many splits where one split per
@@ -624,7 +630,10 @@ def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132, partials=N
         split = -(-max_keys // nsplit)
     step = np.lcm(nk, _wg.MLA_WG_NK)              # whole steps of either kernel (mla_wg's for 64-head tiles)
     split = -(-split // step) * step
-    return MlaWork(zeros, B, T * h, r, max_keys, int(split), partials or MLA_PARTIALS)
+    partials = partials or MLA_PARTIALS
+    if partials == "auto":
+        partials = "bf16" if mla_wg_applies(h, D, r) else "f32"
+    return MlaWork(zeros, B, T * h, r, max_keys, int(split), partials)
 
 
 def cluster_pays(blocks, size, fits, slots):

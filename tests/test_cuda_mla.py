@@ -19,9 +19,10 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
     or "auto" (mla_work's sizing for `sms` SMs); with splits the row tiles' counters of the fused merge must be
     back at zero after each call (what a graph replay needs); calls > 1: again on the same work, output
     re-poisoned. margin: cache rows past the longest sequence (0: the cache ends at its last row, as the engine's
-    verify of a short prompt has it). partials: the split partials' type ("f32", "bf16"; None: mla_work's default),
-    poisoned before the first call."""
-    from kernels.mla import MLA_PARTIALS, PARTIAL_DTYPES, mla_attention, mla_attention_ref, mla_work
+    verify of a short prompt has it). partials: the split partials' type ("f32", "bf16", "auto"; None: mla_work's
+    default), poisoned before the first call."""
+    from kernels.mla import PARTIAL_DTYPES, mla_attention, mla_attention_ref, mla_work
+    from kernels.mla_wg import mla_wg_applies
     rng = np.random.default_rng(seed)
     lengths, ntok = np.array(lengths, np.int32), np.array(ntok, np.int32)
     cap = int((lengths + ntok).max()) + margin
@@ -36,7 +37,8 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
     wk = None if work == "none" else mla_work(env.zeros, B, T, h, r, cap, None if work == "auto" else work,
                                                D=D, sms=sms, partials=partials)
     if wk is not None:
-        assert wk.o.dtype == PARTIAL_DTYPES[partials or MLA_PARTIALS], wk.o.dtype
+        auto = "bf16" if mla_wg_applies(h, D, r) else "f32"
+        assert wk.o.dtype == PARTIAL_DTYPES[{"auto": auto, None: auto}.get(partials, partials)], wk.o.dtype
         wk.o = env.dev(np.full(wk.o.shape, 0x7FC0 if wk.o.dtype == np.uint16 else np.nan, wk.o.dtype))  # NaN
     args = (env.dev(q), env.dev(cache), env.dev(lengths), env.dev(ntok), None if causal else env.dev(mask), scale)
     for call in range(calls):
@@ -104,7 +106,11 @@ SIM_CASES = {
     "cp_piece_sw128": check_cp_piece_sw128,
     "ring_one_split": lambda env: check(env, seed=1),                                      # 5 steps > 4 stages
     "ring_splits_merge": lambda env: check(env, work=32, seed=2),                  # 5 splits of 64: 5 split groups
-    "ring_splits_merge_f32": lambda env: check(env, work=32, seed=16, partials="f32"),   # (bf16 is the default)
+    # bf16 split partials (the 64-head kernel's default: kernels.mla MLA_PARTIALS) through the 8-head kernel
+    "ring_splits_merge_bf16": lambda env: check(env, work=32, seed=16, partials="bf16"),
+    "merge_ten_groups_bf16": lambda env: check(env, lengths=(600, 90), work=32, seed=18, partials="bf16"),
+    "dead_rows_empty_seq_bf16": lambda env: check(env, B=3, T=3, h=4, lengths=(45, 0, 64), ntok=(2, 0, 3), work=32,
+                                                  seed=19, partials="bf16"),
     # 10 splits of 64 keys: 8 split groups per merge block (a tree of 3 rounds), 2 splits per load round (groups
     # 2..7's second is past the last split: loaded, not folded); 5 splits (ring_splits_merge): a tree of 5 groups
     "merge_ten_groups": lambda env: check(env, lengths=(600, 90), work=32, seed=5),
@@ -120,8 +126,8 @@ SIM_CASES = {
     "merge_fused_dead_rows_empty_seq": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=4), B=3, T=3, h=4,
                                                                lengths=(45, 0, 64), ntok=(2, 0, 3), work=32, seed=13,
                                                                calls=2),
-    "merge_fused_f32": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=4), B=2, T=2, h=4, lengths=(100, 30),
-                                               ntok=(2, 1), work=32, seed=17, partials="f32"),
+    "merge_fused_bf16": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=4), B=2, T=2, h=4, lengths=(100, 30),
+                                                ntok=(2, 1), work=32, seed=17, partials="bf16"),
     "many_splits_auto": lambda env: check(env, B=1, lengths=(300,), ntok=(1,), work="auto", sms=12, seed=3),
     "pv_two_tiles_per_warp": lambda env: check(env, B=1, T=16, h=4, D=160, r=128, lengths=(70,),
                                                        ntok=(13,), work=64, seed=4),
@@ -169,11 +175,11 @@ GPU_CASES = {
     "tree4_h64_cap6": dict(B=1, T=4, h=64, lengths=(2,), ntok=(4,), work="none", margin=0),
     "tree4_h8_cap6": dict(B=1, T=4, h=8, lengths=(2,), ntok=(4,), work="none", margin=0),
     "tree5_h64_b2_cap_exact": dict(B=2, T=5, h=64, lengths=(60, 3), ntok=(5, 4), work="none", margin=0),
-    # f32 split partials (bf16 is the default: kernels.mla MLA_PARTIALS)
+    # the other partials' type (kernels.mla MLA_PARTIALS "auto": bf16 for the 64-head kernel, f32 for the 8-head)
     "decode_h64_b9_auto_f32": dict(B=9, h=64, lengths=(3000, 17, 900, 4000, 1, 2500, 64, 65, 3333), ntok=(1,) * 9,
                                    work="auto", partials="f32"),
-    "decode_h8_b5_auto_f32": dict(B=5, h=8, lengths=(4100, 33, 0, 2000, 777), ntok=(1, 1, 1, 0, 1), work="auto",
-                                  partials="f32"),
+    "decode_h8_b5_auto_bf16": dict(B=5, h=8, lengths=(4100, 33, 0, 2000, 777), ntok=(1, 1, 1, 0, 1), work="auto",
+                                   partials="bf16"),
 }
 WG_CASES = sorted(c for c in GPU_CASES if GPU_CASES[c]["h"] % 64 == 0)     # kernels/mla_wg.py's on sm_90
 
@@ -526,6 +532,21 @@ def test_mla_cuts_match_the_kernel():
     assert cut_source("base+merge") == base             # a launch cut: the child skips the merge, no source change
     with pytest.raises(SystemExit, match="unknown cut"):
         cut_source("base+nonsense")
+
+
+def test_partials_type(monkeypatch):
+    """mla_work's split partials: f32 or bf16 bits (uint16) as asked; "auto" (the default) is bf16 exactly where the
+    64-head wgmma kernel runs; any other name is refused in one line."""
+    import kernels.mla as km
+    from kernels.mla import mla_work
+    for name, dtype in (("f32", np.float32), ("bf16", np.uint16)):
+        assert mla_work(np.zeros, 2, 1, 64, 512, 4097, partials=name).o.dtype == dtype
+    for wg in (False, True):
+        monkeypatch.setattr(km, "mla_wg_applies", lambda h, D, r: wg and h % 64 == 0)
+        assert mla_work(np.zeros, 2, 1, 64, 512, 4097).o.dtype == (np.uint16 if wg else np.float32)
+        assert mla_work(np.zeros, 2, 1, 8, 512, 4097, partials="auto").o.dtype == np.float32
+    with pytest.raises(ValueError, match=r"^mla_work: partials 'fp8' is not one of \['auto', 'bf16', 'f32'\]$"):
+        mla_work(np.zeros, 2, 1, 64, 512, 4097, partials="fp8")
 
 
 def test_strided_out_refused():
