@@ -232,11 +232,14 @@ CLUSTER_CASES = {
 
 # and many splits for the grid merge (kernels.mla_wg.MLA_WG_GRID): one sequence in 66 splits (124-125 items of a
 # tile per block: two thread groups per item), 129 splits (63-64 items: four groups; blocks past the 64th fold
-# rows the earlier ones also touch), two sequences of one 64-head tile each in 33 splits with empty ones
+# rows the earlier ones also touch), two sequences of one 64-head tile each in 33 splits with empty ones. With
+# groups: 66 splits as 11 clusters of 6, 33 x 2 as 22 clusters of 3 (one wave either way), 129 as none (43 clusters
+# of 3 at once: more than the H200 holds, call 4 of bench/h200_2026-12-04; the expectation was 0 for all three
+# before, which the first two failed there)
 GRID_CASES = {
-    "decode_h64_b1_split66": (dict(B=1, h=64, lengths=(4200,), ntok=(1,), work=64), 0, 0),
+    "decode_h64_b1_split66": (dict(B=1, h=64, lengths=(4200,), ntok=(1,), work=64), 0, 6),
     "decode_h64_b1_split129": (dict(B=1, h=64, lengths=(8200,), ntok=(1,), work=64), 0, 0),
-    "decode_h64_b2_split33": (dict(B=2, h=64, lengths=(2080, 1000), ntok=(1, 1), work=64), 0, 0),
+    "decode_h64_b2_split33": (dict(B=2, h=64, lengths=(2080, 1000), ntok=(1, 1), work=64), 0, 3),
 }
 
 
