@@ -43,7 +43,7 @@ import math  # noqa: E402
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
 from kernels.device import (SIM, as_f32, as_u32, device, kernel, launch, ld4, ld4_l2,  # noqa: E402,F401
-                            ld16, ld16_l2, ld_quad, ld_quad_l2)
+                            ld_quad, ld_quad_l2)
 
 if SIM:
     from kernels.device import shfl_xor  # noqa: E402,F401
@@ -209,8 +209,8 @@ def merge_kernel(RB, SU=1):
         instructions on each of 8 SMs); (32, 32) threads over 4 column blocks per row 15.3K (each block as many
         instructions, 4x the work); (32, 8) over 4 column blocks (the default) took the whole 4K x 8-head decode
         (split kernel + merge, graph) from 15.37 to 13.94 us. o_part f32 or bf16 (u16 bits: ld_quad widens
-        them) [B, nsplit, M, r] and ml_part f32[B, nsplit, M, 2] contiguous (r % 4X == 0), out f32[B, M, r] (any strides); rows whose splits saw no key
-        get 0. Bytes: the partials once, the output once."""
+        them) [B, nsplit, M, r] and ml_part f32[B, nsplit, M, 2] contiguous (r % 4X == 0), out f32[B, M, r] (any
+        strides); rows whose splits saw no key get 0. Bytes: the partials once, the output once."""
         x, y = cuda.threadIdx.x, cuda.threadIdx.y
         X, G = cuda.blockDim.x, cuda.blockDim.y
         nsplit, M, r = o_part.shape[1], o_part.shape[2], o_part.shape[3]
