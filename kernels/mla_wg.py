@@ -21,8 +21,8 @@ other split counts leave partials for kernels.attention's merge_splits launch, o
 slower than that launch since session 26), where the whole grid fits at once, run as a cooperative launch whose
 blocks meet at a counter per row tile and merge from the partials at L2 (grid_merge).
 Bytes: each cache row of the split once per tile (the tiles of one split share it through L2), q once, the
-partials 64 r 4 per block (none in a cluster: the output once). Same arguments and outputs as mla.py's kernel
-(o_part, ml_part, the merge after; out in a cluster)."""
+partials 64 r 2 per block (bf16, kernels.mla MLA_PARTIALS; 64 r 4 as f32; none in a cluster: the output once).
+Same arguments and outputs as mla.py's kernel (o_part, ml_part, the merge after; out in a cluster)."""
 import math
 import textwrap
 
