@@ -23,12 +23,13 @@ head_gemm: MLA's per-head products (x f32[n, h, a] strided views @ bf16 w[h, b, 
 on grid z and 8T-token chunks on grid y: one launch instead of one GEMM per head.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from kernels.attention import launch_smem
+from kernels.gemm_wg import WG_NB_MAX, gemm_wg, gemm_wg_applies, token_blocks, xb_words as wg_xb_words
 from kernels.device import (F0, SIM, as_f32, bf16_hi, bf16_lo, cp_commit, cp_wait, device, int4_pair, kernel, launch,
                             ld16, ld16_pf, ld4, ld4_l2, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
 from kernels.memo import memo_f32
@@ -125,6 +126,11 @@ def _build_prep_unit(xs, perm, tiled):
         elif tiled == 2:       # A fragments: chunk (step, m16 tile, k16 half), lane 4*(row%8) + t, word 2j + upper
             base = ((blk // 4 * ((m + 15) // 16) + row // 16) * 2) * RING_CHUNK + (4 * (row % 8) + blk % 4) * 4
             base += (row // 8) % 2
+        elif tiled == 3:       # wgmma B boxes (kernels/gemm_wg.py): [token block][k/64 box][NB rows][128 bytes],
+            zb = (m + WG_NB_MAX - 1) // WG_NB_MAX    # chunk c of row r at chunk c ^ (r % 8) (128-byte swizzle)
+            nb = ((m + zb - 1) // zb + 7) // 8 * 8
+            z, r = row // nb, row % nb
+            base = ((z * (kdim // 64) + blk // 8) * nb + r) * 32 + ((blk % 8) ^ (r % 8)) * 4
         if tiled:
             row = min(row, m - 1)
         k0 = blk * 8
@@ -154,20 +160,27 @@ def _build_prep(xs, perm, tiled=0):
         (tiled=1) the mma B fragments in warp order: word ((s*ceil(m/8) + row//8)*xs + p)*128 + 4*lane + q with
         lane = 4*(row%8) + t holds part p of columns 32s + 8t + 2q, +1 (rows past m repeat row m-1), or (tiled=2,
         xs=1) the mma A fragments of 16-row token tiles: word ((s*ceil(m/16) + row//16)*2 + h)*128 + 4*lane +
-        2j + (row//8)%2 holds columns 32s + 8t + 4h + 2j, +1 (the k order of a weight row's 16-byte lane load).
-        Launch: grid (ceil(k/8/256), m, or the rows rounded up to 8 (tiled=1) or 16 (tiled=2)), block 256; moves
+        2j + (row//8)%2 holds columns 32s + 8t + 4h + 2j, +1 (the k order of a weight row's 16-byte lane load), or
+        (tiled=3, xs=1) kernels/gemm_wg.py's wgmma B boxes: token block z of NB rows, 64-column box b, row r:
+        words ((z*k/64 + b)*NB + r)*32 + 4*(c ^ r%8) + q hold columns 64b + 8c + 2q, +1.
+        Launch: grid (ceil(k/8/256), m, or the rows rounded up to 8 (tiled=1), 16 (tiled=2) or ZB*NB (3)), block 256; moves
         m*k*4 bytes in, m*k*2*xs out."""
         prep_unit(x, xb, m, kdim, cuda.blockIdx.y, cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
     return prep
 
 
 def prep_b(x, xb, xs=XS_DEFAULT, perm=0, tiled=0):
-    """x f32[m, k] -> xb (uint32 flat, >= m*xs*k/2 words; tiled=1: ceil(m/8)*8*xs*k/2, tiled=2: ceil(m/16)*16*k/2):
+    """x f32[m, k] -> xb (uint32 flat, >= m*xs*k/2 words; tiled=1: ceil(m/8)*8*xs*k/2, tiled=2: ceil(m/16)*16*k/2,
+    tiled=3: kernels.gemm_wg.xb_words):
     the B operand of the mma GEMMs (tiled=2: the A operand of the AB cut)."""
     m, k = x.shape
-    if tiled == 2 and (xs != 1 or perm):
-        raise ValueError("prep_b: the A-fragment layout (tiled=2) is for bf16 activations in natural column order")
-    rows = math.ceil(m / (8 * tiled)) * 8 * tiled if tiled else m
+    if tiled >= 2 and (xs != 1 or perm):
+        raise ValueError(f"prep_b: the tiled={tiled} layout is for bf16 activations in natural column order")
+    if tiled == 3:
+        nb, zb = token_blocks(m)
+        rows = nb * zb
+    else:
+        rows = math.ceil(m / (8 * tiled)) * 8 * tiled if tiled else m
     launch(_cached(_build_prep, xs, perm, tiled), (math.ceil(k / 8 / 256), rows), 256, x, xb, int32(m), int32(k))
 
 
@@ -570,6 +583,8 @@ TARGET_WARPS = 2112    # warps the k split aims at (16 per SM on the H200's 132)
 #   (R=1) at one token tile with 8 steps of loads in flight (U=8; U=4 or 2 with R=1 lost 1.5-13 points) and at 2-3
 #   tiles below R2_MIN_BYTES (R=1 at 3 tiles lost 2-9 points on o and lm_head); R=2 at 4-5 tiles (mixed, -4 to +3);
 #   1056 warps lost on o and shared_gate_up (40 / 41% at m = 1), 8192 lost everywhere but q_b at m = 1.
+WG_ROWS = 1024         # x up to this many rows takes the wgmma path where it applies (kernels/gemm_wg.py; its B
+#                        operand is x as bf16 in the workspace: taller prompts keep the mma path, which reads f32 x)
 R2_MIN_BYTES = 100 << 20   # weights from which 2-3 token tiles take two row tiles per warp (o, lm_head)
 
 
@@ -593,6 +608,7 @@ class GemmConfig:
     #                    the B operand, which takes a weight row's 16-byte load as two k16 fragments without register
     #                    moves (python -m tools.ptx_stats --sass --gemm: 40 of 84 SASS per step at m = 17 are moves).
     #                    8R accumulators per token tile: R=1 from 3 tiles (above 40 per lane they go to local memory)
+    WG: int = 0        # 1: kernels/gemm_wg.py (TMA ring + wgmma, sm_90; the fields above unused)
 
 
 @dataclass
@@ -660,7 +676,7 @@ def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
         return GemmConfig(R=1, WR=max(1, min(MAX_WARPS // wk, tiles)), WK=wk, SB=1,
                           U=8 if T == 1 else (1 if T == 3 else 2), BF=1, MB=2 if T > 1 else 0, FR=0, S=0, XS=SMALL_XS)
     return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2, FR=int(T == 1), S=S,
-                      RB=RB)
+                      RB=RB, WG=int(m <= WG_ROWS and gemm_wg_applies(m, n, k)))
 
 
 def token_tiles(m, cfg):
@@ -672,6 +688,8 @@ def gemm_workspace_words(m, n, k, xs=None, cfg=None):
     """(xb words, part floats) a call needs (xb: the tiled B operand, token rows padded to 8; none for x taller than
     one block, which the GEMM reads itself)."""
     cfg = cfg or gemm_config(m, n, k)
+    if cfg.WG:
+        return wg_xb_words(m, k), 0
     rows = token_tiles(m, cfg) * (16 if cfg.AB else 8)
     xb = rows * (xs or cfg.XS) * k // 2 if m <= 8 * TILES_ONE_BLOCK else 0
     return xb, (cfg.SB * m * n if cfg.SB > 1 else 0)
@@ -680,7 +698,7 @@ def gemm_workspace_words(m, n, k, xs=None, cfg=None):
 def gemm_sync_words(m, n, k, cfg=None):
     """Counters (u32, zeroed once by the caller) a call with a fused k-split reduce needs: one per row range."""
     cfg = cfg or gemm_config(m, n, k)
-    return math.ceil(n / 16 / (cfg.WR * cfg.R)) if cfg.SB > 1 and cfg.FR else 0
+    return math.ceil(n / 16 / (cfg.WR * cfg.R)) if cfg.SB > 1 and cfg.FR and not cfg.WG else 0
 
 
 def gemm_smem(T, cfg, nb=0):
@@ -700,6 +718,12 @@ def gemm(x, w, out, ws, xs=None, cfg=None):
     if k % 32:
         raise ValueError(f"gemm: k={k} is not a multiple of 32")
     cfg = cfg or gemm_config(m, n, k)
+    if cfg.WG and xs not in (None, 1):      # hi + lo parts asked for: the mma path (wgmma takes bf16 x only)
+        cfg = replace(cfg, WG=0)
+    if cfg.WG:
+        if ws.xb.size < wg_xb_words(m, k):
+            raise ValueError(f"gemm: workspace too small ({ws.xb.size} < {wg_xb_words(m, k)} words of x)")
+        return gemm_wg(x, w, out, ws.xb)
     xs = xs or cfg.XS
     nxb, npart = gemm_workspace_words(m, n, k, xs, cfg)
     if ws.xb.size < nxb or ws.part.size < npart:

@@ -61,7 +61,27 @@ def check_ab_refuses(env):
         assert np.isnan(env.host(out)).all()
 
 
+def check_prep_wg_boxes(env):
+    """prep_b tiled=3 (kernels/gemm_wg.py's B boxes): every bf16 of x at its swizzled place in its token block,
+    rows past m repeating row m - 1, for one block (33 rows -> 40) and two (70 -> 2 x 40)."""
+    from kernels.gemm import prep_b
+    from kernels.gemm_wg import token_blocks, xb_words
+    rng = np.random.default_rng(5)
+    for m, k in ((33, 128), (70, 192)):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        xb = C.poisoned(env, (xb_words(m, k),), np.uint32)
+        prep_b(env.dev(x), xb, 1, 0, tiled=3)
+        nb, zb = token_blocks(m)
+        got = env.host(xb).view(np.uint16).reshape(zb, k // 64, nb, 8, 8)         # z, box, row, chunk, element
+        r = np.arange(nb)
+        rows = np.minimum(np.arange(zb)[:, None] * nb + r, m - 1)                  # [zb, nb] source rows
+        want = C.f32_to_bf16(x[rows].reshape(zb, nb, k // 64, 8, 8)).transpose(0, 2, 1, 3, 4)
+        unswizzled = got[:, :, r[:, None], np.arange(8)[None, :] ^ (r[:, None] % 8)]
+        np.testing.assert_array_equal(unswizzled, want, err_msg=f"prep tiled=3 m={m} k={k}")
+
+
 SIM_CASES = {
+    "prep_wg_boxes_one_and_two_token_blocks": check_prep_wg_boxes,
     "shared_arrays_one_per_line": lambda env: C.check_shared_arrays(env),
     "gemm_2tiles_split_in_and_across_blocks": lambda env: C.check_gemm(env, 9, 40, 96, 2,
                                                                         GemmConfig(R=1, WR=1, WK=2, SB=2)),
@@ -154,7 +174,7 @@ def test_gpu_gemm_cuts(over, m):
     from kernels.gemm import SMEM_MAX, gemm_config, gemm_smem, token_tiles
     for name in ("q_kv_a", "shared_down", "kv_b"):
         n, k = K2_GEMMS[name]
-        cfg = replace(gemm_config(m, n, k), **over)
+        cfg = replace(gemm_config(m, n, k), WG=0, **over)      # the mma path's cuts (not kernels/gemm_wg.py)
         T = token_tiles(m, cfg)
         if cfg.AB and T >= 3:        # 2R*T*4 accumulators per lane: above 40 numba keeps them in local memory
             cfg = replace(cfg, R=1)
@@ -196,7 +216,7 @@ def test_gpu_gemm_fused_reduce(name, m):
     from kernels.gemm import gemm_config
     n, k = K2_GEMMS[name]
     cfg = gemm_config(m, n, k)
-    check_gemm_fused_reduce(Env(gpu=True), m, n, k, replace(cfg, FR=1, SB=max(cfg.SB, 2)), calls=3)
+    check_gemm_fused_reduce(Env(gpu=True), m, n, k, replace(cfg, FR=1, SB=max(cfg.SB, 2), WG=0), calls=3)
 
 
 # the shipped pair's projections (target and drafter): small weights, where launches cost more than bytes

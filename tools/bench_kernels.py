@@ -81,7 +81,14 @@ MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R
 # (the default before session 8). Session 8 (then xs=2 by default; % of copy in kernels.gemm's XS_DEFAULT and
 # gemm_config comments): B in a 3-stage ring lost to 2 stages everywhere (lm_head m = 17: 74.8 vs 81.5)
 GEMM_MS = (1, 9, 17, 33, 65)
-GEMM_VARIANTS = {"ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
+GEMM_VARIANTS = {# session 32: the wgmma path (kernels/gemm_wg.py, the default where it applies) against the mma path
+                 # ("mma": gemm_config's cut as before) and its knobs: blocks aimed at per SM, ring bytes per block
+                 "mma": (GEMM_MS, dict(WG=0)),
+                 "wg_t1": ((1, 17, 33), dict(wg=dict(WG_TARGET_BLOCKS=1, WG_SMEM_BLOCK=200 * 1024))),
+                 "wg_t3": ((1, 17, 33), dict(wg=dict(WG_TARGET_BLOCKS=3, WG_SMEM_BLOCK=72 * 1024))),
+                 "wg_t4": ((1, 17, 33), dict(wg=dict(WG_TARGET_BLOCKS=4, WG_SMEM_BLOCK=54 * 1024))),
+                 "wg_s3": ((1, 17, 33), dict(wg=dict(WG_STAGES_MAX=3))),
+                 "ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
                  "rb2": ((17,), dict(S=2, RB=1)), "rb2w4": ((17, 33), dict(S=2, RB=1, WR=4)),
                  "xs2": ((17, 33, 65), dict(xs=2)),
                  # x as the mma's A operand, weights as B (GemmConfig.AB: no register moves; session 10 NOT better;
@@ -355,7 +362,19 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
                        dv(cp.zeros(1 << 14, cp.uint32)))
 
     def run(name, ws_chain, m, n, k, tag, over):
+        if "wg" in over:          # kernels/gemm_wg.py's module knobs for this run (the wgmma path's cut)
+            import kernels.gemm_wg as kw
+            saved = {f: getattr(kw, f) for f in over["wg"]}
+            for f, v in over["wg"].items():
+                setattr(kw, f, v)
+            try:
+                return run(name, ws_chain, m, n, k, tag, {f: v for f, v in over.items() if f != "wg"} | {"WG": 1})
+            finally:
+                for f, v in saved.items():
+                    setattr(kw, f, v)
         x, out = dv(cp.random.standard_normal((m, k), dtype=cp.float32)), dv(cp.zeros((m, n), cp.float32))
+        if tag != "default":      # the variants of the mma path's cut: not the wgmma path unless they say so
+            over = {"WG": 0} | over
         cfg = replace(gemm_config(m, n, k, **({"target_warps": over["tw"]} if "tw" in over else {})),
                       **{f: v for f, v in over.items() if f not in ("xs", "tw")})
         nbytes, xs = n * k * 2, over.get("xs", cfg.XS)

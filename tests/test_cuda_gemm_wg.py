@@ -1,0 +1,100 @@
+"""kernels/gemm_wg.py (TMA ring + wgmma dense GEMM, sm_90): its cut rules and x's box layout on the CPU, the kernel
+against gemm_ref on the GPU (K2 shapes and odd ones, every cut field, token blocks), batch invariance bit for bit."""
+import numpy as np
+import pytest
+
+import cuda_cases as C
+from cudasim import Env
+
+K2 = {"q_kv_a": (2112, 7168), "q_b": (12288, 1536), "kv_b": (16384, 512), "o": (7168, 8192),
+      "shared_gate_up": (4096, 7168), "shared_down": (7168, 2048)}
+
+
+def test_wg_cut_from_n_k_only():
+    """MT and CL (the k pieces: the order of every sum) do not depend on m; clusters stay portable (<= 8), pieces
+    hold >= 2 boxes, the blocks stay within the aimed-at count, and the ring fits its shared memory."""
+    from kernels.gemm_wg import WG_SMEM_BLOCK, WG_TARGET_BLOCKS, token_blocks, wg_cut, wg_smem
+    for n, k in list(K2.values()) + [(200, 192), (64, 64), (1000, 640)]:
+        cuts = [wg_cut(m, n, k) for m in (1, 7, 8, 9, 33, 64, 65, 130, 1000)]
+        assert len({(c.MT, c.CL) for c in cuts}) == 1, (n, k, cuts)
+        c = cuts[0]
+        strips = -(-n // (64 * c.MT))
+        assert 1 <= c.CL <= 8 and (c.CL == 1 or k // 64 // c.CL >= 2), c
+        assert strips * c.CL <= max(WG_TARGET_BLOCKS * 132, strips), c
+        for cut in cuts:
+            assert cut.S >= 2 and wg_smem(cut) <= max(WG_SMEM_BLOCK, 2 * (cut.MT * 8192 + cut.NB * 128)) + 64
+    assert [token_blocks(m) for m in (1, 8, 9, 33, 64, 65, 130)] == [(8, 1), (8, 1), (16, 1), (40, 1), (64, 1),
+                                                                       (40, 2), (48, 3)]
+
+
+def test_wg_path_off_without_sm90():
+    """Under the simulator (no TMA / wgmma twin) gemm_config never picks the wgmma path."""
+    from kernels.gemm import gemm_config
+    from kernels.gemm_wg import gemm_wg_applies
+    if gemm_wg_applies(1, 7168, 8192):
+        pytest.skip("an sm_90 GPU is present: the path applies")
+    assert gemm_config(1, 7168, 8192).WG == 0
+
+
+# --- GPU ---------------------------------------------------------------------------------------------------------
+def check(m, n, k, cut=None, seed=None):
+    """gemm_wg against gemm_ref, output and x's boxes poisoned first; returns the output."""
+    from numba import cuda
+
+    from kernels.gemm import gemm_ref
+    from kernels.gemm_wg import gemm_wg, xb_words
+    env = Env(gpu=True)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = C.rand_bf16(rng, n, k)
+    out = C.poisoned(env, (m, n), np.float32)
+    gemm_wg(cuda.to_device(x), cuda.to_device(w), out, C.poisoned(env, (xb_words(m, k),), np.uint32), cut)
+    ref = gemm_ref(x, w, np.empty((m, n), np.float32))
+    scale = (np.abs(x) @ np.abs(C.bf16_to_f32(w)).T).max()
+    got = env.host(out)
+    C.assert_close(f"gemm_wg m={m} n={n} k={k} {cut}", got, ref, 4e-3, scale)
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 5, 17, 33, 64, 65, 130])
+@pytest.mark.parametrize("name", sorted(K2))
+def test_gpu_gemm_wg_k2(name, m):
+    """The default cut on K2's projections, one token block (m <= 64) and two or three (65, 130)."""
+    check(m, *K2[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 9, 40, 70])
+@pytest.mark.parametrize("mt,cl,stages", [(1, 1, 2), (2, 1, 3), (1, 3, 2), (2, 2, 5), (2, 8, 4), (1, 5, 8)])
+def test_gpu_gemm_wg_cuts(mt, cl, stages, m):
+    """Every cut field on odd shapes: rows past n inside a box and a whole box past n (n = 200: MT = 2 strips of 128),
+    k pieces of unequal boxes (k = 704: 11 boxes), fewer boxes than stages, clusters of 1 .. 8."""
+    from kernels.gemm_wg import wg_cut
+    for n, k in ((200, 704), (1000, 640), (64, 128)):
+        if cl > k // 64:
+            continue
+        check(m, n, k, wg_cut(m, n, k, mt=mt, cl=cl, stages=stages))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["q_kv_a", "o", "kv_b"])
+def test_gpu_gemm_wg_batch_invariant(name):
+    """A token's output is bit for bit the same alone, among 9, 33, 64 or 130 tokens (the k pieces and the order of
+    every sum come from n, k: only the token block's width changes)."""
+    from numba import cuda
+
+    from kernels.gemm_wg import gemm_wg, xb_words
+    n, k = K2[name]
+    rng = np.random.default_rng()
+    x = rng.standard_normal((130, k)).astype(np.float32)
+    dw = cuda.to_device(C.rand_bf16(rng, n, k))
+    outs = {}
+    for m in (1, 9, 33, 64, 130):
+        out = cuda.to_device(np.full((m, n), np.nan, np.float32))
+        gemm_wg(cuda.to_device(x[:m]), dw, out, cuda.to_device(np.zeros(xb_words(m, k), np.uint32)))
+        outs[m] = out.copy_to_host()
+    for m in (9, 33, 64, 130):
+        np.testing.assert_array_equal(outs[m][0], outs[1][0], err_msg=f"{name}: token 0 alone vs among {m}")
+        r = min(m, 9) - 1
+        np.testing.assert_array_equal(outs[m][r], outs[9][r], err_msg=f"{name}: token {r} among 9 vs {m}")
