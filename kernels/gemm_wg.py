@@ -19,29 +19,37 @@ Bytes: the weights once per token block (n k 2), x once per strip (NB k 2 per bl
 No simulator twin (TMA, wgmma, clusters): `gemm_wg_applies` is False there and kernels.gemm takes its mma path.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
 from kernels.device import SIM
 
 GEMM_WG = True            # kernels.gemm.gemm_config takes this path where it applies (gemm_wg_applies)
 WG_NB_MAX = 64            # token rows per block (wgmma N); taller x runs as token blocks on grid z
-WG_TARGET_BLOCKS = 2      # blocks per SM the k split aims at (all resident at once: one wave)
-WG_SMEM_BLOCK = 112 * 1024    # shared bytes a block may take for its ring (two blocks per SM)
-WG_STAGES_MAX = 8
+WG_TARGET = 1.8           # blocks per SM the k split aims at, at most: all resident at once (one wave) with room
+#                           for the clusters' packing into GPCs (a cluster's blocks share one GPC)
+WG_CL_MAX = 4             # k pieces per strip (cluster size). H200, session 32 call 1: clusters of 8 (q_kv_a: 33
+#                           clusters of 8 blocks) ran slower than the mma path, likely a cluster left for a second wave
+WG_SMEM_BLOCK = 112 * 1024    # shared bytes of a block (ring + x boxes): two fit per SM
+WG_STAGES_MAX = 12
+WG_XIN_BYTES = 40 * 1024  # x's boxes of a block's k piece up to this size are converted from f32 x by the block
+#                           itself (no prep launch); larger ones are prepared by prep_b tiled=3 and ride in the ring
 BOX = 64 * 64 * 2         # bytes of one weight box (64 rows x 64 k bf16)
 
 
 @dataclass(frozen=True)
 class WgCut:
     """How one wgmma GEMM is cut: MT m64 weight tiles per block, CL k pieces (a cluster), S ring stages, NB token
-    rows per block (wgmma N), ZB token blocks."""
+    rows per block (wgmma N), ZB token blocks, XIN: the block converts its piece of f32 x into shared memory itself
+    (0: x prepared by prep_b, its boxes in the ring)."""
     MT: int
     CL: int
     S: int
     NB: int
     ZB: int
+    XIN: int = 0
 
 
 def token_blocks(m):
@@ -51,29 +59,44 @@ def token_blocks(m):
     return 8 * -(-per // 8), zb
 
 
-def wg_cut(m, n, k, sms=132, mt=None, cl=None, stages=None):
-    """The default cut: MT and CL from (n, k) alone (batch invariance): the MT (2 preferred) whose strips x k pieces
-    come closest to WG_TARGET_BLOCKS per SM without passing it, k pieces of >= 2 boxes, <= 8 (a portable cluster);
-    S as many stages as WG_SMEM_BLOCK holds. mt / cl / stages override."""
+def piece_boxes(k, cl):
+    """Most 64-column boxes of one of the cl k pieces."""
+    return -(-(k // 64) // cl)
+
+
+def wg_cut(m, n, k, sms=132, mt=None, cl=None, stages=None, xin=None):
+    """The default cut: MT and CL from (n, k) alone (batch invariance): the MT (2 on a tie) whose strips x k pieces
+    come closest to WG_TARGET blocks per SM without passing it (past it for both: the fewer blocks), k pieces of >= 2 boxes, <= WG_CL_MAX; XIN where x's
+    piece fits WG_XIN_BYTES; S as many stages as the rest of WG_SMEM_BLOCK holds. mt / cl / stages / xin override."""
     boxes = k // 64
-    target = WG_TARGET_BLOCKS * sms
-    best = None
+    target = int(WG_TARGET * sms)
+    options = []
     for MT in ((mt,) if mt else (2, 1)):
         strips = -(-n // (64 * MT))
-        CL = cl or max(1, min(8, boxes // 2, target // strips))
-        if best is None or strips * CL > best[0]:
-            best = (strips * CL, MT, CL)
-    _, MT, CL = best
+        CL = cl or max(1, min(WG_CL_MAX, boxes // 2, target // strips))
+        blocks = strips * CL
+        options.append((blocks if blocks <= target else -blocks, MT, CL))   # the most blocks within the target,
+    _, MT, CL = max(options)                                                # else the fewest (MT = 2 first)
     NB, ZB = token_blocks(m)
-    stage = MT * BOX + NB * 128
-    S = stages or max(2, min(WG_STAGES_MAX, WG_SMEM_BLOCK // stage))
-    return WgCut(MT, CL, S, NB, ZB)
+    xbytes = NB * 128 * piece_boxes(k, CL)
+    XIN = int(xbytes <= WG_XIN_BYTES) if xin is None else xin
+    stage = MT * BOX + (0 if XIN else NB * 128)
+    S = stages or max(2, min(WG_STAGES_MAX, (WG_SMEM_BLOCK - XIN * xbytes) // stage))
+    return WgCut(MT, CL, S, NB, ZB, XIN)
 
 
-def wg_smem(cut):
-    """Dynamic shared bytes: the ring (its space holds the partial tile after the main loop), then S mbarriers."""
-    tile = cut.NB * (64 * cut.MT + 4) * 4
-    return max(cut.S * (cut.MT * BOX + cut.NB * 128), tile) + 8 * cut.S
+def _layout(MT, S, NB, XB):
+    """(stage bytes, x boxes' offset, first mbarrier's byte offset) of the shared memory: S ring stages, then (XIN:
+    XB > 0) the x boxes of the k piece; the partial tile [NB][64 MT + 4] f32 reuses the start after the main loop."""
+    stage = MT * BOX + (0 if XB else NB * 128)
+    xreg = S * stage
+    end = max(xreg + XB * NB * 128, NB * (64 * MT + 4) * 4)
+    return stage, xreg, -(-end // 8) * 8
+
+
+def wg_smem(cut, k):
+    """Dynamic shared bytes of a cut for inner size k."""
+    return _layout(cut.MT, cut.S, cut.NB, cut.XIN * piece_boxes(k, cut.CL))[2] + 8 * cut.S
 
 
 def _sm90():
@@ -99,24 +122,24 @@ def xb_words(m, k):
 _KERNELS = {}
 
 
-def gemm_wg_kernel(MT, CL, S, NB):
-    """The kernel for one cut (compiled once per (MT, CL, S, NB))."""
-    key = (MT, CL, S, NB)
+def gemm_wg_kernel(MT, CL, S, NB, XB=0):
+    """The kernel for one cut (compiled once per (MT, CL, S, NB, XB)); XB > 0: XIN with room for XB x boxes."""
+    key = (MT, CL, S, NB, XB)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(MT, CL, S, NB)
+        _KERNELS[key] = _build(MT, CL, S, NB, XB)
     return _KERNELS[key]
 
 
-def _build(MT, CL, S, NB):
+def _build(MT, CL, S, NB, XB):
     from kernels.bulk import bulk_load, mbar_expect, mbar_fence_init, mbar_init, mbar_wait, tensor_load_2d
     from kernels.bulk import tensormap_acquire
     from kernels.cluster import cluster_sync, dsmem_ld16
-    from kernels.device import kernel, lds16
-    from kernels.wgmma import make_desc, make_wgmma, wg_commit, wg_fence, wg_wait0, wg_wait1
+    from kernels.device import as_f32, kernel, ld16, lds16, pack_bf16x2
+    from kernels.wgmma import fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_wait0, wg_wait1
 
     BM, XBOX = 64 * MT, NB * 128               # weight rows per block; bytes of one activation box
-    STAGE = MT * BOX + XBOX
-    BAR = max(S * STAGE, NB * (BM + 4) * 4) // 8   # first mbarrier (u64 index)
+    STAGE, XREG, BARB = _layout(MT, S, NB, XB)
+    BAR = BARB // 8                            # first mbarrier (u64 index)
     BMP = BM + 4                               # f32 row pitch of the partial tile [NB tokens][BM rows]
     NACC = NB // 2
     accs = [", ".join(f"a{t}_{i}" for i in range(NACC)) for t in range(MT)]
@@ -134,8 +157,24 @@ def _build(MT, CL, S, NB):
         first, sync = "dsmem_ld16(wsm, idx, 0)", "    cluster_sync()\n"
     else:
         fold, first, sync = "", "lds16(wsm, idx)", "    cuda.syncthreads()\n"
+    # XIN: the 128 threads turn x's rows tok0 .. tok0 + NB - 1 (past m: row m - 1), columns of boxes b0 .. b0 + ns - 1
+    # into bf16 boxes (128-byte swizzle) while the ring's first weight boxes are in flight
+    xin = f'''    for u in range(tid, {NB} * ns * 8, 128):
+        r = u // (ns * 8)
+        cc = u - r * (ns * 8)
+        src = (min(tok0 + r, m - 1) * nbox + b0) * 64 + cc * 8
+        f0, f1, f2, f3 = ld16(x, src)
+        f4, f5, f6, f7 = ld16(x, src + 4)
+        o = {XREG // 4} + ((cc >> 3) * {NB} + r) * 32 + (((cc & 7) ^ (r & 7)) << 2)
+        wsm[o] = pack_bf16x2(as_f(f0), as_f(f1))
+        wsm[o + 1] = pack_bf16x2(as_f(f2), as_f(f3))
+        wsm[o + 2] = pack_bf16x2(as_f(f4), as_f(f5))
+        wsm[o + 3] = pack_bf16x2(as_f(f6), as_f(f7))
+    fence_proxy_async()                            # st.shared -> the wgmma proxy
+''' if XB else ""
+    db = f"desc(wsm, {XREG} + j * {XBOX})" if XB else f"desc(wsm, slot * {STAGE} + {MT * BOX})"
     src = f'''
-def gemm_wg_k(wmap, xb, out, m, n, nbox):
+def gemm_wg_k(wmap, xb, x, out, m, n, nbox):
     c, strip, z = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
     tid = cuda.threadIdx.x
     wsm = cuda.shared.array(0, uint32, alignment=1024)
@@ -144,6 +183,7 @@ def gemm_wg_k(wmap, xb, out, m, n, nbox):
     b0 = (c * nbox) // {CL}
     ns = ((c + 1) * nbox) // {CL} - b0
     row0 = strip * {BM}
+    tok0 = z * {NB}
     xoff = z * nbox * {XBOX // 4}
     live = min({MT}, (n - row0 + 63) // 64)        # weight boxes of the strip inside the matrix
     if tid == 0:
@@ -153,13 +193,13 @@ def gemm_wg_k(wmap, xb, out, m, n, nbox):
         tensormap_acquire(wmap)
         for p in range(min({S}, ns)):
             load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + p, p)
-    cuda.syncthreads()
+{xin}    cuda.syncthreads()
 {zero}
     for j in range(ns):
         slot = j % {S}
         mbar_wait(bars, {BAR} + slot, (j // {S}) & 1)
         da = desc(wsm, slot * {STAGE})
-        db = desc(wsm, slot * {STAGE} + {MT * BOX})
+        db = {db}
         wg_fence()
 {mma}
         wg_commit()
@@ -174,7 +214,6 @@ def gemm_wg_k(wmap, xb, out, m, n, nbox):
 {store}
 {sync}    q0 = (c * {BM // 4}) // {CL}
     nq = ((c + 1) * {BM // 4}) // {CL} - q0
-    tok0 = z * {NB}
     mz = min({NB}, m - tok0)
     for u in range(tid, mz * nq, 128):
         col = u // nq
@@ -196,20 +235,20 @@ def gemm_wg_k(wmap, xb, out, m, n, nbox):
 
     @cuda.jit(device=True, inline="always")
     def load_stage(wsm, bars, wmap, xb, xoff, row0, live, box, slot):
-        """Thread 0: stage `box` (64 k columns) into ring slot `slot`: the live weight boxes by TMA, the token
-        block's activation box by one bulk copy, all completing on the slot's mbarrier."""
-        mbar_expect(bars, BAR + slot, live * BOX + XBOX)
+        """Thread 0: stage `box` (64 k columns) into ring slot `slot`: the live weight boxes by TMA and (without
+        XIN) the token block's activation box by one bulk copy, all completing on the slot's mbarrier."""
+        mbar_expect(bars, BAR + slot, live * BOX + (0 if XB else XBOX))
         for t in range(MT):
             if t < live:
                 tensor_load_2d(wsm, (slot * STAGE + t * BOX) // 4, wmap, 64 * box, row0 + 64 * t, bars, BAR + slot)
-        bulk_load(wsm, (slot * STAGE + MT * BOX) // 4, xb, xoff + box * (XBOX // 4), XBOX, bars, BAR + slot)
+        if not XB:
+            bulk_load(wsm, (slot * STAGE + MT * BOX) // 4, xb, xoff + box * (XBOX // 4), XBOX, bars, BAR + slot)
 
-    from kernels.device import as_f32
     ns = dict(cuda=cuda, float32=float32, int32=int32, uint32=uint32, uint64=uint64, mbar_init=mbar_init,
               mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait, tensormap_acquire=tensormap_acquire,
               load_stage=load_stage, wg_fence=wg_fence, wg_commit=wg_commit, wg_wait0=wg_wait0, wg_wait1=wg_wait1,
               desc=make_desc(16, 1024, 128), wg=make_wgmma(NB), cluster_sync=cluster_sync, dsmem_ld16=dsmem_ld16,
-              lds16=lds16, as_f=as_f32)
+              lds16=lds16, ld16=ld16, as_f=as_f32, pack_bf16x2=pack_bf16x2, fence_proxy_async=fence_proxy_async)
     exec(src, ns)
     return kernel(max_registers=255)(ns["gemm_wg_k"])
 
@@ -230,8 +269,9 @@ def weight_tensor_map(w):
 
 
 def gemm_wg(x, w, out, xb, cut=None):
-    """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T: x -> bf16 tiles in xb (u32, >= xb_words(m, k)), then one
-    launch of (CL, strips, ZB) blocks in clusters of CL. w and out contiguous."""
+    """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T: one launch of (CL, strips, ZB) blocks in clusters of CL,
+    after x -> bf16 boxes in xb (u32, >= xb_words(m, k)) unless the blocks convert x themselves (cut.XIN, x
+    contiguous). w and out contiguous."""
     from kernels.attention import launch_smem
     from kernels.gemm import contiguous, prep_b
     m, k = x.shape
@@ -240,12 +280,18 @@ def gemm_wg(x, w, out, xb, cut=None):
         raise ValueError(f"gemm_wg: x {x.shape}, w {w.shape}, out {out.shape}: needs sm_90, k % 64 == 0, n >= 64, "
                          f"contiguous w and out [m, n]")
     cut = cut or wg_cut(m, n, k, cuda.get_current_device().MULTIPROCESSOR_COUNT)
-    if xb.size < xb_words(m, k) or (cut.NB, cut.ZB) != token_blocks(m):
-        raise ValueError(f"gemm_wg: xb of {xb.size} words < {xb_words(m, k)} or cut {cut} not made for m={m}")
-    prep_b(x, xb, 1, 0, tiled=3)
-    kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB)
+    if (cut.NB, cut.ZB) != token_blocks(m):
+        raise ValueError(f"gemm_wg: cut {cut} was not made for m={m}")
+    if cut.XIN and not contiguous(x):          # (the same bf16 x either way: the same sums)
+        cut = replace(cut, XIN=0)
+    if not cut.XIN:
+        if xb.size < xb_words(m, k):
+            raise ValueError(f"gemm_wg: xb of {xb.size} words < {xb_words(m, k)}")
+        prep_b(x, xb, 1, 0, tiled=3)
+    kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN * piece_boxes(k, cut.CL))
     grid = (cut.CL, math.ceil(n / (64 * cut.MT)), cut.ZB)
-    launch_smem(kern, grid, 128, wg_smem(cut), (weight_tensor_map(w), xb, out, int32(m), int32(n), int32(k // 64)),
+    xf = x.reshape(m * k) if cut.XIN else xb.view(np.float32)     # (without XIN: not read)
+    launch_smem(kern, grid, 128, wg_smem(cut, k), (weight_tensor_map(w), xb, xf, out, int32(m), int32(n),
+                                                     int32(k // 64)),
                 cluster=(cut.CL, 1, 1) if cut.CL > 1 else None)
     return out
-

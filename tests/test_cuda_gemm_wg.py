@@ -13,16 +13,18 @@ K2 = {"q_kv_a": (2112, 7168), "q_b": (12288, 1536), "kv_b": (16384, 512), "o": (
 def test_wg_cut_from_n_k_only():
     """MT and CL (the k pieces: the order of every sum) do not depend on m; clusters stay portable (<= 8), pieces
     hold >= 2 boxes, the blocks stay within the aimed-at count, and the ring fits its shared memory."""
-    from kernels.gemm_wg import WG_SMEM_BLOCK, WG_TARGET_BLOCKS, token_blocks, wg_cut, wg_smem
-    for n, k in list(K2.values()) + [(200, 192), (64, 64), (1000, 640)]:
+    from kernels.gemm_wg import WG_CL_MAX, WG_SMEM_BLOCK, WG_TARGET, WG_XIN_BYTES, token_blocks, wg_cut, wg_smem
+    for n, k in list(K2.values()) + [(163840, 7168), (200, 192), (64, 64), (1000, 640)]:
         cuts = [wg_cut(m, n, k) for m in (1, 7, 8, 9, 33, 64, 65, 130, 1000)]
         assert len({(c.MT, c.CL) for c in cuts}) == 1, (n, k, cuts)
         c = cuts[0]
         strips = -(-n // (64 * c.MT))
-        assert 1 <= c.CL <= 8 and (c.CL == 1 or k // 64 // c.CL >= 2), c
-        assert strips * c.CL <= max(WG_TARGET_BLOCKS * 132, strips), c
+        assert 1 <= c.CL <= WG_CL_MAX and (c.CL == 1 or k // 64 // c.CL >= 2), c
+        assert strips * c.CL <= max(WG_TARGET * 132, strips), c
         for cut in cuts:
-            assert cut.S >= 2 and wg_smem(cut) <= max(WG_SMEM_BLOCK, 2 * (cut.MT * 8192 + cut.NB * 128)) + 64
+            xbytes = cut.NB * 128 * -(-(k // 64) // cut.CL)
+            assert cut.XIN == (xbytes <= WG_XIN_BYTES), cut
+            assert cut.S >= 2 and wg_smem(cut, k) <= max(WG_SMEM_BLOCK, 2 * (cut.MT * 8192 + cut.NB * 128)) + 128
     assert [token_blocks(m) for m in (1, 8, 9, 33, 64, 65, 130)] == [(8, 1), (8, 1), (16, 1), (40, 1), (64, 1),
                                                                        (40, 2), (48, 3)]
 
@@ -66,15 +68,17 @@ def test_gpu_gemm_wg_k2(name, m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 9, 40, 70])
+@pytest.mark.parametrize("xin", [0, 1])
 @pytest.mark.parametrize("mt,cl,stages", [(1, 1, 2), (2, 1, 3), (1, 3, 2), (2, 2, 5), (2, 8, 4), (1, 5, 8)])
-def test_gpu_gemm_wg_cuts(mt, cl, stages, m):
+def test_gpu_gemm_wg_cuts(mt, cl, stages, xin, m):
     """Every cut field on odd shapes: rows past n inside a box and a whole box past n (n = 200: MT = 2 strips of 128),
-    k pieces of unequal boxes (k = 704: 11 boxes), fewer boxes than stages, clusters of 1 .. 8."""
+    k pieces of unequal boxes (k = 704: 11 boxes), fewer boxes than stages, clusters of 1 .. 8, x converted by the
+    blocks (XIN) or prepared (its boxes in the ring)."""
     from kernels.gemm_wg import wg_cut
     for n, k in ((200, 704), (1000, 640), (64, 128)):
         if cl > k // 64:
             continue
-        check(m, n, k, wg_cut(m, n, k, mt=mt, cl=cl, stages=stages))
+        check(m, n, k, wg_cut(m, n, k, mt=mt, cl=cl, stages=stages, xin=xin))
 
 
 @pytest.mark.gpu

@@ -84,10 +84,11 @@ GEMM_MS = (1, 9, 17, 33, 65)
 GEMM_VARIANTS = {# session 32: the wgmma path (kernels/gemm_wg.py, the default where it applies) against the mma path
                  # ("mma": gemm_config's cut as before) and its knobs: blocks aimed at per SM, ring bytes per block
                  "mma": (GEMM_MS, dict(WG=0)),
-                 "wg_t1": ((1, 17, 33), dict(wg=dict(WG_TARGET_BLOCKS=1, WG_SMEM_BLOCK=200 * 1024))),
-                 "wg_t3": ((1, 17, 33), dict(wg=dict(WG_TARGET_BLOCKS=3, WG_SMEM_BLOCK=72 * 1024))),
-                 "wg_t4": ((1, 17, 33), dict(wg=dict(WG_TARGET_BLOCKS=4, WG_SMEM_BLOCK=54 * 1024))),
-                 "wg_s3": ((1, 17, 33), dict(wg=dict(WG_STAGES_MAX=3))),
+                 # call 1's first rule (clusters of up to 8, 2 blocks per SM aimed at), x always prepared (no XIN)
+                 "wg_cl8": ((1, 17, 33), dict(wg=dict(WG_CL_MAX=8, WG_TARGET=2.0))),
+                 "wg_cl2": ((1, 17, 33), dict(wg=dict(WG_CL_MAX=2))),
+                 "wg_noxin": ((1, 17), dict(wg=dict(WG_XIN_BYTES=0))),
+                 "wg_t1": ((1, 17, 33), dict(wg=dict(WG_TARGET=1.0))),
                  "ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
                  "rb2": ((17,), dict(S=2, RB=1)), "rb2w4": ((17, 33), dict(S=2, RB=1, WR=4)),
                  "xs2": ((17, 33, 65), dict(xs=2)),
@@ -349,7 +350,7 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
 
 
 # -------------------------------------------------------------------------------------------------------- dense
-def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
+def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None, shapes=None):
     """Each K2 shape at GEMM_MS tokens: the default cut and the variants at their token counts (the best per m is
     reported); then the per-head GEMMs."""
     from kernels.gemm import (SMEM_MAX, GemmWorkspace, gemm, gemm_config, gemm_smem, gemm_workspace_words,
@@ -397,6 +398,8 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None):
         return row["pct_copy"]
 
     for name, (n, k) in K2_GEMMS.items():
+        if shapes and name not in shapes:
+            continue
         w0 = rand_bf16(cp, (n, k), 0.02)
         w = [dv(w0)] + [dv(w0.copy()) for _ in range(1, chain_copies(2 * n * k))]
         best = {m: ("default", run(name, w, m, n, k, "default", {})) for m in GEMM_MS}
@@ -567,6 +570,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="default cuts only")
     ap.add_argument("--only", choices=("moe", "gemm", "attention"), action="append")
     ap.add_argument("--variants", help="comma-separated MOE_VARIANTS / GEMM_VARIANTS tags to sweep (default: all)")
+    ap.add_argument("--gemm-shapes", help="comma-separated K2_GEMMS names to time (default: all)")
     ap.add_argument("--moe-sweep-ns", default="1,17", help="token counts the MoE variants are compared at")
     ap.add_argument("--profile", help="run one case for a profiler, then exit: moe[:n[:variant]], router[:n] or a "
                                       "GEMM name[:m] (lm_head:33)")
@@ -587,7 +591,8 @@ def main(argv=None):
     only = set(args.only or ("moe", "gemm", "attention"))
     tags = set(args.variants.split(",")) if args.variants is not None else None
     sections = [("moe", lambda: bench_moe(cp, cuda, results, copy_bw, args.quick, tags, sweep_ns)),
-                ("gemm", lambda: bench_gemm(cp, cuda, results, copy_bw, args.quick, tags))]
+                ("gemm", lambda: bench_gemm(cp, cuda, results, copy_bw, args.quick, tags,
+                                                    args.gemm_shapes and args.gemm_shapes.split(",")))]
     if importlib.util.find_spec("tools.bench_attention") is not None:
         sections.append(("attention", lambda: importlib.import_module("tools.bench_attention").run(results, copy_bw)))
     for name, run in sections:
