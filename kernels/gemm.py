@@ -679,6 +679,11 @@ def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
                       RB=RB, WG=int(m <= WG_ROWS and gemm_wg_applies(m, n, k)))
 
 
+def with_xs(cfg, xs):
+    """The cut that runs for activations xs: hi + lo parts (xs=2) take the mma path (wgmma takes bf16 x only)."""
+    return replace(cfg, WG=0) if cfg.WG and xs not in (None, 1) else cfg
+
+
 def token_tiles(m, cfg):
     """Token tiles of m rows in a GEMM block: 8 rows each, 16 with x as the A operand (cfg.AB)."""
     return math.ceil(m / (16 if cfg.AB else 8))
@@ -687,7 +692,7 @@ def token_tiles(m, cfg):
 def gemm_workspace_words(m, n, k, xs=None, cfg=None):
     """(xb words, part floats) a call needs (xb: the tiled B operand, token rows padded to 8; none for x taller than
     one block, which the GEMM reads itself)."""
-    cfg = cfg or gemm_config(m, n, k)
+    cfg = with_xs(cfg or gemm_config(m, n, k), xs)
     if cfg.WG:
         return wg_xb_words(m, k), 0
     rows = token_tiles(m, cfg) * (16 if cfg.AB else 8)
@@ -695,9 +700,9 @@ def gemm_workspace_words(m, n, k, xs=None, cfg=None):
     return xb, (cfg.SB * m * n if cfg.SB > 1 else 0)
 
 
-def gemm_sync_words(m, n, k, cfg=None):
+def gemm_sync_words(m, n, k, cfg=None, xs=None):
     """Counters (u32, zeroed once by the caller) a call with a fused k-split reduce needs: one per row range."""
-    cfg = cfg or gemm_config(m, n, k)
+    cfg = with_xs(cfg or gemm_config(m, n, k), xs)
     return math.ceil(n / 16 / (cfg.WR * cfg.R)) if cfg.SB > 1 and cfg.FR and not cfg.WG else 0
 
 
@@ -717,9 +722,7 @@ def gemm(x, w, out, ws, xs=None, cfg=None):
         raise ValueError(f"gemm: x {x.shape}, w {w.shape}, out {out.shape} do not fit x @ w^T")
     if k % 32:
         raise ValueError(f"gemm: k={k} is not a multiple of 32")
-    cfg = cfg or gemm_config(m, n, k)
-    if cfg.WG and xs not in (None, 1):      # hi + lo parts asked for: the mma path (wgmma takes bf16 x only)
-        cfg = replace(cfg, WG=0)
+    cfg = with_xs(cfg or gemm_config(m, n, k), xs)
     if cfg.WG:
         return gemm_wg(x, w, out, ws.xb)
     xs = xs or cfg.XS

@@ -158,18 +158,26 @@ def _build(MT, CL, S, NB, XB):
     else:
         fold, first, sync = "", "lds16(wsm, idx)", "    cuda.syncthreads()\n"
     # XIN: the 128 threads turn x's rows tok0 .. tok0 + NB - 1 (past m: row m - 1), columns of boxes b0 .. b0 + ns - 1
-    # into bf16 boxes (128-byte swizzle) while the ring's first weight boxes are in flight
-    xin = f'''    for u in range(tid, {NB} * ns * 8, 128):
-        r = u // (ns * 8)
-        cc = u - r * (ns * 8)
-        src = (min(tok0 + r, m - 1) * nbox + b0) * 64 + cc * 8
-        f0, f1, f2, f3 = ld16(x, src)
-        f4, f5, f6, f7 = ld16(x, src + 4)
-        o = {XREG // 4} + ((cc >> 3) * {NB} + r) * 32 + (((cc & 7) ^ (r & 7)) << 2)
-        wsm[o] = pack_bf16x2(as_f(f0), as_f(f1))
-        wsm[o + 1] = pack_bf16x2(as_f(f2), as_f(f3))
-        wsm[o + 2] = pack_bf16x2(as_f(f4), as_f(f5))
-        wsm[o + 3] = pack_bf16x2(as_f(f6), as_f(f7))
+    # into bf16 boxes (128-byte swizzle) while the ring's first weight boxes are in flight, XG 32-byte chunks of f32 x
+    # loaded per thread before any is converted (one chunk at a time left L2 round trips in series: call 2)
+    XG = 8
+    xin = f'''    for i0 in range(0, {-(-NB * XB * 8 // 128)}, {XG}):          # {XG} chunks in flight per thread
+        fv = cuda.local.array({8 * XG}, uint32)
+        for e in range({XG}):
+            u = tid + 128 * (i0 + e)
+            if u < {NB} * ns * 8:
+                r = u // (ns * 8)
+                src = (min(tok0 + r, m - 1) * nbox + b0) * 64 + (u - r * (ns * 8)) * 8
+                fv[8 * e], fv[8 * e + 1], fv[8 * e + 2], fv[8 * e + 3] = ld16(x, src)
+                fv[8 * e + 4], fv[8 * e + 5], fv[8 * e + 6], fv[8 * e + 7] = ld16(x, src + 4)
+        for e in range({XG}):
+            u = tid + 128 * (i0 + e)
+            if u < {NB} * ns * 8:
+                r = u // (ns * 8)
+                cc = u - r * (ns * 8)
+                o = {XREG // 4} + ((cc >> 3) * {NB} + r) * 32 + (((cc & 7) ^ (r & 7)) << 2)
+                for q in range(4):
+                    wsm[o + q] = pack_bf16x2(as_f(fv[8 * e + 2 * q]), as_f(fv[8 * e + 2 * q + 1]))
     fence_proxy_async()                            # st.shared -> the wgmma proxy
 ''' if XB else ""
     db = f"desc(wsm, {XREG} + j * {XBOX})" if XB else f"desc(wsm, slot * {STAGE} + {MT * BOX})"

@@ -277,7 +277,7 @@ class KernelOps:
                 return out
             cfg = dataclasses.replace(cfg, BF=1, FR=0, S=0)
         nxb, npart = gemm_workspace_words(m, n, k, xs, cfg)
-        nsync = gemm_sync_words(m, n, k, cfg)
+        nsync = gemm_sync_words(m, n, k, cfg, xs)
         role = "gemm.side" if self._on_side() else "gemm"
         sync = self._gemm_sync.get(role)
         if sync is None or sync.size < nsync:    # never poisoned: every call leaves it zero
