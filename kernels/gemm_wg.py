@@ -34,16 +34,20 @@ WG_CL_MAX = 4             # k pieces per strip (cluster size). H200, session 32 
 #                           clusters of 8 blocks) ran slower than the mma path, likely a cluster left for a second wave
 WG_SMEM_BLOCK = 112 * 1024    # shared bytes of a block (ring + x boxes): two fit per SM
 WG_STAGES_MAX = 12
-WG_XIN_BYTES = 40 * 1024  # x's boxes of a block's k piece up to this size are converted from f32 x by the block
-#                           itself (no prep launch); larger ones are prepared by prep_b tiled=3 and ride in the ring
+WG_XIN_ROWS = 8           # token blocks up to this many rows convert their f32 x into the ring's x boxes themselves,
+#                           a stage at a time (XIN: no prep launch); taller ones take x from prep_b tiled=3 by bulk
+#                           copies. H200, session 32 (calls 2-3): the whole k piece converted up front by the block
+#                           won at m = 1 on short pieces (kv_b 71.0 vs 61.1% of copy with the prep launch, q_b 63.4
+#                           vs 56.8, shared_down 59.5 vs 51.6) and lost on long ones (o 73.5 vs 78.7, shared_gate_up
+#                           56.0 vs 63.9) and at >= 17 rows (kv_b 46.9 vs 54.9): f32 x re-read by every block
 BOX = 64 * 64 * 2         # bytes of one weight box (64 rows x 64 k bf16)
 
 
 @dataclass(frozen=True)
 class WgCut:
     """How one wgmma GEMM is cut: MT m64 weight tiles per block, CL k pieces (a cluster), S ring stages, NB token
-    rows per block (wgmma N), ZB token blocks, XIN: the block converts its piece of f32 x into shared memory itself
-    (0: x prepared by prep_b, its boxes in the ring)."""
+    rows per block (wgmma N), ZB token blocks, XIN: the block's threads convert f32 x into the ring's x boxes (0: x
+    prepared by prep_b, bulk-copied into them)."""
     MT: int
     CL: int
     S: int
@@ -59,15 +63,11 @@ def token_blocks(m):
     return 8 * -(-per // 8), zb
 
 
-def piece_boxes(k, cl):
-    """Most 64-column boxes of one of the cl k pieces."""
-    return -(-(k // 64) // cl)
-
-
 def wg_cut(m, n, k, sms=132, mt=None, cl=None, stages=None, xin=None):
     """The default cut: MT and CL from (n, k) alone (batch invariance): the MT (2 on a tie) whose strips x k pieces
-    come closest to WG_TARGET blocks per SM without passing it (past it for both: the fewer blocks), k pieces of >= 2 boxes, <= WG_CL_MAX; XIN where x's
-    piece fits WG_XIN_BYTES; S as many stages as the rest of WG_SMEM_BLOCK holds. mt / cl / stages / xin override."""
+    come closest to WG_TARGET blocks per SM without passing it (past it for both: the fewer blocks), k pieces of >= 2
+    boxes, <= WG_CL_MAX; S as many stages as WG_SMEM_BLOCK holds; XIN up to WG_XIN_ROWS rows (and S >= 3).
+    mt / cl / stages / xin override."""
     boxes = k // 64
     target = int(WG_TARGET * sms)
     options = []
@@ -78,25 +78,21 @@ def wg_cut(m, n, k, sms=132, mt=None, cl=None, stages=None, xin=None):
         options.append((blocks if blocks <= target else -blocks, MT, CL))   # the most blocks within the target,
     _, MT, CL = max(options)                                                # else the fewest (MT = 2 first)
     NB, ZB = token_blocks(m)
-    xbytes = NB * 128 * piece_boxes(k, CL)
-    XIN = int(xbytes <= WG_XIN_BYTES) if xin is None else xin
-    stage = MT * BOX + (0 if XIN else NB * 128)
-    S = stages or max(2, min(WG_STAGES_MAX, (WG_SMEM_BLOCK - XIN * xbytes) // stage))
-    return WgCut(MT, CL, S, NB, ZB, XIN)
+    S = stages or max(2, min(WG_STAGES_MAX, WG_SMEM_BLOCK // (MT * BOX + NB * 128)))
+    XIN = int(NB <= WG_XIN_ROWS) if xin is None else xin
+    return WgCut(MT, CL, S, NB, ZB, int(XIN and S >= 3))
 
 
-def _layout(MT, S, NB, XB):
-    """(stage bytes, x boxes' offset, first mbarrier's byte offset) of the shared memory: S ring stages, then (XIN:
-    XB > 0) the x boxes of the k piece; the partial tile [NB][64 MT + 4] f32 reuses the start after the main loop."""
-    stage = MT * BOX + (0 if XB else NB * 128)
-    xreg = S * stage
-    end = max(xreg + XB * NB * 128, NB * (64 * MT + 4) * 4)
-    return stage, xreg, -(-end // 8) * 8
+def _layout(MT, S, NB):
+    """(stage bytes, first mbarrier's byte offset) of the shared memory: S ring stages of MT weight boxes and one x
+    box; the partial tile [NB][64 MT + 4] f32 reuses the start after the main loop."""
+    stage = MT * BOX + NB * 128
+    return stage, max(S * stage, NB * (64 * MT + 4) * 4)
 
 
-def wg_smem(cut, k):
-    """Dynamic shared bytes of a cut for inner size k."""
-    return _layout(cut.MT, cut.S, cut.NB, cut.XIN * piece_boxes(k, cut.CL))[2] + 8 * cut.S
+def wg_smem(cut):
+    """Dynamic shared bytes of a cut: the ring (or the partial tile), then S mbarriers."""
+    return _layout(cut.MT, cut.S, cut.NB)[1] + 8 * cut.S
 
 
 def _sm90():
@@ -122,15 +118,15 @@ def xb_words(m, k):
 _KERNELS = {}
 
 
-def gemm_wg_kernel(MT, CL, S, NB, XB=0):
-    """The kernel for one cut (compiled once per (MT, CL, S, NB, XB)); XB > 0: XIN with room for XB x boxes."""
-    key = (MT, CL, S, NB, XB)
+def gemm_wg_kernel(MT, CL, S, NB, XIN=0):
+    """The kernel for one cut (compiled once per (MT, CL, S, NB, XIN))."""
+    key = (MT, CL, S, NB, XIN)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(MT, CL, S, NB, XB)
+        _KERNELS[key] = _build(MT, CL, S, NB, XIN)
     return _KERNELS[key]
 
 
-def _build(MT, CL, S, NB, XB):
+def _build(MT, CL, S, NB, XIN):
     from kernels.bulk import bulk_load, mbar_expect, mbar_fence_init, mbar_init, mbar_wait, tensor_load_2d
     from kernels.bulk import tensormap_acquire
     from kernels.cluster import cluster_sync, dsmem_ld16
@@ -138,7 +134,7 @@ def _build(MT, CL, S, NB, XB):
     from kernels.wgmma import fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_wait0, wg_wait1
 
     BM, XBOX = 64 * MT, NB * 128               # weight rows per block; bytes of one activation box
-    STAGE, XREG, BARB = _layout(MT, S, NB, XB)
+    STAGE, BARB = _layout(MT, S, NB)
     BAR = BARB // 8                            # first mbarrier (u64 index)
     BMP = BM + 4                               # f32 row pitch of the partial tile [NB tokens][BM rows]
     NACC = NB // 2
@@ -157,30 +153,39 @@ def _build(MT, CL, S, NB, XB):
         first, sync = "dsmem_ld16(wsm, idx, 0)", "    cluster_sync()\n"
     else:
         fold, first, sync = "", "lds16(wsm, idx)", "    cuda.syncthreads()\n"
-    # XIN: the 128 threads turn x's rows tok0 .. tok0 + NB - 1 (past m: row m - 1), columns of boxes b0 .. b0 + ns - 1
-    # into bf16 boxes (128-byte swizzle) while the ring's first weight boxes are in flight, XG 32-byte chunks of f32 x
-    # loaded per thread before any is converted (one chunk at a time left L2 round trips in series: call 2)
-    XG = 8
-    xin = f'''    for i0 in range(0, {-(-NB * XB * 8 // 128)}, {XG}):          # {XG} chunks in flight per thread
-        fv = cuda.local.array({8 * XG}, uint32)
+    # XIN (S >= 3): the 128 threads turn x's rows tok0 .. tok0 + NB - 1 (past m: row m - 1) into the x boxes of the
+    # ring, 16 bytes of f32 x (one quad of a row) per chunk: the first S stages before the main loop (XG chunks of
+    # loads in flight per thread), then stage j + S - 1 loaded at iteration j beside its weights' TMA and stored at
+    # the top of iteration j + 1 (consumed at j + S - 1 >= j + 2: after iteration j + 1's barrier)
+    XG, CH = 8, NB * 16 // 128
+    xin = f'''    for i0 in range(0, {-(-S * NB * 16 // 128)}, {XG}):
+        fv = cuda.local.array({4 * XG}, uint32)
         for e in range({XG}):
             u = tid + 128 * (i0 + e)
-            if u < {NB} * ns * 8:
-                r = u // (ns * 8)
-                src = (min(tok0 + r, m - 1) * nbox + b0) * 64 + (u - r * (ns * 8)) * 8
-                fv[8 * e], fv[8 * e + 1], fv[8 * e + 2], fv[8 * e + 3] = ld16(x, src)
-                fv[8 * e + 4], fv[8 * e + 5], fv[8 * e + 6], fv[8 * e + 7] = ld16(x, src + 4)
+            if u < min({S}, ns) * {NB * 16}:
+                p, r, qd = u // {NB * 16}, (u >> 4) % {NB}, u & 15
+                fv[4 * e], fv[4 * e + 1], fv[4 * e + 2], fv[4 * e + 3] = ld16(x, xsrc(tok0, r, m, nbox, b0 + p, qd))
         for e in range({XG}):
             u = tid + 128 * (i0 + e)
-            if u < {NB} * ns * 8:
-                r = u // (ns * 8)
-                cc = u - r * (ns * 8)
-                o = {XREG // 4} + ((cc >> 3) * {NB} + r) * 32 + (((cc & 7) ^ (r & 7)) << 2)
-                for q in range(4):
-                    wsm[o + q] = pack_bf16x2(as_f(fv[8 * e + 2 * q]), as_f(fv[8 * e + 2 * q + 1]))
+            if u < min({S}, ns) * {NB * 16}:
+                p, r, qd = u // {NB * 16}, (u >> 4) % {NB}, u & 15
+                xstore(wsm, p, r, qd, fv[4 * e], fv[4 * e + 1], fv[4 * e + 2], fv[4 * e + 3])
     fence_proxy_async()                            # st.shared -> the wgmma proxy
-''' if XB else ""
-    db = f"desc(wsm, {XREG} + j * {XBOX})" if XB else f"desc(wsm, slot * {STAGE} + {MT * BOX})"
+    xv = cuda.local.array({4 * CH}, uint32)
+''' if XIN else ""
+    x_store = f'''        if j >= 2 and j + {S - 2} < ns:             # stage j + S - 2, loaded last iteration
+            for e in range({CH}):
+                u = tid + 128 * e
+                xstore(wsm, (j - 2) % {S}, u >> 4, u & 15, xv[4 * e], xv[4 * e + 1], xv[4 * e + 2], xv[4 * e + 3])
+            fence_proxy_async()
+''' if XIN else ""
+    x_load = f'''        if j >= 1 and j + {S - 1} < ns:
+            for e in range({CH}):
+                u = tid + 128 * e
+                xv[4 * e], xv[4 * e + 1], xv[4 * e + 2], xv[4 * e + 3] = ld16(x, xsrc(tok0, u >> 4, m, nbox,
+                                                                                    b0 + j + {S - 1}, u & 15))
+''' if XIN else ""
+    db = f"desc(wsm, slot * {STAGE} + {MT * BOX})"
     src = f'''
 def gemm_wg_k(wmap, xb, x, out, m, n, nbox):
     c, strip, z = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
@@ -204,7 +209,7 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox):
 {xin}    cuda.syncthreads()
 {zero}
     for j in range(ns):
-        slot = j % {S}
+{x_store}        slot = j % {S}
         mbar_wait(bars, {BAR} + slot, (j // {S}) & 1)
         da = desc(wsm, slot * {STAGE})
         db = {db}
@@ -215,7 +220,7 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox):
         cuda.syncthreads()                         # (all four warps): its slot may be refilled
         if tid == 0 and j >= 1 and j + {S} - 1 < ns:
             load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + j + {S} - 1, (j - 1) % {S})
-    wg_wait0()
+{x_load}    wg_wait0()
     cuda.syncthreads()
     w, lane = tid >> 5, tid & 31
     cbase = (2 * (lane & 3)) * {BMP} + 16 * w + (lane >> 2)
@@ -244,15 +249,27 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox):
     @cuda.jit(device=True, inline="always")
     def load_stage(wsm, bars, wmap, xb, xoff, row0, live, box, slot):
         """Thread 0: stage `box` (64 k columns) into ring slot `slot`: the live weight boxes by TMA and (without
-        XIN) the token block's activation box by one bulk copy, all completing on the slot's mbarrier."""
-        mbar_expect(bars, BAR + slot, live * BOX + (0 if XB else XBOX))
+        XIN) the token block's x box by one bulk copy, all completing on the slot's mbarrier."""
+        mbar_expect(bars, BAR + slot, live * BOX + (0 if XIN else XBOX))
         for t in range(MT):
             if t < live:
                 tensor_load_2d(wsm, (slot * STAGE + t * BOX) // 4, wmap, 64 * box, row0 + 64 * t, bars, BAR + slot)
-        if not XB:
+        if not XIN:
             bulk_load(wsm, (slot * STAGE + MT * BOX) // 4, xb, xoff + box * (XBOX // 4), XBOX, bars, BAR + slot)
 
-    ns = dict(cuda=cuda, float32=float32, int32=int32, uint32=uint32, uint64=uint64, mbar_init=mbar_init,
+    @cuda.jit(device=True, inline="always")
+    def xsrc(tok0, r, m, nbox, box, qd):
+        """Element index in f32 x of quad qd (4 columns) of box `box` in token row tok0 + r (past m: row m - 1)."""
+        return (min(tok0 + r, m - 1) * nbox + box) * 64 + 4 * qd
+
+    @cuda.jit(device=True, inline="always")
+    def xstore(wsm, slot, r, qd, f0, f1, f2, f3):
+        """A quad of f32 x (bits) as two bf16 pairs into row r of ring slot `slot`'s x box (128-byte swizzle)."""
+        o = (slot * STAGE + MT * BOX) // 4 + r * 32 + (((qd >> 1) ^ (r & 7)) << 2) + 2 * (qd & 1)
+        wsm[o] = pack_bf16x2(as_f32(f0), as_f32(f1))
+        wsm[o + 1] = pack_bf16x2(as_f32(f2), as_f32(f3))
+
+    ns = dict(xsrc=xsrc, xstore=xstore, cuda=cuda, float32=float32, int32=int32, uint32=uint32, uint64=uint64, mbar_init=mbar_init,
               mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait, tensormap_acquire=tensormap_acquire,
               load_stage=load_stage, wg_fence=wg_fence, wg_commit=wg_commit, wg_wait0=wg_wait0, wg_wait1=wg_wait1,
               desc=make_desc(16, 1024, 128), wg=make_wgmma(NB), cluster_sync=cluster_sync, dsmem_ld16=dsmem_ld16,
@@ -288,18 +305,18 @@ def gemm_wg(x, w, out, xb, cut=None):
         raise ValueError(f"gemm_wg: x {x.shape}, w {w.shape}, out {out.shape}: needs sm_90, k % 64 == 0, n >= 64, "
                          f"contiguous w and out [m, n]")
     cut = cut or wg_cut(m, n, k, cuda.get_current_device().MULTIPROCESSOR_COUNT)
-    if (cut.NB, cut.ZB) != token_blocks(m):
-        raise ValueError(f"gemm_wg: cut {cut} was not made for m={m}")
+    if (cut.NB, cut.ZB) != token_blocks(m) or (cut.XIN and cut.S < 3):
+        raise ValueError(f"gemm_wg: cut {cut} was not made for m={m} (or XIN with fewer than 3 stages)")
     if cut.XIN and not contiguous(x):          # (the same bf16 x either way: the same sums)
         cut = replace(cut, XIN=0)
     if not cut.XIN:
         if xb.size < xb_words(m, k):
             raise ValueError(f"gemm_wg: xb of {xb.size} words < {xb_words(m, k)}")
         prep_b(x, xb, 1, 0, tiled=3)
-    kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN * piece_boxes(k, cut.CL))
+    kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN)
     grid = (cut.CL, math.ceil(n / (64 * cut.MT)), cut.ZB)
     xf = x.reshape(m * k) if cut.XIN else xb.view(np.float32)     # (without XIN: not read)
-    launch_smem(kern, grid, 128, wg_smem(cut, k), (weight_tensor_map(w), xb, xf, out, int32(m), int32(n),
+    launch_smem(kern, grid, 128, wg_smem(cut), (weight_tensor_map(w), xb, xf, out, int32(m), int32(n),
                                                      int32(k // 64)),
                 cluster=(cut.CL, 1, 1) if cut.CL > 1 else None)
     return out

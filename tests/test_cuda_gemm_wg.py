@@ -13,7 +13,7 @@ K2 = {"q_kv_a": (2112, 7168), "q_b": (12288, 1536), "kv_b": (16384, 512), "o": (
 def test_wg_cut_from_n_k_only():
     """MT and CL (the k pieces: the order of every sum) do not depend on m; clusters stay portable (<= 8), pieces
     hold >= 2 boxes, the blocks stay within the aimed-at count, and the ring fits its shared memory."""
-    from kernels.gemm_wg import WG_CL_MAX, WG_SMEM_BLOCK, WG_TARGET, WG_XIN_BYTES, token_blocks, wg_cut, wg_smem
+    from kernels.gemm_wg import WG_CL_MAX, WG_SMEM_BLOCK, WG_TARGET, WG_XIN_ROWS, token_blocks, wg_cut, wg_smem
     for n, k in list(K2.values()) + [(163840, 7168), (200, 192), (64, 64), (1000, 640)]:
         cuts = [wg_cut(m, n, k) for m in (1, 7, 8, 9, 33, 64, 65, 130, 1000)]
         assert len({(c.MT, c.CL) for c in cuts}) == 1, (n, k, cuts)
@@ -22,9 +22,8 @@ def test_wg_cut_from_n_k_only():
         assert 1 <= c.CL <= WG_CL_MAX and (c.CL == 1 or k // 64 // c.CL >= 2), c
         assert strips * c.CL <= max(WG_TARGET * 132, strips), c
         for cut in cuts:
-            xbytes = cut.NB * 128 * -(-(k // 64) // cut.CL)
-            assert cut.XIN == (xbytes <= WG_XIN_BYTES), cut
-            assert cut.S >= 2 and wg_smem(cut, k) <= max(WG_SMEM_BLOCK, 2 * (cut.MT * 8192 + cut.NB * 128)) + 128
+            assert cut.XIN == (cut.NB <= WG_XIN_ROWS and cut.S >= 3), cut
+            assert cut.S >= 2 and wg_smem(cut) <= max(WG_SMEM_BLOCK, 2 * (cut.MT * 8192 + cut.NB * 128)) + 128
     assert [token_blocks(m) for m in (1, 8, 9, 33, 64, 65, 130)] == [(8, 1), (8, 1), (16, 1), (40, 1), (64, 1),
                                                                        (40, 2), (48, 3)]
 
@@ -73,7 +72,7 @@ def test_gpu_gemm_wg_k2(name, m):
 def test_gpu_gemm_wg_cuts(mt, cl, stages, xin, m):
     """Every cut field on odd shapes: rows past n inside a box and a whole box past n (n = 200: MT = 2 strips of 128),
     k pieces of unequal boxes (k = 704: 11 boxes), fewer boxes than stages, clusters of 1 .. 8, x converted by the
-    blocks (XIN) or prepared (its boxes in the ring)."""
+    blocks (XIN, any height here: 70 rows are two blocks of 40; none with 2 stages) or prepared and bulk-copied."""
     from kernels.gemm_wg import wg_cut
     for n, k in ((200, 704), (1000, 640), (64, 128)):
         if cl > k // 64:

@@ -84,10 +84,11 @@ GEMM_MS = (1, 9, 17, 33, 65)
 GEMM_VARIANTS = {# session 32: the wgmma path (kernels/gemm_wg.py, the default where it applies) against the mma path
                  # ("mma": gemm_config's cut as before) and its knobs: blocks aimed at per SM, ring bytes per block
                  "mma": (GEMM_MS, dict(WG=0)),
-                 # call 1's first rule (clusters of up to 8, 2 blocks per SM aimed at), x always prepared (no XIN)
+                 # call 1's first rule (clusters of up to 8, 2 blocks per SM aimed at); x prepared by prep_b (wg_x0)
+                 # or converted by the blocks up to 16 rows (wg_x16)
                  "wg_cl8": ((1, 17, 33), dict(wg=dict(WG_CL_MAX=8, WG_TARGET=2.0))),
                  "wg_cl2": ((1, 17, 33), dict(wg=dict(WG_CL_MAX=2))),
-                 "wg_noxin": ((1, 17), dict(wg=dict(WG_XIN_BYTES=0))),
+                 "wg_x0": ((1,), dict(wg=dict(WG_XIN_ROWS=0))), "wg_x16": ((9,), dict(wg=dict(WG_XIN_ROWS=16))),
                  "wg_t1": ((1, 17, 33), dict(wg=dict(WG_TARGET=1.0))),
                  "ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
                  "rb2": ((17,), dict(S=2, RB=1)), "rb2w4": ((17, 33), dict(S=2, RB=1, WR=4)),
