@@ -19,6 +19,7 @@ Bytes: the weights once per token block (n k 2), x once per strip (NB k 2 per bl
 No simulator twin (TMA, wgmma, clusters): `gemm_wg_applies` is False there and kernels.gemm takes its mma path.
 """
 import math
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -26,7 +27,8 @@ from numba import cuda, float32, int32, uint32, uint64
 
 from kernels.device import SIM
 
-GEMM_WG = True            # kernels.gemm.gemm_config takes this path where it applies (gemm_wg_applies)
+GEMM_WG = os.environ.get("NUMBAENGINE_GEMM_WG", "1") != "0"   # kernels.gemm.gemm_config takes this path where it
+#                           applies (gemm_wg_applies); NUMBAENGINE_GEMM_WG=0: the mma path everywhere
 WG_NB_MAX = 64            # token rows per block (wgmma N); taller x runs as token blocks on grid z
 WG_TARGET = 1.8           # blocks per SM the k split aims at, at most: all resident at once (one wave) with room
 #                           for the clusters' packing into GPCs (a cluster's blocks share one GPC)
@@ -35,11 +37,13 @@ WG_CL_MAX = 4             # k pieces per strip (cluster size). H200, session 32 
 WG_SMEM_BLOCK = 112 * 1024    # shared bytes of a block (ring + x boxes): two fit per SM
 WG_STAGES_MAX = 12
 WG_XIN_ROWS = 8           # token blocks up to this many rows convert their f32 x into the ring's x boxes themselves,
-#                           a stage at a time (XIN: no prep launch); taller ones take x from prep_b tiled=3 by bulk
-#                           copies. H200, session 32 (calls 2-3): the whole k piece converted up front by the block
-#                           won at m = 1 on short pieces (kv_b 71.0 vs 61.1% of copy with the prep launch, q_b 63.4
-#                           vs 56.8, shared_down 59.5 vs 51.6) and lost on long ones (o 73.5 vs 78.7, shared_gate_up
-#                           56.0 vs 63.9) and at >= 17 rows (kv_b 46.9 vs 54.9): f32 x re-read by every block
+#                           a stage at a time (XIN: no prep launch), where a stage holds two weight boxes (MT = 2);
+#                           other cuts take x from prep_b tiled=3 by bulk copies. H200, session 32 call 4 (copy 4296
+#                           GB/s), chained % of copy at m = 1, XIN / prep: o 80.3 / 77.8, q_b 63.2 / 58.1, shared_down
+#                           56.6 / 51.4, kv_b 65.5 / 61.2 (MT = 2); q_kv_a 39.6 / 48.2, shared_gate_up 50.5 / 64.1
+#                           (MT = 1: twice the f32 x per weight byte, twice the stages); at m = 9 (16 rows) XIN lost on
+#                           every shape (o 61.5 vs 75.4). Calls 2-3 converted the whole k piece up front instead: won at
+#                           m = 1 on short pieces (kv_b 71.0 vs 61.1), lost on long ones (o 73.5 vs 78.7)
 BOX = 64 * 64 * 2         # bytes of one weight box (64 rows x 64 k bf16)
 
 
@@ -66,7 +70,7 @@ def token_blocks(m):
 def wg_cut(m, n, k, sms=132, mt=None, cl=None, stages=None, xin=None):
     """The default cut: MT and CL from (n, k) alone (batch invariance): the MT (2 on a tie) whose strips x k pieces
     come closest to WG_TARGET blocks per SM without passing it (past it for both: the fewer blocks), k pieces of >= 2
-    boxes, <= WG_CL_MAX; S as many stages as WG_SMEM_BLOCK holds; XIN up to WG_XIN_ROWS rows (and S >= 3).
+    boxes, <= WG_CL_MAX; S as many stages as WG_SMEM_BLOCK holds; XIN up to WG_XIN_ROWS rows with MT = 2 (S >= 3).
     mt / cl / stages / xin override."""
     boxes = k // 64
     target = int(WG_TARGET * sms)
@@ -79,7 +83,7 @@ def wg_cut(m, n, k, sms=132, mt=None, cl=None, stages=None, xin=None):
     _, MT, CL = max(options)                                                # else the fewest (MT = 2 first)
     NB, ZB = token_blocks(m)
     S = stages or max(2, min(WG_STAGES_MAX, WG_SMEM_BLOCK // (MT * BOX + NB * 128)))
-    XIN = int(NB <= WG_XIN_ROWS) if xin is None else xin
+    XIN = int(NB <= WG_XIN_ROWS and MT == 2) if xin is None else xin
     return WgCut(MT, CL, S, NB, ZB, int(XIN and S >= 3))
 
 

@@ -22,7 +22,7 @@ def test_wg_cut_from_n_k_only():
         assert 1 <= c.CL <= WG_CL_MAX and (c.CL == 1 or k // 64 // c.CL >= 2), c
         assert strips * c.CL <= max(WG_TARGET * 132, strips), c
         for cut in cuts:
-            assert cut.XIN == (cut.NB <= WG_XIN_ROWS and cut.S >= 3), cut
+            assert cut.XIN == (cut.NB <= WG_XIN_ROWS and cut.MT == 2 and cut.S >= 3), cut
             assert cut.S >= 2 and wg_smem(cut) <= max(WG_SMEM_BLOCK, 2 * (cut.MT * 8192 + cut.NB * 128)) + 128
     assert [token_blocks(m) for m in (1, 8, 9, 33, 64, 65, 130)] == [(8, 1), (8, 1), (16, 1), (40, 1), (64, 1),
                                                                        (40, 2), (48, 3)]
