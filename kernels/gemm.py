@@ -163,8 +163,8 @@ def _build_prep(xs, perm, tiled=0):
         2j + (row//8)%2 holds columns 32s + 8t + 4h + 2j, +1 (the k order of a weight row's 16-byte lane load), or
         (tiled=3, xs=1) kernels/gemm_wg.py's wgmma B boxes: token block z of NB rows, 64-column box b, row r:
         words ((z*k/64 + b)*NB + r)*32 + 4*(c ^ r%8) + q hold columns 64b + 8c + 2q, +1.
-        Launch: grid (ceil(k/8/256), m, or the rows rounded up to 8 (tiled=1), 16 (tiled=2) or ZB*NB (3)), block 256; moves
-        m*k*4 bytes in, m*k*2*xs out."""
+        Launch: grid (ceil(k/8/256), m, or the rows rounded up to 8 (tiled=1), 16 (tiled=2) or ZB*NB (3)), block
+        256; moves m*k*4 bytes in, m*k*2*xs out."""
         prep_unit(x, xb, m, kdim, cuda.blockIdx.y, cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
     return prep
 

@@ -151,9 +151,8 @@ def _build(MT, CL, S, NB, XIN):
         f"    fsm[{8 * (i // 4) + i % 2} * {BMP} + cbase + {t * 64 + 8 * ((i % 4) // 2)}] = a{t}_{i}"
         for t in range(MT) for i in range(NACC))
     if CL > 1:
-        fold = "\n".join(f"        p0, p1, p2, p3 = dsmem_ld16(wsm, idx, {r})\n"
-                         f"        v0 += as_f(p0)\n        v1 += as_f(p1)\n        v2 += as_f(p2)\n        v3 += as_f(p3)"
-                         for r in range(1, CL))
+        fold = "\n".join(f"        p0, p1, p2, p3 = dsmem_ld16(wsm, idx, {r})\n" + "\n".join(
+            f"        v{e} += as_f(p{e})" for e in range(4)) for r in range(1, CL))
         first, sync = "dsmem_ld16(wsm, idx, 0)", "    cluster_sync()\n"
     else:
         fold, first, sync = "", "lds16(wsm, idx)", "    cuda.syncthreads()\n"
@@ -273,9 +272,10 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox):
         wsm[o] = pack_bf16x2(as_f32(f0), as_f32(f1))
         wsm[o + 1] = pack_bf16x2(as_f32(f2), as_f32(f3))
 
-    ns = dict(xsrc=xsrc, xstore=xstore, cuda=cuda, float32=float32, int32=int32, uint32=uint32, uint64=uint64, mbar_init=mbar_init,
-              mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait, tensormap_acquire=tensormap_acquire,
-              load_stage=load_stage, wg_fence=wg_fence, wg_commit=wg_commit, wg_wait0=wg_wait0, wg_wait1=wg_wait1,
+    ns = dict(xsrc=xsrc, xstore=xstore, cuda=cuda, float32=float32, int32=int32, uint32=uint32, uint64=uint64,
+              mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait,
+              tensormap_acquire=tensormap_acquire, load_stage=load_stage, wg_fence=wg_fence, wg_commit=wg_commit,
+              wg_wait0=wg_wait0, wg_wait1=wg_wait1,
               desc=make_desc(16, 1024, 128), wg=make_wgmma(NB), cluster_sync=cluster_sync, dsmem_ld16=dsmem_ld16,
               lds16=lds16, ld16=ld16, as_f=as_f32, pack_bf16x2=pack_bf16x2, fence_proxy_async=fence_proxy_async)
     exec(src, ns)
