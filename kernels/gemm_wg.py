@@ -6,10 +6,11 @@ flight are capped by its registers; at 17-33 token rows it reached 33-64% of cop
 per slot) and wgmma reads both operands from there: the bytes in flight are bounded by shared memory alone.
 
 Block (k piece c, strip of BM = 64 MT weight rows, token block z), one warpgroup of 128 threads:
-  stage j:  MT TMA boxes of 64 weight rows x 64 k (128-byte swizzle; rows past n land as zeros) and one bulk copy
-            of the token block's NB rows x 64 k of bf16 activations (`prep_b` tiled=3 writes them in the same
-            swizzle), then 4 MT wgmma m64nNBk16 into MT x NB/2 f32 accumulators per thread; the slot is refilled
-            with stage j + S once the next stage's wgmmas are issued and this one's have retired.
+  stage j:  MT TMA boxes of 64 weight rows x 64 k (128-byte swizzle; rows past n land as zeros) and one box of the
+            token block's NB rows x 64 k of bf16 activations: a bulk copy from `prep_b` tiled=3 (the same swizzle),
+            or (XIN, <= WG_XIN_ROWS rows) stored by the block's threads from f32 x, loaded one iteration ahead;
+            then 4 MT wgmma m64nNBk16 into MT x NB/2 f32 accumulators per thread; the slot is refilled with stage
+            j + S once stage j + 1's wgmmas are issued and stage j's have retired.
   k split:  the CL k pieces of a strip run as one thread-block cluster; each leaves its partial tile in its shared
             memory and, after the cluster barrier, rank c adds rows [c, c + 1) * BM / CL of all CL partials in rank
             order (DSMEM) and writes them out: no partials in global memory, no reduce launch.
