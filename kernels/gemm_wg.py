@@ -46,6 +46,11 @@ WG_XIN_ROWS = 8           # token blocks up to this many rows convert their f32 
 #                           every shape (o 61.5 vs 75.4). Calls 2-3 converted the whole k piece up front instead: won at
 #                           m = 1 on short pieces (kv_b 71.0 vs 61.1), lost on long ones (o 73.5 vs 78.7)
 BOX = 64 * 64 * 2         # bytes of one weight box (64 rows x 64 k bf16)
+GEMM_WG_STAMPS = False    # measurement only (tools/gemm_wg_stamps.py): thread 0 of every block writes (SM cycles,
+#                           global ns) at 7 points of its timeline into `stamps` [blocks, 16] (int32 bits), then its
+#                           SM and its stages; the kernel takes that array after nbox. Default PTX unchanged
+STAMP_POINTS = ("entry", "ring issued", "x staged", "stage 0 landed", "main loop done", "partials published",
+                "out stored")
 
 
 @dataclass(frozen=True)
@@ -123,15 +128,15 @@ def xb_words(m, k):
 _KERNELS = {}
 
 
-def gemm_wg_kernel(MT, CL, S, NB, XIN=0):
-    """The kernel for one cut (compiled once per (MT, CL, S, NB, XIN))."""
-    key = (MT, CL, S, NB, XIN)
+def gemm_wg_kernel(MT, CL, S, NB, XIN=0, STAMPS=False):
+    """The kernel for one cut (compiled once per (MT, CL, S, NB, XIN, STAMPS))."""
+    key = (MT, CL, S, NB, XIN, STAMPS)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(MT, CL, S, NB, XIN)
+        _KERNELS[key] = _build(MT, CL, S, NB, XIN, STAMPS)
     return _KERNELS[key]
 
 
-def _build(MT, CL, S, NB, XIN):
+def _build(MT, CL, S, NB, XIN, STAMPS=False):
     from kernels.bulk import bulk_load, mbar_expect, mbar_fence_init, mbar_init, mbar_wait, tensor_load_2d
     from kernels.bulk import tensormap_acquire
     from kernels.cluster import cluster_sync, dsmem_ld16
@@ -190,11 +195,16 @@ def _build(MT, CL, S, NB, XIN):
                                                                                     b0 + j + {S - 1}, u & 15))
 ''' if XIN else ""
     db = f"desc(wsm, slot * {STAGE} + {MT * BOX})"
+
+    def stamp(k, ind="    "):
+        """(STAMPS) thread 0 writes point k of STAMP_POINTS: SM cycles, then global ns."""
+        return f"{ind}if tid == 0:\n{ind}    sm = stamp_point(stamps, blk, {2 * k})\n" if STAMPS else ""
     src = f'''
-def gemm_wg_k(wmap, xb, x, out, m, n, nbox):
+def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
     c, strip, z = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
     tid = cuda.threadIdx.x
-    wsm = cuda.shared.array(0, uint32, alignment=1024)
+{"    blk = (z * cuda.gridDim.y + strip) * cuda.gridDim.x + c" if STAMPS else ""}
+{stamp(0)}    wsm = cuda.shared.array(0, uint32, alignment=1024)
     fsm = cuda.shared.array(0, float32, alignment=1024)
     bars = cuda.shared.array(0, uint64, alignment=1024)
     b0 = (c * nbox) // {CL}
@@ -210,12 +220,12 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox):
         tensormap_acquire(wmap)
         for p in range(min({S}, ns)):
             load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + p, p)
-{xin}    cuda.syncthreads()
-{zero}
+{stamp(1)}{xin}    cuda.syncthreads()
+{stamp(2)}{zero}
     for j in range(ns):
 {x_store}        slot = j % {S}
         mbar_wait(bars, {BAR} + slot, (j // {S}) & 1)
-        da = desc(wsm, slot * {STAGE})
+{"        if j == 0:" + chr(10) + stamp(3, "            ") if STAMPS else ""}        da = desc(wsm, slot * {STAGE})
         db = {db}
         wg_fence()
 {mma}
@@ -226,10 +236,10 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox):
             load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + j + {S} - 1, (j - 1) % {S})
 {x_load}    wg_wait0()
     cuda.syncthreads()
-    w, lane = tid >> 5, tid & 31
+{stamp(4)}    w, lane = tid >> 5, tid & 31
     cbase = (2 * (lane & 3)) * {BMP} + 16 * w + (lane >> 2)
 {store}
-{sync}    q0 = (c * {BM // 4}) // {CL}
+{sync}{stamp(5)}    q0 = (c * {BM // 4}) // {CL}
     nq = ((c + 1) * {BM // 4}) // {CL} - q0
     mz = min({NB}, m - tok0)
     for u in range(tid, mz * nq, 128):
@@ -248,7 +258,8 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox):
             out[tok0 + col, row + 2] = v2
         if row + 3 < n:
             out[tok0 + col, row + 3] = v3
-{sync if CL > 1 else ""}'''
+{stamp(6)}{"    if tid == 0:" + chr(10) + "        stamps[blk, 14], stamps[blk, 15] = int32(sm), int32(ns)" + chr(10)
+           if STAMPS else ""}{sync if CL > 1 else ""}'''
 
     @cuda.jit(device=True, inline="always")
     def load_stage(wsm, bars, wmap, xb, xoff, row0, live, box, slot):
@@ -273,7 +284,9 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox):
         wsm[o] = pack_bf16x2(as_f32(f0), as_f32(f1))
         wsm[o + 1] = pack_bf16x2(as_f32(f2), as_f32(f3))
 
-    ns = dict(xsrc=xsrc, xstore=xstore, cuda=cuda, float32=float32, int32=int32, uint32=uint32, uint64=uint64,
+    from kernels.device import stamp_point
+    ns = dict(stamp_point=stamp_point, xsrc=xsrc, xstore=xstore, cuda=cuda, float32=float32, int32=int32,
+              uint32=uint32, uint64=uint64,
               mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait,
               tensormap_acquire=tensormap_acquire, load_stage=load_stage, wg_fence=wg_fence, wg_commit=wg_commit,
               wg_wait0=wg_wait0, wg_wait1=wg_wait1,
@@ -298,10 +311,10 @@ def weight_tensor_map(w):
     return _TMAP[key]
 
 
-def gemm_wg(x, w, out, xb, cut=None):
+def gemm_wg(x, w, out, xb, cut=None, stamps=None):
     """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T: one launch of (CL, strips, ZB) blocks in clusters of CL,
     after x -> bf16 boxes in xb (u32, >= xb_words(m, k)) unless the blocks convert x themselves (cut.XIN, x
-    contiguous). w and out contiguous."""
+    contiguous). w and out contiguous. stamps: int32 [>= blocks, 16] with GEMM_WG_STAMPS on."""
     from kernels.attention import launch_smem
     from kernels.gemm import contiguous, prep_b
     m, k = x.shape
@@ -318,10 +331,12 @@ def gemm_wg(x, w, out, xb, cut=None):
         if xb.size < xb_words(m, k):
             raise ValueError(f"gemm_wg: xb of {xb.size} words < {xb_words(m, k)}")
         prep_b(x, xb, 1, 0, tiled=3)
-    kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN)
+    kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN, GEMM_WG_STAMPS)
     grid = (cut.CL, math.ceil(n / (64 * cut.MT)), cut.ZB)
+    if GEMM_WG_STAMPS and (stamps is None or stamps.shape[0] < math.prod(grid) or stamps.shape[1] < 16):
+        raise ValueError(f"gemm_wg: GEMM_WG_STAMPS needs stamps of [>= {math.prod(grid)} blocks, 16] int32")
     xf = x.reshape(m * k) if cut.XIN else xb.view(np.float32)     # (without XIN: not read)
-    launch_smem(kern, grid, 128, wg_smem(cut), (weight_tensor_map(w), xb, xf, out, int32(m), int32(n),
-                                                     int32(k // 64)),
+    args = (weight_tensor_map(w), xb, xf, out, int32(m), int32(n), int32(k // 64))
+    launch_smem(kern, grid, 128, wg_smem(cut), args + ((stamps,) if GEMM_WG_STAMPS else ()),
                 cluster=(cut.CL, 1, 1) if cut.CL > 1 else None)
     return out

@@ -5,6 +5,7 @@ import pytest
 
 import cuda_cases as C
 from cudasim import Env
+from test_ptx import cpu_compute_capability  # noqa: F401  (sm_90 for device functions without a GPU)
 
 K2 = {"q_kv_a": (2112, 7168), "q_b": (12288, 1536), "kv_b": (16384, 512), "o": (7168, 8192),
       "shared_gate_up": (4096, 7168), "shared_down": (7168, 2048)}
@@ -101,3 +102,25 @@ def test_gpu_gemm_wg_batch_invariant(name):
         np.testing.assert_array_equal(outs[m][0], outs[1][0], err_msg=f"{name}: token 0 alone vs among {m}")
         r = min(m, 9) - 1
         np.testing.assert_array_equal(outs[m][r], outs[9][r], err_msg=f"{name}: token {r} among 9 vs {m}")
+
+
+@pytest.mark.parametrize("mt,cl,nb,xin", [(2, 4, 8, 1), (1, 3, 40, 0)])
+def test_wg_kernel_ptx(mt, cl, nb, xin, cpu_compute_capability):
+    """The kernel compiles for sm_90a on the CPU (NVVM): 4 MT wgmma per stage, no local memory, no float64; with
+    GEMM_WG_STAMPS seven timer reads (tools/gemm_wg_stamps.py), without them none."""
+    from cudasim import f64_lines, ptx_or_skip
+    from kernels.gemm_wg import gemm_wg_kernel
+    sig = "void(uint64[::1], uint32[::1], float32[::1], float32[:,::1], int32, int32, int32{})"
+    ptx = ptx_or_skip(gemm_wg_kernel(mt, cl, 5, nb, xin).py_func, sig.format(""), cc=(9, 0, "a"))
+    assert ptx.count("wgmma.mma_async") == 4 * mt and ".local" not in ptx and not f64_lines(ptx)
+    assert "globaltimer" not in ptx
+    stamped = ptx_or_skip(gemm_wg_kernel(mt, cl, 5, nb, xin, True).py_func, sig.format(", int32[:,::1]"),
+                          cc=(9, 0, "a"))
+    assert stamped.count("globaltimer") == 7
+
+
+def test_gemm_wg_stamps_cases_parse():
+    """tools/gemm_wg_stamps.py: a malformed --cases is a clear usage error, before any GPU work."""
+    from tools.gemm_wg_stamps import main
+    with pytest.raises(SystemExit):
+        main(["--cases", "q_kv_a"])

@@ -15,9 +15,10 @@ POINTS = ("entry", "ring issued", "q staged", "tile 0 landed", "main loop done",
 PHASES = ("ring init", "q prologue", "first tile wait", "main loop", "stats", "O store")
 
 
-def phases(stamps):
+def phases(stamps, names=PHASES):
     """stamps int32 [blocks, >= 16] (kernels/mla_wg.py STAMP_WORDS layout: point k's cycles at 2k, its global ns
-    at 2k + 1, the SM at 14, the steps at 15) -> summary dict: per phase the median / min / max in us over blocks
+    at 2k + 1, the SM at 14, the steps at 15; kernels/gemm_wg.py's is the same, phase 3 its main loop too: `names`)
+    -> summary dict: per phase the median / min / max in us over blocks
     that stamped every point, the main loop per step, the clock in GHz, the start spread and the span in us.
     32-bit wrap-around is undone (differences mod 2^32)."""
     s = np.asarray(stamps, np.int64) & 0xFFFFFFFF
@@ -37,7 +38,7 @@ def phases(stamps):
     ref = int(np.argmin(since.max(axis=1)))                   # the first block in: the smallest spread after it
     rel = since[ref]
     out = {name: dict(med=round(float(np.median(per[:, k])), 3), min=round(float(per[:, k].min()), 3),
-                      max=round(float(per[:, k].max()), 3)) for k, name in enumerate(PHASES)}
+                      max=round(float(per[:, k].max()), 3)) for k, name in enumerate(names)}
     out["main loop per step"] = round(float(np.median(per[:, 3] / np.maximum(steps, 1))), 4)
     out["block"] = round(float(np.median(cum_us[:, -1])), 3)
     out["ghz"] = round(float(np.median(ghz)), 3)
