@@ -105,7 +105,7 @@ def test_gpu_gemm_wg_batch_invariant(name):
 
 
 @pytest.mark.parametrize("mt,cl,nb,xin", [(2, 4, 8, 1), (1, 3, 40, 0)])
-def test_wg_kernel_ptx(mt, cl, nb, xin, cpu_compute_capability):
+def test_wg_kernel_ptx(mt, cl, nb, xin):
     """The kernel compiles for sm_90a on the CPU (NVVM): 4 MT wgmma per stage, no local memory, no float64; with
     GEMM_WG_STAMPS seven timer reads (tools/gemm_wg_stamps.py), without them none."""
     from cudasim import f64_lines, ptx_or_skip
