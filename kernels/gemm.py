@@ -622,6 +622,10 @@ class GemmWorkspace:
 
 def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
     """Default cut: enough k-pieces that about `target_warps` warps stream weights (n, k decide the k split).
+    On sm_90 the large-weight cut carries WG=1 up to WG_ROWS rows: kernels/gemm_wg.py runs it instead (TMA ring +
+    wgmma; H200, session 32: 6-16 points of copy more at 17-33 rows on K2's projections, up to 6 fewer at one row on
+    q_kv_a and the shared gate_up; README "Kernel performance"); the mma fields below are what NUMBAENGINE_GEMM_WG=0
+    and hi + lo activations run.
     Per token tiles T, from tools/bench_kernels.py on the H200 (K2 shapes, m = 1, 17, 33; session 16 changed R and U,
     see TARGET_WARPS): above one tile, 256-thread blocks capped at 128 registers (MB=2: uncapped lost
     12-30% except on kv_a and lm_head at T=3) and the k-split reduce as its own launch (the in-GEMM last-block
