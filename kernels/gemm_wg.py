@@ -109,7 +109,7 @@ def _sm90():
     if SIM:
         return False
     try:
-        return cuda.get_current_device().compute_capability >= (9, 0)
+        return cuda.get_current_device().compute_capability == (9, 0)     # wgmma is sm_90a only
     except Exception:                      # no GPU: the mma path's launch will say so
         return False
 
