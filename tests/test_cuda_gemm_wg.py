@@ -124,3 +124,13 @@ def test_gemm_wg_stamps_cases_parse():
     from tools.gemm_wg_stamps import main
     with pytest.raises(SystemExit):
         main(["--cases", "q_kv_a"])
+
+
+def test_stamps_emit(tmp_path, capsys):
+    """The stamps tools' output: each row printed as it comes, all of them written as JSON at the end."""
+    import json
+
+    from tools.mla_stamps import emit
+    rows = emit(iter([{"a": 1}, {"b": 2}]), str(tmp_path / "s.json"))
+    assert rows == [{"a": 1}, {"b": 2}] == json.loads((tmp_path / "s.json").read_text())
+    assert capsys.readouterr().out.splitlines() == ['stamps {"a": 1}', 'stamps {"b": 2}']

@@ -6,9 +6,8 @@ the blocks' start spread and the kernel's span (tools/mla_stamps.py `phases`), b
 (names: tools/bench_kernels.py K2_GEMMS; the call's bytes are the weights, n k 2.)
 """
 import argparse
-import json
 
-from tools.mla_stamps import phases
+from tools.mla_stamps import emit, phases
 
 PHASES = ("ring issue", "x prologue", "first stage wait", "main loop", "partial tile + barrier", "reduce + store")
 
@@ -56,14 +55,7 @@ def main(argv=None):
         cases = [(c.split(":")[0], int(c.split(":")[1])) for c in a.cases.split(",")]
     except (IndexError, ValueError):
         ap.error(f"--cases {a.cases!r}: want name:m pairs separated by commas")
-    rows = []
-    for name, m in cases:
-        rows.append(run_case(name, m))
-        print("stamps", json.dumps(rows[-1]), flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return rows
+    return emit((run_case(name, m) for name, m in cases), a.out)
 
 
 if __name__ == "__main__":

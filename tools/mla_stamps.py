@@ -49,6 +49,18 @@ def phases(stamps, names=PHASES):
     return out
 
 
+def emit(rows, out=None):
+    """Print each row of the iterable as it comes ("stamps" + JSON), then write them all to `out` (JSON) if given."""
+    done = []
+    for row in rows:
+        done.append(row)
+        print("stamps", json.dumps(row), flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(done, f, indent=1)
+    return done
+
+
 def run_case(ctx, B, variant=None):
     import cupy as cp
 
@@ -93,14 +105,7 @@ def main(argv=None):
             raise ValueError
     except ValueError:
         ap.error(f"--cases {a.cases!r}: want ctx:batch pairs separated by commas")
-    rows = []
-    for ctx, B in cases:
-        rows.append(run_case(ctx, B, json.loads(a.variant)))
-        print("stamps", json.dumps(rows[-1]), flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return rows
+    return emit((run_case(ctx, B, json.loads(a.variant)) for ctx, B in cases), a.out)
 
 
 if __name__ == "__main__":

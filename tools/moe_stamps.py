@@ -127,15 +127,8 @@ def main(argv=None):
     stages = a.stages.split(",")
     if not stages or any(st not in ("gate_up", "down") for st in stages):
         ap.error(f"--stages {a.stages!r}: gate_up and/or down")
-    rows = []
-    for n in cases:
-        for row in run_case(n, stages, json.loads(a.variant)):
-            rows.append(row)
-            print("stamps", json.dumps(row), flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return rows
+    from tools.mla_stamps import emit
+    return emit((row for n in cases for row in run_case(n, stages, json.loads(a.variant))), a.out)
 
 
 if __name__ == "__main__":
