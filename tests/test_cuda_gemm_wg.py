@@ -39,8 +39,9 @@ def test_wg_path_off_without_sm90():
 
 
 # --- GPU ---------------------------------------------------------------------------------------------------------
-def check(m, n, k, cut=None, seed=None):
-    """gemm_wg against gemm_ref, output and x's boxes poisoned first; returns the output."""
+def check(m, n, k, cut=None, seed=None, strided=False):
+    """gemm_wg against gemm_ref, output and x's boxes poisoned first (strided: out is the middle columns of a wider
+    array, whose other columns must keep their poison); returns the output."""
     from numba import cuda
 
     from kernels.gemm import gemm_ref
@@ -49,11 +50,15 @@ def check(m, n, k, cut=None, seed=None):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = C.rand_bf16(rng, n, k)
-    out = C.poisoned(env, (m, n), np.float32)
+    wide = C.poisoned(env, (m, n + 24 * strided), np.float32)
+    out = wide[:, 8:8 + n] if strided else wide
     gemm_wg(cuda.to_device(x), cuda.to_device(w), out, C.poisoned(env, (xb_words(m, k),), np.uint32), cut)
     ref = gemm_ref(x, w, np.empty((m, n), np.float32))
     scale = (np.abs(x) @ np.abs(C.bf16_to_f32(w)).T).max()
-    got = env.host(out)
+    got = env.host(wide)
+    if strided:
+        assert np.isnan(got[:, :8]).all() and np.isnan(got[:, 8 + n:]).all(), "wrote outside the strided out"
+        got = got[:, 8:8 + n]
     C.assert_close(f"gemm_wg m={m} n={n} k={k} {cut}", got, ref, 4e-3, scale)
     return got
 
@@ -79,6 +84,13 @@ def test_gpu_gemm_wg_cuts(mt, cl, stages, xin, m):
         if cl > k // 64:
             continue
         check(m, n, k, wg_cut(m, n, k, mt=mt, cl=cl, stages=stages, xin=xin))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 33])
+def test_gpu_gemm_wg_strided_out(m):
+    """out as a column slice of a wider array (the vocabulary-parallel lm_head's shard): right, nothing outside."""
+    check(m, 1000, 640, strided=True)
 
 
 @pytest.mark.gpu
