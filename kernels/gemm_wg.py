@@ -46,6 +46,9 @@ WG_XIN_ROWS = 8           # token blocks up to this many rows convert their f32 
 #                           every shape (o 61.5 vs 75.4). Calls 2-3 converted the whole k piece up front instead: won at
 #                           m = 1 on short pieces (kv_b 71.0 vs 61.1), lost on long ones (o 73.5 vs 78.7)
 BOX = 64 * 64 * 2         # bytes of one weight box (64 rows x 64 k bf16)
+WG_EARLY_W = False        # with PDL: thread 0 issues the ring's first weight boxes before the wait for the previous
+#                           kernel (weights never depend on it), x's after; off: the wait comes first, as in every
+#                           kernel (kernels/device.py `kernel`). NOT measured yet (session 32: built, PTX-checked)
 GEMM_WG_STAMPS = False    # measurement only (tools/gemm_wg_stamps.py): thread 0 of every block writes (SM cycles,
 #                           global ns) at 7 points of its timeline into `stamps` [blocks, 16] (int32 bits), then its
 #                           SM and its stages; the kernel takes that array after nbox. Default PTX unchanged
@@ -128,15 +131,15 @@ def xb_words(m, k):
 _KERNELS = {}
 
 
-def gemm_wg_kernel(MT, CL, S, NB, XIN=0, STAMPS=False):
-    """The kernel for one cut (compiled once per (MT, CL, S, NB, XIN, STAMPS))."""
-    key = (MT, CL, S, NB, XIN, STAMPS)
+def gemm_wg_kernel(MT, CL, S, NB, XIN=0, STAMPS=False, EARLY=False):
+    """The kernel for one cut (compiled once per (MT, CL, S, NB, XIN, STAMPS, EARLY))."""
+    key = (MT, CL, S, NB, XIN, STAMPS, EARLY)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(MT, CL, S, NB, XIN, STAMPS)
+        _KERNELS[key] = _build(MT, CL, S, NB, XIN, STAMPS, EARLY)
     return _KERNELS[key]
 
 
-def _build(MT, CL, S, NB, XIN, STAMPS=False):
+def _build(MT, CL, S, NB, XIN, STAMPS=False, EARLY=False):
     from kernels.bulk import bulk_load, mbar_expect, mbar_fence_init, mbar_init, mbar_wait, tensor_load_2d
     from kernels.bulk import tensormap_acquire
     from kernels.cluster import cluster_sync, dsmem_ld16
@@ -196,6 +199,13 @@ def _build(MT, CL, S, NB, XIN, STAMPS=False):
 ''' if XIN else ""
     db = f"desc(wsm, slot * {STAGE} + {MT * BOX})"
 
+    # EARLY: the wait for the previous kernel (PDL) after the first weight boxes are out, then x's boxes
+    early = f'''    grid_wait()
+    if tid == 0:
+        for p in range(min({S}, ns)):
+            load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + p, p, 2)
+''' if EARLY else ""
+
     def stamp(k, ind="    "):
         """(STAMPS) thread 0 writes point k of STAMP_POINTS: SM cycles, then global ns."""
         return f"{ind}if tid == 0:\n{ind}    sm = stamp_point(stamps, blk, {2 * k})\n" if STAMPS else ""
@@ -219,8 +229,8 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
         mbar_fence_init()
         tensormap_acquire(wmap)
         for p in range(min({S}, ns)):
-            load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + p, p)
-{stamp(1)}{xin}    cuda.syncthreads()
+            load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + p, p, {1 if EARLY else 3})
+{early}{stamp(1)}{xin}    cuda.syncthreads()
 {stamp(2)}{zero}
     for j in range(ns):
 {x_store}        slot = j % {S}
@@ -233,7 +243,7 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
         wg_wait1()                                 # stage j - 1's wgmmas have retired
         cuda.syncthreads()                         # (all four warps): its slot may be refilled
         if tid == 0 and j >= 1 and j + {S} - 1 < ns:
-            load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + j + {S} - 1, (j - 1) % {S})
+            load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + j + {S} - 1, (j - 1) % {S}, 3)
 {x_load}    wg_wait0()
     cuda.syncthreads()
 {stamp(4)}    w, lane = tid >> 5, tid & 31
@@ -262,14 +272,17 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
            if STAMPS else ""}{sync if CL > 1 else ""}'''
 
     @cuda.jit(device=True, inline="always")
-    def load_stage(wsm, bars, wmap, xb, xoff, row0, live, box, slot):
-        """Thread 0: stage `box` (64 k columns) into ring slot `slot`: the live weight boxes by TMA and (without
-        XIN) the token block's x box by one bulk copy, all completing on the slot's mbarrier."""
-        mbar_expect(bars, BAR + slot, live * BOX + (0 if XIN else XBOX))
-        for t in range(MT):
-            if t < live:
-                tensor_load_2d(wsm, (slot * STAGE + t * BOX) // 4, wmap, 64 * box, row0 + 64 * t, bars, BAR + slot)
-        if not XIN:
+    def load_stage(wsm, bars, wmap, xb, xoff, row0, live, box, slot, parts):
+        """Thread 0: stage `box` (64 k columns) into ring slot `slot`, completing on the slot's mbarrier: parts & 1
+        the expected bytes and the live weight boxes by TMA, parts & 2 (without XIN) the token block's x box by one
+        bulk copy."""
+        if parts & 1:
+            mbar_expect(bars, BAR + slot, live * BOX + (0 if XIN else XBOX))
+            for t in range(MT):
+                if t < live:
+                    tensor_load_2d(wsm, (slot * STAGE + t * BOX) // 4, wmap, 64 * box, row0 + 64 * t, bars,
+                                   BAR + slot)
+        if parts & 2 and not XIN:
             bulk_load(wsm, (slot * STAGE + MT * BOX) // 4, xb, xoff + box * (XBOX // 4), XBOX, bars, BAR + slot)
 
     @cuda.jit(device=True, inline="always")
@@ -292,8 +305,14 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
               wg_wait0=wg_wait0, wg_wait1=wg_wait1,
               desc=make_desc(16, 1024, 128), wg=make_wgmma(NB), cluster_sync=cluster_sync, dsmem_ld16=dsmem_ld16,
               lds16=lds16, ld16=ld16, as_f=as_f32, pack_bf16x2=pack_bf16x2, fence_proxy_async=fence_proxy_async)
+    from kernels.device import PDL, _wait_previous, grid_dep
+    ns["grid_wait"] = grid_dep if PDL == "trigger" else _wait_previous
     exec(src, ns)
-    return kernel(max_registers=255)(ns["gemm_wg_k"])
+    if not EARLY:
+        return kernel(max_registers=255)(ns["gemm_wg_k"])
+    k = cuda.jit(max_registers=255)(ns["gemm_wg_k"])       # the kernel places its own wait (grid_wait above)
+    k.grid_dep = bool(PDL)                                 # launch() gives it the PDL attribute
+    return k
 
 
 _TMAP = {}
@@ -332,7 +351,7 @@ def gemm_wg(x, w, out, xb, cut=None, stamps=None):
         if xb.size < xb_words(m, k):
             raise ValueError(f"gemm_wg: xb of {xb.size} words < {xb_words(m, k)}")
         prep_b(x, xb, 1, 0, tiled=3)
-    kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN, GEMM_WG_STAMPS)
+    kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN, GEMM_WG_STAMPS, WG_EARLY_W)
     grid = (cut.CL, math.ceil(n / (64 * cut.MT)), cut.ZB)
     if GEMM_WG_STAMPS and (stamps is None or stamps.shape[0] < math.prod(grid) or stamps.shape[1] < 16):
         raise ValueError(f"gemm_wg: GEMM_WG_STAMPS needs stamps of [>= {math.prod(grid)} blocks, 16] int32")

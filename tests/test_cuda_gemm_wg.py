@@ -87,6 +87,16 @@ def test_gpu_gemm_wg_cuts(mt, cl, stages, xin, m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 17])
+def test_gpu_gemm_wg_early_weights(m, monkeypatch):
+    """WG_EARLY_W (the first weight boxes before the PDL wait), x from the kernel itself (XIN) and from prep_b."""
+    import kernels.gemm_wg as kw
+    monkeypatch.setattr(kw, "WG_EARLY_W", True)
+    for n, k in ((1000, 640), K2["o"]):
+        check(m, n, k)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 33])
 def test_gpu_gemm_wg_strided_out(m):
     """out as a column slice of a wider array (the vocabulary-parallel lm_head's shard): right, nothing outside."""
@@ -119,7 +129,8 @@ def test_gpu_gemm_wg_batch_invariant(name):
 @pytest.mark.parametrize("mt,cl,nb,xin", [(2, 4, 8, 1), (1, 3, 40, 0)])
 def test_wg_kernel_ptx(mt, cl, nb, xin):
     """The kernel compiles for sm_90a on the CPU (NVVM): 4 MT wgmma per stage, no local memory, no float64; with
-    GEMM_WG_STAMPS seven timer reads (tools/gemm_wg_stamps.py), without them none."""
+    GEMM_WG_STAMPS seven timer reads (tools/gemm_wg_stamps.py), without them none; the PDL wait's place with and
+    without WG_EARLY_W."""
     from cudasim import f64_lines, ptx_or_skip
     from kernels.gemm_wg import gemm_wg_kernel
     sig = "void(uint64[::1], uint32[::1], float32[::1], float32[:,::1], int32, int32, int32{})"
@@ -129,6 +140,11 @@ def test_wg_kernel_ptx(mt, cl, nb, xin):
     stamped = ptx_or_skip(gemm_wg_kernel(mt, cl, 5, nb, xin, True).py_func, sig.format(", int32[:,::1]"),
                           cc=(9, 0, "a"))
     assert stamped.count("globaltimer") == 7
+    # the PDL wait: first of all by default (the kernel() wrapper); WG_EARLY_W places one itself (after the first
+    # weight boxes; the PTX's block order is not the execution order, so only its presence is checked here)
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.index("griddepcontrol.wait") < ptx.index("mbarrier.init")
+    early = ptx_or_skip(gemm_wg_kernel(mt, cl, 5, nb, xin, False, True).py_func, sig.format(""), cc=(9, 0, "a"))
+    assert early.count("griddepcontrol.wait") == 1 and early.count("wgmma.mma_async") == 4 * mt
 
 
 def test_gemm_wg_stamps_cases_parse():

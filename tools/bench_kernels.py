@@ -90,6 +90,7 @@ GEMM_VARIANTS = {# session 32: the wgmma path (kernels/gemm_wg.py, the default w
                  "wg_cl2": ((1, 17, 33), dict(wg=dict(WG_CL_MAX=2))),
                  "wg_x0": ((1,), dict(wg=dict(WG_XIN_ROWS=0))), "wg_x16": ((9,), dict(wg=dict(WG_XIN_ROWS=16))),
                  "wg_t1": ((1, 17, 33), dict(wg=dict(WG_TARGET=1.0))),
+                 "wg_early": ((1, 9, 17, 33), dict(wg=dict(WG_EARLY_W=True))),   # NOT measured yet (session 32)
                  "ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
                  "rb2": ((17,), dict(S=2, RB=1)), "rb2w4": ((17, 33), dict(S=2, RB=1, WR=4)),
                  "xs2": ((17, 33, 65), dict(xs=2)),
