@@ -12,8 +12,8 @@ K2 = {"q_kv_a": (2112, 7168), "q_b": (12288, 1536), "kv_b": (16384, 512), "o": (
 
 
 def test_wg_cut_from_n_k_only():
-    """MT and CL (the k pieces: the order of every sum) do not depend on m; clusters stay portable (<= 8), pieces
-    hold >= 2 boxes, the blocks stay within the aimed-at count, and the ring fits its shared memory."""
+    """MT and CL (the k pieces: the order of every sum) do not depend on m; clusters of <= WG_CL_MAX, pieces of >= 2
+    boxes, blocks within the aimed-at count, XIN where the rule says, and the ring fits its shared memory."""
     from kernels.gemm_wg import WG_CL_MAX, WG_SMEM_BLOCK, WG_TARGET, WG_XIN_ROWS, token_blocks, wg_cut, wg_smem
     for n, k in list(K2.values()) + [(163840, 7168), (200, 192), (64, 64), (1000, 640)]:
         cuts = [wg_cut(m, n, k) for m in (1, 7, 8, 9, 33, 64, 65, 130, 1000)]
@@ -30,7 +30,7 @@ def test_wg_cut_from_n_k_only():
 
 
 def test_wg_path_off_without_sm90():
-    """Under the simulator (no TMA / wgmma twin) gemm_config never picks the wgmma path."""
+    """Without an sm_90 GPU (CPU CI, the simulator: no TMA / wgmma twin) gemm_config never picks the wgmma path."""
     from kernels.gemm import gemm_config
     from kernels.gemm_wg import gemm_wg_applies
     if gemm_wg_applies(1, 7168, 8192):
