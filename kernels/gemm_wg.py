@@ -33,8 +33,9 @@ GEMM_WG = os.environ.get("NUMBAENGINE_GEMM_WG", "1") != "0"   # kernels.gemm.gem
 WG_NB_MAX = 64            # token rows per block (wgmma N); taller x runs as token blocks on grid z
 WG_TARGET = 1.8           # blocks per SM the k split aims at, at most: all resident at once (one wave) with room
 #                           for the clusters' packing into GPCs (a cluster's blocks share one GPC)
-WG_CL_MAX = 4             # k pieces per strip (cluster size). H200, session 32 call 1: clusters of 8 (q_kv_a: 33
-#                           clusters of 8 blocks) ran slower than the mma path, likely a cluster left for a second wave
+WG_CL_MAX = 4             # k pieces per strip (cluster size). H200, session 32 call 2 (wg_cl8 vs this rule), chained
+#                           % of copy at m = 17: q_kv_a 37.1 vs 46.4 (33 clusters of 8 vs 33 of 4), shared gate_up
+#                           50.1 vs 62.4 (not profiled; a guess: clusters of 8 that do not all fit in one wave)
 WG_SMEM_BLOCK = 112 * 1024    # shared bytes of a block (ring + x boxes): two fit per SM
 WG_STAGES_MAX = 12
 WG_XIN_ROWS = 8           # token blocks up to this many rows convert their f32 x into the ring's x boxes themselves,

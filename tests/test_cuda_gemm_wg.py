@@ -29,13 +29,15 @@ def test_wg_cut_from_n_k_only():
                                                                        (40, 2), (48, 3)]
 
 
-def test_wg_path_off_without_sm90():
-    """Without an sm_90 GPU (CPU CI, the simulator: no TMA / wgmma twin) gemm_config never picks the wgmma path."""
-    from kernels.gemm import gemm_config
-    from kernels.gemm_wg import gemm_wg_applies
-    if gemm_wg_applies(1, 7168, 8192):
-        pytest.skip("an sm_90 GPU is present: the path applies")
-    assert gemm_config(1, 7168, 8192).WG == 0
+def test_wg_path_only_where_it_applies():
+    """gemm_config picks the wgmma path exactly where it applies: never without an sm_90 GPU (CPU CI, the simulator:
+    no TMA / wgmma twin), never for small weights or hi + lo activations, the same for every m."""
+    from kernels.gemm import gemm_config, with_xs
+    from kernels.gemm_wg import _sm90
+    for m in (1, 33, 100):
+        assert gemm_config(m, 7168, 8192).WG == int(_sm90())
+        assert gemm_config(m, 384, 384).WG == 0                      # small weights: the launch-bound mma cut
+        assert with_xs(gemm_config(m, 7168, 8192), 2).WG == 0
 
 
 # --- GPU ---------------------------------------------------------------------------------------------------------
