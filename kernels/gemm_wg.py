@@ -50,6 +50,14 @@ BOX = 64 * 64 * 2         # bytes of one weight box (64 rows x 64 k bf16)
 WG_EARLY_W = False        # with PDL: thread 0 issues the ring's first weight boxes before the wait for the previous
 #                           kernel (weights never depend on it), x's after; off: the wait comes first, as in every
 #                           kernel (kernels/device.py `kernel`). NOT measured yet (session 32: built, PTX-checked)
+WG_TMAP = "acquire"       # how a block meets its weights' tensor map: "acquire" (fence.proxy.tensormap acquire: orders
+#                           the host's write of the map before the TMA reads it), "prefetch" (prefetch.tensormap only),
+#                           "none". NOT measured yet (session 33: the stamps put 1.3-1.8 us between a block's entry
+#                           and its ring being issued)
+WG_FOLD_FIRST = True      # the k-split fold loads all CL partial quads of an item before adding them (in rank order,
+#                           as before: the same sums); False: load, add, load, add (session 32's code)
+WG_TRIGGER = False        # with PDL: the blocks let the next kernel launch once their main loop is done (its blocks
+#                           may then start during this one's fold and store). NOT measured yet
 GEMM_WG_STAMPS = False    # measurement only (tools/gemm_wg_stamps.py): thread 0 of every block writes (SM cycles,
 #                           global ns) at 7 points of its timeline into `stamps` [blocks, 16] (int32 bits), then its
 #                           SM and its stages; the kernel takes that array after nbox. Default PTX unchanged
@@ -132,17 +140,19 @@ def xb_words(m, k):
 _KERNELS = {}
 
 
-def gemm_wg_kernel(MT, CL, S, NB, XIN=0, STAMPS=False, EARLY=False):
-    """The kernel for one cut (compiled once per (MT, CL, S, NB, XIN, STAMPS, EARLY))."""
-    key = (MT, CL, S, NB, XIN, STAMPS, EARLY)
+def gemm_wg_kernel(MT, CL, S, NB, XIN=0, STAMPS=False, EARLY=False, TMAP="acquire", FOLD_FIRST=True, TRIGGER=False):
+    """The kernel for one cut and set of knobs (compiled once per combination; knobs: the module's WG_* flags)."""
+    if TMAP not in ("acquire", "prefetch", "none"):
+        raise ValueError(f"gemm_wg: WG_TMAP={TMAP!r}: use acquire, prefetch or none")
+    key = (MT, CL, S, NB, XIN, STAMPS, EARLY, TMAP, FOLD_FIRST, TRIGGER)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(MT, CL, S, NB, XIN, STAMPS, EARLY)
+        _KERNELS[key] = _build(*key)
     return _KERNELS[key]
 
 
-def _build(MT, CL, S, NB, XIN, STAMPS=False, EARLY=False):
+def _build(MT, CL, S, NB, XIN, STAMPS, EARLY, TMAP, FOLD_FIRST, TRIGGER):
     from kernels.bulk import bulk_load, mbar_expect, mbar_fence_init, mbar_init, mbar_wait, tensor_load_2d
-    from kernels.bulk import tensormap_acquire
+    from kernels.bulk import tensormap_acquire, tensormap_prefetch
     from kernels.cluster import cluster_sync, dsmem_ld16
     from kernels.device import as_f32, kernel, ld16, lds16, pack_bf16x2
     from kernels.wgmma import fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_wait0, wg_wait1
@@ -160,12 +170,18 @@ def _build(MT, CL, S, NB, XIN, STAMPS=False, EARLY=False):
     store = "\n".join(
         f"    fsm[{8 * (i // 4) + i % 2} * {BMP} + cbase + {t * 64 + 8 * ((i % 4) // 2)}] = a{t}_{i}"
         for t in range(MT) for i in range(NACC))
+    # the fold of an item (4 rows x 1 token): rank 0's quad, then ranks 1 .. CL - 1 added in order; FOLD_FIRST has
+    # all CL loads in flight before the first add
     if CL > 1:
-        fold = "\n".join(f"        p0, p1, p2, p3 = dsmem_ld16(wsm, idx, {r})\n" + "\n".join(
-            f"        v{e} += as_f(p{e})" for e in range(4)) for r in range(1, CL))
-        first, sync = "dsmem_ld16(wsm, idx, 0)", "    cluster_sync()\n"
+        ld = [f"        r{r}_0, r{r}_1, r{r}_2, r{r}_3 = dsmem_ld16(wsm, idx, {r})" for r in range(CL)]
+        add = ["        " + ", ".join(f"v{e}" for e in range(4)) + " = " + ", ".join(f"as_f(r0_{e})" for e in range(4))]
+        add += ["\n".join(f"        v{e} += as_f(r{r}_{e})" for e in range(4)) for r in range(1, CL)]
+        fold = "\n".join(ld + add if FOLD_FIRST else [x for pair in zip(ld, add) for x in pair])
+        sync = "    cluster_sync()\n"
     else:
-        fold, first, sync = "", "lds16(wsm, idx)", "    cuda.syncthreads()\n"
+        fold = ("        r0_0, r0_1, r0_2, r0_3 = lds16(wsm, idx)\n"
+                "        v0, v1, v2, v3 = as_f(r0_0), as_f(r0_1), as_f(r0_2), as_f(r0_3)")
+        sync = "    cuda.syncthreads()\n"
     # XIN (S >= 3): the 128 threads turn x's rows tok0 .. tok0 + NB - 1 (past m: row m - 1) into the x boxes of the
     # ring, 16 bytes of f32 x (one quad of a row) per chunk: the first S stages before the main loop (XG chunks of
     # loads in flight per thread), then stage j + S - 1 loaded at iteration j beside its weights' TMA and stored at
@@ -207,6 +223,9 @@ def _build(MT, CL, S, NB, XIN, STAMPS=False, EARLY=False):
             load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + p, p, 2)
 ''' if EARLY else ""
 
+    tmap = {"acquire": "        tensormap_acquire(wmap)\n", "prefetch": "        tensormap_prefetch(wmap)\n",
+            "none": ""}[TMAP]
+
     def stamp(k, ind="    "):
         """(STAMPS) thread 0 writes point k of STAMP_POINTS: SM cycles, then global ns."""
         return f"{ind}if tid == 0:\n{ind}    sm = stamp_point(stamps, blk, {2 * k})\n" if STAMPS else ""
@@ -228,8 +247,7 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
         for p in range({S}):
             mbar_init(bars, {BAR} + p)
         mbar_fence_init()
-        tensormap_acquire(wmap)
-        for p in range(min({S}, ns)):
+{tmap}        for p in range(min({S}, ns)):
             load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + p, p, {1 if EARLY else 3})
 {early}{stamp(1)}{xin}    cuda.syncthreads()
 {stamp(2)}{zero}
@@ -246,7 +264,7 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
         if tid == 0 and j >= 1 and j + {S} - 1 < ns:
             load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + j + {S} - 1, (j - 1) % {S}, 3)
 {x_load}    wg_wait0()
-    cuda.syncthreads()
+{"    launch_dependents()" + chr(10) if TRIGGER else ""}    cuda.syncthreads()
 {stamp(4)}    w, lane = tid >> 5, tid & 31
     cbase = (2 * (lane & 3)) * {BMP} + 16 * w + (lane >> 2)
 {store}
@@ -257,8 +275,6 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
         col = u // nq
         q = q0 + u - col * nq
         idx = col * {BMP} + 4 * q
-        p0, p1, p2, p3 = {first}
-        v0, v1, v2, v3 = as_f(p0), as_f(p1), as_f(p2), as_f(p3)
 {fold}
         row = row0 + 4 * q
         if row < n:
@@ -302,12 +318,13 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
     ns = dict(stamp_point=stamp_point, xsrc=xsrc, xstore=xstore, cuda=cuda, float32=float32, int32=int32,
               uint32=uint32, uint64=uint64,
               mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait,
-              tensormap_acquire=tensormap_acquire, load_stage=load_stage, wg_fence=wg_fence, wg_commit=wg_commit,
+              tensormap_acquire=tensormap_acquire, tensormap_prefetch=tensormap_prefetch, load_stage=load_stage, wg_fence=wg_fence, wg_commit=wg_commit,
               wg_wait0=wg_wait0, wg_wait1=wg_wait1,
               desc=make_desc(16, 1024, 128), wg=make_wgmma(NB), cluster_sync=cluster_sync, dsmem_ld16=dsmem_ld16,
               lds16=lds16, ld16=ld16, as_f=as_f32, pack_bf16x2=pack_bf16x2, fence_proxy_async=fence_proxy_async)
-    from kernels.device import PDL, _wait_previous, grid_dep
+    from kernels.device import PDL, _launch_dependents, _wait_previous, grid_dep
     ns["grid_wait"] = grid_dep if PDL == "trigger" else _wait_previous
+    ns["launch_dependents"] = _launch_dependents
     exec(src, ns)
     if not EARLY:
         return kernel(max_registers=255)(ns["gemm_wg_k"])
@@ -352,7 +369,8 @@ def gemm_wg(x, w, out, xb, cut=None, stamps=None):
         if xb.size < xb_words(m, k):
             raise ValueError(f"gemm_wg: xb of {xb.size} words < {xb_words(m, k)}")
         prep_b(x, xb, 1, 0, tiled=3)
-    kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN, GEMM_WG_STAMPS, WG_EARLY_W)
+    kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN, GEMM_WG_STAMPS, WG_EARLY_W, WG_TMAP, WG_FOLD_FIRST,
+                          WG_TRIGGER)
     grid = (cut.CL, math.ceil(n / (64 * cut.MT)), cut.ZB)
     if GEMM_WG_STAMPS and (stamps is None or stamps.shape[0] < math.prod(grid) or stamps.shape[1] < 16):
         raise ValueError(f"gemm_wg: GEMM_WG_STAMPS needs stamps of [>= {math.prod(grid)} blocks, 16] int32")

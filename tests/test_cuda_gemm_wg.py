@@ -149,11 +149,37 @@ def test_wg_kernel_ptx(mt, cl, nb, xin):
     assert early.count("griddepcontrol.wait") == 1 and early.count("wgmma.mma_async") == 4 * mt
 
 
+@pytest.mark.parametrize("tmap,fold_first,trigger", [("prefetch", False, True), ("none", True, False)])
+def test_wg_kernel_knobs_ptx(tmap, fold_first, trigger):
+    """The knobs WG_TMAP / WG_FOLD_FIRST / WG_TRIGGER reach the PTX: the tensor map fence (default), prefetch or
+    neither; all CL partial loads of a fold item before its first add, or interleaved; the early PDL trigger."""
+    from cudasim import ptx_or_skip
+    from kernels.gemm_wg import gemm_wg_kernel
+    sig = "void(uint64[::1], uint32[::1], float32[::1], float32[:,::1], int32, int32, int32)"
+    ptx = ptx_or_skip(gemm_wg_kernel(2, 4, 5, 8, 0).py_func, sig, cc=(9, 0, "a"))
+    assert "fence.proxy.tensormap" in ptx and "prefetch.tensormap" not in ptx
+    assert "launch_dependents" not in ptx
+    knob = ptx_or_skip(gemm_wg_kernel(2, 4, 5, 8, 0, TMAP=tmap, FOLD_FIRST=fold_first, TRIGGER=trigger).py_func,
+                       sig, cc=(9, 0, "a"))
+    assert ("fence.proxy.tensormap" in knob) is False and ("prefetch.tensormap" in knob) == (tmap == "prefetch")
+    assert ("griddepcontrol.launch_dependents" in knob) == trigger
+    for p, first in ((ptx, True), (knob, fold_first)):
+        lines = [ln for ln in p.splitlines() if "ld.shared::cluster.v4" in ln or "add.f32" in ln or "add.rn.f32" in ln]
+        kinds = "".join("L" if "ld.shared" in ln else "A" for ln in lines)
+        assert kinds.count("L") == 4, kinds
+        assert kinds.startswith("LLLL") == first, kinds
+    with pytest.raises(ValueError, match="WG_TMAP"):
+        gemm_wg_kernel(2, 4, 5, 8, 0, TMAP="fence")
+
+
 def test_gemm_wg_stamps_cases_parse():
     """tools/gemm_wg_stamps.py: a malformed --cases is a clear usage error, before any GPU work."""
     from tools.gemm_wg_stamps import main
     with pytest.raises(SystemExit):
         main(["--cases", "q_kv_a"])
+    for bad in ("GEMM_WG=0", "WG_NOPE=1", "WG_TMAP="):
+        with pytest.raises(SystemExit):
+            main(["--set", bad])
 
 
 def test_stamps_emit(tmp_path, capsys):

@@ -2,7 +2,7 @@
 of every block write (SM cycles, global ns) at seven points (kernels.gemm_wg.STAMP_POINTS); one eager call per case
 after an L2 flush, then each phase's median / min / max over the blocks in microseconds, the main loop per stage,
 the blocks' start spread and the kernel's span (tools/mla_stamps.py `phases`), beside the call's graph time.
-    python -m tools.gemm_wg_stamps [--cases q_kv_a:1,q_kv_a:17,o:1,o:33] [--out stamps.json]
+    python -m tools.gemm_wg_stamps [--cases q_kv_a:1,q_kv_a:17,o:1,o:33] [--set WG_TMAP=none] [--out stamps.json]
 (names: tools/bench_kernels.py K2_GEMMS; the call's bytes are the weights, n k 2.)
 """
 import argparse
@@ -50,7 +50,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="q_kv_a:1,q_kv_a:17,o:1,o:33,shared_gate_up:1,q_b:17")
     ap.add_argument("--out", help="write the rows as JSON")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a kernels.gemm_wg knob for every case (repeatable), e.g. WG_TMAP=none")
     a = ap.parse_args(argv)
+    import kernels.gemm_wg as kw
+    for item in a.set:
+        name, _, value = item.partition("=")
+        if not hasattr(kw, name) or not name.startswith("WG_") or not value:
+            ap.error(f"--set {item!r}: want WG_<knob>=value of kernels.gemm_wg")
+        setattr(kw, name, type(getattr(kw, name))(value) if not isinstance(getattr(kw, name), bool)
+                else value.lower() in ("1", "true", "on"))
     try:
         cases = [(c.split(":")[0], int(c.split(":")[1])) for c in a.cases.split(",")]
     except (IndexError, ValueError):
