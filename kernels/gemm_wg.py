@@ -59,10 +59,12 @@ WG_FOLD_FIRST = True      # the k-split fold loads all CL partial quads of an it
 WG_TRIGGER = False        # with PDL: the blocks let the next kernel launch once their main loop is done (its blocks
 #                           may then start during this one's fold and store). NOT measured yet
 GEMM_WG_STAMPS = False    # measurement only (tools/gemm_wg_stamps.py): thread 0 of every block writes (SM cycles,
-#                           global ns) at 7 points of its timeline into `stamps` [blocks, 16] (int32 bits), then its
-#                           SM and its stages; the kernel takes that array after nbox. Default PTX unchanged
-STAMP_POINTS = ("entry", "ring issued", "x staged", "stage 0 landed", "main loop done", "partials published",
-                "out stored")
+#                           global ns) at the 9 STAMP_POINTS of its timeline into `stamps` [blocks, STAMP_WORDS]
+#                           (int32 bits), then its SM and its stages; the kernel takes that array after nbox. Default
+#                           PTX unchanged
+STAMP_POINTS = ("entry", "barriers ready", "stage 0 issued", "ring issued", "x staged", "stage 0 landed",
+                "main loop done", "partials published", "out stored")
+STAMP_WORDS = 2 * len(STAMP_POINTS) + 2
 
 
 @dataclass(frozen=True)
@@ -229,6 +231,11 @@ def _build(MT, CL, S, NB, XIN, STAMPS, EARLY, TMAP, FOLD_FIRST, TRIGGER):
     def stamp(k, ind="    "):
         """(STAMPS) thread 0 writes point k of STAMP_POINTS: SM cycles, then global ns."""
         return f"{ind}if tid == 0:\n{ind}    sm = stamp_point(stamps, blk, {2 * k})\n" if STAMPS else ""
+    # (STAMPS) stage 0 issued on its own, then its stamp (in the loop it would be copied by the unrolling)
+    st_issue0 = (f"        load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0, 0, {1 if EARLY else 3})\n"
+                 + stamp(2, " " * 8) if STAMPS else "")
+    st_tail = (f"    if tid == 0:\n        stamps[blk, {STAMP_WORDS - 2}], stamps[blk, {STAMP_WORDS - 1}] = int32(sm), "
+               "int32(ns)\n" if STAMPS else "")
     src = f'''
 def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
     c, strip, z = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
@@ -247,14 +254,14 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
         for p in range({S}):
             mbar_init(bars, {BAR} + p)
         mbar_fence_init()
-{tmap}        for p in range(min({S}, ns)):
+{tmap}{stamp(1, "        ")}{st_issue0}        for p in range({1 if STAMPS else 0}, min({S}, ns)):
             load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + p, p, {1 if EARLY else 3})
-{early}{stamp(1)}{xin}    cuda.syncthreads()
-{stamp(2)}{zero}
+{early}{stamp(3)}{xin}    cuda.syncthreads()
+{stamp(4)}{zero}
     for j in range(ns):
 {x_store}        slot = j % {S}
         mbar_wait(bars, {BAR} + slot, (j // {S}) & 1)
-{"        if j == 0:" + chr(10) + stamp(3, "            ") if STAMPS else ""}        da = desc(wsm, slot * {STAGE})
+{"        if j == 0:" + chr(10) + stamp(5, "            ") if STAMPS else ""}        da = desc(wsm, slot * {STAGE})
         db = {db}
         wg_fence()
 {mma}
@@ -265,10 +272,10 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
             load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + j + {S} - 1, (j - 1) % {S}, 3)
 {x_load}    wg_wait0()
 {"    launch_dependents()" + chr(10) if TRIGGER else ""}    cuda.syncthreads()
-{stamp(4)}    w, lane = tid >> 5, tid & 31
+{stamp(6)}    w, lane = tid >> 5, tid & 31
     cbase = (2 * (lane & 3)) * {BMP} + 16 * w + (lane >> 2)
 {store}
-{sync}{stamp(5)}    q0 = (c * {BM // 4}) // {CL}
+{sync}{stamp(7)}    q0 = (c * {BM // 4}) // {CL}
     nq = ((c + 1) * {BM // 4}) // {CL} - q0
     mz = min({NB}, m - tok0)
     for u in range(tid, mz * nq, 128):
@@ -285,8 +292,7 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
             out[tok0 + col, row + 2] = v2
         if row + 3 < n:
             out[tok0 + col, row + 3] = v3
-{stamp(6)}{"    if tid == 0:" + chr(10) + "        stamps[blk, 14], stamps[blk, 15] = int32(sm), int32(ns)" + chr(10)
-           if STAMPS else ""}{sync if CL > 1 else ""}'''
+{stamp(8)}{st_tail}{sync if CL > 1 else ""}'''
 
     @cuda.jit(device=True, inline="always")
     def load_stage(wsm, bars, wmap, xb, xoff, row0, live, box, slot, parts):
@@ -318,7 +324,8 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
     ns = dict(stamp_point=stamp_point, xsrc=xsrc, xstore=xstore, cuda=cuda, float32=float32, int32=int32,
               uint32=uint32, uint64=uint64,
               mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait,
-              tensormap_acquire=tensormap_acquire, tensormap_prefetch=tensormap_prefetch, load_stage=load_stage, wg_fence=wg_fence, wg_commit=wg_commit,
+              tensormap_acquire=tensormap_acquire, tensormap_prefetch=tensormap_prefetch, load_stage=load_stage,
+              wg_fence=wg_fence, wg_commit=wg_commit,
               wg_wait0=wg_wait0, wg_wait1=wg_wait1,
               desc=make_desc(16, 1024, 128), wg=make_wgmma(NB), cluster_sync=cluster_sync, dsmem_ld16=dsmem_ld16,
               lds16=lds16, ld16=ld16, as_f=as_f32, pack_bf16x2=pack_bf16x2, fence_proxy_async=fence_proxy_async)
@@ -352,7 +359,7 @@ def gemm_wg(x, w, out, xb, cut=None, stamps=None):
     """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T: one launch of (CL, strips, ZB) blocks in clusters of CL,
     after x -> bf16 boxes in xb (u32, >= xb_words(m, k)) unless the blocks convert x themselves (cut.XIN, x
     contiguous). w contiguous (its tensor map); out may be a strided view (a vocabulary shard's columns).
-    stamps: int32 [>= blocks, 16] with GEMM_WG_STAMPS on."""
+    stamps: int32 [>= blocks, STAMP_WORDS] with GEMM_WG_STAMPS on."""
     from kernels.attention import launch_smem
     from kernels.gemm import contiguous, prep_b
     m, k = x.shape
@@ -372,8 +379,8 @@ def gemm_wg(x, w, out, xb, cut=None, stamps=None):
     kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN, GEMM_WG_STAMPS, WG_EARLY_W, WG_TMAP, WG_FOLD_FIRST,
                           WG_TRIGGER)
     grid = (cut.CL, math.ceil(n / (64 * cut.MT)), cut.ZB)
-    if GEMM_WG_STAMPS and (stamps is None or stamps.shape[0] < math.prod(grid) or stamps.shape[1] < 16):
-        raise ValueError(f"gemm_wg: GEMM_WG_STAMPS needs stamps of [>= {math.prod(grid)} blocks, 16] int32")
+    if GEMM_WG_STAMPS and (stamps is None or stamps.shape[0] < math.prod(grid) or stamps.shape[1] < STAMP_WORDS):
+        raise ValueError(f"gemm_wg: GEMM_WG_STAMPS needs stamps of [>= {math.prod(grid)} blocks, {STAMP_WORDS}] int32")
     xf = x.reshape(m * k) if cut.XIN else xb.view(np.float32)     # (without XIN: not read)
     args = (weight_tensor_map(w), xb, xf, out, int32(m), int32(n), int32(k // 64))
     launch_smem(kern, grid, 128, wg_smem(cut), args + ((stamps,) if GEMM_WG_STAMPS else ()),

@@ -131,17 +131,17 @@ def test_gpu_gemm_wg_batch_invariant(name):
 @pytest.mark.parametrize("mt,cl,nb,xin", [(2, 4, 8, 1), (1, 3, 40, 0)])
 def test_wg_kernel_ptx(mt, cl, nb, xin):
     """The kernel compiles for sm_90a on the CPU (NVVM): 4 MT wgmma per stage, no local memory, no float64; with
-    GEMM_WG_STAMPS seven timer reads (tools/gemm_wg_stamps.py), without them none; the PDL wait's place with and
-    without WG_EARLY_W."""
+    GEMM_WG_STAMPS one timer read per STAMP_POINTS (tools/gemm_wg_stamps.py), without them none; the PDL wait's
+    place with and without WG_EARLY_W."""
     from cudasim import f64_lines, ptx_or_skip
-    from kernels.gemm_wg import gemm_wg_kernel
+    from kernels.gemm_wg import STAMP_POINTS, gemm_wg_kernel
     sig = "void(uint64[::1], uint32[::1], float32[::1], float32[:,::1], int32, int32, int32{})"
     ptx = ptx_or_skip(gemm_wg_kernel(mt, cl, 5, nb, xin).py_func, sig.format(""), cc=(9, 0, "a"))
     assert ptx.count("wgmma.mma_async") == 4 * mt and ".local" not in ptx and not f64_lines(ptx)
     assert "globaltimer" not in ptx
     stamped = ptx_or_skip(gemm_wg_kernel(mt, cl, 5, nb, xin, True).py_func, sig.format(", int32[:,::1]"),
                           cc=(9, 0, "a"))
-    assert stamped.count("globaltimer") == 7
+    assert stamped.count("globaltimer") == len(STAMP_POINTS)
     # the PDL wait: first of all by default (the kernel() wrapper); WG_EARLY_W places one itself (after the first
     # weight boxes; the PTX's block order is not the execution order, so only its presence is checked here)
     assert ptx.count("griddepcontrol.wait") == 1 and ptx.index("griddepcontrol.wait") < ptx.index("mbarrier.init")

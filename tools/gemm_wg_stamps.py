@@ -9,27 +9,68 @@ import argparse
 
 from tools.mla_stamps import emit, phases
 
-PHASES = ("ring issue", "x prologue", "first stage wait", "main loop", "partial tile + barrier", "reduce + store")
+PHASES = ("barrier init", "stage 0 issue", "rest of ring issue", "x prologue", "first stage wait", "main loop",
+          "partial tile + barrier", "reduce + store")
+
+
+def sm_sharing(stamps, npoints):
+    """Blocks that had an SM to themselves vs those that shared one (two resident blocks per SM fit): how many, the
+    median main loop of each in us (each block's own clock) and when the last of each ended, in us after the first
+    entry."""
+    import numpy as np
+    s = np.asarray(stamps, np.int64) & 0xFFFFFFFF
+    ok = (s[:, :2 * npoints] != 0).all(axis=1)
+    s = s[ok]
+    sm = s[:, 2 * npoints]
+    per_sm = {int(v): int(c) for v, c in zip(*np.unique(sm, return_counts=True))}
+    shared = np.array([per_sm[int(v)] > 1 for v in sm])
+    cyc = lambda k: s[:, 2 * k]                                   # noqa: E731
+    ns0 = s[:, 1]
+    ghz = ((cyc(npoints - 1) - cyc(0)) % (1 << 32)) / np.maximum((s[:, 2 * npoints - 1] - ns0) % (1 << 32), 1)
+    loop = PHASES.index("main loop")
+    loop_us = ((cyc(loop + 1) - cyc(loop)) % (1 << 32)) / ghz / 1e3
+    end_us = ((s[:, 2 * npoints - 1] - ns0.min()) % (1 << 32)) / 1e3
+    out = {}
+    for name, sel in (("alone", ~shared), ("shared", shared)):
+        out[f"blocks {name}"] = int(sel.sum())
+        if sel.any():
+            out[f"main loop {name} us"] = round(float(np.median(loop_us[sel])), 3)
+            out[f"last end {name} us"] = round(float(end_us[sel].max()), 3)
+    return out
 
 
 def run_case(name, m):
     import cupy as cp
+    import numpy as np
     from numba import cuda
 
     import kernels.gemm_wg as kw
+    from kernels.device import launch
+    from kernels.gemm import prep_b
     from tools.bench_attention import gpu_us
-    from tools.bench_kernels import K2_GEMMS, rand_bf16
+    from tools.bench_kernels import K2_GEMMS, chain_copies, chained_ms, rand_bf16, read_kernel
     n, k = K2_GEMMS[name]
     dv = cuda.as_cuda_array
     w = rand_bf16(cp, (n, k), 0.02)
     x = cp.random.standard_normal((m, k), dtype=cp.float32)
     out = cp.zeros((m, n), cp.float32)
     xb = cp.zeros(kw.xb_words(m, k), cp.uint32)
-    cut = kw.wg_cut(m, n, k, cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    cut = kw.wg_cut(m, n, k, sms)
     blocks = cut.CL * -(-n // (64 * cut.MT)) * cut.ZB
-    stamps = cp.zeros((blocks, 16), cp.int32)
+    stamps = cp.zeros((blocks, kw.STAMP_WORDS), cp.int32)
     args = (dv(x), dv(w), dv(out), dv(xb), cut)
     us, how = gpu_us(lambda: kw.gemm_wg(*args))                 # unstamped kernel: the call's time
+    # the same call chained over distinct weight copies (tools/bench_kernels.py's chain), x's prep launch alone in
+    # the same chain, and a pure read of the weights' bytes: what the call costs beside its kernel's span
+    nbytes = 2 * n * k
+    ws = [dv(w)] + [dv(w.copy()) for _ in range(1, chain_copies(nbytes))]
+    chain_us = 1e3 * chained_ms(cp, lambda i: kw.gemm_wg(args[0], ws[i], *args[2:]), len(ws), nbytes)
+    prep_us = 0.0 if cut.XIN else 1e3 * chained_ms(cp, lambda i: prep_b(args[0], args[3], 1, 0, tiled=3), 1, 1 << 20)
+    read_k, sink = read_kernel(), dv(cp.zeros(1, cp.uint32))
+    flat = [v.reshape(n * k).view(cp.uint32) for v in (cp.asarray(u) for u in ws)]
+    read_us = 1e3 * chained_ms(cp, lambda i: launch(read_k, 4 * sms, 512, dv(flat[i]), sink, np.int32(n * k // 2)),
+                               len(flat), nbytes)
     kw.GEMM_WG_STAMPS = True
     try:
         flush = cp.ones(1 << 28, cp.uint8)                       # 256 MB read: the weights leave L2
@@ -40,9 +81,13 @@ def run_case(name, m):
         cp.cuda.runtime.deviceSynchronize()
     finally:
         kw.GEMM_WG_STAMPS = False
-    row = dict(name=name, m=m, n=n, k=k, cut=cut.__dict__, mb=round(2 * n * k / 1e6, 1), call_us=round(us, 2),
-               timing=how, **phases(stamps.get(), PHASES))
-    row["stage MB/s per block"] = round(2 * n * k / blocks / max(row["steps"], 1) / row["main loop per step"], 1)
+    raw = stamps.get()
+    row = dict(name=name, m=m, n=n, k=k, cut=cut.__dict__, mb=round(nbytes / 1e6, 1), call_us=round(us, 2),
+               timing=how, chain_us=round(chain_us, 2), prep_chain_us=round(prep_us, 2),
+               read_chain_us=round(read_us, 2),
+               **phases(raw, PHASES), **sm_sharing(raw, len(PHASES) + 1))
+    row["stage MB/s per block"] = round(nbytes / blocks / max(row["steps"], 1) / row["main loop per step"], 1)
+    row["raw"] = raw.tolist()
     return row
 
 

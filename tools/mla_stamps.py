@@ -16,22 +16,25 @@ PHASES = ("ring init", "q prologue", "first tile wait", "main loop", "stats", "O
 
 
 def phases(stamps, names=PHASES):
-    """stamps int32 [blocks, >= 16] (kernels/mla_wg.py STAMP_WORDS layout: point k's cycles at 2k, its global ns
-    at 2k + 1, the SM at 14, the steps at 15; kernels/gemm_wg.py's is the same, phase 3 its main loop too: `names`)
-    -> summary dict: per phase the median / min / max in us over blocks
+    """stamps int32 [blocks, >= 2 P + 2] for P = len(names) + 1 points (kernels/mla_wg.py STAMP_WORDS layout: point
+    k's cycles at 2k, its global ns at 2k + 1, then the SM and the steps; kernels/gemm_wg.py's the same with more
+    points; the phase named "main loop", else phase 3, is the main loop) -> summary dict: per phase the median / min
+    / max in us over blocks
     that stamped every point, the main loop per step, the clock in GHz, the start spread and the span in us.
     32-bit wrap-around is undone (differences mod 2^32)."""
+    P = len(names) + 1
+    loop = names.index("main loop") if "main loop" in names else 3
     s = np.asarray(stamps, np.int64) & 0xFFFFFFFF
-    cyc, ns = s[:, 0:14:2], s[:, 1:14:2]
-    ok = (s[:, :14] != 0).all(axis=1)
+    cyc, ns = s[:, 0:2 * P:2], s[:, 1:2 * P:2]
+    ok = (s[:, :2 * P] != 0).all(axis=1)
     if not ok.any():
         raise ValueError("mla_stamps: no block stamped all its points (an empty split everywhere, or stamps off)")
-    cyc, ns, steps = cyc[ok], ns[ok], s[ok, 15]
+    cyc, ns, steps = cyc[ok], ns[ok], s[ok, 2 * P + 1]
     dcyc = (cyc[:, 1:] - cyc[:, :1]) % (1 << 32)              # cycles since entry, per point
     dns = (ns - ns[:, :1]) % (1 << 32)
     span_ns = np.maximum(dns[:, -1], 1)
     ghz = dcyc[:, -1] / span_ns                               # each block's own clock
-    cum_us = dcyc / ghz[:, None] / 1e3                        # [blocks, 6] us since entry
+    cum_us = dcyc / ghz[:, None] / 1e3                        # [blocks, P - 1] us since entry
     per = np.diff(np.concatenate([np.zeros((len(cum_us), 1)), cum_us], axis=1), axis=1)
     t0 = ns[:, 0]
     since = (t0[None, :] - t0[:, None]) % (1 << 32)          # [ref, block]: ns from block ref's entry to each's
@@ -39,13 +42,13 @@ def phases(stamps, names=PHASES):
     rel = since[ref]
     out = {name: dict(med=round(float(np.median(per[:, k])), 3), min=round(float(per[:, k].min()), 3),
                       max=round(float(per[:, k].max()), 3)) for k, name in enumerate(names)}
-    out["main loop per step"] = round(float(np.median(per[:, 3] / np.maximum(steps, 1))), 4)
+    out["main loop per step"] = round(float(np.median(per[:, loop] / np.maximum(steps, 1))), 4)
     out["block"] = round(float(np.median(cum_us[:, -1])), 3)
     out["ghz"] = round(float(np.median(ghz)), 3)
     out["start spread us"] = round(float(rel.max()) / 1e3, 3)
     out["span us"] = round(float(((ns[:, -1] - t0[ref]) % (1 << 32)).max()) / 1e3, 3)
     out["blocks"], out["steps"] = int(ok.sum()), int(np.median(steps))
-    out["sms"] = int(len(np.unique(s[ok, 14])))
+    out["sms"] = int(len(np.unique(s[ok, 2 * P])))
     return out
 
 
