@@ -66,7 +66,7 @@ if SIM:
     def tensor_load_2d(dst, di, tmap, x, y, bars, i):
         raise NotImplementedError("tensor_load_2d: TMA has no simulator twin (kernels/mla_wg.py runs on sm_90 only)")
 
-    tensormap_acquire = tensormap_prefetch = tensor_load_2d
+    tensormap_acquire = tensor_load_2d
 
     def bulk_load(dst, di, src, si, nbytes, bars, i):
         """Simulator: nbytes from flat element si of the contiguous array src -> element di of the shared array dst;
@@ -165,16 +165,6 @@ else:
             b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64)]),
                                 "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", "l,~{memory}",
                                 side_effect=True), [g])
-        return types.void(tmap), codegen
-
-    @intrinsic
-    def tensormap_prefetch(typingctx, tmap):
-        """Start fetching the tensor map in global memory into the descriptor cache (no ordering, unlike
-        tensormap_acquire)."""
-        def codegen(ctx, b, sig, args):
-            g = _address(ctx, b, sig.args[0], args[0], ir.Constant(ir.IntType(32), 0), types.int32)
-            b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64)]), "prefetch.tensormap [$0];",
-                                "l,~{memory}", side_effect=True), [g])
         return types.void(tmap), codegen
 
     @device

@@ -47,17 +47,23 @@ WG_XIN_ROWS = 8           # token blocks up to this many rows convert their f32 
 #                           every shape (o 61.5 vs 75.4). Calls 2-3 converted the whole k piece up front instead: won at
 #                           m = 1 on short pieces (kv_b 71.0 vs 61.1), lost on long ones (o 73.5 vs 78.7)
 BOX = 64 * 64 * 2         # bytes of one weight box (64 rows x 64 k bf16)
-WG_EARLY_W = False        # with PDL: thread 0 issues the ring's first weight boxes before the wait for the previous
-#                           kernel (weights never depend on it), x's after; off: the wait comes first, as in every
-#                           kernel (kernels/device.py `kernel`). NOT measured yet (session 32: built, PTX-checked)
-WG_TMAP = "acquire"       # how a block meets its weights' tensor map: "acquire" (fence.proxy.tensormap acquire: orders
-#                           the host's write of the map before the TMA reads it), "prefetch" (prefetch.tensormap only),
-#                           "none". NOT measured yet (session 33: the stamps put 1.3-1.8 us between a block's entry
-#                           and its ring being issued)
-WG_FOLD_FIRST = True      # the k-split fold loads all CL partial quads of an item before adding them (in rank order,
-#                           as before: the same sums); False: load, add, load, add (session 32's code)
-WG_TRIGGER = False        # with PDL: the blocks let the next kernel launch once their main loop is done (its blocks
-#                           may then start during this one's fold and store). NOT measured yet
+WG_TMAP_FENCE = True      # fence.proxy.tensormap acquire on the weights' tensor map before the first TMA (orders the
+#                           host's write of the map before the copy engine reads it). Without it (maps are never freed
+#                           or rewritten here, so no stale copy can exist) the calls chained gained 0.3-2.1 points, m =
+#                           1 / 17 / 33: q_kv_a 49.9 / 48.1 / 46.5 vs 47.8 / 46.6 / 45.0, shared gate_up 64.7 / 62.6 /
+#                           60.6 vs 63.7 / 62.2 / 59.8, o 80.7 / 74.4 / 71.0 vs 79.7 / 73.8 / 70.7, q_b 63.6 / 53.0 /
+#                           48.6 vs 64.4 / 52.6 / 48.4 (H200, session 33 call 2). Kept on: the fence-less kernel has
+#                           not had a GPU correctness run (`python -m pytest -m gpu tests/test_cuda_gemm_wg.py` with it
+#                           off is the step before switching)
+# Measured and dropped (H200, chained % of copy against the default in the same run; bench/h200_2026-12-04c/):
+# - the PDL wait placed after the ring's first weight boxes (they never depend on the previous kernel; session 32's
+#   WG_EARLY_W): m = 1 / 9 / 17 / 33, q_kv_a 45.7 / 44.9 / 44.1 / 43.6 vs 47.6 / 46.5 / 46.1 / 44.9, o 79.6 / 75.3 /
+#   73.5 / 70.1 vs 80.0 / 75.4 / 73.8 / 70.7 (call 1);
+# - that plus a PDL trigger after the main loop (the next kernel's blocks start during this one's fold), m = 1 / 17 /
+#   33: o 83.4 / 74.0 / 70.1 vs 79.7 / 73.8 / 70.7, shared gate_up 68.1 / 62.5 / 59.6 vs 63.7 / 62.2 / 59.8, q_b 61.7
+#   / 54.3 / 49.8 vs 64.4 / 52.6 / 48.4, q_kv_a 47.5 / 45.4 / 44.2 vs 47.8 / 46.6 / 45.0 (call 2): mixed, and measured
+#   only between GEMMs (in the engine other kernels follow; session 17 found an early trigger slowed the AR step);
+# - the fold's loads interleaved with its adds (session 32's order): within 1 point (call 2); loads first is kept.
 GEMM_WG_STAMPS = False    # measurement only (tools/gemm_wg_stamps.py): thread 0 of every block writes (SM cycles,
 #                           global ns) at the 9 STAMP_POINTS of its timeline into `stamps` [blocks, STAMP_WORDS]
 #                           (int32 bits), then its SM and its stages; the kernel takes that array after nbox. Default
@@ -142,19 +148,17 @@ def xb_words(m, k):
 _KERNELS = {}
 
 
-def gemm_wg_kernel(MT, CL, S, NB, XIN=0, STAMPS=False, EARLY=False, TMAP="acquire", FOLD_FIRST=True, TRIGGER=False):
-    """The kernel for one cut and set of knobs (compiled once per combination; knobs: the module's WG_* flags)."""
-    if TMAP not in ("acquire", "prefetch", "none"):
-        raise ValueError(f"gemm_wg: WG_TMAP={TMAP!r}: use acquire, prefetch or none")
-    key = (MT, CL, S, NB, XIN, STAMPS, EARLY, TMAP, FOLD_FIRST, TRIGGER)
+def gemm_wg_kernel(MT, CL, S, NB, XIN=0, STAMPS=False, FENCE=True):
+    """The kernel for one cut (compiled once per (MT, CL, S, NB, XIN, STAMPS, FENCE: WG_TMAP_FENCE))."""
+    key = (MT, CL, S, NB, XIN, STAMPS, FENCE)
     if key not in _KERNELS:
         _KERNELS[key] = _build(*key)
     return _KERNELS[key]
 
 
-def _build(MT, CL, S, NB, XIN, STAMPS, EARLY, TMAP, FOLD_FIRST, TRIGGER):
+def _build(MT, CL, S, NB, XIN, STAMPS, FENCE):
     from kernels.bulk import bulk_load, mbar_expect, mbar_fence_init, mbar_init, mbar_wait, tensor_load_2d
-    from kernels.bulk import tensormap_acquire, tensormap_prefetch
+    from kernels.bulk import tensormap_acquire
     from kernels.cluster import cluster_sync, dsmem_ld16
     from kernels.device import as_f32, kernel, ld16, lds16, pack_bf16x2
     from kernels.wgmma import fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_wait0, wg_wait1
@@ -172,13 +176,13 @@ def _build(MT, CL, S, NB, XIN, STAMPS, EARLY, TMAP, FOLD_FIRST, TRIGGER):
     store = "\n".join(
         f"    fsm[{8 * (i // 4) + i % 2} * {BMP} + cbase + {t * 64 + 8 * ((i % 4) // 2)}] = a{t}_{i}"
         for t in range(MT) for i in range(NACC))
-    # the fold of an item (4 rows x 1 token): rank 0's quad, then ranks 1 .. CL - 1 added in order; FOLD_FIRST has
-    # all CL loads in flight before the first add
+    # the fold of an item (4 rows x 1 token): all CL ranks' quads loaded, then ranks 1 .. CL - 1 added to rank 0's
+    # in rank order
     if CL > 1:
         ld = [f"        r{r}_0, r{r}_1, r{r}_2, r{r}_3 = dsmem_ld16(wsm, idx, {r})" for r in range(CL)]
         add = ["        " + ", ".join(f"v{e}" for e in range(4)) + " = " + ", ".join(f"as_f(r0_{e})" for e in range(4))]
         add += ["\n".join(f"        v{e} += as_f(r{r}_{e})" for e in range(4)) for r in range(1, CL)]
-        fold = "\n".join(ld + add if FOLD_FIRST else [x for pair in zip(ld, add) for x in pair])
+        fold = "\n".join(ld + add)
         sync = "    cluster_sync()\n"
     else:
         fold = ("        r0_0, r0_1, r0_2, r0_3 = lds16(wsm, idx)\n"
@@ -218,21 +222,12 @@ def _build(MT, CL, S, NB, XIN, STAMPS, EARLY, TMAP, FOLD_FIRST, TRIGGER):
 ''' if XIN else ""
     db = f"desc(wsm, slot * {STAGE} + {MT * BOX})"
 
-    # EARLY: the wait for the previous kernel (PDL) after the first weight boxes are out, then x's boxes
-    early = f'''    grid_wait()
-    if tid == 0:
-        for p in range(min({S}, ns)):
-            load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + p, p, 2)
-''' if EARLY else ""
-
-    tmap = {"acquire": "        tensormap_acquire(wmap)\n", "prefetch": "        tensormap_prefetch(wmap)\n",
-            "none": ""}[TMAP]
-
     def stamp(k, ind="    "):
         """(STAMPS) thread 0 writes point k of STAMP_POINTS: SM cycles, then global ns."""
         return f"{ind}if tid == 0:\n{ind}    sm = stamp_point(stamps, blk, {2 * k})\n" if STAMPS else ""
     # (STAMPS) stage 0 issued on its own, then its stamp (in the loop it would be copied by the unrolling)
-    st_issue0 = (f"        load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0, 0, {1 if EARLY else 3})\n"
+    fence = "        tensormap_acquire(wmap)\n" if FENCE else ""
+    st_issue0 = ("        load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0, 0, 3)\n"
                  + stamp(2, " " * 8) if STAMPS else "")
     st_tail = (f"    if tid == 0:\n        stamps[blk, {STAMP_WORDS - 2}], stamps[blk, {STAMP_WORDS - 1}] = int32(sm), "
                "int32(ns)\n" if STAMPS else "")
@@ -254,9 +249,9 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
         for p in range({S}):
             mbar_init(bars, {BAR} + p)
         mbar_fence_init()
-{tmap}{stamp(1, "        ")}{st_issue0}        for p in range({1 if STAMPS else 0}, min({S}, ns)):
-            load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + p, p, {1 if EARLY else 3})
-{early}{stamp(3)}{xin}    cuda.syncthreads()
+{fence}{stamp(1, "        ")}{st_issue0}        for p in range({1 if STAMPS else 0}, min({S}, ns)):
+            load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + p, p, 3)
+{stamp(3)}{xin}    cuda.syncthreads()
 {stamp(4)}{zero}
     for j in range(ns):
 {x_store}        slot = j % {S}
@@ -271,7 +266,7 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
         if tid == 0 and j >= 1 and j + {S} - 1 < ns:
             load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + j + {S} - 1, (j - 1) % {S}, 3)
 {x_load}    wg_wait0()
-{"    launch_dependents()" + chr(10) if TRIGGER else ""}    cuda.syncthreads()
+    cuda.syncthreads()
 {stamp(6)}    w, lane = tid >> 5, tid & 31
     cbase = (2 * (lane & 3)) * {BMP} + 16 * w + (lane >> 2)
 {store}
@@ -324,20 +319,13 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
     ns = dict(stamp_point=stamp_point, xsrc=xsrc, xstore=xstore, cuda=cuda, float32=float32, int32=int32,
               uint32=uint32, uint64=uint64,
               mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait,
-              tensormap_acquire=tensormap_acquire, tensormap_prefetch=tensormap_prefetch, load_stage=load_stage,
+              tensormap_acquire=tensormap_acquire, load_stage=load_stage,
               wg_fence=wg_fence, wg_commit=wg_commit,
               wg_wait0=wg_wait0, wg_wait1=wg_wait1,
               desc=make_desc(16, 1024, 128), wg=make_wgmma(NB), cluster_sync=cluster_sync, dsmem_ld16=dsmem_ld16,
               lds16=lds16, ld16=ld16, as_f=as_f32, pack_bf16x2=pack_bf16x2, fence_proxy_async=fence_proxy_async)
-    from kernels.device import PDL, _launch_dependents, _wait_previous, grid_dep
-    ns["grid_wait"] = grid_dep if PDL == "trigger" else _wait_previous
-    ns["launch_dependents"] = _launch_dependents
     exec(src, ns)
-    if not EARLY:
-        return kernel(max_registers=255)(ns["gemm_wg_k"])
-    k = cuda.jit(max_registers=255)(ns["gemm_wg_k"])       # the kernel places its own wait (grid_wait above)
-    k.grid_dep = bool(PDL)                                 # launch() gives it the PDL attribute
-    return k
+    return kernel(max_registers=255)(ns["gemm_wg_k"])
 
 
 _TMAP = {}
@@ -376,8 +364,7 @@ def gemm_wg(x, w, out, xb, cut=None, stamps=None):
         if xb.size < xb_words(m, k):
             raise ValueError(f"gemm_wg: xb of {xb.size} words < {xb_words(m, k)}")
         prep_b(x, xb, 1, 0, tiled=3)
-    kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN, GEMM_WG_STAMPS, WG_EARLY_W, WG_TMAP, WG_FOLD_FIRST,
-                          WG_TRIGGER)
+    kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN, GEMM_WG_STAMPS, WG_TMAP_FENCE)
     grid = (cut.CL, math.ceil(n / (64 * cut.MT)), cut.ZB)
     if GEMM_WG_STAMPS and (stamps is None or stamps.shape[0] < math.prod(grid) or stamps.shape[1] < STAMP_WORDS):
         raise ValueError(f"gemm_wg: GEMM_WG_STAMPS needs stamps of [>= {math.prod(grid)} blocks, {STAMP_WORDS}] int32")

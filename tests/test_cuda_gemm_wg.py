@@ -89,16 +89,6 @@ def test_gpu_gemm_wg_cuts(mt, cl, stages, xin, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 17])
-def test_gpu_gemm_wg_early_weights(m, monkeypatch):
-    """WG_EARLY_W (the first weight boxes before the PDL wait), x from the kernel itself (XIN) and from prep_b."""
-    import kernels.gemm_wg as kw
-    monkeypatch.setattr(kw, "WG_EARLY_W", True)
-    for n, k in ((1000, 640), K2["o"]):
-        check(m, n, k)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 33])
 def test_gpu_gemm_wg_strided_out(m):
     """out as a column slice of a wider array (the vocabulary-parallel lm_head's shard): right, nothing outside."""
@@ -131,8 +121,9 @@ def test_gpu_gemm_wg_batch_invariant(name):
 @pytest.mark.parametrize("mt,cl,nb,xin", [(2, 4, 8, 1), (1, 3, 40, 0)])
 def test_wg_kernel_ptx(mt, cl, nb, xin):
     """The kernel compiles for sm_90a on the CPU (NVVM): 4 MT wgmma per stage, no local memory, no float64; with
-    GEMM_WG_STAMPS one timer read per STAMP_POINTS (tools/gemm_wg_stamps.py), without them none; the PDL wait's
-    place with and without WG_EARLY_W."""
+    GEMM_WG_STAMPS one timer read per STAMP_POINTS (tools/gemm_wg_stamps.py), without them none; the PDL wait first
+    of all; the tensor map fence (none with FENCE off); the k-split fold (cl > 1) loads all cl partial quads of an
+    item before its adds."""
     from cudasim import f64_lines, ptx_or_skip
     from kernels.gemm_wg import STAMP_POINTS, gemm_wg_kernel
     sig = "void(uint64[::1], uint32[::1], float32[::1], float32[:,::1], int32, int32, int32{})"
@@ -142,34 +133,13 @@ def test_wg_kernel_ptx(mt, cl, nb, xin):
     stamped = ptx_or_skip(gemm_wg_kernel(mt, cl, 5, nb, xin, True).py_func, sig.format(", int32[:,::1]"),
                           cc=(9, 0, "a"))
     assert stamped.count("globaltimer") == len(STAMP_POINTS)
-    # the PDL wait: first of all by default (the kernel() wrapper); WG_EARLY_W places one itself (after the first
-    # weight boxes; the PTX's block order is not the execution order, so only its presence is checked here)
     assert ptx.count("griddepcontrol.wait") == 1 and ptx.index("griddepcontrol.wait") < ptx.index("mbarrier.init")
-    early = ptx_or_skip(gemm_wg_kernel(mt, cl, 5, nb, xin, False, True).py_func, sig.format(""), cc=(9, 0, "a"))
-    assert early.count("griddepcontrol.wait") == 1 and early.count("wgmma.mma_async") == 4 * mt
-
-
-@pytest.mark.parametrize("tmap,fold_first,trigger", [("prefetch", False, True), ("none", True, False)])
-def test_wg_kernel_knobs_ptx(tmap, fold_first, trigger):
-    """The knobs WG_TMAP / WG_FOLD_FIRST / WG_TRIGGER reach the PTX: the tensor map fence (default), prefetch or
-    neither; all CL partial loads of a fold item before its first add, or interleaved; the early PDL trigger."""
-    from cudasim import ptx_or_skip
-    from kernels.gemm_wg import gemm_wg_kernel
-    sig = "void(uint64[::1], uint32[::1], float32[::1], float32[:,::1], int32, int32, int32)"
-    ptx = ptx_or_skip(gemm_wg_kernel(2, 4, 5, 8, 0).py_func, sig, cc=(9, 0, "a"))
-    assert "fence.proxy.tensormap" in ptx and "prefetch.tensormap" not in ptx
-    assert "launch_dependents" not in ptx
-    knob = ptx_or_skip(gemm_wg_kernel(2, 4, 5, 8, 0, TMAP=tmap, FOLD_FIRST=fold_first, TRIGGER=trigger).py_func,
-                       sig, cc=(9, 0, "a"))
-    assert ("fence.proxy.tensormap" in knob) is False and ("prefetch.tensormap" in knob) == (tmap == "prefetch")
-    assert ("griddepcontrol.launch_dependents" in knob) == trigger
-    for p, first in ((ptx, True), (knob, fold_first)):
-        lines = [ln for ln in p.splitlines() if "ld.shared::cluster.v4" in ln or "add.f32" in ln or "add.rn.f32" in ln]
-        kinds = "".join("L" if "ld.shared" in ln else "A" for ln in lines)
-        assert kinds.count("L") == 4, kinds
-        assert kinds.startswith("LLLL") == first, kinds
-    with pytest.raises(ValueError, match="WG_TMAP"):
-        gemm_wg_kernel(2, 4, 5, 8, 0, TMAP="fence")
+    assert ptx.count("fence.proxy.tensormap") == 1
+    nofence = ptx_or_skip(gemm_wg_kernel(mt, cl, 5, nb, xin, False, False).py_func, sig.format(""), cc=(9, 0, "a"))
+    assert "fence.proxy.tensormap" not in nofence and nofence.count("wgmma.mma_async") == 4 * mt
+    lines = [ln for ln in ptx.splitlines() if "ld.shared::cluster.v4" in ln or "add.f32" in ln or "add.rn.f32" in ln]
+    kinds = "".join("L" if "ld.shared" in ln else "A" for ln in lines)
+    assert kinds.count("L") == cl and kinds.startswith("L" * cl), kinds
 
 
 def test_gemm_wg_stamps_cases_parse():
@@ -177,7 +147,7 @@ def test_gemm_wg_stamps_cases_parse():
     from tools.gemm_wg_stamps import main
     with pytest.raises(SystemExit):
         main(["--cases", "q_kv_a"])
-    for bad in ("GEMM_WG=0", "WG_NOPE=1", "WG_TMAP="):
+    for bad in ("GEMM_WG=0", "WG_NOPE=1", "WG_STAGES_MAX="):
         with pytest.raises(SystemExit):
             main(["--set", bad])
 

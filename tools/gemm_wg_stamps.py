@@ -2,7 +2,7 @@
 of every block write (SM cycles, global ns) at seven points (kernels.gemm_wg.STAMP_POINTS); one eager call per case
 after an L2 flush, then each phase's median / min / max over the blocks in microseconds, the main loop per stage,
 the blocks' start spread and the kernel's span (tools/mla_stamps.py `phases`), beside the call's graph time.
-    python -m tools.gemm_wg_stamps [--cases q_kv_a:1,q_kv_a:17,o:1,o:33] [--set WG_TMAP=none] [--out stamps.json]
+    python -m tools.gemm_wg_stamps [--cases q_kv_a:1,q_kv_a:17,o:1,o:33] [--set WG_STAGES_MAX=8] [--out stamps.json]
 (names: tools/bench_kernels.py K2_GEMMS; the call's bytes are the weights, n k 2.)
 """
 import argparse
@@ -96,7 +96,7 @@ def main(argv=None):
     ap.add_argument("--cases", default="q_kv_a:1,q_kv_a:17,o:1,o:33,shared_gate_up:1,q_b:17")
     ap.add_argument("--out", help="write the rows as JSON")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                    help="a kernels.gemm_wg knob for every case (repeatable), e.g. WG_TMAP=none")
+                    help="a kernels.gemm_wg knob for every case (repeatable), e.g. WG_STAGES_MAX=8")
     a = ap.parse_args(argv)
     import kernels.gemm_wg as kw
     for item in a.set:
