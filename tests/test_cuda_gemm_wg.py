@@ -89,6 +89,17 @@ def test_gpu_gemm_wg_cuts(mt, cl, stages, xin, m):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 17])
+def test_gpu_gemm_wg_no_fence(m, monkeypatch):
+    """WG_TMAP_FENCE off (no fence.proxy.tensormap before the first TMA): the same results, on weights whose tensor
+    maps are made in this test (fresh maps, first use right after their host write)."""
+    import kernels.gemm_wg as kw
+    monkeypatch.setattr(kw, "WG_TMAP_FENCE", False)
+    for n, k in ((1000, 640), (200, 704), K2["q_kv_a"]):
+        check(m, n, k)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 33])
 def test_gpu_gemm_wg_strided_out(m):
     """out as a column slice of a wider array (the vocabulary-parallel lm_head's shard): right, nothing outside."""
