@@ -163,6 +163,32 @@ def test_gemm_wg_stamps_cases_parse():
             main(["--set", bad])
 
 
+def test_gemm_wg_stamps_phases_and_sharing():
+    """tools/gemm_wg_stamps.py's summary of synthetic stamps (2 GHz clock, point k at 1000 k + 100 k^2 ns + the
+    block's offset): each phase's length, blocks alone on an SM vs sharing one, and when the last of each ended."""
+    from tools.gemm_wg_stamps import PHASES, sm_sharing
+    from tools.mla_stamps import phases
+    P = len(PHASES) + 1
+    sms = [0, 0, 1, 2]                               # blocks 0 and 1 share SM 0
+    st = np.zeros((4, 2 * P + 2), np.int64)
+    for b in range(4):
+        ns = np.array([1000 * k + 100 * k * k for k in range(P)]) + 50 * b + (2000 if b == 1 else 0) + 10 ** 6
+        st[b, 0:2 * P:2], st[b, 1:2 * P:2] = 2 * (ns - ns[0]) + 12345, ns
+        st[b, 2 * P], st[b, 2 * P + 1] = sms[b], 4
+    got = phases(st.astype(np.int32), PHASES)
+    loop = PHASES.index("main loop")
+    for k, name in enumerate(PHASES):
+        assert got[name]["med"] == pytest.approx((1000 + 100 * (2 * k + 1)) / 1e3)
+    assert got["main loop per step"] == pytest.approx((1000 + 100 * (2 * loop + 1)) / 1e3 / 4)
+    assert got["ghz"] == pytest.approx(2.0) and got["sms"] == 3
+    share = sm_sharing(st.astype(np.int32), P)
+    assert (share["blocks alone"], share["blocks shared"]) == (2, 2)
+    end = (1000 * (P - 1) + 100 * (P - 1) ** 2) / 1e3
+    assert share["last end shared us"] == pytest.approx(end + 2.05)      # block 1: 2000 + 50 ns after block 0
+    assert share["last end alone us"] == pytest.approx(end + 0.15)       # block 3
+    assert share["main loop alone us"] == pytest.approx((1000 + 100 * (2 * loop + 1)) / 1e3)
+
+
 def test_stamps_emit(tmp_path, capsys):
     """The stamps tools' output: each row printed as it comes, all of them written as JSON at the end."""
     import json

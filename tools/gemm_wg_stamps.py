@@ -1,7 +1,9 @@
-"""Where a wgmma dense GEMM block's time goes (issue 5): kernels/gemm_wg.py compiled with GEMM_WG_STAMPS has thread 0
-of every block write (SM cycles, global ns) at seven points (kernels.gemm_wg.STAMP_POINTS); one eager call per case
-after an L2 flush, then each phase's median / min / max over the blocks in microseconds, the main loop per stage,
-the blocks' start spread and the kernel's span (tools/mla_stamps.py `phases`), beside the call's graph time.
+"""Where a wgmma dense GEMM call's time goes (issue 5): kernels/gemm_wg.py compiled with GEMM_WG_STAMPS has thread 0
+of every block write (SM cycles, global ns) at each of kernels.gemm_wg.STAMP_POINTS; one eager call per case after
+an L2 flush, then each phase's median / min / max over the blocks in microseconds, the main loop per stage, the
+blocks' start spread and the kernel's span (tools/mla_stamps.py `phases`), blocks alone on an SM vs sharing one;
+beside them the call's graph time, the call chained over distinct weight copies (tools/bench_kernels.py's chain),
+its x prep launch alone chained, and a pure read of the weights' bytes chained. Rows keep the raw stamps ("raw").
     python -m tools.gemm_wg_stamps [--cases q_kv_a:1,q_kv_a:17,o:1,o:33] [--set WG_STAGES_MAX=8] [--out stamps.json]
 (names: tools/bench_kernels.py K2_GEMMS; the call's bytes are the weights, n k 2.)
 """
@@ -24,11 +26,10 @@ def sm_sharing(stamps, npoints):
     sm = s[:, 2 * npoints]
     per_sm = {int(v): int(c) for v, c in zip(*np.unique(sm, return_counts=True))}
     shared = np.array([per_sm[int(v)] > 1 for v in sm])
-    cyc = lambda k: s[:, 2 * k]                                   # noqa: E731
-    ns0 = s[:, 1]
-    ghz = ((cyc(npoints - 1) - cyc(0)) % (1 << 32)) / np.maximum((s[:, 2 * npoints - 1] - ns0) % (1 << 32), 1)
+    cyc, ns0 = s[:, 0:2 * npoints:2], s[:, 1]                     # [blocks, points] SM cycles; entry's ns
+    ghz = ((cyc[:, -1] - cyc[:, 0]) % (1 << 32)) / np.maximum((s[:, 2 * npoints - 1] - ns0) % (1 << 32), 1)
     loop = PHASES.index("main loop")
-    loop_us = ((cyc(loop + 1) - cyc(loop)) % (1 << 32)) / ghz / 1e3
+    loop_us = ((cyc[:, loop + 1] - cyc[:, loop]) % (1 << 32)) / ghz / 1e3
     end_us = ((s[:, 2 * npoints - 1] - ns0.min()) % (1 << 32)) / 1e3
     out = {}
     for name, sel in (("alone", ~shared), ("shared", shared)):
