@@ -202,6 +202,26 @@ def ptx_or_skip(pyfunc, sig, cc=(9, 0)):
     return ptx
 
 
+def ptxas_check(ptx):
+    """Where ptxas is installed: it assembles the PTX for sm_90a with no spills and no notice that the wgmmas were
+    serialized (a kernel whose wgmmas run one at a time loses their overlap silently otherwise)."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+    ptxas = shutil.which("ptxas")
+    if not ptxas:
+        return
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/k.ptx", "w") as f:
+            f.write(re.sub(r"\.version \d+\.\d+", ".version 9.0", ptx))
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
+                             capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert "0 bytes spill stores" in out.stderr, out.stderr[-500:]
+    assert "serialized" not in out.stderr, out.stderr[-800:]
+
+
 def f64_lines(ptx):
     """Float64 instructions in PTX (register names such as %fd are not instructions)."""
     import re

@@ -6,7 +6,7 @@ marked gpu) and as sm_90 PTX (no float64, no local memory)."""
 import numpy as np
 import pytest
 
-from cudasim import Env, f64_lines, ptx_or_skip, simulator_test, worst
+from cudasim import Env, f64_lines, ptx_or_skip, ptxas_check, simulator_test, worst
 from kernels.mla import MLA_PTX_SIG as SIG
 from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
 from test_cuda_attention import BF16_NAN, pack_vis, random_tree_vis
@@ -416,10 +416,11 @@ def test_gpu_wgmma_path_taken(D, r):
 
 
 @pytest.mark.parametrize("args", [(0x1000, 100, 576, 32, 32), (0x1008, 100, 576, 32, 64), (0x1000, 100, 572, 32, 64),
-                                  (0x1000, 100, 576, 257, 64)])
+                                  (0x1000, 100, 576, 257, 64), (0x1000, 17, 7170, 24, 64, True),
+                                  (0x1000, 17, 7168, 24, 32, True)])
 def test_tensor_map_rejects(args):
-    """kernels/bulk.py tensor_map_2d: a box that is not 64 bf16 columns (one 128-byte swizzle span) or more than 256
-    rows, an unaligned address or row pitch: a one-line ValueError before the driver is asked."""
+    """kernels/bulk.py tensor_map_2d: a box that is not 64 columns (bf16: one 128-byte swizzle span; f32: 256 bytes)
+    or more than 256 rows, an unaligned address or row pitch: a one-line ValueError before the driver is asked."""
     from kernels.bulk import tensor_map_2d
     with pytest.raises(ValueError, match=r"^tensor_map_2d: boxes of .*\(must be 16-byte aligned\)$"):
         tensor_map_2d(*args)
@@ -444,9 +445,6 @@ def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, cl, grid, monkeypatch):   # K
     compact merge: 247); both: clusters
     of 3 with a partial each, then the grid merge."""
     import re
-    import shutil
-    import subprocess
-    import tempfile
 
     import kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_TMA", tma)
@@ -473,16 +471,7 @@ def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, cl, grid, monkeypatch):   # K
     want = [(str(MLA_WG_NK), "0")] * (2 * D // 16) + [(str(r // 2), "1")] * ((4 if seesaw else 2) * MLA_WG_NK // 16)
     assert sorted(ops) == sorted(want), ops
     assert not f64_lines(ptx) and not re.search(r"\b(ld|st)\.local", ptx)
-    ptxas = shutil.which("ptxas")
-    if ptxas:
-        with tempfile.TemporaryDirectory() as d:
-            with open(f"{d}/k.ptx", "w") as f:
-                f.write(re.sub(r"\.version \d+\.\d+", ".version 9.0", ptx))
-            out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o", f"{d}/k.cubin"],
-                                 capture_output=True, text=True)
-            assert out.returncode == 0, out.stderr[-500:]
-            assert "0 bytes spill stores" in out.stderr, out.stderr[-500:]
-            assert "serialized" not in out.stderr, out.stderr[-800:]
+    ptxas_check(ptx)
 
 
 def bf16_partials(sig):

@@ -93,6 +93,9 @@ GEMM_VARIANTS = {# session 32: the wgmma path (kernels/gemm_wg.py, the default w
                  # session 33: the tensor map fence off (kernels.gemm_wg.WG_TMAP_FENCE: +0.3-2 points; no GPU
                  # correctness run without it yet)
                  "wg_nofence": ((1, 17, 33), dict(wg=dict(WG_TMAP_FENCE=False))),
+                 # session 33, NOT measured yet: x as f32 by TMA, converted in shared memory (XIN 2: no prep launch)
+                 "wg_xtma": ((1, 9, 17, 33), dict(wg=dict(WG_XTMA_ROWS=64, WG_XIN_ROWS=0))),
+                 "wg_xtma8": ((1,), dict(wg=dict(WG_XTMA_ROWS=8))),
                  "ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
                  "rb2": ((17,), dict(S=2, RB=1)), "rb2w4": ((17, 33), dict(S=2, RB=1, WR=4)),
                  "xs2": ((17, 33, 65), dict(xs=2)),
