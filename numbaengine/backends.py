@@ -16,15 +16,15 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kernels.act import silu_mul_ref
-from kernels.attention import attention_ref, kv_attention_ref
-from kernels.gemm import gemm_ref
-from kernels.mla import head_gemm_ref
-from kernels.moe import moe_ref, router_ref
-from kernels.norm import add_rmsnorm_ref, rmsnorm_ref
-from kernels.rope import qk_norm_rope_ref, rope_ref
-from kernels.sample import sample_ref
-from weights.dtypes import bf16_to_f32, f32_to_bf16
+from numbaengine.kernels.act import silu_mul_ref
+from numbaengine.kernels.attention import attention_ref, kv_attention_ref
+from numbaengine.kernels.gemm import gemm_ref
+from numbaengine.kernels.mla import head_gemm_ref
+from numbaengine.kernels.moe import moe_ref, router_ref
+from numbaengine.kernels.norm import add_rmsnorm_ref, rmsnorm_ref
+from numbaengine.kernels.rope import qk_norm_rope_ref, rope_ref
+from numbaengine.kernels.sample import sample_ref
+from numbaengine.weights.dtypes import bf16_to_f32, f32_to_bf16
 
 BACKENDS = ("numpy", "sim", "cuda", "auto")
 

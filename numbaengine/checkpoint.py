@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.moe import Experts
-from weights.dtypes import f32_to_bf16
-from weights.fp8 import dequant_fp8_block
-from weights.layout import target_tensors
+from numbaengine.kernels.moe import Experts
 from numbaengine.parallel import check_divisible, expert_range, local_slice
-from weights.shards import Checkpoint
+from numbaengine.weights.dtypes import f32_to_bf16
+from numbaengine.weights.fp8 import dequant_fp8_block
+from numbaengine.weights.layout import target_tensors
+from numbaengine.weights.shards import Checkpoint
 
 
 @dataclass

@@ -20,10 +20,16 @@ from time import perf_counter
 
 import numpy as np
 
-from kernels.sample import sample
-from kernels.tree import tree_buffers, tree_build, tree_commit, tree_topk, tree_walk
 from numbaengine import generate as gen
 from numbaengine.ddtree import MODES, Params, RoundOut, Seq
+from numbaengine.kernels.sample import sample
+from numbaengine.kernels.tree import (
+    tree_buffers,
+    tree_build,
+    tree_commit,
+    tree_topk,
+    tree_walk,
+)
 from numbaengine.model import LatentCache
 from numbaengine.ops_cuda import LatentVis
 

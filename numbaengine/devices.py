@@ -203,7 +203,7 @@ def load_ranks(cfg, model_dir, draft_dir, backend: str, devices, cache_dtype="bf
     from numbaengine.drafter import load_drafter
     from numbaengine.model import Target
     from numbaengine.parallel import check_divisible
-    from weights.shards import Checkpoint
+    from numbaengine.weights.shards import Checkpoint
     devices = check_devices(devices, backend)
     check_divisible(cfg, len(devices))
     comms = nccl_comms(devices) if backend == "cuda" else ThreadComm.make(len(devices))

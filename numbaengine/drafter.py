@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.rope import rope_inv_freq
 from numbaengine.config import ConfigError, read_config_json
-from weights.layout import draft_tensors
-from weights.shards import Checkpoint
+from numbaengine.kernels.rope import rope_inv_freq
+from numbaengine.weights.layout import draft_tensors
+from numbaengine.weights.shards import Checkpoint
 
 
 @dataclass(frozen=True)

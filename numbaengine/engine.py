@@ -14,7 +14,7 @@ from numbaengine.config import load_config
 from numbaengine.drafter import load_drafter
 from numbaengine.model import Target
 from numbaengine.tokenizer import load_tokenizer
-from weights.shards import Checkpoint
+from numbaengine.weights.shards import Checkpoint
 
 
 def check_weights_fit(ops, dirs, devices=None):

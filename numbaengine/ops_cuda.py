@@ -24,19 +24,37 @@ from types import SimpleNamespace
 import numpy as np
 from numba import cuda, int32, uint16, uint32
 
-from kernels.act import silu_mul
-from kernels.attention import attention, kv_attention, kv_attention_work
-from kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
-from kernels.gemm import (TILES_MAX, GemmWorkspace, contiguous, gemm, gemm_config, gemm_sync_words,
-                          gemm_workspace_words, head_gemm, head_gemm_workspace_words)
-from kernels.mla import mla_attention, mla_work
-from kernels.moe import (MAX_SLOTS, ROUTER_XS, Experts, device_experts, moe_combine, moe_dims, moe_experts,
-                         moe_workspace, router, router_slices)
-from kernels.norm import add_rmsnorm, rmsnorm
-from kernels.rope import qk_norm_rope, rope
-from kernels.sample import sample
 from numbaengine.backends import InOrder, visibility_ref
-
+from numbaengine.kernels.act import silu_mul
+from numbaengine.kernels.attention import attention, kv_attention, kv_attention_work
+from numbaengine.kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
+from numbaengine.kernels.gemm import (
+    TILES_MAX,
+    GemmWorkspace,
+    contiguous,
+    gemm,
+    gemm_config,
+    gemm_sync_words,
+    gemm_workspace_words,
+    head_gemm,
+    head_gemm_workspace_words,
+)
+from numbaengine.kernels.mla import mla_attention, mla_work
+from numbaengine.kernels.moe import (
+    MAX_SLOTS,
+    ROUTER_XS,
+    Experts,
+    device_experts,
+    moe_combine,
+    moe_dims,
+    moe_experts,
+    moe_workspace,
+    router,
+    router_slices,
+)
+from numbaengine.kernels.norm import add_rmsnorm, rmsnorm
+from numbaengine.kernels.rope import qk_norm_rope, rope
+from numbaengine.kernels.sample import sample
 
 GEMM_ROWS = 8 * TILES_MAX    # token rows of one GEMM block; taller x runs as several row blocks of one launch
 TALL_PART_BYTES = 64 << 20   # k-split partials a tall GEMM may use (else a launch per row block, partials reused)

@@ -1,6 +1,6 @@
 """Command line: `python -m numbaengine.run --prompt TEXT` generates a continuation and prints acceptance stats.
 
-Without --model it uses the shipped pair in weights/default/. Bad input ends with one line on stderr and exit code 2.
+Without --model it uses the shipped pair in numbaengine/weights/default/. Bad input ends with one line on stderr and exit code 2.
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import numpy as np
 from numbaengine.backends import BACKENDS
 from numbaengine.ddtree import MAX_BUDGET, MODES
 from numbaengine.engine import Engine
+from numbaengine.weights import SHIPPED_PAIR
 
-DEFAULT_PAIR = Path(__file__).resolve().parent.parent / "weights" / "default"
+DEFAULT_PAIR = SHIPPED_PAIR
 
 
 class UsageError(Exception):
@@ -45,7 +46,7 @@ def devices_arg(text):
 def parse_args(argv):
     ap = Parser(prog="python -m numbaengine.run", description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", required=True, help="text, or token ids ('1 2 3') for a model without tokenizer")
-    ap.add_argument("--model", help="target checkpoint folder (default: the shipped weights/default/target)")
+    ap.add_argument("--model", help="target checkpoint folder (default: the shipped numbaengine/weights/default/target)")
     ap.add_argument("--draft", help="DFlash drafter folder (default: the one beside the default target)")
     ap.add_argument("--mode", choices=MODES, default="ddtree")
     ap.add_argument("--budget", type=budget_arg, default=16, help=f"drafted tree nodes, 0..{MAX_BUDGET}")

@@ -4,12 +4,6 @@ import os
 pytest_plugins = ["gpu_faults", "pytester"]   # gpu_faults: after a device fault, later GPU tests error naming it
 
 
-def pytest_configure(config):
-    """Before any test module imports transformers: keep it off Hugging Face's `kernels` package (tools/hf.py)."""
-    from tools.hf import hide_hub_kernels
-    hide_hub_kernels()
-
-
 def _gpu_present() -> bool:
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         return False

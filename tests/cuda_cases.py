@@ -3,9 +3,12 @@ tests/test_cuda_dense.py and tests/test_cuda_moe.py. `env` is tests/cudasim.py's
 simulator, numba device arrays on a GPU). Outputs are poisoned (NaN / -1) before every launch; failures report the
 worst element."""
 import numpy as np
-from numba import cuda, int32   # the simulator swaps `cuda` among a kernel's globals, not in a closure
+from numba import (  # the simulator swaps `cuda` among a kernel's globals, not in a closure
+    cuda,
+    int32,
+)
 
-from weights.dtypes import bf16_to_f32, f32_to_bf16
+from numbaengine.weights.dtypes import bf16_to_f32, f32_to_bf16
 
 
 def poisoned(env, shape, dtype):
@@ -35,7 +38,12 @@ def rand_bf16(rng, *shape, scale=1.0):
 
 # ------------------------------------------------------------------------------------------------------ dense
 def check_gemm(env, m, n, k, xs, cfg=None, seed=0):
-    from kernels.gemm import GemmWorkspace, gemm, gemm_ref, gemm_workspace_words
+    from numbaengine.kernels.gemm import (
+        GemmWorkspace,
+        gemm,
+        gemm_ref,
+        gemm_workspace_words,
+    )
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rand_bf16(rng, n, k)
@@ -52,7 +60,7 @@ def check_gemm(env, m, n, k, xs, cfg=None, seed=0):
 def check_shared_arrays(env, threads=64):
     """Every thread of a block gets the same static shared array per source line, two lines get two arrays (on the
     simulator this needs kernels.device's lock around numba-cuda's allocation table)."""
-    from kernels.device import SIM, launch
+    from numbaengine.kernels.device import SIM, launch
     if SIM:
         from numba.cuda.simulator.kernelapi import FakeCUDAShared
         assert getattr(FakeCUDAShared.array, "locked", False), "the simulator's shared arrays are not locked"
@@ -75,7 +83,12 @@ def check_shared_arrays(env, threads=64):
 
 
 def check_norm(env, n, d, add, seed=0):
-    from kernels.norm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+    from numbaengine.kernels.norm import (
+        add_rmsnorm,
+        add_rmsnorm_ref,
+        rmsnorm,
+        rmsnorm_ref,
+    )
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, d)).astype(np.float32)
     res = rng.standard_normal((n, d)).astype(np.float32)
@@ -97,7 +110,7 @@ def check_norm(env, n, d, add, seed=0):
 
 def check_norm_strided(env, seed=0):
     """In place on a column slice (the model's kv[:, :r]): strided rows, out aliasing x."""
-    from kernels.norm import rmsnorm, rmsnorm_ref
+    from numbaengine.kernels.norm import rmsnorm, rmsnorm_ref
     rng = np.random.default_rng(seed)
     kv = rng.standard_normal((5, 80)).astype(np.float32)
     w = rand_bf16(rng, 64)
@@ -109,7 +122,7 @@ def check_norm_strided(env, seed=0):
 
 
 def check_silu_mul(env, n, inter, seed=0):
-    from kernels.act import silu_mul, silu_mul_ref
+    from numbaengine.kernels.act import silu_mul, silu_mul_ref
     rng = np.random.default_rng(seed)
     gu = (rng.standard_normal((n, 2 * inter)) * 3).astype(np.float32)
     out = poisoned(env, (n, inter), np.float32)
@@ -119,7 +132,7 @@ def check_silu_mul(env, n, inter, seed=0):
 
 def check_rope(env, n, heads, nope, rope_dim, interleaved, seed=0):
     """Rope on the rope part of q (a strided view), in place, positions up to 200k."""
-    from kernels.rope import rope, rope_inv_freq, rope_ref
+    from numbaengine.kernels.rope import rope, rope_inv_freq, rope_ref
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((n, heads, nope + rope_dim)).astype(np.float32)
     pos = rng.integers(0, 200_000, n).astype(np.int32)
@@ -133,7 +146,7 @@ def check_rope(env, n, heads, nope, rope_dim, interleaved, seed=0):
 
 def check_qk_norm_rope(env, n, nq, nk, d, interleaved, seed=0):
     """Head norms + rope of the q|k heads of a stacked q|k|v row (a strided view); nq = 0: keys alone."""
-    from kernels.rope import qk_norm_rope, qk_norm_rope_ref, rope_inv_freq
+    from numbaengine.kernels.rope import qk_norm_rope, qk_norm_rope_ref, rope_inv_freq
     rng = np.random.default_rng(seed)
     qkv = (rng.standard_normal((n, nq + 2 * nk, d)) * 3).astype(np.float32)
     q_w, k_w = rand_bf16(rng, d), rand_bf16(rng, d)
@@ -153,7 +166,7 @@ def check_qk_norm_rope(env, n, nq, nk, d, interleaved, seed=0):
 
 
 def check_argmax_topk(env, n, vocab, k, seed=0):
-    from kernels.topk import argmax, argmax_ref, topk, topk_ref
+    from numbaengine.kernels.topk import argmax, argmax_ref, topk, topk_ref
     rng = np.random.default_rng(seed)
     lg = rng.standard_normal((n, vocab)).astype(np.float32)
     lg[0, [3, vocab - 1]] = 50.0                         # exact tie: the lower index wins
@@ -171,7 +184,7 @@ def check_argmax_topk(env, n, vocab, k, seed=0):
 # -------------------------------------------------------------------------------------------------------- MoE
 def make_experts(rng, n_exp, hidden, inter, int4=True):
     """Random experts: INT4 words with every nibble value (any int32 is a valid packing) and bf16 scales."""
-    from kernels.moe import Experts
+    from numbaengine.kernels.moe import Experts
     if not int4:
         return Experts(rand_bf16(rng, n_exp, 2 * inter, hidden, scale=0.05),
                        rand_bf16(rng, n_exp, hidden, inter, scale=0.05))
@@ -207,8 +220,8 @@ def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, s
     result must also equal, bit for bit, the register path's on the int4_tiles layout (gate_up's cut with S = 0)."""
     import dataclasses
 
-    import kernels.moe as M
-    from kernels.moe import device_experts, moe, moe_ref, moe_workspace
+    import numbaengine.kernels.moe as M
+    from numbaengine.kernels.moe import device_experts, moe, moe_ref, moe_workspace
     if warp_slots is not None:
         saved, M.PLAN_WARP_SLOTS = M.PLAN_WARP_SLOTS, warp_slots
         try:
@@ -256,7 +269,7 @@ def check_moe_stamps(env, n, hidden, inter, n_exp, k, cfgs, seed=0, tiled=0):
     written. tiled=R: gate_up in the bulk layout."""
     import math
 
-    import kernels.moe as M
+    import numbaengine.kernels.moe as M
     from tools.moe_stamps import timeline
     rng = np.random.default_rng(seed)
     idx, wts = routing(rng, n, n_exp, k, "random")
@@ -310,7 +323,7 @@ def check_plan(env, n, n_exp, k, mode, held=None, warp_slots=32, seed=0):
     of <= cap slots. warp_slots: PLAN_WARP_SLOTS (routings of up to that many slots take the one-warp plan)."""
     import dataclasses
 
-    import kernels.moe as M
+    import numbaengine.kernels.moe as M
     rng = np.random.default_rng(seed)
     idx, _ = routing(rng, n, n_exp, k, mode)
     e0, count = held if held is not None else (0, n_exp)
@@ -344,8 +357,8 @@ def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_p
     lo); mma="ops": through the simulator's op table (from ROUTER_MMA_FROM tokens the gate must go through its gemm,
     below it must not). nan_row: x[0] is NaN (a garbage row): its picks must still be distinct expert ids; the
     other rows as usual."""
-    from kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
-    from kernels.moe import ROUTER_XS, moe_workspace, router, router_ref
+    from numbaengine.kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
+    from numbaengine.kernels.moe import ROUTER_XS, moe_workspace, router, router_ref
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, hidden)).astype(np.float32)
     wg = rand_bf16(rng, n_exp, hidden, scale=0.05)

@@ -54,7 +54,7 @@ CHECKPOINT_SEEDS = {}        # dims -> seed of the random checkpoint, for failur
 def write_pair(d, dims, seed):
     """A 2-layer checkpoint (dense layer 0, INT4 MoE layer 1) in d/target and a 1-layer DFlash drafter (block 4) in
     d/draft, both from seed; returns the two folders."""
-    from weights.synth import synth_config, write_draft, write_target
+    from numbaengine.weights.synth import synth_config, write_draft, write_target
     target, draft = os.path.join(d, "target"), os.path.join(d, "draft")
     write_target(target, synth_config("tiny", layers=2, quant="int4", **DIMS[dims]), seed=seed)
     write_draft(draft, target, layers=1, block_size=4, seed=seed + 1,
@@ -116,7 +116,7 @@ def selection_margins(scores, top_k, n_group, topk_group):
 def routing_margins(ops):
     """While open, the reference op table's router appends each call's smallest selection margin
     (selection_margins) to the yielded list."""
-    from weights.dtypes import bf16_to_f32
+    from numbaengine.weights.dtypes import bf16_to_f32
     margins, router = [], ops.router
 
     def recording(x, w_gate, bias, top_k, n_group, topk_group, *rest):

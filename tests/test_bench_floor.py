@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from numbaengine.engine import Engine
-from tools.bench import ROOT, nbytes, phase_floors, round_floor
+from numbaengine.weights import SHIPPED_PAIR
+from tools.bench import nbytes, phase_floors, round_floor
 
 
 def test_nbytes_counts_overlapping_views_once():
@@ -21,7 +22,7 @@ def test_nbytes_counts_overlapping_views_once():
 
 
 def test_floors_of_the_shipped_pair():
-    eng = Engine.load(ROOT / "weights/default/target", ROOT / "weights/default/draft", backend="numpy")
+    eng = Engine.load(SHIPPED_PAIR / "target", SHIPPED_PAIR / "draft", backend="numpy")
     d, w = eng.drafter, eng.target.w
     V, Lb = eng.cfg.vocab_size, d.block_size
     dev = SimpleNamespace(shape=SimpleNamespace(batch=1), drafter=d, target=eng.target,

@@ -15,7 +15,8 @@ from numbaengine.drafter import load_drafter
 from numbaengine.engine import Engine
 from numbaengine.generate import generate
 from numbaengine.tokenizer import IdTokenizer, load_tokenizer
-from weights.synth import synth_config, write_draft, write_target
+from numbaengine.weights import SHIPPED_PAIR
+from numbaengine.weights.synth import synth_config, write_draft, write_target
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=32,
@@ -104,7 +105,7 @@ def test_missing_model_and_missing_draft(pair, tmp_path):
 def test_default_is_the_shipped_pair():
     p = cli("--prompt", "def add(a, b):", "--max-new-tokens", "4", "--backend", "numpy", "--json")
     assert p.returncode == 0, p.stderr
-    assert "shipped default" in p.stderr and str(REPO / "weights" / "default" / "target") in p.stderr
+    assert "shipped default" in p.stderr and str(SHIPPED_PAIR / "target") in p.stderr
     out = json.loads(p.stdout)
     assert out["draft"].endswith("draft") and 1 <= len(out["tokens"]) <= 4
 

@@ -3,7 +3,6 @@ module, test_cuda_mla.py) against their reference ops: on the simulator (a child
 (K2 shapes, marked gpu); plus a PTX compile check for sm_90 with no float64 instructions in the hot kernels."""
 import numpy as np
 import pytest
-
 from cudasim import Env, f64_lines, ptx_or_skip, simulator_test, worst
 from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
 
@@ -27,7 +26,7 @@ def pack_vis(vis, T):
 
 
 def check_attention(env, n=5, h=4, hk=2, d=24, dv=16, S=37, masked=True, split=True, seed=1):
-    from kernels.attention import attention, attention_ref, attention_work
+    from numbaengine.kernels.attention import attention, attention_ref, attention_work
     rng = np.random.default_rng(seed)
     q = rng.normal(size=(n, h, d)).astype(np.float32)
     k = rng.normal(size=(S, hk, d)).astype(np.float32)
@@ -50,7 +49,11 @@ def check_kv_attention(env, n=5, h=4, hk=2, d=24, dv=16, lens=(5, 37, 20), cap=4
     capacity `cap` whose rows past kv_len[b] are NaN (never read), out poisoned (every row written, the padding
     row after each sequence's rows untouched). target_blocks: splits + merge (None: one split). tc: the
     tensor-core kernel (bf16 operands: a looser tolerance); else the f32 kernel."""
-    from kernels.attention import kv_attention, kv_attention_ref, kv_attention_work
+    from numbaengine.kernels.attention import (
+        kv_attention,
+        kv_attention_ref,
+        kv_attention_work,
+    )
     rng = np.random.default_rng(seed)
     B, lens = len(lens), np.array(lens, np.int32)
     q = rng.normal(size=(B, n + 1, h, d)).astype(np.float32)
@@ -79,7 +82,7 @@ def check_kv_attention_splits(env, split=16, nsplit=3, **kw):
 
 
 def check_sample(env, n=3, V=700, temperatures=(0, 0.7, 1.0), seed=2):
-    from kernels.sample import sample, sample_ref
+    from numbaengine.kernels.sample import sample, sample_ref
     rng = np.random.default_rng(seed)
     logits = rng.normal(size=(n, V)).astype(np.float32)
     logits[min(1, n - 1), [5, 9]] = 50.0                                 # exact tie: lowest index wins
@@ -149,7 +152,8 @@ def test_gpu_sample():
 def test_ptx_mla(M, causal, fuse):
     """The mma.sync MLA kernel at K2's widths (fuse: with the last split block's merge compiled in)."""
     import re
-    from kernels.mla import MLA_PTX_SIG, mla_geometry, mla_kernel
+
+    from numbaengine.kernels.mla import MLA_PTX_SIG, mla_geometry, mla_kernel
     wm, wn, pf, _, _ = mla_geometry(M, 576, 512)
     ptx = ptx_or_skip(mla_kernel(wm, wn, pf, causal, 576, 512, fuse=fuse).py_func, MLA_PTX_SIG)
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
@@ -163,7 +167,7 @@ def test_ptx_mla(M, causal, fuse):
                                "float32[:,:,:,::1])"),
 ])
 def test_ptx_attention(name, sig):
-    import kernels.attention as A
+    import numbaengine.kernels.attention as A
     ptx = ptx_or_skip(getattr(A, name).py_func, sig)
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
 
@@ -176,7 +180,8 @@ def test_ptx_merge(rows, per_round, partials):
     tree's unsigned group tests included), no local memory (the accumulators and a round's loads stay in
     registers); a partial's 4 values are one 16-byte load, or one 8-byte load of bf16."""
     import re
-    from kernels.attention import merge_kernel
+
+    from numbaengine.kernels.attention import merge_kernel
     ptx = ptx_or_skip(merge_kernel(rows, per_round).py_func,
                       f"void({partials}[:,:,:,::1], float32[:,:,:,::1], float32[:,:,:])")
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
@@ -195,7 +200,7 @@ def test_ptx_merge(rows, per_round, partials):
 ])
 def test_merge_shape(B, nsplit, M, want):
     """merge_splits' launch shape: a thread takes more splits where the rows alone fill a wave of threads."""
-    from kernels.attention import merge_shape
+    from numbaengine.kernels.attention import merge_shape
     assert merge_shape(B, nsplit, M, 512) == want
     with pytest.raises(ValueError, match="multiple of 4"):
         merge_shape(B, nsplit, M, 510)
@@ -205,7 +210,8 @@ def test_merge_shape(B, nsplit, M, want):
 def test_ptx_kv_attention(M, d, dv):
     """The tensor-core drafter kernel at the pair (48 rows per kv head) and K2 drafter shapes."""
     import re
-    import kernels.attention as A
+
+    import numbaengine.kernels.attention as A
     wm, wn, pf, _, _ = A.kv_geometry(M, d, dv)
     sig = ("void(float32[:,:,:,:], float32[:,:,:,::1], float32[:,:,:,::1], int32[::1], float32, int32, int32, "
            "float32[:,:,:,:], float32[:,:,:,::1])")
@@ -216,7 +222,7 @@ def test_ptx_kv_attention(M, d, dv):
 
 
 def test_ptx_sample():
-    import kernels.sample as S
+    import numbaengine.kernels.sample as S
     ptx = ptx_or_skip(S.sample_kernel.py_func,
                       "void(float32[:,::1], float32, boolean, uint64, int32[::1], int32[::1], boolean, int32[::1])")
     assert not f64_lines(ptx), f64_lines(ptx)[:5]

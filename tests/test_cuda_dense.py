@@ -1,18 +1,24 @@
 """numba.cuda dense kernels (mma GEMM, RMSNorm, SiLU-mul, RoPE, argmax/top-k) against their reference ops: on the
 simulator (a child process, tiny shapes, see tests/cudasim.py) and on a GPU (K2 shapes, marked gpu)."""
+import cuda_cases as C
 import numpy as np
 import pytest
-
-import cuda_cases as C
 from cudasim import Env, simulator_test
 from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
-from kernels.gemm import GemmConfig
+
+from numbaengine.kernels.gemm import GemmConfig
 
 
 def check_gemm_fused_reduce(env, m, n, k, cfg=None, calls=2, seed=0, xs=2):
     """The k-split partials added by the last block of each row range (ws.sync): right twice in a row, counters
     left at zero."""
-    from kernels.gemm import GemmWorkspace, gemm, gemm_ref, gemm_sync_words, gemm_workspace_words
+    from numbaengine.kernels.gemm import (
+        GemmWorkspace,
+        gemm,
+        gemm_ref,
+        gemm_sync_words,
+        gemm_workspace_words,
+    )
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = C.rand_bf16(rng, n, k)
@@ -34,7 +40,7 @@ def check_gemm_fused_reduce(env, m, n, k, cfg=None, calls=2, seed=0, xs=2):
 def check_ops_gemm_tall(env, m=73, n=16, k=64):
     """KernelOps.gemm on x taller than one block: contiguous x (one launch, row blocks) and a strided view (a
     launch per block) against gemm_ref."""
-    from kernels.gemm import gemm_ref
+    from numbaengine.kernels.gemm import gemm_ref
     from numbaengine.ops_cuda import sim_ops
     ops = sim_ops()
     rng = np.random.default_rng(3)
@@ -50,7 +56,7 @@ def check_ops_gemm_tall(env, m=73, n=16, k=64):
 
 def check_ab_refuses(env):
     """The AB cut with hi + lo parts or a ring is refused with a one-line error, nothing written."""
-    from kernels.gemm import GemmWorkspace, gemm
+    from numbaengine.kernels.gemm import GemmWorkspace, gemm
     x, w = np.ones((3, 64), np.float32), C.rand_bf16(np.random.default_rng(0), 16, 64)
     ws = GemmWorkspace(env.zeros((4096,), np.uint32), env.zeros((4096,), np.float32))
     for xs, cfg in ((2, GemmConfig(R=1, WR=1, WK=1, SB=1, BF=0, AB=1)),
@@ -64,8 +70,8 @@ def check_ab_refuses(env):
 def check_prep_wg_boxes(env):
     """prep_b tiled=3 (kernels/gemm_wg.py's B boxes): every bf16 of x at its swizzled place in its token block,
     rows past m repeating row m - 1, for one block (33 rows -> 40) and two (70 -> 2 x 40)."""
-    from kernels.gemm import prep_b
-    from kernels.gemm_wg import token_blocks, xb_words
+    from numbaengine.kernels.gemm import prep_b
+    from numbaengine.kernels.gemm_wg import token_blocks, xb_words
     rng = np.random.default_rng(5)
     for m, k in ((33, 128), (70, 192)):
         x = rng.standard_normal((m, k)).astype(np.float32)
@@ -141,10 +147,10 @@ def test_ptx_gemm_fused_reduce(T, R, BF, S, RB):
     accumulators and weight fragments in registers."""
     import re
 
+    from cudasim import f64_lines, ptx_or_skip
     from numba import types as ty
 
-    from cudasim import f64_lines, ptx_or_skip
-    from kernels.gemm import _build_gemm
+    from numbaengine.kernels.gemm import _build_gemm
     u32, f32 = ty.uint32[::1], ty.float32
     sig = ((f32[::1] if BF == 1 else u32), u32, f32[:, :], f32[:, :, :], u32) + (ty.int32,) * 5
     ptx = ptx_or_skip(_build_gemm(T, R, 1 if BF == 4 else 2, 2, 1, BF, 1, (256, 2), S, RB).py_func, sig)
@@ -171,7 +177,7 @@ def test_gpu_gemm_cuts(over, m):
     (hi + lo parts; the AB cut takes bf16 activations only)."""
     from dataclasses import replace
 
-    from kernels.gemm import SMEM_MAX, gemm_config, gemm_smem, token_tiles
+    from numbaengine.kernels.gemm import SMEM_MAX, gemm_config, gemm_smem, token_tiles
     for name in ("q_kv_a", "shared_down", "kv_b"):
         n, k = K2_GEMMS[name]
         cfg = replace(gemm_config(m, n, k), WG=0, **over)      # the mma path's cuts (not kernels/gemm_wg.py)
@@ -195,7 +201,13 @@ def test_gpu_gemm(name, m):
 def test_gemm_config_b_ring_rule():
     """gemm_config's B-in-ring cut (measured, kernels/gemm.py): 5 token tiles always, 3-4 tiles from RB_MIN_BYTES of
     weights, never at 1-2 tiles or on small weights; and its choice of activations."""
-    from kernels.gemm import RB_MIN_BYTES, RB_STAGES, SMALL_XS, XS_DEFAULT, gemm_config
+    from numbaengine.kernels.gemm import (
+        RB_MIN_BYTES,
+        RB_STAGES,
+        SMALL_XS,
+        XS_DEFAULT,
+        gemm_config,
+    )
     o, q_b = (7168, 8192), (12288, 1536)
     assert 2 * o[0] * o[1] >= RB_MIN_BYTES > 2 * q_b[0] * q_b[1]
     for m, (n, k), rb in [(17, o, 1), (25, o, 1), (33, o, 1), (17, q_b, 0), (33, q_b, 1), (40, q_b, 1), (9, o, 0),
@@ -213,7 +225,7 @@ def test_gpu_gemm_fused_reduce(name, m):
     """The last-block k-split reduce on K2 shapes (kv_b's default cut has no split across blocks: forced to 2)."""
     from dataclasses import replace
 
-    from kernels.gemm import gemm_config
+    from numbaengine.kernels.gemm import gemm_config
     n, k = K2_GEMMS[name]
     cfg = gemm_config(m, n, k)
     check_gemm_fused_reduce(Env(gpu=True), m, n, k, replace(cfg, FR=1, SB=max(cfg.SB, 2), WG=0), calls=3)
@@ -227,7 +239,7 @@ PAIR_GEMMS = {"q_kv_a": (352, 384), "q_b": (576, 192), "o": (384, 384), "gate_up
 def test_gemm_tall_x_needs_the_fused_cut():
     """x taller than one GEMM block (72 rows) is read by the GEMM itself: a cut that would prep it is a clear
     error."""
-    from kernels.gemm import GemmWorkspace, gemm
+    from numbaengine.kernels.gemm import GemmWorkspace, gemm
     x, w = np.zeros((73, 64), np.float32), np.zeros((16, 64), np.uint16)
     ws = GemmWorkspace(np.zeros(1, np.uint32), np.zeros(1, np.float32))
     with pytest.raises(ValueError, match="73 rows .* needs contiguous f32 x, BF=1"):
@@ -244,7 +256,7 @@ def test_gpu_gemm_small_weights_cuts(over, m):
     the launched reduce)."""
     from dataclasses import replace
 
-    from kernels.gemm import gemm_config
+    from numbaengine.kernels.gemm import gemm_config
     for name, (n, k) in PAIR_GEMMS.items():
         cfg = replace(gemm_config(m, n, k), **over)
         cfg = replace(cfg, WR=min(cfg.WR, 8 // cfg.WK))

@@ -1,9 +1,8 @@
 """kernels/gemm_wg.py (TMA ring + wgmma dense GEMM, sm_90): its cut rules and x's box layout on the CPU, the kernel
 against gemm_ref on the GPU (K2 shapes and odd ones, every cut field, token blocks), batch invariance bit for bit."""
+import cuda_cases as C
 import numpy as np
 import pytest
-
-import cuda_cases as C
 from cudasim import Env
 from test_ptx import cpu_compute_capability  # noqa: F401  (sm_90 for device functions without a GPU)
 
@@ -14,7 +13,15 @@ K2 = {"q_kv_a": (2112, 7168), "q_b": (12288, 1536), "kv_b": (16384, 512), "o": (
 def test_wg_cut_from_n_k_only():
     """MT and CL (the k pieces: the order of every sum) do not depend on m; clusters of <= WG_CL_MAX, pieces of >= 2
     boxes, blocks within the aimed-at count, XIN where the rule says, and the ring fits its shared memory."""
-    from kernels.gemm_wg import WG_CL_MAX, WG_SMEM_BLOCK, WG_TARGET, WG_XIN_ROWS, token_blocks, wg_cut, wg_smem
+    from numbaengine.kernels.gemm_wg import (
+        WG_CL_MAX,
+        WG_SMEM_BLOCK,
+        WG_TARGET,
+        WG_XIN_ROWS,
+        token_blocks,
+        wg_cut,
+        wg_smem,
+    )
     for n, k in list(K2.values()) + [(163840, 7168), (200, 192), (64, 64), (1000, 640)]:
         cuts = [wg_cut(m, n, k) for m in (1, 7, 8, 9, 33, 64, 65, 130, 1000)]
         assert len({(c.MT, c.CL) for c in cuts}) == 1, (n, k, cuts)
@@ -32,8 +39,8 @@ def test_wg_cut_from_n_k_only():
 def test_wg_path_only_where_it_applies():
     """gemm_config picks the wgmma path exactly where it applies: never without an sm_90 GPU (CPU CI, the simulator:
     no TMA / wgmma twin), never for small weights or hi + lo activations, the same for every m."""
-    from kernels.gemm import gemm_config, with_xs
-    from kernels.gemm_wg import _sm90
+    from numbaengine.kernels.gemm import gemm_config, with_xs
+    from numbaengine.kernels.gemm_wg import _sm90
     for m in (1, 33, 100):
         assert gemm_config(m, 7168, 8192).WG == int(_sm90())
         assert gemm_config(m, 384, 384).WG == 0                      # small weights: the launch-bound mma cut
@@ -46,8 +53,8 @@ def check(m, n, k, cut=None, seed=None, strided=False):
     array, whose other columns must keep their poison); returns the output."""
     from numba import cuda
 
-    from kernels.gemm import gemm_ref
-    from kernels.gemm_wg import gemm_wg, xb_words
+    from numbaengine.kernels.gemm import gemm_ref
+    from numbaengine.kernels.gemm_wg import gemm_wg, xb_words
     env = Env(gpu=True)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -82,7 +89,7 @@ def test_gpu_gemm_wg_cuts(mt, cl, stages, xin, m):
     k pieces of unequal boxes (k = 704: 11 boxes), fewer boxes than stages, clusters of 1 .. 8, x converted by the
     blocks (XIN 1, any height here: 70 rows are two blocks of 40; none with 2 stages), x as f32 by TMA converted in
     shared memory (XIN 2: rows past m land as zeros) or prepared and bulk-copied (XIN 0)."""
-    from kernels.gemm_wg import wg_cut
+    from numbaengine.kernels.gemm_wg import wg_cut
     for n, k in ((200, 704), (1000, 640), (64, 128)):
         if cl > k // 64:
             continue
@@ -96,7 +103,7 @@ def test_gpu_gemm_wg_xtma(name, m, monkeypatch):
     """WG_XTMA_ROWS on (x as f32 by TMA, converted in shared memory: XIN 2) gives bitwise the prep path's output (the
     same bf16 x, the same sums in the same order) on K2's projections; 70 rows: two token blocks of 40, the second
     partly past m. (64-row blocks on two-box strips leave room for 2 stages only: XIN 2 needs 3, they fall back.)"""
-    import kernels.gemm_wg as kw
+    import numbaengine.kernels.gemm_wg as kw
     seed = int(np.random.default_rng().integers(1 << 30))
     monkeypatch.setattr(kw, "WG_XTMA_ROWS", 64)
     monkeypatch.setattr(kw, "WG_XIN_ROWS", 0)
@@ -112,7 +119,7 @@ def test_gpu_gemm_wg_xtma(name, m, monkeypatch):
 def test_gpu_gemm_wg_no_fence(m, monkeypatch):
     """WG_TMAP_FENCE off (no fence.proxy.tensormap before the first TMA): the same results, on weights whose tensor
     maps are made in this test (fresh maps, first use right after their host write)."""
-    import kernels.gemm_wg as kw
+    import numbaengine.kernels.gemm_wg as kw
     monkeypatch.setattr(kw, "WG_TMAP_FENCE", False)
     for n, k in ((1000, 640), (200, 704), K2["q_kv_a"]):
         check(m, n, k)
@@ -132,7 +139,7 @@ def test_gpu_gemm_wg_batch_invariant(name):
     every sum come from n, k: only the token block's width changes)."""
     from numba import cuda
 
-    from kernels.gemm_wg import gemm_wg, xb_words
+    from numbaengine.kernels.gemm_wg import gemm_wg, xb_words
     n, k = K2[name]
     rng = np.random.default_rng()
     x = rng.standard_normal((130, k)).astype(np.float32)
@@ -155,7 +162,8 @@ def test_wg_kernel_ptx(mt, cl, nb, xin):
     of all; the tensor map fence (none with FENCE off); the k-split fold (cl > 1) loads all cl partial quads of an
     item before its adds; ptxas (where installed) keeps the wgmmas asynchronous without spills."""
     from cudasim import f64_lines, ptx_or_skip, ptxas_check
-    from kernels.gemm_wg import STAMP_POINTS, gemm_wg_kernel
+
+    from numbaengine.kernels.gemm_wg import STAMP_POINTS, gemm_wg_kernel
     xb = "uint64[::1]" if xin == 2 else "uint32[::1]"          # XIN 2: x's tensor map in xb's place
     sig = "void(uint64[::1], " + xb + ", float32[::1], float32[:,::1], int32, int32, int32{})"
     ptx = ptx_or_skip(gemm_wg_kernel(mt, cl, 5, nb, xin).py_func, sig.format(""), cc=(9, 0, "a"))

@@ -3,19 +3,23 @@
 compiled for sm_90 on the CPU (no float64, no local memory)."""
 import numpy as np
 import pytest
-
 from cuda_cases import assert_close, poisoned, rand_bf16
 from cudasim import Env, f64_lines, ptx_or_skip, simulator_test
 from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
-from kernels.gemm import HeadGemmConfig
-from weights.dtypes import bf16_to_f32
+
+from numbaengine.kernels.gemm import HeadGemmConfig
+from numbaengine.weights.dtypes import bf16_to_f32
 
 
 def check_head_gemm(env, n, h, b, a, cfg=None, pad_x=32, pad_out=16, seed=0):
     """x = q[:, :, :a] of f32[n, h, a + pad_x], out = o[:, :, :b] of a poisoned f32[n, h, b + pad_out]: the
     padding columns must stay poisoned."""
-    from kernels.gemm import GemmWorkspace, head_gemm, head_gemm_workspace_words
-    from kernels.mla import head_gemm_ref
+    from numbaengine.kernels.gemm import (
+        GemmWorkspace,
+        head_gemm,
+        head_gemm_workspace_words,
+    )
+    from numbaengine.kernels.mla import head_gemm_ref
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((n, h, a + pad_x)).astype(np.float32)
     w = rand_bf16(rng, h, b, a)
@@ -53,7 +57,7 @@ def test_ptx_head_gemm():
 
     from numba import types as ty
 
-    from kernels.gemm import HEAD_XS, _build_head_gemm, head_gemm_config
+    from numbaengine.kernels.gemm import HEAD_XS, _build_head_gemm, head_gemm_config
     sig = (ty.float32[:, :, :], ty.uint32[::1], ty.float32[:, :, :]) + (ty.int32,) * 7
     cuts = {(c.T, c.R, c.U, c.PF) for n in (1, 9, 17, 33) for c in [head_gemm_config(n, 64, 512, 128)]}
     for T, R, U, PF in sorted(cuts):

@@ -5,12 +5,12 @@ query rows and empty sequences, the default model's shapes, split sizing; on the
 marked gpu) and as sm_90 PTX (no float64, no local memory)."""
 import numpy as np
 import pytest
-
 from cudasim import Env, f64_lines, ptx_or_skip, ptxas_check, simulator_test, worst
-from kernels.mla import MLA_PTX_SIG as SIG
-from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
 from test_cuda_attention import BF16_NAN, pack_vis, random_tree_vis
-from weights.dtypes import bf16_to_f32, f32_to_bf16
+from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
+
+from numbaengine.kernels.mla import MLA_PTX_SIG as SIG
+from numbaengine.weights.dtypes import bf16_to_f32, f32_to_bf16
 
 
 def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="none", causal=False, sms=132,
@@ -21,8 +21,13 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
     re-poisoned. margin: cache rows past the longest sequence (0: the cache ends at its last row, as the engine's
     verify of a short prompt has it). partials: the split partials' type ("f32", "bf16", "auto"; None: mla_work's
     default), poisoned before the first call."""
-    from kernels.mla import PARTIAL_DTYPES, mla_attention, mla_attention_ref, mla_work
-    from kernels.mla_wg import mla_wg_applies
+    from numbaengine.kernels.mla import (
+        PARTIAL_DTYPES,
+        mla_attention,
+        mla_attention_ref,
+        mla_work,
+    )
+    from numbaengine.kernels.mla_wg import mla_wg_applies
     rng = np.random.default_rng(seed)
     lengths, ntok = np.array(lengths, np.int32), np.array(ntok, np.int32)
     cap = int((lengths + ntok).max()) + margin
@@ -53,7 +58,7 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
     return wk
 
 
-def check_knobs(env, knobs, module="kernels.mla", **kw):
+def check_knobs(env, knobs, module="numbaengine.kernels.mla", **kw):
     """check with `module`'s settings changed (e.g. kernels.mla's MLA_NK = 32: one column chunk per softmax
     thread), restored afterwards."""
     import importlib
@@ -71,8 +76,8 @@ def check_knobs(env, knobs, module="kernels.mla", **kw):
 def check_cp_piece_sw128(env):
     """The simulator twin of the swizzled cp.async fill (kernels/mla.py _make_cp_piece, sw_rows): every piece of a
     16-row tile lands where kernels/wgmma.py sw128_offset puts its 8 values, rows >= nvalid as zeros."""
-    from kernels.mla import _make_cp_piece
-    from kernels.wgmma import sw128_offset
+    from numbaengine.kernels.mla import _make_cp_piece
+    from numbaengine.kernels.wgmma import sw128_offset
     rng = np.random.default_rng(7)
     D, rows, nvalid = 128, 16, 13
     src = rng.integers(1, 60000, size=(rows + 2) * D, dtype=np.uint16)
@@ -88,7 +93,7 @@ def check_cp_piece_sw128(env):
 
 
 def check_split_sizing(env):
-    from kernels.mla import MLA_MIN_SPLIT, mla_work
+    from numbaengine.kernels.mla import MLA_MIN_SPLIT, mla_work
     one = mla_work(np.zeros, 1, 1, 64, 512, 4097)                    # batch 1: every SM gets a split
     assert one.o.shape[1] == -(-4097 // MLA_MIN_SPLIT), one.o.shape
     many = mla_work(np.zeros, 64, 1, 64, 512, 4097)                  # batch 64: about one wave
@@ -117,10 +122,10 @@ SIM_CASES = {
     # the same with 2 split groups and 2 splits per load round (3 rounds, the last one's second split past the end:
     # loaded, not folded) and each row's 16 column quads over 2 blocks of 8
     "merge_split_rounds_column_blocks": lambda env: check_knobs(env, dict(MERGE_GROUPS=2, MERGE_SPLITS=2,
-                                                                          MERGE_COLS=8), "kernels.attention",
+                                                                          MERGE_COLS=8), "numbaengine.kernels.attention",
                                                                 lengths=(600, 90), work=32, seed=14),
     # many rows for their splits (merge_shape's wave rule): one split group, 4 splits per round (3 rounds of 10)
-    "merge_one_group_rounds": lambda env: check_knobs(env, dict(MERGE_WAVE_THREADS=1), "kernels.attention",
+    "merge_one_group_rounds": lambda env: check_knobs(env, dict(MERGE_WAVE_THREADS=1), "numbaengine.kernels.attention",
                                                       lengths=(600, 90), work=32, seed=15),
     # the merge by the last split block (3 splits: a round of 2, then 1), called twice on the same counters
     "merge_fused_dead_rows_empty_seq": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=4), B=3, T=3, h=4,
@@ -194,7 +199,7 @@ def test_gpu(case):
 @pytest.mark.parametrize("case", WG_CASES)
 def test_gpu_mma_sync_path(case):
     """The 64-head cases on mla.py's mma.sync kernel too (kernels.mla_wg.MLA_WG off)."""
-    import kernels.mla_wg as kw
+    import numbaengine.kernels.mla_wg as kw
     kw.MLA_WG = False
     try:
         check(Env(gpu=True), **K2, **GPU_CASES[case])
@@ -209,7 +214,7 @@ def test_gpu_wgmma_loads(case, path, monkeypatch):
     """The 64-head cases with the cache tiles loaded by cp.async (128 threads) or by TMA tensor copies
     (kernels.mla_wg.MLA_WG_TMA), and TMA under the seesaw schedule (MLA_WG_SEESAW): rows past each sequence's end
     are NaN in the cache (check), so a tile's rows past the split's end must land as zeros either way."""
-    import kernels.mla_wg as kw
+    import numbaengine.kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_TMA", path != "cp.async")
     monkeypatch.setattr(kw, "MLA_WG_SEESAW", path == "seesaw")
     check(Env(gpu=True), **K2, **GPU_CASES[case], calls=2)
@@ -256,7 +261,7 @@ def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
     (groups_grid: a cooperative launch of clusters; not yet GPU-run, session 25)."""
     from numba import cuda
 
-    import kernels.mla_wg as kw
+    import numbaengine.kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_STAGED", epilogue != "direct")
     monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 8 if epilogue in ("cluster", "groups", "groups_grid") else 0)
     monkeypatch.setattr(kw, "MLA_WG_CLUSTER_GROUPS", epilogue in ("groups", "groups_grid"))
@@ -282,7 +287,7 @@ def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
 def test_wg_clusters(groups, monkeypatch):
     """kernels.mla_wg.wg_clusters: all the splits as one cluster (2..8), or with groups every divisor up to 8,
     largest first; none for one split, with the fused merge or past 8 without groups."""
-    import kernels.mla_wg as kw
+    import numbaengine.kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_CLUSTER_GROUPS", groups)
     got = {n: kw.wg_clusters(n) for n in (1, 2, 7, 8, 9, 12, 13, 33, 65)}
     want = {1: [], 2: [2], 7: [7], 8: [8], 9: [], 12: [], 13: [], 33: [], 65: []}
@@ -295,7 +300,7 @@ def test_wg_clusters(groups, monkeypatch):
 def test_wg_grid(monkeypatch):
     """kernels.mla_wg.wg_grid: 2 .. MLA_WG_GRID (at most GRID_SPLITS) splits may merge across a cooperative launch,
     not one, not with the fused merge, none with MLA_WG_GRID = 0."""
-    import kernels.mla_wg as kw
+    import numbaengine.kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_GRID", 8)
     assert [kw.wg_grid(n) for n in (1, 2, 8, 9, 33)] == [False, True, True, False, False]
     monkeypatch.setattr(kw, "MLA_WG_GRID", 1 << 20)
@@ -336,7 +341,7 @@ def test_stamp_phases():
 def test_ptx_stamps():
     """MLA_WG_STAMPS compiles thread 0's seven (clock, global timer, SM) reads into the split kernel; the default
     kernel has none; the cluster, fused and grid kernels are not stamped (the same compiled objects)."""
-    import kernels.mla_wg as kw
+    import numbaengine.kernels.mla_wg as kw
     plain = ptx_or_skip(kw.mla_wg_kernel(192, 128, False).py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
     unstamped = [kw.mla_wg_kernel(192, 128, False, **kw_) for kw_ in ({"cluster": 2}, {"fuse": True}, {"grid": True})]
     try:
@@ -356,7 +361,7 @@ def test_gpu_stamps(monkeypatch):
     (phases >= 0), a block inside the kernel's span, and its main-loop steps (4 per block, 65 splits) no faster
     than all blocks' 36 KB tiles at 5 TB/s (above the H200's 4.8 TB/s peak); mla_attention refuses stamps without
     a [blocks, 16] work.count (NOT GPU-run yet: written after the session's device budget)."""
-    import kernels.mla_wg as kw
+    import numbaengine.kernels.mla_wg as kw
     from tools.mla_stamps import PHASES, run_case
     if not kw.mla_wg_applies(64, 576, 512):
         pytest.skip("the 64-head wgmma kernel runs on sm_90 only")
@@ -367,7 +372,7 @@ def test_gpu_stamps(monkeypatch):
     # stamps into an ordinary work's [B, M] counters (or none) would write past them: refused
     from numba import cuda
 
-    from kernels.mla import mla_attention, mla_work
+    from numbaengine.kernels.mla import mla_attention, mla_work
 
     def dz(shape, dtype):
         return cuda.to_device(np.zeros(shape, dtype))
@@ -387,7 +392,7 @@ def test_gpu_stamps(monkeypatch):
 def test_cluster_pays(blocks, size, fits, slots, pays):
     """kernels.mla.cluster_pays: clusters only where they take no more waves than plain blocks (e.g. 33 splits of 4
     sequences as 44 clusters of 3 where 43 fit: two waves instead of one); a size the driver fits 0 of: never."""
-    from kernels.mla import cluster_pays
+    from numbaengine.kernels.mla import cluster_pays
     assert cluster_pays(blocks, size, fits, slots) == pays
 
 
@@ -396,7 +401,7 @@ def test_cluster_pays(blocks, size, fits, slots, pays):
 def test_gpu_fused_merge(case):
     """The split merge by the last split block of each row tile (kernels.mla.MLA_FUSED_MERGE, off by default:
     slower on the H200), in both kernels; the row-tile counters end at zero."""
-    import kernels.mla as km
+    import numbaengine.kernels.mla as km
     saved, km.MLA_FUSED_MERGE = km.MLA_FUSED_MERGE, 1 << 20
     try:
         check(Env(gpu=True), **K2, **GPU_CASES[case])
@@ -410,7 +415,7 @@ def test_gpu_wgmma_path_taken(D, r):
     """On an sm_90 GPU, 64-head tiles run kernels/mla_wg.py (and match the reference at a narrow width too)."""
     from numba import cuda
 
-    from kernels.mla_wg import mla_wg_applies
+    from numbaengine.kernels.mla_wg import mla_wg_applies
     assert mla_wg_applies(64, D, r) == (cuda.get_current_device().compute_capability == (9, 0))
     check(Env(gpu=True), B=2, T=3, h=64, D=D, r=r, lengths=(300, 40), ntok=(3, 2), work=64)
 
@@ -421,7 +426,7 @@ def test_gpu_wgmma_path_taken(D, r):
 def test_tensor_map_rejects(args):
     """kernels/bulk.py tensor_map_2d: a box that is not 64 columns (bf16: one 128-byte swizzle span; f32: 256 bytes)
     or more than 256 rows, an unaligned address or row pitch: a one-line ValueError before the driver is asked."""
-    from kernels.bulk import tensor_map_2d
+    from numbaengine.kernels.bulk import tensor_map_2d
     with pytest.raises(ValueError, match=r"^tensor_map_2d: boxes of .*\(must be 16-byte aligned\)$"):
         tensor_map_2d(*args)
 
@@ -446,7 +451,7 @@ def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, cl, grid, monkeypatch):   # K
     of 3 with a partial each, then the grid merge."""
     import re
 
-    import kernels.mla_wg as kw
+    import numbaengine.kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_TMA", tma)
     monkeypatch.setattr(kw, "MLA_WG_SEESAW", seesaw)
     monkeypatch.setattr(kw, "MLA_WG_CLUSTER_GROUPS", bool(cl and grid))     # (clusters' partials, then the grid)
@@ -487,7 +492,8 @@ def test_ptx_geometries(M, D, r, partials):
     """The mma.sync kernel at each row-tile geometry: no float64, no local memory; O leaves in 16-byte stores, or
     (bf16 partials) rounded pairwise to bf16 in 8-byte ones."""
     import re
-    from kernels.mla import mla_geometry, mla_kernel
+
+    from numbaengine.kernels.mla import mla_geometry, mla_kernel
     rg, kg, stages, _, _ = mla_geometry(M, D, r)
     ptx = ptx_or_skip(mla_kernel(rg, kg, stages, False, D, r).py_func, bf16_partials(SIG) if partials == "bf16"
                       else SIG)
@@ -504,7 +510,7 @@ def test_ptx_wgmma_bf16_partials(grid):
     merge, the partials come back from L2 in 8-byte loads); no float64, no local memory."""
     import re
 
-    import kernels.mla_wg as kw
+    import numbaengine.kernels.mla_wg as kw
     ptx = ptx_or_skip(kw.mla_wg_kernel(192, 128, False, grid=grid).py_func, bf16_partials(kw.MLA_WG_PTX_SIG),
                       cc=(9, 0, "a"))
     assert "cvt.rn.bf16x2.f32" in ptx and "st.global.v2.u32" in ptx
@@ -529,8 +535,8 @@ def test_mla_cuts_match_the_kernel():
 def test_partials_type(monkeypatch):
     """mla_work's split partials: f32 or bf16 bits (uint16) as asked; "auto" (the default) is bf16 exactly where the
     64-head wgmma kernel runs; any other name is refused in one line."""
-    import kernels.mla as km
-    from kernels.mla import mla_work
+    import numbaengine.kernels.mla as km
+    from numbaengine.kernels.mla import mla_work
     for name, dtype in (("f32", np.float32), ("bf16", np.uint16)):
         assert mla_work(np.zeros, 2, 1, 64, 512, 4097, partials=name).o.dtype == dtype
     for wg in (False, True):
@@ -544,7 +550,7 @@ def test_partials_type(monkeypatch):
 def test_strided_out_refused():
     """A strided out would be reshaped into a copy and the attention written there, lost: refused in one line
     before any launch, the caller's out untouched."""
-    from kernels.mla import mla_attention
+    from numbaengine.kernels.mla import mla_attention
     q, cache = np.zeros((1, 1, 4, 64), np.float32), np.zeros((1, 8, 64), np.uint16)
     full = np.full((1, 1, 4, 128), np.nan, np.float32)
     with pytest.raises(ValueError, match=r"out \(1, 1, 4, 64\) must be C-contiguous"):

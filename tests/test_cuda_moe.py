@@ -1,11 +1,11 @@
 """numba.cuda router and MoE kernels (INT4 W4A16 and bf16 experts) against router_ref / moe_ref: on the simulator
 (a child process, tiny shapes) and on a GPU (K2 shapes, marked gpu). Routing cases: random, an expert with no tokens,
 all tokens on one expert (several work items for it), a shared-expert add."""
-import pytest
-
 import cuda_cases as C
+import pytest
 from cudasim import Env, simulator_test
-from kernels.moe import ExpertConfig
+
+from numbaengine.kernels.moe import ExpertConfig
 
 SMALL = (ExpertConfig(R=1, WR=2, WK=2, T=1, blocks_per_sm=2), ExpertConfig(R=2, WR=1, WK=1, T=1, blocks_per_sm=2))
 # gate_up through bulk rings (int4_bulk_tiles layout, R=2 tiles per chunk): 3 k-steps as 2 stages of U=2 (the
@@ -89,7 +89,7 @@ def test_gpu_moe_int4_bulk_few_k_steps(hidden):
 @pytest.mark.gpu
 def test_gpu_moe_stamps():
     """MOE_STAMPS on the engine's default cuts (gate_up through the bulk rings, down on registers) at K2 widths."""
-    from kernels.moe import MOE_TILED, default_cuts
+    from numbaengine.kernels.moe import MOE_TILED, default_cuts
     C.check_moe_stamps(Env(gpu=True), 4, 7168, 2048, 16, 8, default_cuts(MOE_TILED), tiled=MOE_TILED)
 
 
@@ -144,7 +144,7 @@ def test_int4_bulk_tiles_layout(R):
     shapes it cannot tile are refused with a one-line error."""
     import numpy as np
 
-    from kernels.moe import BULK_WORDS, int4_bulk_tiles
+    from numbaengine.kernels.moe import BULK_WORDS, int4_bulk_tiles
     rng = np.random.default_rng()
     E, N, K = 2, 64, 256
     words = rng.integers(0, 2 ** 32, (E, N, K // 8), dtype=np.uint64).astype(np.uint32)
@@ -172,7 +172,7 @@ def test_moe_stamp_timeline():
     start spread and block ends, the blocks that ran nothing left out, the cut-off flag."""
     import numpy as np
 
-    from kernels.moe import STAMP_UNITS, STAMP_WORDS
+    from numbaengine.kernels.moe import STAMP_UNITS, STAMP_WORDS
     from tools.moe_stamps import timeline
     st = np.zeros((3, STAMP_WORDS), np.int64)
     base = (1 << 32) - 3000                                     # both counters wrap inside block 0's first unit

@@ -3,12 +3,11 @@ candidate lists (ties included), top-K lists equal to top_logprobs, the walk's p
 and the drafter-feature gather. Simulator cases run in a child process; K2-sized cases on a GPU (marked gpu)."""
 import numpy as np
 import pytest
-
 from cudasim import Env, f64_lines, ptx_or_skip, simulator_test
 from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
 
-from kernels.mla import mask_bits
 from numbaengine.ddtree import build_tree, draft_tree, top_logprobs, walk
+from numbaengine.kernels.mla import mask_bits
 
 
 def random_lists(rng, L, K, quantized, peaked=False):
@@ -25,7 +24,7 @@ def random_lists(rng, L, K, quantized, peaked=False):
 
 
 def host_buffers(env, tb):
-    from kernels.tree import TreeBuffers
+    from numbaengine.kernels.tree import TreeBuffers
     return TreeBuffers(*(env.host(getattr(tb, f)) for f in TreeBuffers.__dataclass_fields__))
 
 
@@ -43,7 +42,7 @@ def assert_tree(got, b, ref, start, seq_id):
 
 def check_build(env, L=3, K=3, budgets=(9, 5, 0, 1), quantized=True, seed=0, peaked=False):
     """Trees from given candidate lists, several sequences with different budgets, vs build_tree."""
-    from kernels.tree import tree_buffers, tree_build
+    from numbaengine.kernels.tree import tree_buffers, tree_build
     rng = np.random.default_rng(seed)
     B, N = len(budgets), max(budgets) + 1
     lists = [random_lists(rng, L, K, quantized and b % 2 == 0, peaked) for b in range(B)]
@@ -63,7 +62,7 @@ def check_topk(env, B=2, L=3, V=40, K=6, seed=1, calls=2):
     """tree_topk == top_logprobs: exact ties, a rounded row (many ties), a row whose first half is one value above
     all others (the best K are the lowest ids of a huge tie: chunk lists overflow, the exact slow path); called
     twice on fresh logits (the row histogram must be left zeroed)."""
-    from kernels.tree import tree_buffers, tree_topk
+    from numbaengine.kernels.tree import tree_buffers, tree_topk
     rng = np.random.default_rng(seed)
     tb = tree_buffers(env.zeros, B, L, K, 1, V)
     for _ in range(calls):
@@ -82,7 +81,7 @@ def check_topk(env, B=2, L=3, V=40, K=6, seed=1, calls=2):
 
 def check_draft_pipeline(env, B=2, L=3, V=30, budgets=(7, 4), seed=2):
     """topk + build from drafter logits == draft_tree('ddtree') (continuous logits: no near-ties)."""
-    from kernels.tree import tree_buffers, tree_build, tree_topk
+    from numbaengine.kernels.tree import tree_buffers, tree_build, tree_topk
     rng = np.random.default_rng(seed)
     logits = (3 * rng.normal(size=(B, L, V))).astype(np.float32)
     K, N = min(max(budgets), V), max(budgets) + 1
@@ -98,7 +97,12 @@ def check_draft_pipeline(env, B=2, L=3, V=30, budgets=(7, 4), seed=2):
 
 def check_walk_commit(env, L=3, K=3, budgets=(9, 5, 0), D=16, layers=2, F=2, H=4, seed=3):
     """Build, then walk against target samples that follow random paths, then commit and gather."""
-    from kernels.tree import tree_buffers, tree_build, tree_commit, tree_walk
+    from numbaengine.kernels.tree import (
+        tree_buffers,
+        tree_build,
+        tree_commit,
+        tree_walk,
+    )
     rng = np.random.default_rng(seed)
     B, N = len(budgets), max(budgets) + 1
     lists = [random_lists(rng, L, K, False) for _ in range(B)]
@@ -145,7 +149,7 @@ def check_sample_split(env, n=5, V=700, temperatures=(0, 0.7, 1.0), seed=6, unal
     """kernels.sample.sample with a workspace (rows split over vocabulary chunks) == sample_ref: exact ties, a
     peaked row (most ids skip the noise's logs), -inf logits; the workspace starts as garbage. V % 4 == 0: the rows
     take 16-byte loads; with `unaligned`, then V - 2 ids at one temperature (4-byte loads, 2 ids per unit)."""
-    from kernels.sample import sample, sample_ref, sample_work
+    from numbaengine.kernels.sample import sample, sample_ref, sample_work
     rng = np.random.default_rng(seed)
     logits = (3 * rng.normal(size=(n, V))).astype(np.float32)
     logits[1 % n, [5, 9, V - 1]] = 50.0                                            # exact tie: lowest index wins
@@ -249,7 +253,7 @@ SAMPLE_SIGS = {
 
 @pytest.mark.parametrize("name", sorted(SAMPLE_SIGS))
 def test_ptx_sample_split(name):
-    import kernels.sample as S
+    import numbaengine.kernels.sample as S
     ptx = ptx_or_skip(getattr(S, name).py_func, SAMPLE_SIGS[name])
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
     assert ".local" not in ptx, "registers spilled to local memory"
@@ -259,8 +263,8 @@ def test_ptx_sample_split(name):
 
 @pytest.mark.parametrize("name", sorted(SIGS))
 def test_ptx_tree(name):
-    import kernels.topk
-    import kernels.tree
-    ptx = ptx_or_skip(getattr(kernels.topk if name.startswith("topk") else kernels.tree, name).py_func, SIGS[name])
+    import numbaengine.kernels.topk as topk
+    import numbaengine.kernels.tree as tree
+    ptx = ptx_or_skip(getattr(topk if name.startswith("topk") else tree, name).py_func, SIGS[name])
     if name != "build_kernel":
         assert not f64_lines(ptx), f64_lines(ptx)[:5]

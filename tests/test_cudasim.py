@@ -3,13 +3,14 @@ module's cases: the sleeping block manager keeps numba's rules (syncthreads rele
 threads that returned do not count, an exception in one thread aborts the block and reaches the launcher), and the
 one-barrier warp collectives give every lane the right values call after call (two slot sets in turn)."""
 import numpy as np
-from numba import cuda        # module level: the simulator swaps a kernel's global `cuda` for its fake module
-
 from cudasim import simulator_test
+from numba import (
+    cuda,  # module level: the simulator swaps a kernel's global `cuda` for its fake module
+)
 
 
 def _kernels():
-    from kernels.device import lane_id, shfl_idx, shfl_xor
+    from numbaengine.kernels.device import lane_id, shfl_idx, shfl_xor
 
     @cuda.jit
     def neighbours(out, rounds):

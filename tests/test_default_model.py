@@ -5,8 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from numbaengine.weights import SHIPPED_PAIR
+
 ROOT = Path(__file__).resolve().parents[1]
-TARGET, DRAFT = ROOT / "weights" / "default" / "target", ROOT / "weights" / "default" / "draft"
+TARGET, DRAFT = SHIPPED_PAIR / "target", SHIPPED_PAIR / "draft"
 PROMPTS = ROOT / "tools" / "train" / "heldout.json"
 MAX_BYTES = 40_000_000
 
@@ -23,8 +25,8 @@ def test_size_budget():
 
 def test_target_layout():
     from numbaengine.config import load_config
-    from weights.layout import target_tensors
-    from weights.shards import Checkpoint
+    from numbaengine.weights.layout import target_tensors
+    from numbaengine.weights.shards import Checkpoint
     cfg = load_config(TARGET)
     assert cfg.quant.method == "int4" and cfg.quant.group_size == 32 and cfg.yarn is not None
     assert cfg.n_routed_experts >= 16 and cfg.num_experts_per_tok >= 2 and cfg.first_k_dense_replace == 1

@@ -10,8 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from numbaengine.weights import SHIPPED_PAIR
+
 ROOT = Path(__file__).resolve().parents[1]
-PAIR = ROOT / "weights" / "default"
+PAIR = SHIPPED_PAIR
 TOL = 1e-2
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\nclass ", "    for i in range(len(items)):\n        if"]
 

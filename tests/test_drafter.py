@@ -8,9 +8,9 @@ import pytest
 from numbaengine.backends import NUMPY
 from numbaengine.config import ConfigError
 from numbaengine.drafter import default_layer_ids, load_drafter, parse_draft_config
-from weights.dtypes import bf16_to_f32
-from weights.shards import Checkpoint
-from weights.synth import synth_config, write_draft, write_target
+from numbaengine.weights.dtypes import bf16_to_f32
+from numbaengine.weights.shards import Checkpoint
+from numbaengine.weights.synth import synth_config, write_draft, write_target
 
 torch = pytest.importorskip("torch", reason="a dev extra: pip install -e '.[dev]'")
 qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3", reason="a dev extra: pip install -e '.[dev]'")

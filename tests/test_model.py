@@ -8,11 +8,11 @@ import pytest
 from numbaengine import Engine
 from numbaengine.config import load_config
 from numbaengine.model import FORMS
-from weights.dtypes import bf16_to_f32, f32_to_bf16
-from weights.fp8 import dequant_fp8_block
-from weights.int4 import dequant_int4
-from weights.shards import Checkpoint
-from weights.synth import synth_config, write_target
+from numbaengine.weights.dtypes import bf16_to_f32, f32_to_bf16
+from numbaengine.weights.fp8 import dequant_fp8_block
+from numbaengine.weights.int4 import dequant_int4
+from numbaengine.weights.shards import Checkpoint
+from numbaengine.weights.synth import synth_config, write_target
 
 torch = pytest.importorskip("torch", reason="a dev extra: pip install -e '.[dev]'")
 transformers = pytest.importorskip("transformers", reason="a dev extra: pip install -e '.[dev]'")
@@ -182,7 +182,7 @@ def recording_router(target):
     and first unchosen expert score (a near-tie there flips the routing under float32 reorderings)."""
     from types import SimpleNamespace
 
-    from kernels.moe import router_ref
+    from numbaengine.kernels.moe import router_ref
     gaps = []
 
     def router(x, w_gate, bias, top_k, *rest):

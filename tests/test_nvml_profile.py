@@ -3,7 +3,14 @@ import json
 
 import pytest
 
-from tools.nvml_profile import Profiler, Sample, summarize, tokens_from_output, verdict, write_outputs
+from tools.nvml_profile import (
+    Profiler,
+    Sample,
+    summarize,
+    tokens_from_output,
+    verdict,
+    write_outputs,
+)
 
 
 def samples(dram, util, power):

@@ -1,7 +1,6 @@
 """The multi-device layout on CPU: a simulated n-device target equals the unsharded one; the plan covers every
 tensor."""
 import functools
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,8 +8,9 @@ import pytest
 from numbaengine import Engine
 from numbaengine.config import load_config
 from numbaengine.parallel import local_slice, split_rule
-from weights.layout import target_tensors
-from weights.synth import synth_config, write_target
+from numbaengine.weights import SHIPPED_PAIR
+from numbaengine.weights.layout import target_tensors
+from numbaengine.weights.synth import synth_config, write_target
 
 WIDE = dict(num_attention_heads=8, n_routed_experts=16)
 
@@ -137,7 +137,7 @@ def test_bad_device_list_is_a_clear_error(devices, backend, match):
 
 
 # --- the same on the GPU through NCCL (devices=[0] is what one lent H200 can check) -----------------------------
-DEFAULT = Path(__file__).resolve().parents[1] / "weights" / "default"
+DEFAULT = SHIPPED_PAIR
 
 
 @pytest.mark.gpu

@@ -5,9 +5,8 @@ mma kernels (RoPE: only libdevice's float64 reduction of huge angles). Needs the
 import re
 
 import pytest
-from numba import types as ty
-
 from cudasim import f64_lines, ptx_or_skip
+from numba import types as ty
 
 u16, u32, i32, f32 = ty.uint16, ty.uint32, ty.int32, ty.float32
 A1, A2, A3 = (lambda t: t[::1]), (lambda t: t[:, :]), (lambda t: t[:, :, :])
@@ -31,7 +30,7 @@ def cpu_compute_capability():
 
 
 def _gemm():
-    from kernels.gemm import _build_gemm, _build_prep, _build_reduce
+    from numbaengine.kernels.gemm import _build_gemm, _build_prep, _build_reduce
     sig = (A1(u32), A1(u32), A2(f32), A3(f32)) + (i32,) * 5
     cases = {f"gemm_T{T}_R{R}_XS{XS}_PF{PF}_BF{BF}": (_build_gemm(T, R, XS, 2, PF, BF), sig, True)
              for T, R, XS, PF, BF in [(1, 2, 2, 0, 0), (1, 2, 2, 1, 1), (3, 2, 2, 0, 1), (5, 1, 1, 0, 1),
@@ -43,8 +42,14 @@ def _gemm():
 
 
 def _moe():
-    from kernels.gemm import BF16, INT4
-    from kernels.moe import _build_combine, _build_expert_gemm, _build_plan, _build_router_logits, _build_router_select
+    from numbaengine.kernels.gemm import BF16, INT4
+    from numbaengine.kernels.moe import (
+        _build_combine,
+        _build_expert_gemm,
+        _build_plan,
+        _build_router_logits,
+        _build_router_select,
+    )
     cases = {}
     for fmt, down, T, R, XS, G in [(INT4, 0, 2, 2, 2, 4), (INT4, 1, 1, 2, 2, 4), (INT4, 1, 1, 1, 1, 2),
                                    (INT4, 0, 1, 1, 1, 1), (BF16, 0, 2, 2, 2, 1)]:
@@ -64,10 +69,10 @@ def _moe():
 
 
 def _elementwise():
-    from kernels.act import _silu_mul_k
-    from kernels.norm import _build as norm_build
-    from kernels.rope import _build as rope_build
-    from kernels.topk import _argmax_k, _build_topk
+    from numbaengine.kernels.act import _silu_mul_k
+    from numbaengine.kernels.norm import _build as norm_build
+    from numbaengine.kernels.rope import _build as rope_build
+    from numbaengine.kernels.topk import _argmax_k, _build_topk
     return {
         "rmsnorm": (norm_build(False), (A2(f32), A2(f32), A1(u16), f32, A2(f32), i32, A2(f32), i32), False),
         "add_rmsnorm": (norm_build(True), (A2(f32), A2(f32), A1(u16), f32, A2(f32), i32, A2(f32), i32), False),
@@ -100,7 +105,7 @@ def test_ptx_stats_expert_mainloop():
     """tools/ptx_stats.py finds the INT4 expert GEMM's unrolled mainloop: U k-steps of 2*R*G mma and 4R + G loads
     (2R weight chunks, 2R scale pairs, G B fragments) each, at K2's G = 4 (the register path's cut: gate_up's
     default takes the bulk rings, whose loop reads shared memory)."""
-    from kernels.moe import GATE_UP_CFG
+    from numbaengine.kernels.moe import GATE_UP_CFG
     from tools.ptx_stats import expert_gemm_ptx, hot_block, opcode_counts
     ptx, cfg = expert_gemm_ptx(0, GATE_UP_CFG)
     ops = opcode_counts(hot_block(ptx))
@@ -128,7 +133,7 @@ def test_ptx_stats_load_placement_and_cap():
 
 def test_pdl_mode_values():
     """NUMBAENGINE_PDL: wait by default, trigger / 1, off / 0; a misspelt value is an error, not silently off."""
-    import kernels.device as dev
+    import numbaengine.kernels.device as dev
     assert [dev.pdl_mode(v) for v in ("", "wait", "trigger", "1", "off", "0")] == ["wait", "wait", "trigger",
                                                                                    "trigger", None, None]
     with pytest.raises(ValueError, match="NUMBAENGINE_PDL='wiat'"):
@@ -143,7 +148,7 @@ def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
     import numba.cuda.dispatcher as D
     from numba import cuda
 
-    import kernels.device as dev
+    import numbaengine.kernels.device as dev
     for mode in ("trigger", "wait"):
         monkeypatch.setattr(dev, "PDL", mode)
 

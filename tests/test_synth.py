@@ -9,11 +9,16 @@ import numpy as np
 import pytest
 
 from numbaengine.config import load_config
-from weights.dtypes import bf16_to_f32, e4m3_to_f32, f32_to_bf16
-from weights.int4 import dequant_int4
-from weights.layout import draft_tensors, target_tensors
-from weights.shards import INDEX, Checkpoint
-from weights.synth import default_target_layer_ids, synth_config, write_draft, write_target
+from numbaengine.weights.dtypes import bf16_to_f32, e4m3_to_f32, f32_to_bf16
+from numbaengine.weights.int4 import dequant_int4
+from numbaengine.weights.layout import draft_tensors, target_tensors
+from numbaengine.weights.shards import INDEX, Checkpoint
+from numbaengine.weights.synth import (
+    default_target_layer_ids,
+    synth_config,
+    write_draft,
+    write_target,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,7 +137,7 @@ def test_default_target_layer_ids():
 
 
 def test_cli(tmp_path):
-    run = lambda *a: subprocess.run([sys.executable, "-m", "weights.synth", *a], cwd=REPO, capture_output=True,
+    run = lambda *a: subprocess.run([sys.executable, "-m", "numbaengine.weights.synth", *a], cwd=REPO, capture_output=True,
                                     text=True, check=True)
     assert "wrote" in run("--preset", "tiny", "--layers", "2", "--out", str(tmp_path / "t"), "--quant", "int4",
                           "--wrapper", "k25", "--seed", "5", "--shard-mb", "0.5").stdout

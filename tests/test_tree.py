@@ -5,7 +5,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from numbaengine.ddtree import Seq, build_tree, commit, draft_tree, top_logprobs, verify_inputs, visibility, walk
+from numbaengine.ddtree import (
+    Seq,
+    build_tree,
+    commit,
+    draft_tree,
+    top_logprobs,
+    verify_inputs,
+    visibility,
+    walk,
+)
 
 
 def brute_force(ids, lp, budget):

@@ -101,7 +101,7 @@ def test_parallel_mla_merges_the_children(tmp_path, monkeypatch):
 def test_split_merge_us_times_each_half(monkeypatch):
     """bench_attention --mla-parts: the call timed with merge_splits recorded and skipped, then the recorded merge
     alone; kernels.mla.merge_splits is restored; a call that merges in the kernel gives (None, None)."""
-    import kernels.mla as km
+    import numbaengine.kernels.mla as km
     import tools.bench_attention as ba
     timed, merged = [], []
 

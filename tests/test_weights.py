@@ -6,11 +6,22 @@ import numpy as np
 import pytest
 import torch
 
-from weights.dtypes import bf16_to_f32, e4m3_to_f32, f32_to_bf16, f32_to_e4m3
-from weights.fp8 import dequant_fp8_block, quantize_fp8_block, scale_shape
-from weights.int4 import dequant_int4, pack_int4, quantize_int4, unpack_int4
-from weights.layout import draft_tensors, target_tensors
-from weights.shards import INDEX, Checkpoint, CheckpointError, write_checkpoint, write_checkpoint_lazy
+from numbaengine.weights.dtypes import (
+    bf16_to_f32,
+    e4m3_to_f32,
+    f32_to_bf16,
+    f32_to_e4m3,
+)
+from numbaengine.weights.fp8 import dequant_fp8_block, quantize_fp8_block, scale_shape
+from numbaengine.weights.int4 import dequant_int4, pack_int4, quantize_int4, unpack_int4
+from numbaengine.weights.layout import draft_tensors, target_tensors
+from numbaengine.weights.shards import (
+    INDEX,
+    Checkpoint,
+    CheckpointError,
+    write_checkpoint,
+    write_checkpoint_lazy,
+)
 
 rng = np.random.default_rng()   # fresh data every run; failures print the offending values
 
@@ -59,8 +70,13 @@ def test_e4m3_encode_matches_torch():
 
 def _ct():
     ct = pytest.importorskip("compressed_tensors", reason="a dev extra: pip install -e '.[dev]'")
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.compressors.pack_quantized.base import (
+        PackedQuantizationCompressor,
+    )
+    from compressed_tensors.compressors.pack_quantized.helpers import (
+        pack_to_int32,
+        unpack_from_int32,
+    )
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
     return SimpleNamespace(ct=ct, pack=pack_to_int32, unpack=unpack_from_int32, qparams=calculate_qparams,

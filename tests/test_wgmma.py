@@ -4,15 +4,15 @@ import re
 
 import numpy as np
 import pytest
-
 from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
-from weights.dtypes import bf16_to_f32, f32_to_bf16
+
+from numbaengine.weights.dtypes import bf16_to_f32, f32_to_bf16
 
 
 def test_smem_offset_core_matrices():
     """Each core matrix (8 rows x 8 bf16) is 128 contiguous bytes, rows 16 bytes apart; core matrices LBO apart
     along k and SBO apart along rows; a 64 x 16 tile fills [0, 2048) once."""
-    from kernels.wgmma import LBO, SBO, core_offset
+    from numbaengine.kernels.wgmma import LBO, SBO, core_offset
     offs = np.array([[core_offset(r, k, 2) for k in range(16)] for r in range(64)])
     assert sorted(offs.ravel().tolist()) == list(range(0, 2048, 2))
     assert (offs[:, 8:] - offs[:, :8] == LBO).all() and (offs[8:] - offs[:-8] == SBO).all()
@@ -25,11 +25,11 @@ def test_wgmma_ptx_sm90a(N, K, trans_b, swizzle):
     """The tile kernel compiles for sm_90a (numba-cuda's target on Hopper): one m64nNk16 wgmma with N/2
     accumulators, the async-proxy fence before it, no local memory; ptxas accepts it where the toolkit is
     installed, with no spill and the wgmma not serialized."""
+    from cudasim import f64_lines, ptxas_check
     from numba import cuda
     from numba import types as ty
 
-    from cudasim import f64_lines, ptxas_check
-    from kernels.wgmma import wgmma_tile_kernel
+    from numbaengine.kernels.wgmma import wgmma_tile_kernel
     sig = (ty.uint16[:, :], ty.uint16[:, :], ty.float32[:, :])
     ptx = cuda.compile_ptx(wgmma_tile_kernel(N, K, trans_b, swizzle=swizzle).py_func, sig, cc=(9, 0, "a"))[0]
     assert re.search(r"\.target\s+sm_90a", ptx)
@@ -44,7 +44,7 @@ def test_wgmma_ptx_sm90a(N, K, trans_b, swizzle):
 def test_core_offset_blocks():
     """core_offset: row blocks of kcores core matrices, each 128 contiguous bytes; every element of a 24 x 40 tile
     once; LBO = 128 along k, SBO = 128 kcores along rows."""
-    from kernels.wgmma import core_offset
+    from numbaengine.kernels.wgmma import core_offset
     offs = np.array([[core_offset(r, k, 5) for k in range(40)] for r in range(24)])
     assert sorted(offs.ravel().tolist()) == list(range(0, 24 * 40 * 2, 2))
     assert (offs[:, 8:] - offs[:, :-8] == 128).all() and (offs[8:] - offs[:-8] == 640).all()
@@ -53,7 +53,7 @@ def test_core_offset_blocks():
 def test_sw128_offset_atoms():
     """sw128_offset: every element of a 32 x 128 tile once; 1024-byte atoms of 8 rows x 64 k; within a row the
     16-byte chunks permuted by row % 8 (8 rows of one chunk column hit 8 different bank groups)."""
-    from kernels.wgmma import sw128_offset
+    from numbaengine.kernels.wgmma import sw128_offset
     offs = np.array([[sw128_offset(r, k, 32) for k in range(128)] for r in range(32)])
     assert sorted(offs.ravel().tolist()) == list(range(0, 32 * 128 * 2, 2))
     assert (offs[8:, :] - offs[:-8, :] == 1024).all() and (offs[:, 64:] - offs[:, :64] == 32 * 128).all()
@@ -70,7 +70,7 @@ def test_gpu_wgmma_tile(N, K, trans_b, swizzle):
     accumulators, the first overwriting them) against NumPy on random bf16 tiles."""
     from numba import cuda
 
-    from kernels.wgmma import wgmma_tile
+    from numbaengine.kernels.wgmma import wgmma_tile
     rng = np.random.default_rng()
     a = f32_to_bf16(rng.standard_normal((64, K)).astype(np.float32))
     b = f32_to_bf16(rng.standard_normal((K, N) if trans_b else (N, K)).astype(np.float32))

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from numbaengine.weights import SHIPPED_PAIR
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = ROOT / "tools" / "train" / "heldout.json"
 DEFAULT_BUDGETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -62,8 +64,8 @@ def measure(engine, prompts, temperature, mode, budget, max_new, seed) -> tuple[
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / "weights" / "default" / "target"))
-    ap.add_argument("--draft", default=str(ROOT / "weights" / "default" / "draft"))
+    ap.add_argument("--model", default=str(SHIPPED_PAIR / "target"))
+    ap.add_argument("--draft", default=str(SHIPPED_PAIR / "draft"))
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS))
     ap.add_argument("--prompts", type=int, default=8, help="how many held-out prompts")

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from numbaengine.tokenizer import IdTokenizer
+from numbaengine.weights import SHIPPED_PAIR
 from tools.acceptance import DEFAULT_PROMPTS, load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,7 +233,7 @@ def synth_k2(layers: int, where: Path):
     """A K2.6-shaped target (full width, `layers` layers: one dense, the rest MoE with 384 random INT4 experts)
     and a 1-layer DFlash drafter for it, written to `where`, or the pair already there when it has that many layers
     (`--synth-dir`: a second run in the same device call skips the ~40 s of writing)."""
-    from weights.synth import synth_config, write_draft, write_target
+    from numbaengine.weights.synth import synth_config, write_draft, write_target
     done = where / "complete"
     if done.exists() and done.read_text() == str(layers):
         print(f"synthetic K2.6-shaped checkpoint ({layers} layers) reused from {where}", flush=True)
@@ -267,8 +268,8 @@ def projection(rows, layers_measured, cfg) -> list:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / "weights/default/target"))
-    ap.add_argument("--draft", default=str(ROOT / "weights/default/draft"))
+    ap.add_argument("--model", default=str(SHIPPED_PAIR / "target"))
+    ap.add_argument("--draft", default=str(SHIPPED_PAIR / "draft"))
     ap.add_argument("--synth-k2", type=int, metavar="LAYERS", help="bench a K2.6-shaped checkpoint made here")
     ap.add_argument("--synth-dir", help="with --synth-k2: write the checkpoint to this folder and keep it; a later run "
                                         "with the same folder and layer count reuses it")

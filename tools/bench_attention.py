@@ -111,7 +111,12 @@ def bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch=256 * 1024, q_
     """MLA decode/verify: B sequences of `ctx` committed rows + T tree tokens (all-visible masks), at batch 1 and
     min(max_batch, tokens_per_batch / ctx). GB/s counts the cache rows read once; tflops the S and P V products.
     variant: kernels.mla settings to try (e.g. {"MLA_NK": 64, "MLA_MAX_STAGES": 2}), restored afterwards."""
-    from kernels.mla import mla_attention, mla_geometry, mla_step_keys, mla_work
+    from numbaengine.kernels.mla import (
+        mla_attention,
+        mla_geometry,
+        mla_step_keys,
+        mla_work,
+    )
     with mla_settings(variant):
         return _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap, max_batch,
                           mla_attention, mla_geometry, mla_step_keys, mla_work)
@@ -121,9 +126,9 @@ def bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch=256 * 1024, q_
 def mla_settings(variant):
     """kernels.mla (or kernels.mla_wg for MLA_WG* names, kernels.attention for the merge's MERGE_*) module settings
     set inside the block, restored after."""
-    import kernels.attention as ka
-    import kernels.mla as km
-    import kernels.mla_wg as kw
+    import numbaengine.kernels.attention as ka
+    import numbaengine.kernels.mla as km
+    import numbaengine.kernels.mla_wg as kw
     mod = {k: kw if k.startswith("MLA_WG") else ka if k.startswith("MERGE_") else km for k in (variant or {})}
     saved = {k: getattr(mod[k], k) for k in (variant or {})}
     try:
@@ -137,7 +142,7 @@ def mla_settings(variant):
 
 def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap, max_batch, mla_attention,
                mla_geometry, mla_step_keys, mla_work):
-    import kernels.mla_wg as kw
+    import numbaengine.kernels.mla_wg as kw
     rows = []
     for ctx in contexts:
         for h in heads:
@@ -187,7 +192,7 @@ def split_merge_us(call):
     """(split kernel alone, merge launch alone) in us for an mla_attention call that ends in kernels.attention's
     merge_splits (graph replays as gpu_us; the merge alone re-reads the same partials), else (None, None). Where
     the time of a split call goes: the difference to the whole call is what the kernels overlap or leave idle."""
-    import kernels.mla as km
+    import numbaengine.kernels.mla as km
     seen, merge = [], km.merge_splits
     km.merge_splits = lambda *a: seen.append(a)
     try:
@@ -206,7 +211,7 @@ def mma_peak_tflops(chains=8, steps=4096):
     import cupy as cp
     from numba import cuda, float32, uint32
 
-    from kernels.device import launch, mma_bf16
+    from numbaengine.kernels.device import launch, mma_bf16
     NACC = 4 * chains
 
     @cuda.jit
@@ -238,7 +243,14 @@ def wgmma_loop_kernel(N=256, per_wait=8):
     (cupy-free, so tests/test_wgmma.py compiles it on the CPU.)"""
     from numba import cuda, float32, uint32
 
-    from kernels.wgmma import fence_proxy_async, make_wgmma, smem_desc, wg_commit, wg_fence, wg_wait0
+    from numbaengine.kernels.wgmma import (
+        fence_proxy_async,
+        make_wgmma,
+        smem_desc,
+        wg_commit,
+        wg_fence,
+        wg_wait0,
+    )
     nacc, nsm = N // 2, (64 + N) * 8
     acc = ", ".join(f"c{i}" for i in range(nacc))         # scalars: a tuple indexed in a loop goes to local memory
     src = f"""
@@ -267,7 +279,7 @@ def wgmma_loop(out, steps):
 def wgmma_peak_tflops(N=256, steps=2048, per_wait=8):
     """The warpgroup-MMA roof (sm_90a): wgmma_loop_kernel on 3 blocks per SM (154 registers x 128 threads each, by
     ptxas: 3 fit). Throughput only: the tiles hold zeros (the layout's correctness is tests/test_wgmma.py's)."""
-    from kernels.device import launch
+    from numbaengine.kernels.device import launch
     kern, blocks = wgmma_loop_kernel(N, per_wait), 3 * _sm_count()
     out = _nb(_cp().zeros(blocks * 128, np.float32))
     us, _ = gpu_us(lambda: launch(kern, blocks, 128, out, steps), reps=3)
@@ -276,7 +288,7 @@ def wgmma_peak_tflops(N=256, steps=2048, per_wait=8):
 
 def profile_mla(case):
     """One MLA case launched eagerly three times, for a profiler: "heads:queries:ctx:batch" (ncu -k regex:mla)."""
-    from kernels.mla import mla_attention, mla_work
+    from numbaengine.kernels.mla import mla_attention, mla_work
     h, T, ctx, B = (int(v) for v in case.split(":"))
     keep = Keep()
     q, cache = keep.normal((B, T, h, K2_D)), keep.bf16((B, ctx + T, K2_D))
@@ -293,7 +305,7 @@ def profile_mla(case):
 def _tree_case(keep, budget, batch=1, L=15, V=K2_V):
     """A K2-shaped tree round's inputs: tree buffers for `budget`, drafter logits f32[batch, L, V] and target
     logits f32[batch (budget + 1), V] ~ N(0, 9), per-sequence budgets / lengths (1000) / bonus / seq ids."""
-    from kernels.tree import tree_buffers
+    from numbaengine.kernels.tree import tree_buffers
     cp = _cp()
     K, N = min(budget, V), budget + 1
     tb = tree_buffers(keep.zeros, batch, L, K, N, V)
@@ -306,8 +318,8 @@ def _tree_case(keep, budget, batch=1, L=15, V=K2_V):
 def profile_tree(budget):
     """The tree round's stages launched eagerly three times at one budget, batch 1, for a profiler (ncu -k
     regex:topk|build|sample|walk|commit)."""
-    from kernels.sample import sample
-    from kernels.tree import tree_build, tree_topk
+    from numbaengine.kernels.sample import sample
+    from numbaengine.kernels.tree import tree_build, tree_topk
     keep = Keep()                                 # holds the arrays behind the numba views
     tb, draft_logits, target_logits, budgets_d, lengths, bonus, seq_ids = _tree_case(keep, int(budget))
     for _ in range(3):
@@ -319,8 +331,8 @@ def profile_tree(budget):
 
 def bench_prefill(T=1024, h=64):
     """Prompt attention at T tokens: the absorbed kernel (causal mode) vs the naive form on the generic kernel."""
-    from kernels.attention import attention
-    from kernels.mla import mla_attention
+    from numbaengine.kernels.attention import attention
+    from numbaengine.kernels.mla import mla_attention
     keep = Keep()
     q = keep.normal((1, T, h, K2_D))
     cache = keep.bf16((1, T, K2_D))
@@ -343,7 +355,7 @@ DRAFTERS = {"pair": dict(h=6, hk=2, d=64), "k2": dict(h=32, hk=8, d=128)}
 def bench_drafter(cases, copy_bw, n=16):
     """DFlash drafter attention (kv_attention): B sequences, each a block of n queries over ctx context rows plus
     the block (f32 K/V caches of capacity ctx + n, no mask); GB/s on the K/V bytes read."""
-    from kernels.attention import kv_attention, kv_attention_work
+    from numbaengine.kernels.attention import kv_attention, kv_attention_work
     rows = []
     for name, ctx, B, tc in cases:
         h, hk, d = DRAFTERS[name]["h"], DRAFTERS[name]["hk"], DRAFTERS[name]["d"]
@@ -380,8 +392,8 @@ def bench_splits(caps=(1024, 4096), lengths=(128, 256, 512, 1024, 4000), mins=(0
     """Flash-decoding split choice on the shipped pair's decode shapes, batch 1: MLA (T = 1 and 17 queries) and the
     drafter's kv_attention (16 queries) over a cache of capacity `cap` holding `length` keys, one split (no merge
     launch) vs splits of at least `min` keys (0: the default rule) with the merge. Microseconds, graph replays."""
-    from kernels.attention import kv_attention, kv_attention_work
-    from kernels.mla import mla_attention, mla_work
+    from numbaengine.kernels.attention import kv_attention, kv_attention_work
+    from numbaengine.kernels.mla import mla_attention, mla_work
     cp = _cp()
     rows = []
     for cap in caps:
@@ -428,13 +440,13 @@ def bench_tree(budgets, L=15, V=K2_V, batch=1, F=5, seeds=(1, 2, 3), copy_bw_gbs
     median over draws of the logits (cupy seeds `seeds`: the build's pops depend on the tree), the round the
     median of the draws' sums (their range beside it); with copy_bw_gbs, top-K and sampling as % of copy on the
     logits they read (f32: B L V and B (budget + 1) V values)."""
-    from kernels.sample import sample
-    from kernels.tree import tree_build, tree_commit, tree_topk, tree_walk
+    from numbaengine.kernels.sample import sample
+    from numbaengine.kernels.tree import tree_build, tree_commit, tree_topk, tree_walk
     cp = _cp()
 
     def topk_first_stage(logits, tb):
         """tree_topk's first launch alone (the per-chunk histograms and candidate lists)."""
-        from kernels.topk import topk_launch
+        from numbaengine.kernels.topk import topk_launch
         topk_launch(logits, tb.cand, tb.cstats, tb.ids, tb.lp, merge=False)
     rows = []
     for Bud in budgets:

@@ -15,8 +15,9 @@ import json
 import math
 from pathlib import Path
 
-from kernels.gemm import MAX_WARPS, SMALL_WEIGHTS, TARGET_WARPS, gemm_config
-from tools.bench import ROOT, copy_bandwidth, run_case
+from numbaengine.kernels.gemm import MAX_WARPS, SMALL_WEIGHTS, TARGET_WARPS, gemm_config
+from numbaengine.weights import SHIPPED_PAIR
+from tools.bench import copy_bandwidth, run_case
 
 
 def big(**over):
@@ -54,7 +55,7 @@ def main(argv=None):
     import cupy as cp
 
     from numbaengine import Engine, ops_cuda
-    pair = (ROOT / "weights/default/target", ROOT / "weights/default/draft")
+    pair = (SHIPPED_PAIR / "target", SHIPPED_PAIR / "draft")
     ref = Engine.load(*pair, backend="numpy")
     want = {c: [r.tokens for r in ref.generate_batch(PROMPTS[:c[2]], args.check_tokens, mode=c[0], budget=c[1],
                                                       stop=[])] for c in CHECKS}

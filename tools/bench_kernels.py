@@ -231,20 +231,28 @@ EXPERT_BYTES = (2 * I * H // 2 + 2 * I * H // GROUP * 2) + (H * I // 2 + H * I /
 
 def k2_experts(cp, dv, gate_up, gus, down, ds, R):
     """DeviceExperts of the bench's random K2 expert words and scales (CuPy); gate_up in the bulk layout when R > 0."""
-    from kernels.moe import DeviceExperts, int4_bulk_tiles
+    from numbaengine.kernels.moe import DeviceExperts, int4_bulk_tiles
     gu, gs = (dv(int4_bulk_tiles(gate_up, gus, R, cp)), None) if R else (dv(gate_up), dv(gus))
     return DeviceExperts(gu, dv(down), gs, dv(ds), tiled=R)
 
 
 def moe_cuts(over):
     """(gate_up, down) cuts of a MOE_VARIANTS entry: the engine's defaults for its layout, fields overridden."""
-    from kernels.moe import MOE_TILED, default_cuts
+    from numbaengine.kernels.moe import MOE_TILED, default_cuts
     gate_up, down = default_cuts(over.get("tiled", MOE_TILED))
     return replace(gate_up, **over.get("gu", {})), replace(down, **over.get("dn", {}))
 
 
 def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
-    from kernels.moe import MOE_TILED, MOE_XS, moe_combine, moe_plan, moe_stage, moe_workspace, router
+    from numbaengine.kernels.moe import (
+        MOE_TILED,
+        MOE_XS,
+        moe_combine,
+        moe_plan,
+        moe_stage,
+        moe_workspace,
+        router,
+    )
     rng = np.random.default_rng(0)
     dv = cuda.as_cuda_array
     gate_up, down = rand_words(cp, (E, 2 * I, H // 8)), rand_words(cp, (E, H, I // 8))
@@ -328,8 +336,8 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
     # router: fp32 gate GEMV + sigmoid/top-k selection; one graph runs it on ROUTER_GATES distinct gate copies (more
     # than L2 holds: the weights come from HBM as in a decode step) and the time is per call. form "mma": the logits
     # from the dense mma GEMM (x as bf16 hi + lo; what KernelOps.router uses from ROUTER_MMA_FROM tokens)
-    from kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
-    from kernels.moe import ROUTER_XS
+    from numbaengine.kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
+    from numbaengine.kernels.moe import ROUTER_XS
     gates = [dv(rand_bf16(cp, (E, H), 0.02)) for _ in range(ROUTER_GATES)]
     nxb, npart = gemm_workspace_words(max(NS), E, H, ROUTER_XS)
     gws = GemmWorkspace(dv(cp.zeros(max(nxb, 1), cp.uint32)), dv(cp.zeros(max(npart, 1), cp.float32)),
@@ -360,8 +368,15 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
 def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None, shapes=None):
     """Each K2 shape at GEMM_MS tokens: the default cut and the variants at their token counts (the best per m is
     reported); then the per-head GEMMs."""
-    from kernels.gemm import (SMEM_MAX, GemmWorkspace, gemm, gemm_config, gemm_smem, gemm_workspace_words,
-                              token_tiles)
+    from numbaengine.kernels.gemm import (
+        SMEM_MAX,
+        GemmWorkspace,
+        gemm,
+        gemm_config,
+        gemm_smem,
+        gemm_workspace_words,
+        token_tiles,
+    )
     bench_read_floor(cp, cuda, results, copy_bw)
     dv = cuda.as_cuda_array
     rows = results.setdefault("gemm", [])
@@ -371,7 +386,7 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None, shapes=None):
 
     def run(name, ws_chain, m, n, k, tag, over):
         if "wg" in over:          # kernels/gemm_wg.py's module knobs for this run (the wgmma path's cut)
-            import kernels.gemm_wg as kw
+            import numbaengine.kernels.gemm_wg as kw
             saved = {f: getattr(kw, f) for f in over["wg"]}
             for f, v in over["wg"].items():
                 setattr(kw, f, v)
@@ -433,9 +448,13 @@ def read_kernel(trigger=False, wait=False, prefetch=False):
     nothing else added)."""
     from numba import cuda, uint32
 
-    from kernels.device import ld16
+    from numbaengine.kernels.device import ld16
     if trigger or wait or prefetch:
-        from kernels.device import _launch_dependents, _wait_previous, prefetch_l2
+        from numbaengine.kernels.device import (
+            _launch_dependents,
+            _wait_previous,
+            prefetch_l2,
+        )
 
     @cuda.jit
     def read_k(w, out, nwords):
@@ -470,7 +489,7 @@ def bench_read_floor(cp, cuda, results, copy_bw):
     """The yardstick of one streaming kernel: a pure read (16-byte loads, 4 in flight per thread, every SM full) of
     the same bytes in the same chain as the GEMMs (distinct copies, more than L2 holds): what launch, ramp-up and
     tail cost a kernel of that size with no arithmetic at all."""
-    from kernels.device import launch
+    from numbaengine.kernels.device import launch
     read_k = read_kernel()
 
     sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]
@@ -491,7 +510,7 @@ def bench_read_floor(cp, cuda, results, copy_bw):
 
 def bench_head_gemm(cp, cuda, results, copy_bw, quick):
     """MLA's per-head products (one launch), default cut and variants: bytes = weights + x + out."""
-    from kernels.gemm import GemmWorkspace, head_gemm, head_gemm_config
+    from numbaengine.kernels.gemm import GemmWorkspace, head_gemm, head_gemm_config
     dv = cuda.as_cuda_array
     ws = GemmWorkspace(dv(cp.zeros(1, cp.uint32)), dv(cp.zeros(1, cp.float32)))
     for name, (h, b, a) in HEAD_GEMMS.items():
@@ -533,8 +552,9 @@ def profile(case):
     moe[:n[:variant]] (a MOE_VARIANTS tag), router[:n], or a GEMM name[:m]."""
     import cupy as cp
     from numba import cuda
-    from kernels.gemm import GemmWorkspace, gemm
-    from kernels.moe import MOE_TILED, moe, moe_workspace, router
+
+    from numbaengine.kernels.gemm import GemmWorkspace, gemm
+    from numbaengine.kernels.moe import MOE_TILED, moe, moe_workspace, router
     dv = cuda.as_cuda_array
     name, _, rest = case.partition(":")
     count, _, tag = rest.partition(":")

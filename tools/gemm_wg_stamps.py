@@ -45,11 +45,17 @@ def run_case(name, m):
     import numpy as np
     from numba import cuda
 
-    import kernels.gemm_wg as kw
-    from kernels.device import launch
-    from kernels.gemm import prep_b
+    import numbaengine.kernels.gemm_wg as kw
+    from numbaengine.kernels.device import launch
+    from numbaengine.kernels.gemm import prep_b
     from tools.bench_attention import gpu_us
-    from tools.bench_kernels import K2_GEMMS, chain_copies, chained_ms, rand_bf16, read_kernel
+    from tools.bench_kernels import (
+        K2_GEMMS,
+        chain_copies,
+        chained_ms,
+        rand_bf16,
+        read_kernel,
+    )
     n, k = K2_GEMMS[name]
     dv = cuda.as_cuda_array
     w = rand_bf16(cp, (n, k), 0.02)
@@ -99,7 +105,7 @@ def main(argv=None):
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="a kernels.gemm_wg knob for every case (repeatable), e.g. WG_STAGES_MAX=8")
     a = ap.parse_args(argv)
-    import kernels.gemm_wg as kw
+    import numbaengine.kernels.gemm_wg as kw
     for item in a.set:
         name, _, value = item.partition("=")
         if not hasattr(kw, name) or not name.startswith("WG_") or not value:

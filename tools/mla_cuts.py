@@ -32,16 +32,16 @@ LAUNCH_CUTS = {"merge"}     # cut in the child at run time, not in the source: t
 CHILD = """
 import sys
 import cupy as cp, numpy as np
-import kernels.mla_wg as W
+import numbaengine.kernels.mla_wg as W
 from tools.mla_cuts import cut_source
 from tools.bench_attention import Keep, K2_D, K2_R, gpu_us
-ns = {"__name__": "kernels.mla_wg_cut"}
+ns = {"__name__": "numbaengine.kernels.mla_wg_cut"}
 exec(compile(cut_source(sys.argv[1]), W.__file__, "exec"), ns)
 W._make_kernel = ns["_make_kernel"]
-import kernels.mla as KM
+import numbaengine.kernels.mla as KM
 if "merge" in sys.argv[1].split("+"):
     KM.merge_splits = lambda *args: None
-from kernels.mla import mla_attention, mla_work
+from numbaengine.kernels.mla import mla_attention, mla_work
 h, T, ctx, B = (int(v) for v in sys.argv[2].split(":"))
 keep = Keep()
 q, cache = keep.normal((B, T, h, K2_D)), keep.bf16((B, ctx + T, K2_D))
@@ -56,7 +56,7 @@ print("US", us)
 
 def cut_source(variant):
     """kernels/mla_wg.py's source with the cuts of `variant` ("base" or names joined by +) applied."""
-    import kernels.mla_wg as W
+    import numbaengine.kernels.mla_wg as W
     with open(W.__file__) as f:
         src = f.read()
     for name in filter(None, variant.replace("base", "").split("+")):
@@ -76,7 +76,7 @@ def check():
     """Every single cut compiles to sm_90a PTX at K2's widths (CPU)."""
     from numba import cuda
 
-    from kernels.mla_wg import MLA_WG_PTX_SIG
+    from numbaengine.kernels.mla_wg import MLA_WG_PTX_SIG
     from tools.ptx_stats import _sm90
     _sm90()                                             # no GPU here: device functions compile for sm_90
     for name in ["base", *CUTS]:
@@ -87,8 +87,8 @@ def check():
 def cut_kernel(variant, D=576, r=512):
     """The kernel (not compiled yet) of kernels/mla_wg.py's source with `variant`'s cuts, with the module's load
     path (MLA_WG_TMA); building it runs the generated source, so a cut that breaks it fails here."""
-    import kernels.mla_wg as W
-    ns = {"__name__": "kernels.mla_wg_cut"}
+    import numbaengine.kernels.mla_wg as W
+    ns = {"__name__": "numbaengine.kernels.mla_wg_cut"}
     exec(compile(cut_source(variant), "mla_wg_cut", "exec"), ns)
     return ns["_make_kernel"](D, r, False, W.MLA_WG_NK, W.wg_stages(D), False, W.MLA_WG_TMA)
 

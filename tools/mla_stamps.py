@@ -67,8 +67,8 @@ def emit(rows, out=None):
 def run_case(ctx, B, variant=None):
     import cupy as cp
 
-    import kernels.mla_wg as kw
-    from kernels.mla import mla_attention, mla_work
+    import numbaengine.kernels.mla_wg as kw
+    from numbaengine.kernels.mla import mla_attention, mla_work
     from tools.bench_attention import K2_D, K2_R, Keep, gpu_us, mla_settings
     h, T = 64, 1
     with mla_settings(dict(variant or {}, MLA_WG_STAMPS=True)):

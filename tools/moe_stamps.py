@@ -72,8 +72,19 @@ def run_case(n, stages, variant=None, seed=0):
     import cupy as cp
     from numba import cuda
 
-    import kernels.moe as M
-    from tools.bench_kernels import GROUP, H, I, E, TOPK, k2_experts, moe_cuts, rand_bf16, rand_words, routing
+    import numbaengine.kernels.moe as M
+    from tools.bench_kernels import (
+        GROUP,
+        TOPK,
+        E,
+        H,
+        I,
+        k2_experts,
+        moe_cuts,
+        rand_bf16,
+        rand_words,
+        routing,
+    )
     over = variant or {}
     gu_cfg, dn_cfg = moe_cuts(over)
     dv = cuda.as_cuda_array

@@ -29,7 +29,7 @@ def step_kernel():
     """y = (x * mul + add) ^ xor (uint32), after the PDL trigger and wait."""
     from numba import cuda
 
-    from kernels.device import _launch_dependents, _wait_previous
+    from numbaengine.kernels.device import _launch_dependents, _wait_previous
 
     @cuda.jit
     def step(x, y, mul, add, xor):
@@ -43,7 +43,7 @@ def step_kernel():
 
 def pdl_launch(kern, grid, block, *args):
     """The launch with the PDL attribute (kernels.device.pdl), whether or not the kernel waits."""
-    from kernels.device import current_stream, pdl
+    from numbaengine.kernels.device import current_stream, pdl
     with pdl():
         kern[grid, block, current_stream(), 0](*args)
 
@@ -52,8 +52,8 @@ def gemm_chain(cp, cuda, copy_bw, res, name="q_kv_a", m=1):
     """The dense GEMM (with NUMBAENGINE_PDL=off: no griddepcontrol in it) chained over distinct weight copies,
     plain and with the PDL attribute on every launch. Without a wait in the kernel PDL does not order its reads
     after the previous kernel's writes: a timing bound only (these GEMMs read only their own x and weights)."""
-    from kernels.device import pdl
-    from kernels.gemm import GemmWorkspace, gemm
+    from numbaengine.kernels.device import pdl
+    from numbaengine.kernels.gemm import GemmWorkspace, gemm
     from tools.bench_kernels import K2_GEMMS, chain_copies, chained_ms, rand_bf16
     n, k = K2_GEMMS[name]
     dv = cuda.as_cuda_array
@@ -104,13 +104,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="pdl_probe.json")
     args = ap.parse_args()
-    import cupy as cp
     import cuda.core as cuda_core
+    import cupy as cp
     import numba.cuda.dispatcher as D
     from numba import cuda
 
-    from kernels.device import launch
-    from tools.bench_kernels import chain_copies, chained_ms, copy_bandwidth, read_kernel
+    from numbaengine.kernels.device import launch
+    from tools.bench_kernels import (
+        chain_copies,
+        chained_ms,
+        copy_bandwidth,
+        read_kernel,
+    )
     res = {"cuda_core": getattr(cuda_core, "__version__", "?")}
     D.LaunchConfig(grid=1, block=32, programmatic_stream_serialization=True)     # raises if cuda.core lacks PDL
     res["wrong_words_in_pdl_chain"] = check_chain(cp, cuda)

@@ -21,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools.bench import PROMPTS, ROOT, synth_k2
+from numbaengine.weights import SHIPPED_PAIR
+from tools.bench import PROMPTS, synth_k2
 
 HOLD_NS = 2_000_000     # the sleep ahead of each timed launch: longer than one eager launch takes on the host
                         # (200 us was not: numba's launch of a kernel with 15 array arguments took longer)
@@ -42,7 +43,7 @@ def profile(cp, dev) -> tuple:
     [(phase, kernel, grid, block, ms)] in launch order)."""
     from numba.cuda.dispatcher import _LaunchConfiguration
 
-    from kernels.device import current_stream
+    from numbaengine.kernels.device import current_stream
     records, phase, hold, host = [], ["-"], _hold_kernel(), [0.0]
     launch = _LaunchConfiguration.__call__
 
@@ -84,8 +85,8 @@ def profile(cp, dev) -> tuple:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / "weights/default/target"))
-    ap.add_argument("--draft", default=str(ROOT / "weights/default/draft"))
+    ap.add_argument("--model", default=str(SHIPPED_PAIR / "target"))
+    ap.add_argument("--draft", default=str(SHIPPED_PAIR / "draft"))
     ap.add_argument("--synth-k2", type=int, metavar="LAYERS")
     ap.add_argument("--mode", default="ddtree")
     ap.add_argument("--budget", type=int, default=16)

@@ -138,7 +138,7 @@ def _sm90():
 
 def default_cut(down):
     """The engine's cut of an expert stage on K2 shapes: gate_up on the bulk rings when MOE_TILED, down registers."""
-    from kernels.moe import MOE_TILED, default_cuts
+    from numbaengine.kernels.moe import MOE_TILED, default_cuts
     return default_cuts(MOE_TILED)[down]
 
 
@@ -148,8 +148,8 @@ def expert_gemm_ptx(down, cfg=None):
     from numba import cuda
     from numba import types as ty
 
-    from kernels.gemm import INT4
-    from kernels.moe import MOE_XS, _build_expert_gemm
+    from numbaengine.kernels.gemm import INT4
+    from numbaengine.kernels.moe import MOE_XS, _build_expert_gemm
     _sm90()
     c = cfg or default_cut(down)
     bounds = (32 * c.WR * c.WK, c.min_blocks) if c.min_blocks else None
@@ -169,7 +169,7 @@ def dense_gemm_ptx(m, n, k, over=None):
     from numba import cuda
     from numba import types as ty
 
-    from kernels.gemm import _build_gemm, gemm_config, token_tiles
+    from numbaengine.kernels.gemm import _build_gemm, gemm_config, token_tiles
     _sm90()
     c = dataclasses.replace(gemm_config(m, n, k), **(over or {}))
     xs = 1 if c.AB else c.XS
@@ -185,7 +185,7 @@ def mla_ptx(M, D=576, r=512):
     """PTX of the absorbed MLA kernel for M query rows (T * heads) at K2's latent widths, and its geometry."""
     from numba import cuda
 
-    from kernels.mla import MLA_PTX_SIG, mla_geometry, mla_kernel
+    from numbaengine.kernels.mla import MLA_PTX_SIG, mla_geometry, mla_kernel
     _sm90()
     geo = mla_geometry(M, D, r)
     kern = mla_kernel(geo[0], geo[1], geo[2], False, D, r)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 def perturb_launches(seed):
     """kernels.device.launch asks current_stream() for every launch: pause there now and then."""
-    import kernels.device as device
+    import numbaengine.kernels.device as device
     real, rng = device.current_stream, random.Random(seed)
 
     def slow():

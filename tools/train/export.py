@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 from numbaengine.config import parse_config
+from numbaengine.weights.dtypes import bf16_to_f32, f32_to_bf16
+from numbaengine.weights.int4 import dequant_int4, quantize_int4
+from numbaengine.weights.layout import draft_tensors, target_tensors
+from numbaengine.weights.shards import Checkpoint, write_checkpoint
 from tools.train.model import DraftDims, Drafter, Target, TargetDims
-from weights.dtypes import bf16_to_f32, f32_to_bf16
-from weights.int4 import dequant_int4, quantize_int4
-from weights.layout import draft_tensors, target_tensors
-from weights.shards import Checkpoint, write_checkpoint
 
 GROUP = 32
 QUANT_CONFIG = {

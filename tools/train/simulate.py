@@ -4,7 +4,7 @@ At T = 0 the committed text is the target's greedy continuation whatever the dra
 scored against it: DFlash tau = 1 + leading drafts equal to it; DDTree tau = 1 + depth of the deepest tree path
 (best-first tree of `budget` nodes, DDTREE.md section 3) that follows it. A training-side check that needs no
 engine; tools/acceptance.py measures the same through the engine.
-Run: python -m tools.train.simulate weights/default/target weights/default/draft --budgets 1 8 32 128
+Run: python -m tools.train.simulate numbaengine/weights/default/target numbaengine/weights/default/draft --budgets 1 8 32 128
 """
 from __future__ import annotations
 

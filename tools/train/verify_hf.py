@@ -12,11 +12,8 @@ import tempfile
 
 import torch
 
-from tools.hf import hide_hub_kernels
 from tools.train.export import export_target, load_target
 from tools.train.model import Target, TargetDims, init_target
-
-hide_hub_kernels()
 
 
 def hf_from_twin(model: Target):

@@ -53,7 +53,7 @@ def qk_norm_rope_ref(qk, nq, q_w, k_w, eps, pos, inv_freq, interleaved, q_out, k
     """Per-head RMSNorm then RoPE of the query and key heads of one stacked projection (Qwen3 q_norm/k_norm, the
     DFlash drafter): qk f32[n, nq + nk, d] (any strides), heads < nq normalized with q_w u16[d], the others with
     k_w, all roped at pos i32[n] -> q_out f32[n, nq, d], k_out f32[n, nk, d]."""
-    from kernels.norm import rmsnorm_ref
+    from numbaengine.kernels.norm import rmsnorm_ref
     d = qk.shape[-1]
     for heads, w, out in ((qk[:, :nq], q_w, q_out), (qk[:, nq:], k_w, k_out)):
         if heads.shape[1]:
@@ -65,7 +65,7 @@ def qk_norm_rope_ref(qk, nq, q_w, k_w, eps, pos, inv_freq, interleaved, q_out, k
 # ---------------------------------------------------------------------------------------------------- numba.cuda
 from numba import cuda, float32, int32  # noqa: E402
 
-from kernels.device import SIM, bf16_f32, kernel, launch, lane_id, warp_sum  # noqa: E402
+from numbaengine.kernels.device import SIM, bf16_f32, kernel, lane_id, launch, warp_sum  # noqa: E402
 
 _KERNELS = {}
 

@@ -14,10 +14,21 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from kernels.attention import shfl_xor  # noqa: F401 (re-exported)
-from kernels.attention import LOG2E, launch_smem
-from kernels.device import SIM, as_f32, block_argmax, block_scan, kernel, launch, ld16
-from kernels.mla import _ex2
+from numbaengine.kernels.attention import (
+    LOG2E,
+    launch_smem,
+    shfl_xor,  # noqa: F401 (re-exported)
+)
+from numbaengine.kernels.device import (
+    SIM,
+    as_f32,
+    block_argmax,
+    block_scan,
+    kernel,
+    launch,
+    ld16,
+)
+from numbaengine.kernels.mla import _ex2
 
 TOPK_THREADS = 64 if SIM else 512       # topk_merge_kernel's block
 TOPK_WARPS = TOPK_THREADS // 32
@@ -48,7 +59,7 @@ def topk_ref(logits, k, idx_out, val_out):
 
 # ---------------------------------------------------------------------------------------------------- numba.cuda
 if SIM:
-    from kernels.device import shfl_idx
+    from numbaengine.kernels.device import shfl_idx
 
     def f32_bits(x):
         return np.uint32(np.array([x], np.float32).view(np.uint32)[0])
@@ -384,7 +395,7 @@ GATHER_UNROLL = 8               # chunk-list keys per thread per round of topk_m
 
 
 if SIM:
-    from kernels.device import _collective
+    from numbaengine.kernels.device import _collective
     shfl_xor64 = shfl_xor
 
     def warp_max_u64(k):

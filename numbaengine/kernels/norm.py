@@ -4,7 +4,7 @@ out = x / sqrt(mean(x^2) + eps) * w, float32 math, w stored as bf16 bits.
 """
 import numpy as np
 
-from weights.dtypes import bf16_to_f32
+from numbaengine.weights.dtypes import bf16_to_f32
 
 
 def rmsnorm_ref(x, w, eps, out):
@@ -28,7 +28,7 @@ import math  # noqa: E402
 
 from numba import cuda, float32, int32  # noqa: E402
 
-from kernels.device import SIM, block_sum, bf16_f32, kernel, launch  # noqa: E402
+from numbaengine.kernels.device import SIM, bf16_f32, block_sum, kernel, launch  # noqa: E402
 
 NORM_THREADS = 32 if SIM else 256    # the simulator runs a Python thread per CUDA thread: one warp is enough there
 

@@ -18,7 +18,7 @@ import math  # noqa: E402
 
 from numba import cuda, float32, int32  # noqa: E402
 
-from kernels.device import kernel, launch  # noqa: E402
+from numbaengine.kernels.device import kernel, launch  # noqa: E402
 
 
 @kernel()

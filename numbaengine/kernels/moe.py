@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.act import silu_mul_ref
-from kernels.memo import memo_f32
-from weights.dtypes import bf16_to_f32
-from weights.int4 import dequant_int4
+from numbaengine.kernels.act import silu_mul_ref
+from numbaengine.kernels.memo import memo_f32
+from numbaengine.weights.dtypes import bf16_to_f32
+from numbaengine.weights.int4 import dequant_int4
 
 
 @dataclass
@@ -87,13 +87,46 @@ import math  # noqa: E402
 
 from numba import cuda, float32, int32, uint32, uint64  # noqa: E402
 
-from kernels.device import (F0, F1, SIM, as_f32 as _f, bf16_hi, bf16_lo, device, kernel, launch, ld16, lane_id,  # noqa: E402
-                            pack_bf16x2)
-from kernels.attention import launch_smem  # noqa: E402
-from kernels.device import shfl_idx, stamp_point, syncwarp, warp_argmax, warp_sum  # noqa: E402
-from kernels.bulk import bulk_load, mbar_expect, mbar_fence_init, mbar_init, mbar_wait  # noqa: E402
-from kernels.gemm import (BF16, INT4, MAX_WARPS, _build_block_reduce, _build_int4_mma, _build_mainloop,  # noqa: E402
-                          _build_prep_unit, _cached, _split_range, _words, lds16)
+from numbaengine.kernels.attention import launch_smem  # noqa: E402
+from numbaengine.kernels.bulk import (  # noqa: E402
+    bulk_load,
+    mbar_expect,
+    mbar_fence_init,
+    mbar_init,
+    mbar_wait,
+)
+from numbaengine.kernels.device import (  # noqa: E402  # noqa: E402
+    F0,
+    F1,
+    SIM,
+    bf16_hi,
+    bf16_lo,
+    device,
+    kernel,
+    lane_id,
+    launch,
+    ld16,
+    pack_bf16x2,
+    shfl_idx,
+    stamp_point,
+    syncwarp,
+    warp_argmax,
+    warp_sum,
+)
+from numbaengine.kernels.device import as_f32 as _f
+from numbaengine.kernels.gemm import (  # noqa: E402
+    BF16,
+    INT4,
+    MAX_WARPS,
+    _build_block_reduce,
+    _build_int4_mma,
+    _build_mainloop,
+    _build_prep_unit,
+    _cached,
+    _split_range,
+    _words,
+    lds16,
+)
 
 MOE_XS = 1            # B operand: activations as bf16 (W4A16); 2 = hi + lo parts (~1e-5 from the f32 reference, slower)
 MAX_E = 1024          # experts per layer the router/plan kernels handle (one thread each)

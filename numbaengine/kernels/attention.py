@@ -42,11 +42,21 @@ import math  # noqa: E402
 
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
-from kernels.device import (SIM, as_f32, as_u32, device, kernel, launch, ld4, ld4_l2,  # noqa: E402,F401
-                            ld_quad, ld_quad_l2)
+from numbaengine.kernels.device import (  # noqa: E402,F401
+    SIM,
+    as_f32,
+    as_u32,
+    device,
+    kernel,
+    launch,
+    ld4,
+    ld4_l2,
+    ld_quad,
+    ld_quad_l2,
+)
 
 if SIM:
-    from kernels.device import shfl_xor  # noqa: E402,F401
+    from numbaengine.kernels.device import shfl_xor  # noqa: E402,F401
 else:
     @cuda.jit(device=True, inline="always")
     def shfl_xor(value, mask):
@@ -578,9 +588,9 @@ def kv_kernel(wm, wn, pf, d, dv):
 
 
 if SIM:
-    from kernels.device import pack_bf16x2 as bf16_pair  # noqa: E402
+    from numbaengine.kernels.device import pack_bf16x2 as bf16_pair  # noqa: E402
 else:
-    from kernels.device import _cvt_pair  # noqa: E402
+    from numbaengine.kernels.device import _cvt_pair  # noqa: E402
 
     @cuda.jit(device=True, inline="always")
     def bf16_pair(lo, hi):
@@ -590,8 +600,8 @@ else:
 
 
 def _make_kv_kernel(wm, wn, pf, D, DV):
-    from kernels.device import as_f32, kernel, ld16, mma_bf16
-    from kernels.mla import _frag_a, _frag_bn, _frag_bt, _to_bf16
+    from numbaengine.kernels.device import as_f32, kernel, ld16, mma_bf16
+    from numbaengine.kernels.mla import _frag_a, _frag_bn, _frag_bt, _to_bf16
     if SIM:                  # as device functions, so that the simulator gives them its cuda module (threadIdx)
         _frag_a, _frag_bn, _frag_bt = (cuda.jit(device=True)(f) for f in (_frag_a, _frag_bn, _frag_bt))
     nk = KV_NK

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from kernels.device import SIM
+from numbaengine.kernels.device import SIM
 
 GEMM_WG = os.environ.get("NUMBAENGINE_GEMM_WG", "1") != "0"   # kernels.gemm.gemm_config takes this path where it
 #                           applies (gemm_wg_applies); NUMBAENGINE_GEMM_WG=0: the mma path everywhere
@@ -165,11 +165,26 @@ def gemm_wg_kernel(MT, CL, S, NB, XIN=0, STAMPS=False, FENCE=True):
 
 
 def _build(MT, CL, S, NB, XIN, STAMPS, FENCE):
-    from kernels.bulk import bulk_load, mbar_expect, mbar_fence_init, mbar_init, mbar_wait, tensor_load_2d
-    from kernels.bulk import tensormap_acquire
-    from kernels.cluster import cluster_sync, dsmem_ld16
-    from kernels.device import as_f32, kernel, ld16, lds16, pack_bf16x2
-    from kernels.wgmma import fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_wait0, wg_wait1
+    from numbaengine.kernels.bulk import (
+        bulk_load,
+        mbar_expect,
+        mbar_fence_init,
+        mbar_init,
+        mbar_wait,
+        tensor_load_2d,
+        tensormap_acquire,
+    )
+    from numbaengine.kernels.cluster import cluster_sync, dsmem_ld16
+    from numbaengine.kernels.device import as_f32, kernel, ld16, lds16, pack_bf16x2
+    from numbaengine.kernels.wgmma import (
+        fence_proxy_async,
+        make_desc,
+        make_wgmma,
+        wg_commit,
+        wg_fence,
+        wg_wait0,
+        wg_wait1,
+    )
 
     BM, XBOX = 64 * MT, NB * 128               # weight rows per block; bytes of one activation box
     STAGE, BARB = _layout(MT, S, NB, XIN)
@@ -344,7 +359,7 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
         wsm[o] = pack_bf16x2(as_f32(f0), as_f32(f1))
         wsm[o + 1] = pack_bf16x2(as_f32(f2), as_f32(f3))
 
-    from kernels.device import stamp_point
+    from numbaengine.kernels.device import stamp_point
     ns = dict(stamp_point=stamp_point, xsrc=xsrc, xstore=xstore, cuda=cuda, float32=float32, int32=int32,
               uint32=uint32, uint64=uint64,
               mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait,
@@ -365,8 +380,8 @@ def tensor_map(a, box_rows):
     u16[n, k] in the 128-byte swizzle, or f32 x [m, k] plain (XIN 2). Made on the first call for this address, shape
     and box and kept (never freed: no map is ever rewritten), outside graph capture: engines run a round eagerly
     before they capture it."""
-    from kernels.bulk import tensor_map_2d
-    from kernels.gemm import _address
+    from numbaengine.kernels.bulk import tensor_map_2d
+    from numbaengine.kernels.gemm import _address
     rows, cols = a.shape
     f32 = a.dtype == np.float32
     key = (_address(a), rows, cols, box_rows, f32)
@@ -380,8 +395,8 @@ def gemm_wg(x, w, out, xb, cut=None, stamps=None):
     after x -> bf16 boxes in xb (u32, >= xb_words(m, k)) unless the blocks convert x themselves (cut.XIN 1 or 2, x
     contiguous; else the cut falls back to XIN 0). w contiguous (its tensor map); out may be a strided view (a
     vocabulary shard's columns). stamps: int32 [>= blocks, STAMP_WORDS] with GEMM_WG_STAMPS on."""
-    from kernels.attention import launch_smem
-    from kernels.gemm import contiguous, prep_b
+    from numbaengine.kernels.attention import launch_smem
+    from numbaengine.kernels.gemm import contiguous, prep_b
     m, k = x.shape
     n = w.shape[0]
     if not gemm_wg_applies(m, n, k) or not contiguous(w) or out.shape != (m, n):

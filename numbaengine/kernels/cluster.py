@@ -21,7 +21,7 @@ a launch may have for that.
 """
 from numba import cuda
 
-from kernels.device import SIM
+from numbaengine.kernels.device import SIM
 
 _MAX_CLUSTERS = {}
 _MAX_BLOCKS = {}
@@ -86,7 +86,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from kernels.device import _barrier_op, _smem_addr
+    from numbaengine.kernels.device import _barrier_op, _smem_addr
 
     cluster_sync = _barrier_op("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;")
 

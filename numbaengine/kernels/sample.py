@@ -58,9 +58,9 @@ import math  # noqa: E402
 
 from numba import cuda, float32, int32, int64, uint32, uint64  # noqa: E402
 
-from kernels.attention import shfl_xor  # noqa: E402
-from kernels.device import SIM, as_f32, block_argmax, kernel, launch, ld16  # noqa: E402
-from kernels.topk import key_index, order_key, warp_max_u64  # noqa: E402
+from numbaengine.kernels.attention import shfl_xor  # noqa: E402
+from numbaengine.kernels.device import SIM, as_f32, block_argmax, kernel, launch, ld16  # noqa: E402
+from numbaengine.kernels.topk import key_index, order_key, warp_max_u64  # noqa: E402
 
 SAMPLE_THREADS = 512            # sample_kernel: one block per row
 # H200 (.whl A/B in session 13, bench/h200_2026-11-30g/sample_ab.txt), us per call at T = 1 for 17 / 33 / 65 / 256
@@ -239,8 +239,8 @@ def sample_chunks(n, V):
 
 def _rows_16b(logits):
     """Rows of logits can be read with 16-byte loads: C-contiguous, V % 4 == 0, 16-byte aligned."""
-    from kernels.attention import _address
-    from kernels.gemm import contiguous
+    from numbaengine.kernels.attention import _address
+    from numbaengine.kernels.gemm import contiguous
     return logits.shape[1] % 4 == 0 and contiguous(logits) and _address(logits) % 16 == 0
 
 

@@ -16,7 +16,7 @@ is (row 16w + g + 8 (i // 2), column 8j + 2t + i % 2).
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
-from kernels.device import SIM
+from numbaengine.kernels.device import SIM
 
 LBO, SBO = 128, 256          # a 16-wide K-major tile (2 core matrices per row block): bytes between core matrices
 #                              adjacent in k / in rows
@@ -66,7 +66,9 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from kernels.device import _barrier_op as _statement      # a PTX statement that orders memory
+    from numbaengine.kernels.device import (
+        _barrier_op as _statement,  # a PTX statement that orders memory
+    )
 
     wg_fence = _statement("wgmma.fence.sync.aligned;")
     wg_commit = _statement("wgmma.commit_group.sync.aligned;")

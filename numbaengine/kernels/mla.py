@@ -5,8 +5,8 @@ attend in the latent space: q_lat_h = q_nope_h @ W_UK_h, then o_h = o_lat_h @ W_
 """
 import numpy as np
 
-from kernels.memo import memo_f32
-from weights.dtypes import bf16_to_f32, f32_to_bf16
+from numbaengine.kernels.memo import memo_f32
+from numbaengine.weights.dtypes import bf16_to_f32, f32_to_bf16
 
 
 def head_gemm_ref(x, w, out, transpose_w):
@@ -43,12 +43,37 @@ def mla_attention_ref(q, cache, lengths, ntok, mask, scale, out, work=None):
 
 from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
 
-from kernels.attention import (LOG2E, NEG_INF, attention_ref, last_split_merge, launch_smem, merge_splits,  # noqa: E402
-                               placeholder, raise_smem_limit, shfl_xor)
-from kernels.device import SIM, as_f32, as_u32, cp_commit, cp_wait, kernel, ld16, mma_bf16, st_quad  # noqa: E402
-import kernels.mla_wg as _wg  # noqa: E402
-from kernels.cluster import max_clusters, max_resident_blocks  # noqa: E402
-from kernels.mla_wg import mla_wg_applies, mla_wg_kernel, mla_wg_launch, wg_clusters, wg_grid  # noqa: E402
+import numbaengine.kernels.mla_wg as _wg  # noqa: E402
+from numbaengine.kernels.attention import (  # noqa: E402
+    LOG2E,
+    NEG_INF,
+    attention_ref,
+    last_split_merge,
+    launch_smem,
+    merge_splits,
+    placeholder,
+    raise_smem_limit,
+    shfl_xor,
+)
+from numbaengine.kernels.cluster import max_clusters, max_resident_blocks  # noqa: E402
+from numbaengine.kernels.device import (  # noqa: E402
+    SIM,
+    as_f32,
+    as_u32,
+    cp_commit,
+    cp_wait,
+    kernel,
+    ld16,
+    mma_bf16,
+    st_quad,
+)
+from numbaengine.kernels.mla_wg import (  # noqa: E402
+    mla_wg_applies,
+    mla_wg_kernel,
+    mla_wg_launch,
+    wg_clusters,
+    wg_grid,
+)
 
 if not SIM:
     from llvmlite import ir
@@ -56,7 +81,13 @@ if not SIM:
     from numba.cuda import libdevice
     from numba.cuda.extending import intrinsic
 
-    from kernels.device import _address, _asm_op, _cvt_pair, _smem_addr, smem_load4
+    from numbaengine.kernels.device import (
+        _address,
+        _asm_op,
+        _cvt_pair,
+        _smem_addr,
+        smem_load4,
+    )
 
     def _make_ldsm(trans):
         """ldmatrix .x4 (optionally .trans): this lane passes the address of its row (uint16 element idx)."""

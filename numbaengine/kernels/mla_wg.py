@@ -29,11 +29,37 @@ import textwrap
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32, uint64
 
-from kernels.attention import NEG_INF, last_split_merge, placeholder, shfl_xor
-from kernels.cluster import cluster_sync, dsmem_ld4, dsmem_ld16, group_barrier, group_leave
-from kernels.device import (SIM, as_f32, as_u32, cp_commit, cp_wait, kernel, ld4_l2, ld16, ld_quad_l2, lds16,
-                            shfl_idx, stamp_point, st16, st_quad, sts8)
-from kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
+from numbaengine.kernels.attention import (
+    NEG_INF,
+    last_split_merge,
+    placeholder,
+    shfl_xor,
+)
+from numbaengine.kernels.cluster import (
+    cluster_sync,
+    dsmem_ld4,
+    dsmem_ld16,
+    group_barrier,
+    group_leave,
+)
+from numbaengine.kernels.device import (
+    SIM,
+    as_f32,
+    as_u32,
+    cp_commit,
+    cp_wait,
+    kernel,
+    ld4_l2,
+    ld16,
+    ld_quad_l2,
+    lds16,
+    shfl_idx,
+    st16,
+    st_quad,
+    stamp_point,
+    sts8,
+)
+from numbaengine.kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
 
 MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
 MLA_WG_NK = 32              # cache rows per step (S is m64nNK per k16 step; four tiles must fit)
@@ -213,9 +239,23 @@ QUAD_SUM = """\
 
 def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, STAGED=False, CL=0, GROUPS=False,
                  GRID=False, STAMPS=False, QG=18, Q_FIRST=True):
-    from kernels.mla import _ex2, _make_cp_piece, _pack2, _row_addr, _slot_addr
-    from kernels.wgmma import (fence_proxy_async, make_desc, make_wgmma, wg_commit, wg_fence, wg_sync, wg_wait0,
-                               wg_wait1)
+    from numbaengine.kernels.mla import (
+        _ex2,
+        _make_cp_piece,
+        _pack2,
+        _row_addr,
+        _slot_addr,
+    )
+    from numbaengine.kernels.wgmma import (
+        fence_proxy_async,
+        make_desc,
+        make_wgmma,
+        wg_commit,
+        wg_fence,
+        wg_sync,
+        wg_wait0,
+        wg_wait1,
+    )
     if SIM:
         raise NotImplementedError("mla_wg: wgmma has no simulator twin")
     if SEESAW and not TMA:
@@ -875,9 +915,17 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                      as_u32(acc[2]), as_u32(acc[3]))
         group_leave(count, b, mt, nsplit)
 
-    from kernels.bulk import (mbar_arrive, mbar_expect, mbar_fence_init, mbar_init, mbar_init_count, mbar_wait,
-                              tensor_load_2d, tensormap_acquire)
-    from kernels.mla import LAZY
+    from numbaengine.kernels.bulk import (
+        mbar_arrive,
+        mbar_expect,
+        mbar_fence_init,
+        mbar_init,
+        mbar_init_count,
+        mbar_wait,
+        tensor_load_2d,
+        tensormap_acquire,
+    )
+    from numbaengine.kernels.mla import LAZY
     ns = dict(mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait, mbar_arrive=mbar_arrive,
               mbar_init_count=mbar_init_count, release=release, wg_sync=wg_sync,
               tensormap_acquire=tensormap_acquire,
@@ -919,8 +967,8 @@ _TMAP_DEV = {}
 def cache_tensor_map(cache):
     """The TMA tensor map of a bf16 latent cache [B, cap, D] seen as [B cap, D] rows, in device memory (made on the
     first call for this cache, outside graph capture: engines warm up before they capture)."""
-    from kernels.bulk import tensor_map_2d
-    from kernels.gemm import _address
+    from numbaengine.kernels.bulk import tensor_map_2d
+    from numbaengine.kernels.gemm import _address
     B, cap, D = cache.shape
     key = (_address(cache), B * cap, D, MLA_WG_NK)
     if key not in _TMAP_DEV:

@@ -28,13 +28,38 @@ from dataclasses import dataclass, replace
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from kernels.attention import launch_smem
-from kernels.gemm_wg import WG_NB_MAX, gemm_wg, gemm_wg_applies, token_blocks, xb_words as wg_xb_words
-from kernels.device import (F0, SIM, as_f32, bf16_hi, bf16_lo, cp_commit, cp_wait, device, int4_pair, kernel, launch,
-                            ld16, ld16_pf, ld4, ld4_l2, ld8, lane_id, mma_bf16, pack_bf16x2, split_bf16x2)
-from kernels.memo import memo_f32
-from weights.dtypes import bf16_to_f32
-
+from numbaengine.kernels.attention import launch_smem
+from numbaengine.kernels.device import (
+    F0,
+    SIM,
+    as_f32,
+    bf16_hi,
+    bf16_lo,
+    cp_commit,
+    cp_wait,
+    device,
+    int4_pair,
+    kernel,
+    lane_id,
+    launch,
+    ld4,
+    ld4_l2,
+    ld8,
+    ld16,
+    ld16_pf,
+    mma_bf16,
+    pack_bf16x2,
+    split_bf16x2,
+)
+from numbaengine.kernels.gemm_wg import (
+    WG_NB_MAX,
+    gemm_wg,
+    gemm_wg_applies,
+    token_blocks,
+)
+from numbaengine.kernels.gemm_wg import xb_words as wg_xb_words
+from numbaengine.kernels.memo import memo_f32
+from numbaengine.weights.dtypes import bf16_to_f32
 
 # ------------------------------------------------------------------------------- cp.async ring (weights -> shared)
 if SIM:
@@ -49,7 +74,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from kernels.device import _address as _elem_address
+    from numbaengine.kernels.device import _address as _elem_address
 
     _SHARED32 = "{ .reg .u64 sa64; .reg .u32 sa; cvta.to.shared.u64 sa64, $%d; cvt.u32.u64 sa, sa64; "
 

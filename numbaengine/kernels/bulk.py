@@ -18,7 +18,7 @@ a row another lane has not copied yet).
 """
 import numpy as np
 
-from kernels.device import SIM, device, syncwarp
+from numbaengine.kernels.device import SIM, device, syncwarp
 
 
 def tensor_map_2d(addr, rows, cols, box_rows, box_cols, f32=False):
@@ -87,7 +87,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from kernels.device import _address, _smem_addr
+    from numbaengine.kernels.device import _address, _smem_addr
 
     def _bar_op(name, asm, nargs, ret=False):
         """An intrinsic on mbarrier bars[i] (a shared uint64 array) with nargs more u32 operands ($1.. in asm)."""

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, float64, int32, uint32, uint64
 
-from kernels.attention import launch_smem, shfl_xor
-from kernels.device import SIM, kernel, launch, syncwarp
-from kernels.sample import sample_work
-from kernels.topk import (
+from numbaengine.kernels.attention import launch_smem, shfl_xor
+from numbaengine.kernels.device import SIM, kernel, launch, syncwarp
+from numbaengine.kernels.sample import sample_work
+from numbaengine.kernels.topk import (
     TOPK_MAX,
     TOPK_STAT,
     shfl_idx,
@@ -47,7 +47,7 @@ else:
 
 
 if SIM:
-    from kernels.device import _collective
+    from numbaengine.kernels.device import _collective
 
     def _ballot(pred):
         bits, _ = _collective(bool(pred), lambda preds: sum(1 << i for i, p in enumerate(preds) if p))
