@@ -1,0 +1,63 @@
+"""Where a process's time goes: named spans (load, compile, capture, prefill, decode).
+
+A span's time is exclusive: time spent in spans opened inside it (a kernel compiled during prefill) counts for the
+inner one only, so the totals add up to the wall time covered. Totals are kept per process (`totals()`, `delta()`);
+when NUMBAENGINE_PHASES names a file, every span is also appended to it as one JSON line (phase, start, end in Unix
+seconds, pid) so that `python -m numbaengine.profile` can put the GPU's samples beside the work that made them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from contextlib import contextmanager
+
+PHASES = ("load", "compile", "capture", "prefill", "decode")
+
+_TOTALS: dict[str, float] = {}
+_LOCK = threading.Lock()
+_LOCAL = threading.local()        # .stack: the open spans of this thread, [name, start, seconds of inner spans]
+
+
+@contextmanager
+def span(name: str):
+    """Time the block as phase `name` (exclusive of the spans opened inside it)."""
+    stack = _LOCAL.__dict__.setdefault("stack", [])
+    frame = [name, time.perf_counter(), 0.0]
+    wall0 = time.time()
+    stack.append(frame)
+    try:
+        yield
+    finally:
+        stack.pop()
+        seconds = time.perf_counter() - frame[1]
+        if stack:
+            stack[-1][2] += seconds
+        with _LOCK:
+            _TOTALS[name] = _TOTALS.get(name, 0.0) + seconds - frame[2]
+        path = os.environ.get("NUMBAENGINE_PHASES")
+        if path:
+            _append(path, dict(phase=name, start=wall0, end=wall0 + seconds, pid=os.getpid()))
+
+
+def _append(path, record):
+    """One line per span; O_APPEND keeps lines whole when several processes write the same file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def totals() -> dict[str, float]:
+    """Exclusive seconds per phase so far in this process."""
+    with _LOCK:
+        return dict(_TOTALS)
+
+
+def delta(before: dict[str, float]) -> dict[str, float]:
+    """Exclusive seconds per phase since `before` (an earlier `totals()`), every phase of PHASES present."""
+    now = totals()
+    names = list(PHASES) + [k for k in now if k not in PHASES]
+    return {k: round(now.get(k, 0.0) - before.get(k, 0.0), 6) for k in names}
