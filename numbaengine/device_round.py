@@ -32,6 +32,7 @@ from numbaengine.kernels.tree import (
 )
 from numbaengine.model import LatentCache
 from numbaengine.ops_cuda import LatentVis
+from numbaengine.phases import span
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,8 @@ class DeviceRounds:
         with self._on_stream():
             self._park()
             if self.graphs and self.graph is None and self.rounds >= 1:
-                self.graph = self.capture()
+                with span("capture"):
+                    self.graph = self.capture()
             if self._events:
                 self._events[0].record(self.stream)
             if self.graph is not None:
@@ -352,29 +354,31 @@ def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="dd
     dev = rounds_cache[shape]
     report = on_round if on_round is not None else (lambda index, out, tokens: None)
     p, t0, runs = Params(mode, float(temperature), int(seed)), perf_counter(), []
-    for i, prompt in enumerate(ids):
-        limit = min(max_context, len(prompt) + max_new_tokens + width)  # the reference's cache size for it
-        seq = Seq(i, None, None, len(prompt), dev.prefill(i, prompt, i))
-        runs.append(gen.Run(seq, len(prompt)))
-        runs[-1].limit = limit
-        gen.push(runs[-1], [seq.bonus], stop, max_new_tokens)
-        report(i, None, list(runs[-1].tokens))
-    dev.retire([r.seq.index for r in runs if r.stop_reason is not None])
+    with span("prefill"):
+        for i, prompt in enumerate(ids):
+            limit = min(max_context, len(prompt) + max_new_tokens + width)  # the reference's cache size for it
+            seq = Seq(i, None, None, len(prompt), dev.prefill(i, prompt, i))
+            runs.append(gen.Run(seq, len(prompt)))
+            runs[-1].limit = limit
+            gen.push(runs[-1], [seq.bonus], stop, max_new_tokens)
+            report(i, None, list(runs[-1].tokens))
+        dev.retire([r.seq.index for r in runs if r.stop_reason is not None])
     prefill_s, t1, timer, gpu0 = perf_counter() - t0, perf_counter(), gen.Timer(("round", "gpu")), dev.gpu_s
-    while live := [r for r in runs if _decoding(r)]:
-        with timer("round"):
-            out = dev.step()
-        done = []
-        for r in live:
-            tau = int(out[r.seq.index, 0])
-            tau = min(tau, r.limit - r.seq.start)    # the reference shrinks its last trees to fit its cache
-            r.seq.start += tau
-            r.taus.append(tau)
-            gen.push(r, out[r.seq.index, 1:tau + 1].tolist(), stop, max_new_tokens)
-            report(r.seq.index, RoundOut(None, None, r.tokens[-tau:], tau), list(r.tokens))
-            if not _decoding(r):
-                done.append(r.seq.index)
-        dev.retire(done)
+    with span("decode"):
+        while live := [r for r in runs if _decoding(r)]:
+            with timer("round"):
+                out = dev.step()
+            done = []
+            for r in live:
+                tau = int(out[r.seq.index, 0])
+                tau = min(tau, r.limit - r.seq.start)    # the reference shrinks its last trees to fit its cache
+                r.seq.start += tau
+                r.taus.append(tau)
+                gen.push(r, out[r.seq.index, 1:tau + 1].tolist(), stop, max_new_tokens)
+                report(r.seq.index, RoundOut(None, None, r.tokens[-tau:], tau), list(r.tokens))
+                if not _decoding(r):
+                    done.append(r.seq.index)
+            dev.retire(done)
     decode_s = perf_counter() - t1
     timer.seconds["gpu"] = dev.gpu_s - gpu0          # of "round": the rest is host time (launch, read, Python)
     return [gen.Result(r.tokens, tokenizer.decode(r.tokens), gen.stats_of(r, p, budget, prefill_s, decode_s, timer))

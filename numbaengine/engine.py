@@ -13,7 +13,9 @@ from numbaengine.checkpoint import load_target_weights
 from numbaengine.config import load_config
 from numbaengine.drafter import load_drafter
 from numbaengine.model import Target
+from numbaengine.phases import span
 from numbaengine.tokenizer import load_tokenizer
+from numbaengine.weights import SHIPPED_PAIR
 from numbaengine.weights.shards import Checkpoint
 
 
@@ -40,31 +42,35 @@ class Engine:
         self.rounds_cache = {}       # kernel backends: DeviceRounds (buffers + captured graph) of the last shape
 
     @classmethod
-    def load(cls, model_dir, draft_dir=None, backend="auto", max_context=4096, cache_dtype="bf16",
+    def load(cls, model_dir=None, draft_dir=None, backend="auto", max_context=4096, cache_dtype="bf16",
              devices=None) -> "Engine":
         """Load the checkpoint at model_dir (and the drafter at draft_dir) for `backend` (numpy, sim, cuda, auto).
+        No model_dir: the shipped toy pair (numbaengine/weights/default, target and drafter).
         `devices`: the GPUs to shard over, one rank (thread, op table, NCCL communicator) per GPU; None: the
         current GPU alone. On the numpy backend a list gives a simulated layout of that many devices."""
-        model_dir = Path(model_dir)
-        if not model_dir.is_dir():
-            raise FileNotFoundError(f"model directory not found: {model_dir}")
-        ops = get_ops(backend)
-        cfg = load_config(model_dir)
-        if devices is not None:
-            from numbaengine.devices import check_devices
-            devices = check_devices(devices, ops.name)
-        n = 1 if devices is None else len(devices)
-        if ops.name == "cuda":
-            check_weights_fit(ops, [model_dir] + ([Path(draft_dir)] if draft_dir is not None else []), devices)
-        if devices is not None and ops.name != "numpy":
-            from numbaengine.devices import load_ranks
-            ranks = load_ranks(cfg, model_dir, draft_dir, ops.name, devices, cache_dtype)
-            return cls(cfg, ranks.targets[0], ranks.drafters[0], load_tokenizer(model_dir), ops.name, max_context,
-                       ranks)
-        ckpt = Checkpoint(model_dir)
-        target = Target(cfg, [load_target_weights(cfg, ckpt, rank, n) for rank in range(n)], ops, cache_dtype)
-        drafter = load_drafter(draft_dir, target, ops) if draft_dir is not None else None
-        return cls(cfg, target, drafter, load_tokenizer(model_dir), ops.name, max_context)
+        with span("load"):
+            if model_dir is None:
+                model_dir, draft_dir = SHIPPED_PAIR / "target", draft_dir or SHIPPED_PAIR / "draft"
+            model_dir = Path(model_dir)
+            if not model_dir.is_dir():
+                raise FileNotFoundError(f"model directory not found: {model_dir}")
+            ops = get_ops(backend)
+            cfg = load_config(model_dir)
+            if devices is not None:
+                from numbaengine.devices import check_devices
+                devices = check_devices(devices, ops.name)
+            n = 1 if devices is None else len(devices)
+            if ops.name == "cuda":
+                check_weights_fit(ops, [model_dir] + ([Path(draft_dir)] if draft_dir is not None else []), devices)
+            if devices is not None and ops.name != "numpy":
+                from numbaengine.devices import load_ranks
+                ranks = load_ranks(cfg, model_dir, draft_dir, ops.name, devices, cache_dtype)
+                return cls(cfg, ranks.targets[0], ranks.drafters[0], load_tokenizer(model_dir), ops.name, max_context,
+                           ranks)
+            ckpt = Checkpoint(model_dir)
+            target = Target(cfg, [load_target_weights(cfg, ckpt, rank, n) for rank in range(n)], ops, cache_dtype)
+            drafter = load_drafter(draft_dir, target, ops) if draft_dir is not None else None
+            return cls(cfg, target, drafter, load_tokenizer(model_dir), ops.name, max_context)
 
     def forward_logits(self, token_ids) -> np.ndarray:
         """Logits f32[T, vocab] of every position of `token_ids` from one prefill (the backend's prefill_form MLA) on

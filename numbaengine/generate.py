@@ -13,6 +13,7 @@ from time import perf_counter
 import numpy as np
 
 from numbaengine.ddtree import MAX_BUDGET, MODES, Params, Seq, decode_round, sample
+from numbaengine.phases import span
 from numbaengine.tokenizer import IdTokenizer
 
 PHASES = ("draft", "build", "verify", "walk", "commit")
@@ -74,18 +75,20 @@ def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="dd
     report = on_round if on_round is not None else (lambda index, out, tokens: None)
     t0 = perf_counter()
     runs = []
-    for i, prompt in enumerate(ids):     # cache rows: prompt + output + one round's tree (capped by the context)
-        rows = min(max_context, len(prompt) + max_new_tokens + width)
-        runs.append(Run(prefill(i, prompt, target, drafter, ops, p, rows), len(prompt)))
-        push(runs[-1], [runs[-1].seq.bonus], stop, max_new_tokens)
-        report(i, None, list(runs[-1].tokens))
+    with span("prefill"):
+        for i, prompt in enumerate(ids):     # cache rows: prompt + output + one round's tree (capped by the context)
+            rows = min(max_context, len(prompt) + max_new_tokens + width)
+            runs.append(Run(prefill(i, prompt, target, drafter, ops, p, rows), len(prompt)))
+            push(runs[-1], [runs[-1].seq.bonus], stop, max_new_tokens)
+            report(i, None, list(runs[-1].tokens))
     prefill_s, t1, timer = perf_counter() - t0, perf_counter(), Timer()
-    while live := [r for r in runs if still_decoding(r)]:
-        budgets = [min(width, r.seq.cache.max_len - r.seq.start - 1) for r in live]     # shrink near a full cache
-        for r, out in zip(live, decode_round([r.seq for r in live], budgets, target, drafter, ops, p, timer)):
-            r.taus.append(out.tau)
-            push(r, out.tokens, stop, max_new_tokens)
-            report(r.seq.index, out, list(r.tokens))
+    with span("decode"):
+        while live := [r for r in runs if still_decoding(r)]:
+            budgets = [min(width, r.seq.cache.max_len - r.seq.start - 1) for r in live]     # shrink near a full cache
+            for r, out in zip(live, decode_round([r.seq for r in live], budgets, target, drafter, ops, p, timer)):
+                r.taus.append(out.tau)
+                push(r, out.tokens, stop, max_new_tokens)
+                report(r.seq.index, out, list(r.tokens))
     decode_s = perf_counter() - t1
     return [Result(r.tokens, tokenizer.decode(r.tokens), stats_of(r, p, budget, prefill_s, decode_s, timer))
             for r in runs]

@@ -3,7 +3,8 @@
 A span's time is exclusive: time spent in spans opened inside it (a kernel compiled during prefill) counts for the
 inner one only, so the totals add up to the wall time covered. Totals are kept per process (`totals()`, `delta()`);
 when NUMBAENGINE_PHASES names a file, every span is also appended to it as one JSON line (phase, start, end in Unix
-seconds, pid) so that `python -m numbaengine.profile` can put the GPU's samples beside the work that made them.
+seconds, pid; `record` adds counts such as tokens) so that `python -m numbaengine.profile` can put the GPU's samples
+beside the work that made them.
 """
 from __future__ import annotations
 
@@ -36,16 +37,26 @@ def span(name: str):
             stack[-1][2] += seconds
         with _LOCK:
             _TOTALS[name] = _TOTALS.get(name, 0.0) + seconds - frame[2]
-        path = os.environ.get("NUMBAENGINE_PHASES")
-        if path:
-            _append(path, dict(phase=name, start=wall0, end=wall0 + seconds, pid=os.getpid()))
+        _write(dict(phase=name, start=wall0, end=wall0 + seconds, pid=os.getpid()))
 
 
-def _append(path, record):
+def record(name: str, **fields):
+    """A count for phase `name` (e.g. record("decode", tokens=256)) as one line of the NUMBAENGINE_PHASES file,
+    so that the profiler can divide the phase's energy by it; nothing when no file is named."""
+    _write(dict(phase=name, time=time.time(), pid=os.getpid(), **fields))
+
+
+def _write(line):
+    path = os.environ.get("NUMBAENGINE_PHASES")
+    if path:
+        _append(path, line)
+
+
+def _append(path, line):
     """One line per span; O_APPEND keeps lines whole when several processes write the same file."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
-        os.write(fd, (json.dumps(record) + "\n").encode())
+        os.write(fd, (json.dumps(line) + "\n").encode())
     finally:
         os.close(fd)
 

@@ -3,6 +3,7 @@ phase, and each round's HBM byte floor against the copy bandwidth measured in th
 
     python -m tools.bench --out bench.json                              (the shipped pair)
     python -m tools.bench --synth-k2 2 --modes ar,ddtree --budgets 16   (a K2.6-shaped checkpoint made here)
+    python -m numbaengine.profile --out DIR -- python -m tools.bench --synth-k2 2 --modes ar --hold-seconds 10
 
 The shipped pair decodes its 8 held-out prompts (tools/train/heldout.json) per case, in consecutive batches, so
 tau is pooled over them (tokens committed over rounds, all prompts together; `tau_prompt_mean` keeps the mean of
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from numbaengine.phases import record, span
 from numbaengine.tokenizer import IdTokenizer
 from numbaengine.weights import SHIPPED_PAIR
 from tools.acceptance import DEFAULT_PROMPTS, load_prompts
@@ -153,10 +155,11 @@ def phase_times(cp, dev, reps=20) -> dict:
     return acc
 
 
-def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp):
+def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp, hold_s=0.0):
     """One (mode, budget, batch) row. The held-out PROMPTS are decoded in len(PROMPTS) // batch consecutive
     batches (at least one), so tau and tokens/s average over several prompts; synthetic checkpoints get random ids
-    (their drafter is random: tau ~ 1)."""
+    (their drafter is random: tau ~ 1). hold_s: the batches are decoded again (replaying the captured round) until
+    that many seconds have passed, so that a profiler samples the decode long enough."""
     prompts = PROMPTS
     if isinstance(engine.tokenizer, IdTokenizer):                            # synthetic checkpoints: token ids
         rng = np.random.default_rng(0)
@@ -170,20 +173,25 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp):
     gpu0 = [d.gpu_s for d in devs]
     t0 = time.perf_counter()
     res, stats = [], []
-    for group in groups:
-        out = engine.generate_batch(group, new_tokens, **kw)
-        res += out
-        stats.append(dict(out[0].stats, rounds=max(r.stats["rounds"] for r in out)))   # batch times, its rounds
+    with span("decode"):
+        while not res or time.perf_counter() - t0 < hold_s:
+            for group in groups:
+                out = engine.generate_batch(group, new_tokens, **kw)
+                res += out
+                stats.append(dict(out[0].stats, rounds=max(r.stats["rounds"] for r in out)))   # batch times, rounds
     wall = time.perf_counter() - t0
     rounds = sum(st["rounds"] for st in stats)
     round_ms = sum(st["phase_s"]["round"] for st in stats) / rounds * 1e3
     gpu_ms = sum(st["phase_s"]["gpu"] for st in stats) / rounds * 1e3
     decode_s = sum(st["decode_s"] for st in stats)
     new = sum(len(r.tokens) for r in res)
+    record("decode", tokens=new)
     mean_len = int(np.mean([r.stats["prompt_tokens"] + len(r.tokens) / 2 for r in res]))
     floor = round_floor(engine, dev, batch * (dev.tb.tokens.shape[1]), mean_len)
     floor_b = sum(floor.values())
-    phases = (dev.ranks.run(lambda r: phase_times(cp, devs[r]))[0] if len(devs) > 1 else phase_times(cp, devs[0]))
+    with span("phase_times"):
+        phases = (dev.ranks.run(lambda r: phase_times(cp, devs[r]))[0] if len(devs) > 1
+                  else phase_times(cp, devs[0]))
     phase_b = phase_floors(floor, dev)
     phase_pct = {k: 100 * phase_b[k] / (ms / 1e3) / 1e9 / copy_bw if ms > 0 else 0.0 for k, ms in phases.items()}
     row = dict(mode=mode, budget=budget, batch=batch, prompts=len(res), new_tokens=new, wall_s=wall,
@@ -240,8 +248,9 @@ def synth_k2(layers: int, where: Path):
         return where / "target", where / "draft"
     done.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    write_target(where / "target", synth_config("k2", layers=layers, quant="int4"), seed=0)
-    write_draft(where / "draft", where / "target", layers=1, block_size=16, seed=1)
+    with span("checkpoint"):
+        write_target(where / "target", synth_config("k2", layers=layers, quant="int4"), seed=0)
+        write_draft(where / "draft", where / "target", layers=1, block_size=16, seed=1)
     done.write_text(str(layers))                       # last: a half-written pair is never reused
     print(f"synthetic K2.6-shaped checkpoint ({layers} layers) written in {time.perf_counter() - t0:.0f} s",
           flush=True)
@@ -277,6 +286,8 @@ def main(argv=None):
     ap.add_argument("--budgets", default="4,16,64,256")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--hold-seconds", type=float, default=0.0, metavar="S",
+                    help="repeat each case's timed decode until S seconds have passed (for numbaengine.profile)")
     ap.add_argument("--max-rows", type=int, default=1200, help="skip cases with batch * (budget + 1) above this")
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--prefill", type=int, default=0, metavar="TOKENS", help="also time a prompt forward this long")
@@ -307,7 +318,7 @@ def main(argv=None):
                 if batch * (budget + 1) > args.max_rows:
                     continue
                 try:
-                    row = run_case(engine, mode, budget, batch, args.new_tokens, copy_bw, cp)
+                    row = run_case(engine, mode, budget, batch, args.new_tokens, copy_bw, cp, args.hold_seconds)
                 except MemoryError as e:
                     print(f"{mode} {budget} x{batch}: {e}", flush=True)
                     continue

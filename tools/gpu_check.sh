@@ -18,7 +18,7 @@ test_rc=${PIPESTATUS[0]}
 timeout "${BENCH_TIMEOUT:-400}" python3 -m tools.bench_kernels --out "$OUT/bench_kernels.json" ${BENCH_ARGS:-} 2>&1 \
   | tee "$OUT/bench_kernels.log"
 bench_rc=${PIPESTATUS[0]}
-timeout "${E2E_TIMEOUT:-400}" python3 -m tools.nvml_profile --out "$OUT/nvml" -- python3 -m tools.bench \
+timeout "${E2E_TIMEOUT:-400}" python3 -m numbaengine.profile --out "$OUT/nvml" -- python3 -m tools.bench \
   --out "$OUT/bench.json" ${E2E_ARGS:---modes ar,dflash,ddtree --budgets 4,16,64,256 --batches 1,8,32} 2>&1 \
   | tee "$OUT/bench.log"
 e2e_rc=${PIPESTATUS[0]}
