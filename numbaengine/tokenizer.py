@@ -37,6 +37,9 @@ class IdTokenizer:
     def token_str(self, i):
         return str(int(i))
 
+    def token_text(self, i):
+        return str(int(i))
+
 
 class HFTokenizer:
     """A HF `tokenizer.json` through the `tokenizers` library."""
@@ -52,8 +55,13 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def token_str(self, i):
+        """The vocabulary entry (byte-level BPE spells a newline and 7 spaces 'ĊĠĠĠĠĠĠĠ')."""
         s = self.tok.id_to_token(int(i))
         return s if s is not None else f"<|{int(i)}|>"
+
+    def token_text(self, i):
+        """The text the token stands for, decoded on its own ('\\n       ')."""
+        return self.decode([i])
 
 
 class TiktokenTokenizer:
@@ -91,6 +99,9 @@ class TiktokenTokenizer:
         return "".join(parts)
 
     def token_str(self, i):
+        return self.decode([i])
+
+    def token_text(self, i):
         return self.decode([i])
 
 
