@@ -62,10 +62,10 @@ MLA_ONE_SPLIT = 512          # caches up to this many rows run one split per seq
 MLA_SPLIT_ROWS = 256         # more query rows per sequence (a prompt) fill the GPU with row tiles: no split scratch
 KV_MIN_SPLIT = 128           # drafter attention: fewest keys per split; capacities up to this run one split. H200,
 #   pair drafter, 16 queries (python -m tools.bench_attention --only splits): one split costs ~2 us per 32 keys (15 us
-#   at 128 keys, 70 at 1024); 128-key splits + merge 19-20 us at capacity 1024 and 23-31 us at 4096, where the
-#   earlier rule (splits of 32 keys: 2 blocks per SM) took 18-24 and 34-63 us
+#   at 128 keys, 70 at 1024); 128-key splits + merge 19-20 us at capacity 1024 and 23-31 us at 4096, against 18-24
+#   and 34-63 us with splits of 32 keys (2 blocks per SM)
 ROUTER_MMA_FROM = 4          # router logits on the mma GEMM from this many tokens, the k-sliced GEMV below. H200, K2
-#   gate 384 x 7168 from HBM, us per call (python -m tools.bench_kernels --only moe, session 8): GEMV / mma at n = 1
+#   gate 384 x 7168 from HBM, us per call (python -m tools.bench_kernels --only moe): GEMV / mma at n = 1
 #   14.2 / 16.7 (9.0 / 7.7% of copy), n = 4 19.1 / 16.7, n = 17 44.7 / 21.8 (2.9 / 5.9%), n = 65 123.8 / 30.0
 #   (1.0 / 4.3%); n = 2, 3 not measured
 
@@ -143,8 +143,8 @@ class KernelOps:
     prefill_form = "absorbed"    # causal MLA kernel over the latent rows, no per-head K/V of the prompt in memory.
                                  # H200: attention alone 1.47 vs 22.5 ms naive (1024 tokens, 64 heads; bench_attention
                                  # --only prefill); whole eager prompt forward, 1024 tokens (bench.py --prefill 1024):
-                                 # pair naive 59.2 ms vs absorbed 26.9 ms (session 5; 0.03% of its byte floor:
-                                 # launch-bound), K2.6 x 2 layers 144 -> 111 ms (session 4, 2.6% of its floor)
+                                 # pair naive 59.2 ms vs absorbed 26.9 ms (0.03% of its byte floor: launch-bound),
+                                 # K2.6 x 2 layers 144 vs 111 ms (2.6% of its floor)
 
     def __init__(self, name, xp, poison=False, trim_warps=False, comm=None):
         self.name, self.xp, self.poison, self.trim_warps = name, xp, poison, trim_warps

@@ -67,9 +67,9 @@ SECONDS = {}                 # "module::case" -> CPU seconds in its child (conft
 
 
 CASE_SECONDS = 3.0           # a simulator case's assumed CPU time where its module's SIM_COST does not say
-# History (2-core box): all children started at once and pinned to cores dealt in advance (session 15) left a core
-# idle while two children shared the other (seen 2026-12-01: the two longest test_backend_sim parts on core 1 for
-# their last ~5 minutes); now a worker per core takes the longest waiting child as soon as its core is free.
+# A worker per core takes the longest waiting child as soon as its core is free: children pinned to cores dealt in
+# advance can leave a core idle while two children share the other (on a 2-core box the two longest test_backend_sim
+# parts shared one core for their last ~5 minutes).
 
 
 class Child:

@@ -1,8 +1,8 @@
 """pytest plugin: after a device fault, the rest of the process's GPU tests error at once, naming the test that faulted.
 
 A device fault (an illegal address, a faulting copy, ...) kills the process's CUDA context: every later CUDA call
-fails, so under `pytest -n` one fault used to show as dozens of unrelated failures in that worker (H200, session 20:
-86 failures from one faulting MoE launch). Here the first GPU test whose failure names a sticky CUDA error marks the
+fails, so under `pytest -n` one fault would otherwise show as dozens of unrelated failures in that worker (H200: 86
+failures from one faulting MoE launch). Here the first GPU test whose failure names a sticky CUDA error marks the
 process dead; each later GPU test of the process errors in its setup without running, saying which test to rerun
 alone.
 """

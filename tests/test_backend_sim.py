@@ -7,7 +7,7 @@ cache commit) and a tree verify (absorbed MLA with a packed tree mask, hidden fe
 Tolerance: |logits - reference| <= 1e-2 * max |reference| (hidden features likewise). The kernels round on
 purpose: the MoE experts take bf16 activations (W4A16, kernels/moe.py MOE_XS = 1) and the absorbed MLA rounds q and
 the softmax weights to bf16 (kernels/mla.py); dense GEMMs on large weights take bf16 activations too (kernels/gemm.py
-XS_DEFAULT, since session 8), on small weights (these tests' models) hi + lo parts (SMALL_XS, ~1e-5), as the router's
+XS_DEFAULT), on small weights (these tests' models) hi + lo parts (SMALL_XS, ~1e-5), as the router's
 logits and MLA's per-head products. Measured on the simulator and an H200: 1e-3 .. 3e-3 (logits and hidden); with
 bf16 activations in the small GEMMs too, 1.1e-2 once (H200, tiny, prefill).
 Greedy tokens must be equal up to the first step where the reference's top-2 logits are within that tolerance
@@ -262,11 +262,11 @@ def check_ranks_one_device(backend, dims="tiny"):
 SIM_PARTS = 3
 SIM_COST = {"batch_ddtree": 143, "sampled_ddtree": 74, "dflash": 71, "ranks_one_device": 54, "greedy_ar": 31,
             "tree_verify": 30, "prefill_logits": 13, "prefill_logits_h200_draw": 14}
-# CPU seconds of each case on one core (2026-12-01, both cores busy; kernels.device.sleeping_block_manager halved them)
+# CPU seconds of each case on one core (both cores busy; kernels.device.sleeping_block_manager halves them)
 SIM_CASES = {
     "prefill_logits": lambda env: check_prefill("sim", n=3),
-    # the draw that failed on the H200 (session 8) with bf16 activations in the small-weight GEMMs: 1.12e-2 of the
-    # logits' max there and on the simulator; 2.2e-3 with hi + lo parts (kernels/gemm.py SMALL_XS)
+    # a draw that fails with bf16 activations in the small-weight GEMMs: 1.12e-2 of the logits' max on the H200 and
+    # on the simulator; 2.2e-3 with hi + lo parts (kernels/gemm.py SMALL_XS)
     "prefill_logits_h200_draw": lambda env: check_prefill_draw("sim", 1611669243, 1771006521),
     "greedy_ar": lambda env: check_greedy("sim", prompt_len=1),
     # the 3-token prompt ends at the context (6 rows) after 4 tokens while the other decodes on (retired slot,

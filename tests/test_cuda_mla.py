@@ -239,8 +239,7 @@ CLUSTER_CASES = {
 # tile per block: two thread groups per item), 129 splits (63-64 items: four groups; blocks past the 64th fold
 # rows the earlier ones also touch), two sequences of one 64-head tile each in 33 splits with empty ones. With
 # groups: 66 splits as 11 clusters of 6, 33 x 2 as 22 clusters of 3 (one wave either way), 129 as none (43 clusters
-# of 3 at once: more than the H200 holds, call 4 of bench/h200_2026-12-04; the expectation was 0 for all three
-# before, which the first two failed there)
+# of 3 at once: more than the H200 holds)
 GRID_CASES = {
     "decode_h64_b1_split66": (dict(B=1, h=64, lengths=(4200,), ntok=(1,), work=64), 0, 6),
     "decode_h64_b1_split129": (dict(B=1, h=64, lengths=(8200,), ntok=(1,), work=64), 0, 0),
@@ -258,7 +257,7 @@ def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
     (cluster; groups: clusters of a divisor of the split count, a partial each), the cluster sizes of CLUSTER_CASES
     checked to be what ran, or across all the splits of a cooperative launch through L2 (grid: where all the blocks
     fit at once, one per SM, else the merge launch), or groups whose clusters' partials then merge across the grid
-    (groups_grid: a cooperative launch of clusters; not yet GPU-run, session 25)."""
+    (groups_grid: a cooperative launch of clusters; this case has not been run on a GPU)."""
     from numba import cuda
 
     import numbaengine.kernels.mla_wg as kw
@@ -360,7 +359,7 @@ def test_gpu_stamps(monkeypatch):
     """tools/mla_stamps.py on the GPU: every split block of a 2-sequence 8K decode stamps all its points, in order
     (phases >= 0), a block inside the kernel's span, and its main-loop steps (4 per block, 65 splits) no faster
     than all blocks' 36 KB tiles at 5 TB/s (above the H200's 4.8 TB/s peak); mla_attention refuses stamps without
-    a [blocks, 16] work.count (NOT GPU-run yet: written after the session's device budget)."""
+    a [blocks, 16] work.count (this test has not been run on a GPU)."""
     import numbaengine.kernels.mla_wg as kw
     from tools.mla_stamps import PHASES, run_case
     if not kw.mla_wg_applies(64, 576, 512):
@@ -443,12 +442,10 @@ def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, cl, grid, monkeypatch):   # K
     """kernels/mla_wg.py compiles for sm_90a: D/16 wgmma for S(0) and as many for S(i + 1), NK/16 (MN-major B)
     for P V in each warpgroup's loop (seesaw: own and other's tile, in the loop and at its ends), no float64, no
     local memory; ptxas (where installed) keeps the wgmmas asynchronous (no serialization notice) in 255
-    registers without spills. Session 10 on the H200 (K2 shapes): 254 registers (seesaw, session 23: 255, ptxas
-    locally). fuse: the variant with the last split block's merge (at K2's widths ptxas gives it 255 registers and
-    a 4-byte spill; the default kernel carries none of that code: 254, no spill); cl: the cluster merge of 3
-    splits; grid: the grid merge (K2's widths, ptxas locally, session 25: 251 registers, no spill; session 27's
-    compact merge: 247); both: clusters
-    of 3 with a partial each, then the grid merge."""
+    registers without spills; at K2's widths 254 registers (seesaw: 255). fuse: the variant with the last split
+    block's merge (at K2's widths ptxas gives it 255 registers and a 4-byte spill; the default kernel carries none
+    of that code: 254, no spill); cl: the cluster merge of 3 splits; grid: the grid merge (K2's widths: 247
+    registers, no spill); both: clusters of 3 with a partial each, then the grid merge."""
     import re
 
     import numbaengine.kernels.mla_wg as kw

@@ -28,8 +28,8 @@ def big(**over):
 
 
 def small_r2(max_tiles):
-    """The small-weights cut with two row tiles per warp (half the blocks) up to `max_tiles` token tiles: the default
-    before session 6 (max_tiles 5); R=1 (the default now) won on the pair's AR and DDTree rounds at 1 and 3 tiles."""
+    """The small-weights cut with two row tiles per warp (half the blocks) up to `max_tiles` token tiles; the default
+    (R=1) is faster on the pair's AR and DDTree rounds at 1 and 3 tiles."""
     def rule(m, n, k, target_warps=TARGET_WARPS, small=None):
         cfg = gemm_config(m, n, k, target_warps, small)
         if 2 * n * k >= (SMALL_WEIGHTS if small is None else small) or math.ceil(m / 8) > max_tiles:

@@ -29,106 +29,50 @@ K2_GEMMS = {"lm_head": (163840, 7168), "q_kv_a": (2112, 7168), "o": (7168, 8192)
             "kv_a": (576, 7168)}      # q_a and kv_a are stacked into q_kv_a at load
 
 
-# variants of the default cuts tried at the target sizes (overrides of ExpertConfig / GemmConfig fields)
-MOE_VARIANTS = {   # measured earlier and slower: xs=2, no prefetch hint, T=2, R=1, U=4, 8-warp blocks uncapped
-    # session 18: gate_up through bulk-copy rings (gate_up in the int4_bulk_tiles layout, R=2; kernels/moe.py
-    # BULK_GATE_UP_CFG, the default now: S=2 slots of U=2 k-steps). "regs": gate_up on the register path (the default
-    # before). Also measured (n = 1 / 17 chained % of copy, bench/h200_2026-12-01b/): both stages through the rings,
-    # a ring per unit (moe_bulk.json): S=4 U=1 55.8 / 74.8, S=8 44.1 / 56.0, U=2 S=4 46.5 / 61.6, S=6 uncapped
-    # 45.3 / 67.3, 8-warp blocks 57.1 / 74.9 (default then 54.6 / 77.1); the ring across a block's units
-    # (moe_bulk_cross.json): S=4 47.5 / 65.0, 8-warp 54.6 / 71.7, S=3 46.2 / 62.6, S=2 U=2 57.4 / 74.6 (default
-    # 54.6 / 75.5), where gate_up alone was 70 / 78 / 82 / 83 / 76% at n = 1 / 4 / 9 / 17 / 33 and down 44 / 52 /
-    # 59 / 61 / 63% (register down: 51 / 67 / 71 / 76 / 73%). The INT4 bias as the mma's starting value from
-    # per-group sums of B (no bf16x2 FMA per weight pair; commit 5211ee7): 50.7 / 74.4 (moe_off_rejected.json).
-    # session 27 (bench/h200_2026-12-03/call1, call4): the gate_up ring cuts below, n = 1 / 17 chained % of copy
-    # (default 59.3 / 79.6): S=4 U=1 49.6 / 69.4, S=3 U=2 44.9 / 72.0. And the combine fused into the down stage
-    # (commits 92b4ff2 + 3f7de68, reverted): a unit finishing a token's row block (counter per token and row block)
-    # added its slots into out, the same bits as the combine launch (GPU tests passed), but down's main loop got
-    # slower (ptxas at the 128-register cap: 32 vs 16 bytes of spills): 56.5 / 67.9 vs 59.1 / 80.8 unfused.
-    # session 30: blocks_per_sm=8 launches 2 waves of blocks (4 fit per SM at the 128-register cap): tools/moe_stamps
-    # showed gate_up's setup (ring start included) at 6.3 us per block (n = 1), paid again by the second wave. One
-    # wave was slower, chained % of copy (bench/h200_2026-12-03d/call4, call5): n = 1 / 4 / 9 / 17 default 59.0 / 74.7 /
-    # 80.0 / 81.3, gu_bps4 59.1 / 73.5 / 78.3 / 79.3, bps4 59.6 / 73.8 / 79.0 / 78.5
+# variants of the default cuts, timed at the listed sizes beside the default in the same run (overrides of ExpertConfig
+# / GemmConfig fields, or of module knobs under "wg"); the measurements behind the defaults are in the knobs' comments
+# and docs/KERNELS.md
+MOE_VARIANTS = {
+    # blocks_per_sm=4: one wave of blocks (4 fit per SM at the 128-register cap) instead of the default's two
     "gu_bps4": dict(gu=dict(blocks_per_sm=4)), "bps4": dict(gu=dict(blocks_per_sm=4), dn=dict(blocks_per_sm=4)),
-    "regs": dict(tiled=0),
-    "bulk_s4u1": dict(gu=dict(S=4, U=1)), "bulk_s3u2": dict(gu=dict(S=3)),   # gate_up-only rings (session 27: slower)
-    "bound2_8w": dict(tiled=0, gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2),   # register gate_up, as measured
-                      dn=dict(WR=8, WK=1, blocks_per_sm=4, min_blocks=2)),
-    # session 7 (n = 1 / 17, % of copy; default 47.5 / 69.3): down U=4 46.1 / 65.3, down R=4 47.8 / 68.0; the
-    # register-pipelined INT4 mainloop (removed, commit 4f62ab6 has it) 44.7 / 65.9, without the B fragments in it
-    # 38.6 / 48.6, with gate_up WK=1 37.9 / 68.9, with down WK=2 44.1 / 63.6. ncu (n = 1): 128 registers, 4 blocks of
-    # 4 warps per SM, ~0.45 issued warps per scheduler, 54% of cycles with no eligible warp.
-    # session 8, more warps per SM by a tighter register cap (n = 1 / 17; default 47.7 / 69.6): min_blocks=6 33.8 /
-    # 47.9, R=1 min_blocks=8 41.0 / 56.3, R=1 and 8-warp blocks capped at 4 per SM 41.2 / 58.7
-    # session 8, INT4 weights and scales through per-warp cp.async rings of S stages (removed again; commit e0aab7b
-    # has it, with the GPU tests): the B fragments read from L1/L2 in the step: S=4 37.1 / 52.1, S=6 34.8 / 51.6,
-    # S=3 capped at 6 blocks per SM 25.1 / 37.2, S=2 capped at 8 22.3 / 23.2; the B fragments in the ring slots too:
-    # S=4 26.2 / 48.5, S=3 25.1 / 52.5, S=2 23.3 / 53.6 (default 47.4 / 70.4). ncu, S=3 with B, n = 1: still 128
-    # registers, 3 blocks per SM by shared memory (18.8% occupancy), 1.29 waves of the 512 units, DRAM 25%.
-    # session 15: down's 128-row blocks make 448 units at n = 1 for 528 resident blocks (4 per SM): SMs with 4 units
-    # next to SMs with 3 (ceil(3.39) = 4: 85% balance at best); 64-row blocks make 896 (ceil(6.79) = 7: 97%), yet
-    # measured (n = 1 / 17, % of copy; default 53.8 / 76.1): down WR=2 WK=2 50.8 / 73.9, down R=1 53.3 / 74.3
-    # (bench/h200_2026-11-30i/moe_down_rows_rejected.json): the balance is not what down at n = 1 lacks.
-    # session 15, deeper unroll (n = 1 / 17; default 53.8 / 75.6): U=3 both stages 51.1 / 70.5, U=4 48.1 / 63.5,
-    # gate_up U=3 51.5 / 73.2 (moe_unroll_rejected.json). ncu at n = 1 (ncu_moe1_details.txt): gate_up 50.6 us at
-    # 58% of DRAM bandwidth, down 31.2 us at 48%; 128 registers, 4 blocks of 4 warps per SM (23% / 20% achieved
-    # occupancy), 0.42 issued warps per scheduler, 58% / 51% of stall cycles on long scoreboard (global loads);
-    # down's SMs are active 83% of its elapsed cycles (0.85 waves), gate_up's 91%. Also session 15: each step first
-    # prefetching (prefetch.global.L2) this lane's weights PD steps ahead, no register held: PD 2 / 4 / 8 at n = 1 /
-    # 17: 47.1 / 63.0, 45.0 / 62.3, 41.5 / 55.0 (default 53.8 / 77.8; moe_prefetch_rejected.json; commit 094345f).
+    "regs": dict(tiled=0),                                                   # gate_up on the register path
+    "bulk_s4u1": dict(gu=dict(S=4, U=1)), "bulk_s3u2": dict(gu=dict(S=3)),   # gate_up rings of other shapes
+    "bound2_8w": dict(tiled=0, gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2),   # register gate_up, 8-warp
+                      dn=dict(WR=8, WK=1, blocks_per_sm=4, min_blocks=2)),           # blocks, 2 per SM
 }
-# tag -> (token counts it is tried at, overrides of gemm_config's cut); xs=2: the activations as hi + lo bf16 parts
-# (the default before session 8). Session 8 (then xs=2 by default; % of copy in kernels.gemm's XS_DEFAULT and
-# gemm_config comments): B in a 3-stage ring lost to 2 stages everywhere (lm_head m = 17: 74.8 vs 81.5)
+# tag -> (token counts it is timed at, overrides of gemm_config's cut); xs=2: the activations as hi + lo bf16 parts
 GEMM_MS = (1, 9, 17, 33, 65)
-GEMM_VARIANTS = {# session 32: the wgmma path (kernels/gemm_wg.py, the default where it applies) against the mma path
-                 # ("mma": gemm_config's cut as before) and its knobs: blocks aimed at per SM, ring bytes per block
-                 "mma": (GEMM_MS, dict(WG=0)),
-                 # call 1's first rule (clusters of up to 8, 2 blocks per SM aimed at); x prepared by prep_b (wg_x0)
-                 # or converted by the blocks up to 16 rows (wg_x16)
+GEMM_VARIANTS = {"mma": (GEMM_MS, dict(WG=0)),      # the mma path (gemm_config's cut without WG) against wgmma
+                 # wgmma knobs (kernels/gemm_wg.py): clusters of up to 8 or 2, blocks aimed at per SM, x prepared by
+                 # prep_b (wg_x0) or converted by the blocks up to 16 rows (wg_x16)
                  "wg_cl8": ((1, 17, 33), dict(wg=dict(WG_CL_MAX=8, WG_TARGET=2.0))),
                  "wg_cl2": ((1, 17, 33), dict(wg=dict(WG_CL_MAX=2))),
                  "wg_x0": ((1,), dict(wg=dict(WG_XIN_ROWS=0))), "wg_x16": ((9,), dict(wg=dict(WG_XIN_ROWS=16))),
                  "wg_t1": ((1, 17, 33), dict(wg=dict(WG_TARGET=1.0))),
-                 # session 33: the tensor map fence off (kernels.gemm_wg.WG_TMAP_FENCE: +0.3-2 points; no GPU
-                 # correctness run without it yet)
-                 "wg_nofence": ((1, 17, 33), dict(wg=dict(WG_TMAP_FENCE=False))),
-                 # session 33, NOT measured yet: x as f32 by TMA, converted in shared memory (XIN 2: no prep launch)
+                 "wg_nofence": ((1, 17, 33), dict(wg=dict(WG_TMAP_FENCE=False))),     # WG_TMAP_FENCE off
+                 # x as f32 by TMA, converted in shared memory (XIN 2: no prep launch; not measured)
                  "wg_xtma": ((1, 9, 17, 33), dict(wg=dict(WG_XTMA_ROWS=64, WG_XIN_ROWS=0))),
                  "wg_xtma8": ((1,), dict(wg=dict(WG_XTMA_ROWS=8))),
+                 # the mma path's rings: weights in a 4-stage ring, no B in the ring, B in a 2-stage ring
                  "ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
                  "rb2": ((17,), dict(S=2, RB=1)), "rb2w4": ((17, 33), dict(S=2, RB=1, WR=4)),
                  "xs2": ((17, 33, 65), dict(xs=2)),
-                 # x as the mma's A operand, weights as B (GemmConfig.AB: no register moves; session 10 NOT better;
-                 # session 17 again not at m <= 17, but at m = 33 on weights under 100 MB, README)
+                 # x as the mma's A operand, weights as B (GemmConfig.AB: no register moves)
                  "ab": ((1, 9, 17), dict(S=0, RB=0, BF=0, AB=1, xs=1)),
                  "ab_u2": ((17,), dict(S=0, RB=0, BF=0, AB=1, U=2, xs=1)),
                  "ab_r1": ((17, 33, 65), dict(S=0, RB=0, BF=0, AB=1, R=1, xs=1)),   # R=2 spills from 3 m16 tiles
-                 # session 16: the weights through per-warp rings filled by bulk copies (cp.async.bulk, one per
-                 # row per stage of BS k-steps, an mbarrier per slot; bit for bit the register path's result, GPU
-                 # tests passed; commit 1a68953 has it) lost on every shape and size, % of copy chained at m = 1 /
-                 # 17 (default 47.1 / 35.9 q_kv_a, 73.3 / 65.1 o, 96.4 / 89.3 lm_head): BS=4 S=2 30.6 / 26.4, 47.4
-                 # / 42.3, 84.1 / 49.7; BS=4 S=3 25.1 / 22.6; BS=8 S=2 25.0 / 22.9; BS=2 S=4 28.6 / 24.3; R=2 28.0 /
-                 # 23.7 (bench/h200_2026-11-30j/gemm_bulk.json; not profiled: 256-byte copies, smem-limited warps)
-                 # the k split from another warp target (gemm_config target_warps; the k order stays a function of n, k;
-                 # session 16: kernels/gemm.py TARGET_WARPS took 2112 from these)
+                 # the k split from other warp targets (gemm_config target_warps; the k order stays a function of
+                 # n, k): kernels/gemm.py TARGET_WARPS
                  "tw1k_r1": ((1, 17, 33), dict(tw=1056, R=1)), "tw2k_r1": ((1, 17, 33), dict(tw=2112, R=1)),
                  "tw2k": ((1, 17, 33), dict(tw=2112)), "tw8k": ((1, 17, 33), dict(tw=8192)),
                  "tw2k_r1_u8": ((1,), dict(tw=2112, R=1, U=8)), "tw1k_r1_u8": ((1,), dict(tw=1056, R=1, U=8)),
-                 # session 17: the one-tile cut uncapped (162 registers: one 8-warp block per SM, 2 waves) lost to
-                 # MB=2 (128 registers, one wave; now the default) on every shape, % of copy at m = 1: o 75.1 vs
-                 # 82.4, shared_gate_up 65.7 vs 70.5, q_b 54.9 vs 59.2 (bench/h200_2026-12-01/gemm_mb2.json); MB=2
-                 # U=6 no better (82.3, 68.5, 58.8)
-                 "t1_uncapped": ((1,), dict(MB=0)),
-                 # session 17 (gemm_t23.json): steps in flight and row tiles at 2-3 token tiles under the 2112-warp
-                 # k split; t2_u4 (R=1 shapes) and t3_u2 won and are the defaults now (these tags then time the
-                 # default again); U=1 at 2 tiles lost 2-13 points, R=2 at 3 tiles lost up to 4; ab / ab_r1: see
-                 # README (m = 33, weights under 100 MB: ab_r1 +1-4 points, not a default yet)
+                 "t1_uncapped": ((1,), dict(MB=0)),          # the one-tile cut without the register cap
+                 # steps in flight and row tiles at 2-3 token tiles (t2_u4 and t3_u2 are the defaults' values)
                  "t2_u4": ((9,), dict(U=4)), "t2_u1": ((9,), dict(U=1)), "t3_u2": ((17,), dict(U=2)),
                  "t3_r2": ((17,), dict(R=2))}
 GEMM_DEFAULT_ONLY = ("q_a", "kv_a")     # stacked into q_kv_a: the default cut only
 HEAD_GEMMS = {"w_uk": (64, 512, 128), "w_uv": (64, 128, 512)}
-HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured yet)
+HEAD_VARIANTS = {"u4": dict(U=4), "r2": dict(R=2)}     # overrides of head_gemm_config's cut (not measured)
 
 
 # ------------------------------------------------------------------------------------------------------ timing
@@ -435,7 +379,7 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None, shapes=None):
         results.setdefault("gemm_best", {})[name] = {m: b[0] for m, b in best.items()}
         print(f"gemm {name:>15} best: " + ", ".join(f"m={m} {t} {p:.1f}%" for m, (t, p) in best.items()), flush=True)
         del w, w0
-    bench_head_gemm(cp, cuda, results, copy_bw, True)     # head variants: not this session's
+    bench_head_gemm(cp, cuda, results, copy_bw, True)     # the default head cut only (quick: no variants)
 
 
 READ_MB = (8, 16, 30, 59, 117, 235)     # the K2 projections' weight sizes, and two larger

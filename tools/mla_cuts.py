@@ -1,7 +1,7 @@
 """Where the 64-head MLA step's time goes: kernels/mla_wg.py timed with parts of its step cut out (the results are
 wrong; only the time means something). Each variant runs in a child process that compiles the kernel from
 mla_wg.py's source with the cut lines removed (the file is not touched), then times mla_attention (kernel + merge)
-as CUDA-graph replays. Session 11's table in the README came from this.
+as CUDA-graph replays.
     python -m tools.mla_cuts base softmax pv s load sync s+pv load+softmax s+pv+sync+q [--case 64:1:4096:64]
     python -m tools.mla_cuts base q store merge q+store+merge     # the per-block fixed work (prologue, epilogue)
     python -m tools.mla_cuts --check       # CPU: every cut still compiles to sm_90a PTX (needs the NVVM wheels)

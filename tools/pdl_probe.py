@@ -11,8 +11,8 @@ bound on what the engine's GEMMs could gain, a chain of unchanged dense GEMMs la
 
     NUMBAENGINE_PDL=off python -m tools.pdl_probe [--out pdl.json]
 
-(off: since session 20 the engine's kernels launch with PDL in "wait" mode by default, which would make the
-probe's "plain" GEMM chain a PDL chain too; its numbers in bench/h200_2026-12-01/ were taken before that.)
+(off: the engine's kernels launch with PDL in "wait" mode by default, which would make the probe's "plain" GEMM
+chain a PDL chain too.)
 
 PDL reaches numba's launches by a LaunchConfig with programmatic_stream_serialization (cuda.core): numba builds its
 LaunchConfig in numba.cuda.dispatcher, which `pdl()` swaps for the calls inside it. GPU only.

@@ -182,10 +182,9 @@ MERGE_ROWS = 4              # rows per merge block at <= MERGE_ROWS splits: thei
 MERGE_GROUPS = 8            # above that, one row per block, up to this many split groups (a tree of folds) ...
 MERGE_SPLITS = 4            # ... up to this many of a thread's splits loaded together ...
 MERGE_COLS = 32             # ... and this many column quads per block: a row's r/4 quads over r/(4 MERGE_COLS) blocks
-MERGE_WAVE_THREADS = 132 * 2048     # ... and no more groups than keep the launch within one wave of threads (H100,
-# 64 heads, 16K x batch 16, 8 splits, 4096 blocks, mla_attention incl. its split kernel: 8 groups of one split
-# 137.2 us -> 2 groups of 4 splits 128.3 us = 73.0 -> 78.1% of copy; H200 with the rule 103.3 us = 68.3%, 112.6 us =
-# 63.2% without it in session 25; bench/h200_2026-12-02e)
+MERGE_WAVE_THREADS = 132 * 2048     # ... and no more groups than keep the launch within one wave of threads (H200,
+# 64 heads, 16K x batch 16, 8 splits, mla_attention with its split kernel: 103.3 us = 68.3% of copy with the rule,
+# 112.6 us = 63.2% with 8 groups of one split; H100: 128.3 against 137.2 us)
 
 
 @device
@@ -217,8 +216,8 @@ def merge_kernel(RB, SU=1):
         partial folds meet in shared memory as a tree (log2 G rounds). H200, 65 splits of 8 rows of 512 (batch-1
         decode, 8 heads): blocks of (128, 8) threads, one per row, took 12.2K cycles (ncu: 32 warps of ~670
         instructions on each of 8 SMs); (32, 32) threads over 4 column blocks per row 15.3K (each block as many
-        instructions, 4x the work); (32, 8) over 4 column blocks (the default) took the whole 4K x 8-head decode
-        (split kernel + merge, graph) from 15.37 to 13.94 us. o_part f32 or bf16 (u16 bits: ld_quad widens
+        instructions, 4x the work); (32, 8) over 4 column blocks (the default): the whole 4K x 8-head decode
+        (split kernel + merge, graph) 13.94 us against 15.37 with (128, 8). o_part f32 or bf16 (u16 bits: ld_quad widens
         them) [B, nsplit, M, r] and ml_part f32[B, nsplit, M, 2] contiguous (r % 4X == 0), out f32[B, M, r] (any
         strides); rows whose splits saw no key get 0. Bytes: the partials once, the output once."""
         x, y = cuda.threadIdx.x, cuda.threadIdx.y
@@ -287,7 +286,8 @@ def last_split_merge(o_part, ml_part, out, count, b, tile, m0, rows):
     zero between calls) merges them into out f32[B, M, r] and puts count[b, tile] back to 0. The partials are
     read at L2 (ld.global.cg: other blocks' writes of this kernel), MERGE_TAIL_ITEMS x MERGE_TAIL_SPLITS 16-byte
     loads per thread in flight. Meant to save the merge launch (11.4 us for 64 x 64 rows of 512 at two splits on
-    the H200), but slower there (kernels.mla.MLA_FUSED_MERGE: 129.8 -> 163.4 us at 4K context, batch 64, 64 heads).
+    the H200), but slower there (kernels.mla.MLA_FUSED_MERGE: 163.4 us against 129.8 at 4K context, batch 64, 64
+    heads).
     Every thread of the (1-D) block must call it (barriers inside)."""
     last = cuda.shared.array(1, int32)
     cuda.threadfence()

@@ -11,7 +11,7 @@ others'), then `dsmem_ld4` / `dsmem_ld16` of any block's shared array by its ran
 `cluster_sync()` again before any block exits (its shared memory must outlive the others' reads).
 The simulator has no twin (its blocks do not share memory): these raise there.
 A cluster's blocks must all be resident together on one GPC, so fewer blocks may run at once than without clusters
-(H200, session 24: 16 clusters of 8 blocks of 225 KB took 2x the time of 128 plain blocks); `max_clusters` asks the
+(H200: 16 clusters of 8 blocks of 225 KB took 2x the time of 128 plain blocks); `max_clusters` asks the
 driver's occupancy calculator how many fit.
 
 Grid-wide groups (`group_barrier`, `group_leave`): where more blocks must merge than a cluster holds, the blocks

@@ -116,10 +116,9 @@ def gemm_ref(x, w, out):
 
 
 BF16, INT4 = 0, 1
-XS_DEFAULT = 1      # GEMMs on large weights take bf16 activations. H200, K2 shapes, % of copy at m = 17 / 33
-#   (tools/bench_kernels.py --only gemm, session 8), hi + lo parts -> bf16: lm_head 65.4 / 41.9 -> 74.7 / 68.7, o
-#   55.6 / 37.2 -> 60.8 / 48.0, q_b 43.1 / 25.6 -> 49.7 / 28.7, kv_b 34.9 / 22.0 -> 37.5 / 23.0 (every shape gained,
-#   3-27 points)
+XS_DEFAULT = 1      # GEMMs on large weights take bf16 activations (1), not hi + lo bf16 parts (2). H200, K2 shapes,
+#   % of copy at m = 17 / 33: lm_head 74.7 / 68.7 against 65.4 / 41.9 with hi + lo parts (every projection gained
+#   3-27 points; tools/bench_kernels.py --only gemm)
 SMALL_XS = 2        # small weights (launch-bound, gemm_config) keep hi + lo parts: the more exact form costs no time
 #   there, and with bf16 activations the tiny test pair's prefill logits moved 1.1e-2 of their max from the float32
 #   reference (H200, tests/test_backend_sim.py; the tolerance is 1e-2, hi + lo measured 1e-3 .. 3e-3)
@@ -595,19 +594,14 @@ TILES_MAX = 8      # token tiles (8 rows each) of one GEMM row block; taller x r
 TILES_ONE_BLOCK = 9   # most token tiles one block takes when x cannot run as row blocks (m = 65: the GPU tests)
 SMALL_WEIGHTS = 4 << 20    # bytes: below, a GEMM streams its weights in about a launch's time (gemm_config)
 RING_STAGES = 4    # cp.async ring depth at one token tile without a k split (lm_head m=1: 89.9% -> 94.2% of copy)
-RB_STAGES = 2      # ring depth with the B fragments in the ring (3 to 5 token tiles, see gemm_config)
+RB_STAGES = 2      # ring depth with the B fragments in the ring (3 to 5 token tiles, see gemm_config); 3 stages:
+#                    lm_head m = 17 74.8% of copy against 81.5 (H200, hi + lo activations)
 RB_MIN_BYTES = 48 << 20    # weights from which 3-4 token tiles take the B-in-ring cut (5 tiles: always)
 
 
-TARGET_WARPS = 2112    # warps the k split aims at (16 per SM on the H200's 132). Session 16, H200, % of copy at m = 1 /
-#   17 / 33 timed in a chain of calls over distinct weight copies (tools/bench_kernels.py --only gemm --variants tw...,
-#   bench/h200_2026-11-30j/gemm_tw.json), 4096 warps with R=2 (before) -> 2112 with the R and U below: q_kv_a 47.8 /
-#   36.2 / 30.1 -> 52.3 / 40.2 / 33.4, kv_b 50.2 / 33.8 / 25.8 -> 59.2 / 50.0 / 40.9, shared_gate_up 64.5 / 51.8 /
-#   44.8 -> 65.7 / 53.7 / 45.9, shared_down 47.1 / 35.4 / 30.5 -> 50.7 / 38.9 / 32.0, q_b 52.2 / 40.2 / 33.3 -> 55.0 /
-#   40.3 / 33.2, o 75.0 / 66.2 / 57.4 -> 75.1 / 64.4 / 56.5 (lm_head: no k split either way). One row tile per warp
-#   (R=1) at one token tile with 8 steps of loads in flight (U=8; U=4 or 2 with R=1 lost 1.5-13 points) and at 2-3
-#   tiles below R2_MIN_BYTES (R=1 at 3 tiles lost 2-9 points on o and lm_head); R=2 at 4-5 tiles (mixed, -4 to +3);
-#   1056 warps lost on o and shared_gate_up (40 / 41% at m = 1), 8192 lost everywhere but q_b at m = 1.
+TARGET_WARPS = 2112    # warps the k split aims at (16 per SM on the H200's 132). H200, chained % of copy at m = 1 /
+#   17 / 33 (tools/bench_kernels.py --only gemm): kv_b 59.2 / 50.0 / 40.9 against 50.2 / 33.8 / 25.8 at 4096 warps
+#   (and R=2); 1056 lost on o and shared_gate_up (40 / 41% at m = 1), 8192 everywhere but q_b at m = 1
 WG_ROWS = 1024         # x up to this many rows takes the wgmma path where it applies (kernels/gemm_wg.py; its B
 #                        operand is x as bf16 in the workspace: taller prompts keep the mma path, which reads f32 x)
 R2_MIN_BYTES = 100 << 20   # weights from which 2-3 token tiles take two row tiles per warp (o, lm_head)
@@ -648,27 +642,21 @@ class GemmWorkspace:
 def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
     """Default cut: enough k-pieces that about `target_warps` warps stream weights (n, k decide the k split).
     On sm_90 the large-weight cut carries WG=1 up to WG_ROWS rows: kernels/gemm_wg.py runs it instead (TMA ring +
-    wgmma; H200, session 32: 6-16 points of copy more at 17-33 rows on K2's projections, up to 6 fewer at one row on
-    q_kv_a and the shared gate_up; README "Kernel performance"); the mma fields below are what NUMBAENGINE_GEMM_WG=0
-    and hi + lo activations run.
-    Per token tiles T, from tools/bench_kernels.py on the H200 (K2 shapes, m = 1, 17, 33; session 16 changed R and U,
-    see TARGET_WARPS): above one tile, 256-thread blocks capped at 128 registers (MB=2: uncapped lost
-    12-30% except on kv_a and lm_head at T=3) and the k-split reduce as its own launch (the in-GEMM last-block
-    reduce lost 1-7 us there, within 0.7 us at T=1). One tile
-    is capped at 128 registers too (MB=2: two 8-warp blocks per SM, one wave; uncapped it took 162 registers, one
-    block per SM): session 17, H200, chained % of copy at m = 1, uncapped -> MB=2 (bench/h200_2026-12-01/
-    gemm_mb2.json, variant t1_mb2): o 75.1 -> 82.4, shared_gate_up 65.7 -> 70.5, q_b 54.9 -> 59.2, shared_down
-    51.0 -> 54.3, q_kv_a 52.0 -> 54.0, kv_b 58.1 -> 58.7, lm_head 99.4 -> 99.7; U=6 with it no better.
-    Steps in flight above one tile, same session (gemm_t23.json; U=1 at T=3 had been 2-19% faster under the older
-    4096-warp split): T=3 U=1 -> 2 (register path: weights under RB_MIN_BYTES) q_kv_a 40.2 -> 42.4, q_b 40.4 -> 44.0,
-    kv_b 50.0 -> 53.7, shared_down 38.8 -> 41.7 at m = 17; T=2 with R=1 U=2 -> 4 q_b 47.1 -> 50.8, kv_b 55.4 -> 59.8,
-    shared_gate_up 58.1 -> 61.4, shared_down 44.3 -> 46.8, q_kv_a 44.4 -> 44.3 at m = 9 (o and lm_head, R=2: U=4
-    0.5-0.7 points lower, kept at 2).
-    cp.async weight ring (S=4) only at one token tile without a k split, measured on the H200 (tools/bench_kernels.py,
-    % of copy, ring vs registers): lm_head m=1 94.2 vs 89.9; with a k split it lost 13-27 points at m=1 (o 59.4 vs
-    75.9, q_b 49.5 vs 76.3, kv_b 51.0 vs 73.2, shared_down 44.2 vs 65.6); above one tile it lost up to 10 points
-    (lm_head m=33 31.9 vs 41.8) and won at most 1.5 (m=65). With the B fragments in the ring too (RB=1) at 3-5 token
-    tiles it wins: see below."""
+    wgmma; H200: 6-16 points of copy more at 17-33 rows on K2's projections, up to 6 fewer at one row on q_kv_a and
+    the shared gate_up; docs/PERFORMANCE.md "Kernels"); the mma fields below are what NUMBAENGINE_GEMM_WG=0 and hi + lo
+    activations run. Per token tiles T, H200, K2 shapes, chained % of copy (tools/bench_kernels.py --only gemm):
+      R, U: one row tile per warp with 8 steps of loads in flight at T = 1 (U = 4 or 2 lost 1.5-13 points); at
+          T = 2-3 R = 1 below R2_MIN_BYTES (R = 1 at 3 tiles lost 2-9 points on o and lm_head), R = 2 at 4-5 tiles
+          (R = 1 there: -4 to +3 points); U = 4 at T = 2 with R = 1 (q_b at m = 9: 50.8 against 47.1 with U = 2;
+          U = 4 with R = 2: 0.5-0.7 lower), U = 2 at T = 3 (q_b at m = 17: 44.0 against 40.4 with U = 1).
+      MB = 2: 256-thread blocks capped at 128 registers, two per SM in one wave: at T = 1 o 82.4 against 75.1
+          uncapped (162 registers, one block per SM), above one tile uncapped lost 12-30%.
+      FR: the k-split partials added by the GEMM's last block at T = 1 (within 0.7 us of a reduce launch), by a
+          reduce launch above (the in-GEMM reduce lost 1-7 us there).
+      S: the cp.async weight ring (RING_STAGES) only at one token tile without a k split (lm_head m = 1: 94.2
+          against 89.9 on registers); with a k split it lost 13-27 points at m = 1 (q_b 49.5 against 76.3), above
+          one tile up to 10 (lm_head m = 33: 31.9 against 41.8). With the B fragments in the ring too (RB = 1) at
+          3-5 token tiles it wins: see below."""
     tiles, steps = math.ceil(n / 16), k // 32
     pieces = max(1, min(target_warps // tiles, steps // 4, 64))
     wk = next(w for w in (8, 4, 2, 1) if pieces >= 2 * w or w == 1)
@@ -678,29 +666,25 @@ def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
     wr = max(1, 8 // wk)
     U = 8 if T == 1 else (4 if T == 2 and R == 1 else 2)
     # reading f32 x in the kernel saves a launch (wins at one token tile) but costs conversions per tile (loses above;
-    # also on small weights: doing so with the last-block reduce at T > 1 for weights under 4 MB took the default
-    # pair's DDTree-16 round from 1.12 to 1.54 ms on the H200, verify 0.78 -> 1.03 ms, although it saved 2 launches
-    # per GEMM)
+    # also on small weights: with the last-block reduce at T > 1 for weights under 4 MB the default pair's DDTree-16
+    # round measured 1.54 ms against 1.12 on the H200, verify 1.03 against 0.78 ms, although it saves 2 launches per
+    # GEMM)
     S = RING_STAGES if T == 1 and pieces == 1 else 0
-    # B fragments riding in a 2-stage ring with the weights (RB=1), bf16 activations, H200, % of copy at m = 17 / 33
-    # (tools/bench_kernels.py --only gemm, session 8; without / with): lm_head 74.7 / 68.7 -> 90.2 / 87.2, o 60.8 /
-    # 48.0 -> 63.4 / 54.7, shared_gate_up 48.9 / 36.1 -> 50.3 / 43.4; at m = 33 every shape gained (q_b 28.7 -> 34.3,
-    # kv_b 23.0 -> 25.9, q_kv_a 28.8 -> 31.1, shared_down 30.7 -> 33.4) but at m = 17 the weights up to 38 MB lost
-    # (q_b 49.7 -> 46.8, kv_b 37.5 -> 34.6, q_kv_a 42.1 -> 39.8, shared_down 43.1 -> 42.5). Four tiles: not measured
-    # (the three-tile rule). With hi + lo parts the same ring gained less (lm_head 81.5 / 57.6); 3 stages lost.
+    # B fragments riding in a 2-stage ring with the weights (RB=1) at 3-5 token tiles (at 3-4 from RB_MIN_BYTES):
+    # H200, bf16 activations, % of copy at m = 17 / 33 without / with: lm_head 74.7 / 68.7 -> 90.2 / 87.2, o 60.8 /
+    # 48.0 -> 63.4 / 54.7; at m = 33 every shape gained, at m = 17 the weights up to 38 MB lost 0.6-2.9 points (q_b
+    # 49.7 -> 46.8). Four tiles: not measured (the three-tile rule). 3 stages lost.
     RB = int(3 <= T <= 5 and (T == 5 or 2 * n * k >= RB_MIN_BYTES))
     if RB:
         S = RB_STAGES
     if 2 * n * k < (SMALL_WEIGHTS if small is None else small):
         # latency-bound: one launch, f32 x read in the GEMM, the k split only inside a block (up to 8 warps along k,
-        # >= 2 steps each; pieces from k alone, so every T sums in the same order). H200, default pair, round GPU ms
-        # of DDTree-16 (python -m tools.bench_gemm_rules; all these rounds are launch-bound at 0.6-0.9% of the byte
-        # floor): the cut for large weights 1.07, this cut 0.93 (AR 0.54 -> 0.48); this cut keeping the prep launch
-        # (BF=0) 0.99; the large cut with the last-block reduce (FR=1) at T > 1 1.46 (one block reads
-        # m*rows*splits partials); the large cut without a split across blocks (one warp along k) 1.14.
-        # One row tile per warp (R=1: twice the blocks, half the work per warp), session 6, same tool, round ms
-        # AR / DDTree-16: R=2 0.508 / 0.850, R=1 from 2 token tiles 0.513 / 0.778, R=1 always 0.489 / 0.759.
-        # Steps in flight as timed on the pair before session 17 changed them for large weights (not re-timed).
+        # >= 2 steps each; pieces from k alone, so every T sums in the same order). H200, default pair, DDTree-16
+        # round GPU ms (python -m tools.bench_gemm_rules; launch-bound, 0.6-0.9% of the byte floor): this cut 0.93
+        # (AR 0.48), the large-weight cut 1.07 (AR 0.54); this cut with the prep launch (BF=0) 0.99; the large cut
+        # with the last-block reduce (FR=1) at T > 1 1.46 (one block reads m*rows*splits partials), without a
+        # split across blocks 1.14. R=1 at every T: AR / DDTree-16 0.489 / 0.759 ms against 0.508 / 0.850 with R=2.
+        # U (8 at one tile, 1 at three, else 2): timed on the pair's rounds, no figures kept.
         wk = next(w for w in (8, 4, 2, 1) if steps >= 2 * w or w == 1)
         return GemmConfig(R=1, WR=max(1, min(MAX_WARPS // wk, tiles)), WK=wk, SB=1,
                           U=8 if T == 1 else (1 if T == 3 else 2), BF=1, MB=2 if T > 1 else 0, FR=0, S=0, XS=SMALL_XS)

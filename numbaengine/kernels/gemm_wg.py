@@ -1,9 +1,9 @@
 """Dense GEMM on warpgroup MMA (sm_90a) for bf16 weights: out f32[m, n] = x f32[m, k] @ bf16(W u16[n, k])^T.
 
 Why: the mma.sync GEMM of kernels/gemm.py carries its weights through registers, so the bytes a warp keeps in
-flight are capped by its registers; at 17-33 token rows it reached 33-64% of copy on K2's projections (README,
-"Kernel performance"). Here the copy engine fills a ring of shared-memory stages (one thread issues; an mbarrier
-per slot) and wgmma reads both operands from there: the bytes in flight are bounded by shared memory alone.
+flight are capped by its registers; at 17-33 token rows it reaches 33-64% of copy on K2's projections
+(docs/PERFORMANCE.md, "Kernels"). Here the copy engine fills a ring of shared-memory stages (one thread issues; an
+mbarrier per slot) and wgmma reads both operands from there: the bytes in flight are bounded by shared memory alone.
 
 Block (k piece c, strip of BM = 64 MT weight rows, token block z), one warpgroup of 128 threads:
   stage j:  MT TMA boxes of 64 weight rows x 64 k (128-byte swizzle; rows past n land as zeros) and one box of the
@@ -33,42 +33,32 @@ GEMM_WG = os.environ.get("NUMBAENGINE_GEMM_WG", "1") != "0"   # kernels.gemm.gem
 WG_NB_MAX = 64            # token rows per block (wgmma N); taller x runs as token blocks on grid z
 WG_TARGET = 1.8           # blocks per SM the k split aims at, at most: all resident at once (one wave) with room
 #                           for the clusters' packing into GPCs (a cluster's blocks share one GPC)
-WG_CL_MAX = 4             # k pieces per strip (cluster size). H200, session 32 call 2 (wg_cl8 vs this rule), chained
-#                           % of copy at m = 17: q_kv_a 37.1 vs 46.4 (33 clusters of 8 vs 33 of 4), shared gate_up
-#                           50.1 vs 62.4 (not profiled; a guess: clusters of 8 that do not all fit in one wave)
+WG_CL_MAX = 4             # k pieces per strip (cluster size), 1 .. 8. H200, chained % of copy at m = 17: q_kv_a 46.4
+#                           with clusters of 4 against 37.1 with clusters of 8 (33 clusters either way), shared
+#                           gate_up 62.4 against 50.1 (not profiled: clusters of 8 may not all fit in one wave)
 WG_SMEM_BLOCK = 112 * 1024    # shared bytes of a block (ring + x boxes): two fit per SM
 WG_STAGES_MAX = 12
 WG_XIN_ROWS = 8           # token blocks up to this many rows convert their f32 x into the ring's x boxes themselves,
 #                           a stage at a time (XIN: no prep launch), where a stage holds two weight boxes (MT = 2);
-#                           other cuts take x from prep_b tiled=3 by bulk copies. H200, session 32 call 4 (copy 4296
-#                           GB/s), chained % of copy at m = 1, XIN / prep: o 80.3 / 77.8, q_b 63.2 / 58.1, shared_down
-#                           56.6 / 51.4, kv_b 65.5 / 61.2 (MT = 2); q_kv_a 39.6 / 48.2, shared_gate_up 50.5 / 64.1
-#                           (MT = 1: twice the f32 x per weight byte, twice the stages); at m = 9 (16 rows) XIN lost on
-#                           every shape (o 61.5 vs 75.4). Calls 2-3 converted the whole k piece up front instead: won at
-#                           m = 1 on short pieces (kv_b 71.0 vs 61.1), lost on long ones (o 73.5 vs 78.7)
+#                           other cuts take x from prep_b tiled=3 by bulk copies. 0: off. H200, chained % of copy at
+#                           m = 1, XIN / prep: o 80.3 / 77.8, kv_b 65.5 / 61.2 (MT = 2); q_kv_a 39.6 / 48.2 (MT = 1:
+#                           twice the f32 x per weight byte, so MT = 1 keeps the prep); at 16 rows XIN lost on every
+#                           shape (o 61.5 / 75.4)
 WG_XTMA_ROWS = 0          # token blocks up to this many rows take x as f32 by TMA (a box of NB rows x 64 k per stage
 #                           beside the weights, rows past m land as zeros) and convert it into the stage's bf16 x box
 #                           in shared memory once it has landed (XIN = 2: no prep launch, no x load on a thread's
-#                           critical path). 0: off. Built in session 33 for the measured 1.7-2.4 us x prep launch of
-#                           the other cuts (README); NOT GPU-run yet (tests/test_cuda_gemm_wg.py has its GPU tests)
+#                           critical path). 0: off; aimed at the 1.7-2.4 us x prep launch of the other cuts
+#                           (docs/PERFORMANCE.md).
+#                           Not measured, never run on a GPU (tests/test_cuda_gemm_wg.py has its GPU tests)
 BOX = 64 * 64 * 2         # bytes of one weight box (64 rows x 64 k bf16)
 WG_TMAP_FENCE = True      # fence.proxy.tensormap acquire on the weights' tensor map before the first TMA (orders the
-#                           host's write of the map before the copy engine reads it). Without it (maps are never freed
-#                           or rewritten here, so no stale copy can exist) the calls chained gained 0.3-2.1 points, m =
-#                           1 / 17 / 33: q_kv_a 49.9 / 48.1 / 46.5 vs 47.8 / 46.6 / 45.0, shared gate_up 64.7 / 62.6 /
-#                           60.6 vs 63.7 / 62.2 / 59.8, o 80.7 / 74.4 / 71.0 vs 79.7 / 73.8 / 70.7, q_b 63.6 / 53.0 /
-#                           48.6 vs 64.4 / 52.6 / 48.4 (H200, session 33 call 2). Kept on: the fence-less kernel has
-#                           not had a GPU correctness run (`python -m pytest -m gpu tests/test_cuda_gemm_wg.py` with it
-#                           off is the step before switching)
-# Measured and dropped (H200, chained % of copy against the default in the same run; bench/h200_2026-12-04c/):
-# - the PDL wait placed after the ring's first weight boxes (they never depend on the previous kernel; session 32's
-#   WG_EARLY_W): m = 1 / 9 / 17 / 33, q_kv_a 45.7 / 44.9 / 44.1 / 43.6 vs 47.6 / 46.5 / 46.1 / 44.9, o 79.6 / 75.3 /
-#   73.5 / 70.1 vs 80.0 / 75.4 / 73.8 / 70.7 (call 1);
-# - that plus a PDL trigger after the main loop (the next kernel's blocks start during this one's fold), m = 1 / 17 /
-#   33: o 83.4 / 74.0 / 70.1 vs 79.7 / 73.8 / 70.7, shared gate_up 68.1 / 62.5 / 59.6 vs 63.7 / 62.2 / 59.8, q_b 61.7
-#   / 54.3 / 49.8 vs 64.4 / 52.6 / 48.4, q_kv_a 47.5 / 45.4 / 44.2 vs 47.8 / 46.6 / 45.0 (call 2): mixed, and measured
-#   only between GEMMs (in the engine other kernels follow; session 17 found an early trigger slowed the AR step);
-# - the fold's loads interleaved with its adds (session 32's order): within 1 point (call 2); loads first is kept.
+#                           host's write of the map before the copy engine reads it). Off: maps are never freed or
+#                           rewritten here, so no stale copy can exist; H200, chained % of copy at m = 1 / 17 / 33,
+#                           q_kv_a 49.9 / 48.1 / 46.5 off against 47.8 / 46.6 / 45.0 on (0.3-2.1 points on the four
+#                           shapes timed). On by default because off has had no GPU correctness run (`python -m
+#                           pytest -m gpu tests/test_cuda_gemm_wg.py` with it off is the check before switching)
+# The PDL wait stays at the kernel's start: placed after the ring's first weight boxes (which never depend on the
+# previous kernel) it measured 0.1-2.0 points of copy lower (H200, chained, q_kv_a and o at m = 1-33).
 GEMM_WG_STAMPS = False    # measurement only (tools/gemm_wg_stamps.py): thread 0 of every block writes (SM cycles,
 #                           global ns) at the 9 STAMP_POINTS of its timeline into `stamps` [blocks, STAMP_WORDS]
 #                           (int32 bits), then its SM and its stages; the kernel takes that array after nbox. Default

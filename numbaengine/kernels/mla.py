@@ -297,29 +297,29 @@ def _bf16_pair(lo, hi):
 
 MLA_NK = 64                 # cache rows (keys) per pipeline step where two ring slots fit, else 32 (H200, 8 heads,
 #                             context 4K, batch 64: 63.3% of copy with 32, 72.3% with 64: half the barriers per byte)
-MLA_MAX_STAGES = 4          # most cache tiles in the ring (fewer: smaller blocks, several per SM)
+MLA_MAX_STAGES = 4          # most cache tiles in the ring (fewer: smaller blocks, several per SM); 2 stages: 56.9% of
+#                             copy against 72.3% (H200, 8 heads, context 4K, batch 64)
 MLA_WIDE_KG = 4             # warps per 16 rows in row tiles of 48 or 64 rows
 MLA_S_TILES = 1             # m16 tiles per warp in S = Q K^T (2: each K fragment feeds two row tiles)
 MLA_SMEM = 227 * 1024       # shared memory per block on sm_90
 LAZY = float32(8)           # online softmax (log2 units): the running max moves only when a row's max grows by more
-MLA_MIN_SPLIT = 64          # fewest keys per flash-decoding split
+#                             than this (P <= 2^LAZY)
+MLA_MIN_SPLIT = 64          # fewest keys per flash-decoding split (H200, 8 heads, 4K x batch 1 decode: 13.94 us
+#                             against 15.16 / 20.37 at 128 / 256)
 MLA_PTX_SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32[:,:,::1], float32, int32, "
                "int32, float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1], int32[:,::1])")
 # ^ the MLA kernels' argument types (both kernels take the same), for compile_ptx in tests and tools
 MLA_FUSED_MERGE = 0         # up to this many splits the last split block of a row tile merges the partials
-# (attention.last_split_merge) instead of the merge launch. Off: on the H200 (4K context, batch 64, 2 splits,
-# `python -m tools.bench_attention --only mla --quick`) it took 64 heads 129.8 -> 163.4 us (54.3 -> 43.3% of copy)
-# and 8 heads 100.3 -> 123.9 us (70.3 -> 57.1%): the last blocks' merge is a slow tail.
+# (attention.last_split_merge) instead of the merge launch; 0: off. H200, 4K context, batch 64, 2 splits (`python -m
+# tools.bench_attention --only mla --quick`): 64 heads 163.4 us against 129.8 with the merge launch (43.3 / 54.3% of
+# copy), 8 heads 123.9 against 100.3 (57.1 / 70.3%): the last blocks' merge is a slow tail.
 MLA_SPLIT_COST = 128        # a split's fixed cost in cache rows for the split rule (q prologue, partial write, merge
-#                             share: ~8 us of a 64-head block at ~2.1 us per 32 rows, session 11's cuts on the H200)
+#                             share): ~8 us of a 64-head block at ~2.1 us per 32 rows (H200)
 MLA_PARTIALS = "auto"       # the split partials O (mla_work): "bf16" (half the bytes of the store and the merge's
 #                             loads; each partial rounded once, as P already is), "f32", or "auto": bf16 where the
-#                             64-head wgmma kernel runs (mla_wg_applies), else f32. H200, session 31, decode, bf16 /
-#                             f32 in one run (copy 4250 GB/s; bench/h200_2026-12-04 call 1): 64 heads 16K x 16 96.33 /
-#                             99.30 us (73.8 / 71.5% of copy), 64K x 4 96.18 / 98.68 (73.9 / 72.0%), batch 1 4K /
-#                             16K / 64K 16.5 / 17.6, 22.1 / 24.3, 40.1 / 42.0 us (4K x 64: a cluster merge, no
-#                             partials: 95.3 both); 8 heads (mma.sync) 0.4-0.7 us slower with bf16 (4K x 64 94.53 /
-#                             93.93, 16K x 16 93.61 / 93.22, 64K x 4 92.11 / 91.37; batch 1 0.4-0.5 us)
+#                             64-head wgmma kernel runs (mla_wg_applies), else f32. H200, decode, 64 heads, 16K x
+#                             batch 16: 96.33 us bf16 against 99.30 f32 (73.8 / 71.5% of copy); 8 heads (mma.sync)
+#                             0.4-0.7 us slower with bf16 (16K x 16: 93.61 against 93.22 us)
 PARTIAL_DTYPES = {"f32": np.float32, "bf16": np.uint16}
 MLA_MAX_WAVES = 8           # the split rule adds splits up to this many waves of blocks (bounds the partials' memory)
 _MLA_KERNELS = {}
@@ -647,7 +647,7 @@ def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132, partials=N
     partials "f32", "bf16" or "auto" (bf16 for the 64-head wgmma kernel; None: MLA_PARTIALS).
     split=None: the split count (at least MLA_MIN_SPLIT keys each, at most MLA_MAX_WAVES waves of blocks) that
     minimizes waves x (keys per split + MLA_SPLIT_COST). Within one wave that is as many splits as fit beside
-    the row tiles (the rule before session 11); it also takes more waves of many splits where one split per
+    the row tiles; it also takes more waves of many splits where one split per
     tile would leave SMs idle (tiles just above half a wave, or just above a whole one: 68 tiles of a
     4-sequence 17-node tree on 132 SMs ran 1 split at 209 TFLOP/s against 339 at 7 splits for 17 tiles)."""
     rg, kg, _, _, smem = mla_geometry(T * h, D, r)
@@ -670,8 +670,8 @@ def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132, partials=N
 def cluster_pays(blocks, size, fits, slots):
     """Run `blocks` split blocks as clusters of `size` (kernels/mla_wg.py's in-kernel merge) only where they need
     no more waves than a plain launch: `fits` clusters resident at once (cuOccupancyMaxActiveClusters) against
-    `slots` block slots. A cluster's blocks must share a GPC, so fewer may fit (H200, session 24: 16 clusters of 8
-    took 196 us where 128 plain blocks and the merge launch took 115)."""
+    `slots` block slots. A cluster's blocks must share a GPC, so fewer may fit (H200: 16 clusters of 8 took 196 us
+    where 128 plain blocks and the merge launch took 115)."""
     return fits > 0 and -(-blocks // (size * fits)) <= -(-blocks // slots)
 
 

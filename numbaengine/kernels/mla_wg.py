@@ -1,7 +1,7 @@
 """MLA attention on warpgroup MMA (sm_90a): kernels/mla.py's absorbed attention for 64-row tiles of one query's
 heads (h % 64 == 0: the 64 heads of K2 on one GPU), with both products on wgmma (kernels/wgmma.py) instead of
 mma.sync. 64 heads need 139 kFLOP per 1152-byte cache row: at 70% of copy bandwidth that is 58% of the mma.sync
-roof but 38% of the wgmma one (README, "Kernel performance").
+roof but 38% of the wgmma one (docs/PERFORMANCE.md, "Kernels").
 
 Block (64-row tile = query t, split s, sequence b), two warpgroups; Q and a ring of 4 tiles of MLA_WG_NK cache
 rows in 128-byte-swizzle atoms (the same bytes are the K-major B of S = Q K^T and the MN-major B of O += P V):
@@ -18,7 +18,7 @@ rows in 128-byte-swizzle atoms (the same bytes are the K-major B of S = Q K^T an
 Launched as thread-block clusters of a tile's 2..8 splits (MLA_WG_CLUSTER, where they fit as well as plain blocks:
 kernels.mla.cluster_pays), the split blocks merge through distributed shared memory (cluster_merge) and write out;
 other split counts leave partials for kernels.attention's merge_splits launch, or (MLA_WG_GRID, off by default:
-slower than that launch since session 26), where the whole grid fits at once, run as a cooperative launch whose
+no faster than that launch), where the whole grid fits at once, run as a cooperative launch whose
 blocks meet at a counter per row tile and merge from the partials at L2 (grid_merge).
 Bytes: each cache row of the split once per tile (the tiles of one split share it through L2), q once, the
 partials 64 r 2 per block (bf16, kernels.mla MLA_PARTIALS; 64 r 4 as f32; none in a cluster: the output once).
@@ -64,64 +64,39 @@ from numbaengine.kernels.wgmma import core_offset, sw128_mn_strides, sw128_offse
 MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
 MLA_WG_NK = 32              # cache rows per step (S is m64nNK per k16 step; four tiles must fit)
 MLA_WG_TMA = True           # cache tiles by TMA tensor copies (one thread, an mbarrier per ring slot); False: by
-#                             cp.async of the 128 threads of warpgroup 1 (measured slower, README "Kernel performance")
+#                             cp.async of the 128 threads of warpgroup 1. H200, decode 4K x batch 64: 117.2 us with
+#                             TMA against 130.9 with cp.async (60.7 / 54.4% of copy)
 MLA_WG_SEESAW = False       # FlashMLA-style seesaw (TMA only): the warpgroups take alternate tiles for S and the
 #                             softmax, each adds every tile's P V to its half of O. Correct (GPU tests) but slower on
-#                             the H200, session 23 (4K x batch 64: 137.3 vs 116.8 us; README "Kernel performance")
+#                             the H200 (4K x batch 64: 137.3 against 116.8 us)
 MLA_WG_STAGED = True        # O leaves through shared memory in 16-byte stores (a warp writes 512 contiguous bytes),
-#                             not as 4-byte stores from the accumulator registers
+#                             not as 4-byte stores from the accumulator registers. H200, decode 4K x batch 64: 108.39
+#                             us against 117.07 (65.3 / 60.4% of copy)
 MLA_WG_CLUSTER = 8          # 2 .. this many splits of a row tile run as one thread-block cluster and merge through
-#                             distributed shared memory (kernels/cluster.py): no partials, no merge launch; 0: off
+#                             distributed shared memory (kernels/cluster.py): no partials, no merge launch; 0: off,
+#                             at most 8 (the portable cluster size). H200, decode 4K x batch 64 (2 splits): 99.81 us
+#                             against 108.39 with the merge launch (70.9 / 65.3% of copy)
 MLA_WG_GRID = 0             # up to this many partials (splits that run no cluster; with MLA_WG_CLUSTER_GROUPS the
 #                             clusters') merge across a cooperative launch where all its blocks are resident at once:
 #                             the split blocks meet at a counter per row tile and fold the partials from L2
-#                             (grid_merge), no merge launch; 0: off (the default since session 26). H200, session 25,
-#                             64-head decode against the merge launch in one run (copy 4243 GB/s): 16K x batch 16
-#                             (8 splits) 112.6 -> 107.5 us (63.2 -> 66.2% of copy); slower with more splits: 64K x 4
-#                             (33) 102.8 -> 108.2 us (69.2 -> 65.8%), batch 1 4K (65) 16.9 -> 24.8 us (6.6 -> 4.5%).
-#                             Session 26, with merge_splits' wave rule (kernels.attention MERGE_WAVE_THREADS), H200
-#                             copy 4269-4278 GB/s, 8 -> 0: 16K x 16 109.7 -> 103.3 us (64.4 -> 68.3%), a 17-query
-#                             tree at 4K x batch 1 (7 splits) 48.7 -> 40.6 us (2.3 -> 2.7%: latency-bound); H100
-#                             (copy 3016 GB/s) 16K x 16: 133.1 -> 128.3 us (75.2 -> 78.1%). Session 27 (H200, copy
-#                             4242-4281 GB/s, bench/h200_2026-12-03): the grid merge as a plain launch instead of a
-#                             cooperative one ran as slowly (16K x 16 109.0 vs 108.7 us, 64K x 4 108.6 vs 108.3), so
-#                             the ~13 us it adds to the split kernel (96 us alone) are its own work, not the launch;
-#                             also measured there and dropped: a PDL trigger after the main loop (the merge launch
-#                             earlier): 103.1 -> 103.6 us at 16K x 16, 103.2 -> 103.0 at 64K x 4. ncu of it (16K x 16,
-#                             eager, H200): 118.1 us against 100.6 (DRAM 54 / 64% of peak); its main loop is the same
-#                             SASS (262 instructions), but the kernel is 14.0K SASS instructions against 5.4K (the
-#                             merge inlined at both exits, both folds unrolled, a branch around every partial load),
-#                             and 44% of the merge's stall samples are instruction fetch (no_inst): a compact merge
-#                             is the lead (bench/h200_2026-12-03/call5). Since then: one inlined copy (an empty
-#                             split's block falls through to it; with clusters the two exits stay), one fold (2
-#                             items x 8 partials per round of loads, for every case), no branch per partial load (a
-#                             factor-0 partial's values are selected away): 14.0K -> 8.7K SASS at K2's widths, 247
-#                             registers, no spill. Session 28 (H200, copy 4241-4246 GB/s, bench/h200_2026-12-03b):
-#                             it ties the merge launch at 16K x 16 (8: 102.88, 64: 102.45 vs 102.37 us = 69.5%) and
-#                             loses at 64K x 4 (103.69 vs 102.89); its partials landed in shared memory by cp.async
-#                             first (grid_merge_cp_async.patch there, not applied) were 4-6 us slower still
+#                             (grid_merge), no merge launch; 0: off (default), at most GRID_SPLITS. H200, 64-head
+#                             decode against the merge launch: ties it at 16K x batch 16 (8: 102.88 us, 64: 102.45,
+#                             merge launch 102.37 = 69.5% of copy), loses at 64K x 4 (103.69 against 102.89 us)
 GRID_SPLITS = 256           # most partials of a grid merge (its shared memory; a cooperative launch holds fewer)
 MLA_WG_CLUSTER_GROUPS = False   # also clusters of a divisor of a tile's split count, each merging into one partial
 #                             (then merge_splits over the clusters' partials, or where all fit at once the grid merge:
-#                             a cooperative launch of clusters, NOT GPU-run); off: NOT measured since it was combined
-#                             with kernels.mla.cluster_pays (session 24: without that check, clusters of 3 of 33 splits
-#                             ran two waves, 192 vs 104 us; where they fitted, 65 splits as clusters of 5: 18.0 vs
-#                             17.3 us), GPU-tested in its first form only (test_gpu_wgmma_epilogue "groups")
+#                             a cooperative launch of clusters, never run on a GPU). Off: not measured together with
+#                             kernels.mla.cluster_pays (without that check, clusters of 3 of 33 splits ran two waves:
+#                             192 against 104 us, H200); GPU-tested only without it (test_gpu_wgmma_epilogue "groups")
 MLA_WG_QG = 18              # q prologue: 8-value units of the q tile each thread has in flight (two 16-byte loads
 #                             each; the largest divisor of the units per thread up to this: all 18 at K2's widths).
-#                             H200, session 29 (tools/mla_stamps.py, bench/h200_2026-12-03c): at 3 (before) the
-#                             prologue took 7.3 us of a 16K x 16 block's 95.8 (6.6 at 64K x 4, 9.2 at 4K x 64), 147
-#                             KB of f32 q per block at ~20 GB/s per SM; at 18: 6.4 us. 64-head decode (call 2, copy
-#                             4246 GB/s) QG 3 / 9 / 18: 4K x 64 98.52 / 97.79 / 97.01 us (72.2 / 72.8 / 73.3% of
-#                             copy), 16K x 16 104.18 / 101.65 / 101.71 (68.3 / 70.0 / 69.9%), 64K x 4 103.99 /
-#                             101.97 / 101.22 (68.4 / 69.8 / 70.3%)
+#                             H200, 64-head decode, 4K x batch 64: 97.01 us at 18 against 98.52 at 3 (73.3 / 72.2% of
+#                             copy); the prologue of a 16K x 16 block 6.4 us against 7.3 (tools/mla_stamps.py)
 MLA_WG_Q_FIRST = True       # (TMA) the q prologue's loads go out before the ring's first three tiles, which are
 #                             issued between them and q's conversion (the tiles are not needed until the main loop).
-#                             Call 4 (copy 4250 GB/s), on / off: 4K x 64 95.95 / 96.32 us (74.1 / 73.8%), 16K x 16
-#                             100.17 / 100.79 (70.9 / 70.5%), 64K x 4 99.77 / 100.36 (71.2 / 70.8%); batch 1 mixed
-#                             (4K 17.80 / 16.94, 16K 24.52 / 25.33, 64K 42.29 / 43.03). Also measured (call 3):
-#                             all four ring tiles issued before the prologue instead of three: slower (16K x 16
-#                             104.81 vs 102.48 us; its prologue 6.4 -> 8.8 us: q's loads queue behind the tiles)
+#                             H200, 64-head decode, on / off: 16K x 16 100.17 / 100.79 us (70.9 / 70.5% of copy);
+#                             batch 1 mixed. All four ring tiles before the prologue: slower (its q loads queue
+#                             behind the tiles: prologue 8.8 us against 6.4)
 MLA_WG_STAMPS = False       # measurement only: thread 0 of every block writes (SM cycles, global ns) at 7 points of
 #                             its timeline into `count` [blocks, STAMP_WORDS] (int32 bits), then its SM and steps;
 #                             tools/mla_stamps.py reads them (where a block's fixed work goes). Default PTX unchanged

@@ -131,7 +131,8 @@ from numbaengine.kernels.gemm import (  # noqa: E402
 MOE_XS = 1            # B operand: activations as bf16 (W4A16); 2 = hi + lo parts (~1e-5 from the f32 reference, slower)
 MAX_E = 1024          # experts per layer the router/plan kernels handle (one thread each)
 MAX_SLOTS = 4096      # tokens * top_k the plan kernel handles
-PLAN_WARP_SLOTS = 32  # routings of up to this many slots (<= 32) are planned by one warp without barriers
+PLAN_WARP_SLOTS = 32  # routings of up to this many slots (<= 32) are planned by one warp without barriers (H200,
+#                       K2, n = 1: 4.8-5.2 us against 7.9-8.5 for the block plan)
 NEG_INF = float32(-np.inf)
 
 
@@ -265,8 +266,8 @@ ROUTER_XS = 2          # router logits on the mma GEMM: x as bf16 hi + lo parts 
 
 def router_slices(hidden):
     """k slices of the router GEMV: each warp holds <= 32 * ROUTER_CHUNKS chunks of one expert's gate row, and
-    K2's 384 x 7168 gate is cut 8 ways (3072 warps; one whole row per warp, 48 blocks, was the router's first cut:
-    29 us for the whole router at n = 1). ncu on the H200 (K2, logits kernel, n = 1 / 17): 8 slices converting the
+    K2's 384 x 7168 gate is cut 8 ways (3072 warps; one whole row per warp, 48 blocks: 29 us for the whole router
+    at n = 1). ncu on the H200 (K2, logits kernel, n = 1 / 17): 8 slices converting the
     gate per token 10.9 / 52 us; with the gate as f32 in registers (this kernel) 6.5 / 43 us, latency-bound (~15
     cycles per issued instruction, 72 registers); 4 experts per warp over 14 slices 7.7 / 65 us (118-128 registers)."""
     chunks = hidden // 8
@@ -413,8 +414,8 @@ def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_
            token_blocks=None, k_slices=None, logits_gemm=None):
     """GPU router_ref: x f32[n, H] (contiguous), w_gate u16[E, H], bias f32[E] -> idx_out i32[n, k], w_out f32[n, k].
     ws.logits f32[>= ks, >= n, E] takes the GEMV's k slices (ks = k_slices or router_slices(H)). The logits' passes of
-    tokens_per_pass tokens spread over token_blocks block rows (default: as many as fill two blocks per SM: a
-    tree's 17 rows on the pair's 16 experts were 5 serial passes in 2 blocks).
+    tokens_per_pass tokens spread over token_blocks block rows (default: as many as fill two blocks per SM; in one
+    block row a tree's 17 rows on the pair's 16 experts run as 5 serial passes in 2 blocks).
     logits_gemm(x, w_gate, out f32[n, E]): the logits from that GEMM instead (one slice; e.g. the mma GEMM with x as
     bf16 hi + lo parts, ROUTER_XS: ~1e-5 from float32 where the CUDA-core GEMV is float32)."""
     n, h = x.shape
@@ -832,17 +833,17 @@ class ExpertConfig:
     #                       DeviceExperts.tiled = R)
 
 
-# measured on the H200 (tools/bench_kernels.py, variant "blocks4w_bound4"): 4-warp blocks capped at 128 registers so
-# 4 fit per SM (16 warps). Uncapped (144 registers, 8-warp blocks) ran at 8 warps per SM, latency-bound: 47% -> 71%.
+# 4-warp blocks capped at 128 registers (min_blocks=4) so 4 fit per SM (16 warps): H200, 71% of copy against 47%
+# uncapped (144 registers, 8-warp blocks: 8 warps per SM, latency-bound). blocks_per_sm=8: the persistent grid is two
+# waves of such blocks; one wave (4) measured lower at n = 4-17 (the whole MoE chained at n = 17: 78.5% of copy
+# against 81.3; n = 1 within 0.6 points)
 GATE_UP_CFG = ExpertConfig(WR=2, WK=2, blocks_per_sm=8, min_blocks=4)
 DOWN_CFG = ExpertConfig(WR=4, WK=1, blocks_per_sm=8, min_blocks=4)
 # gate_up through bulk-copy rings of 2 slots x 2 k-steps (gate_up in the int4_bulk_tiles layout with R = MOE_TILED
-# row tiles per chunk), down on the register path. H200, session 18 (python -m tools.bench_kernels --only moe
-# --quick --variants regs, bench/h200_2026-12-01b/moe_final.json), gate_up alone, % of copy at n = 1 / 4 / 9 / 17 /
-# 33: 70 / 80 / 84 / 84 / 82 (register gate_up, moe_bulk_cross_divs.json: 62 / 73 / 78 / 80 / 72); the whole MoE
-# (chained) 58.8 / 74.4 / 79.6 / 81.2 / 81.0 vs 55.1 / - / - / 79.1 / - with the register gate_up in the same run.
-# down through the same rings lost (moe_bulk_cross.json: 44 / 52 / 59 / 61 / 63 vs 51 / 67 / 71 / 76 / 73), so it
-# stays on the register path.
+# row tiles per chunk), down on the register path. H200, gate_up alone, % of copy at n = 1 / 4 / 9 / 17 / 33
+# (python -m tools.bench_kernels --only moe): 70 / 80 / 84 / 84 / 82 against 62 / 73 / 78 / 80 / 72 on the register
+# path; down through the same rings lost (44 / 52 / 59 / 61 / 63 against 51 / 67 / 71 / 76 / 73), so it stays on
+# the register path.
 BULK_GATE_UP_CFG = ExpertConfig(WR=2, WK=2, U=2, S=2, blocks_per_sm=8, min_blocks=4)
 MOE_TILED = 2
 

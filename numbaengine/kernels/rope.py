@@ -133,7 +133,7 @@ def _build_qk(interleaved):
 
 
 def qk_norm_rope(qk, nq, q_w, k_w, eps, pos, inv_freq, interleaved, q_out, k_out):
-    """GPU qk_norm_rope_ref in one launch (was two norms and two ropes): qk f32[n, nq + nk, d] (any strides, e.g.
+    """GPU qk_norm_rope_ref in one launch (not two norms and two ropes): qk f32[n, nq + nk, d] (any strides, e.g.
     the q|k heads of a stacked q|k|v projection) -> q_out f32[n, nq, d], k_out f32[n, nk, d] (q_out may be None
     when nq is 0). Launch: grid n, block a warp per head (<= 8 warps; one under the simulator)."""
     n, heads, d = qk.shape

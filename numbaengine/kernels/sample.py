@@ -63,11 +63,11 @@ from numbaengine.kernels.device import SIM, as_f32, block_argmax, kernel, launch
 from numbaengine.kernels.topk import key_index, order_key, warp_max_u64  # noqa: E402
 
 SAMPLE_THREADS = 512            # sample_kernel: one block per row
-# H200 (.whl A/B in session 13, bench/h200_2026-11-30g/sample_ab.txt), us per call at T = 1 for 17 / 33 / 65 / 256
-# rows of 163840: 256 threads and 1024 blocks 18.7 / 27.2 / 43.9 / 138.3; 128 and 2048 17.0 / 25.1 / 43.4 / 139.3
 SPLIT_THREADS = 64 if SIM else 128  # sample_part_kernel: one block per (vocabulary chunk, row)
 SAMPLE_CHUNKS = 32              # vocabulary chunks per row at most (columns of the workspace)
-SPLIT_BLOCKS = 2048             # the split path aims at about this many blocks (~16 per SM)
+SPLIT_BLOCKS = 2048             # the split path aims at about this many blocks (~16 per SM). H200, us per call at
+#   T = 1 on 17 / 33 / 65 / 256 rows of 163840: 128 threads and 2048 blocks 17.0 / 25.1 / 43.4 / 139.3; 256 threads
+#   and 1024 blocks 18.7 / 27.2 / 43.9 / 138.3
 MERGE_ROWS = 4                  # sample_merge_kernel: rows (warps) per block
 _G1, _G2, _G3 = uint64(0xBF58476D1CE4E5B9), uint64(0x94D049BB133111EB), uint64(0x9E3779B97F4A7C15)
 _POS_SALT = uint64(0x5851F42D)
@@ -201,10 +201,10 @@ def _chunk(V, c, C):
 def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, vec, best):
     """Block per (vocabulary chunk c, row i), grid (C, n): the chunk's winner as order_key(value, id) in
     best u64[>= n, >= C] (value -inf, id V when the chunk has none). Bytes: the logits once. Capped at 64
-    registers (8 blocks per SM; 128 uncapped since the sampled rows take 16-byte loads): H200, us per call at
-    T = 0 / T = 1 on 17 / 65 / 256 rows of 163840 (bench/h200_2026-12-01/sample_ab2.json): sampled rows on 4-byte
-    loads (before) 6.3 / 17.3, 13.5 / 41.1, 46.8 / 121.3; 16-byte loads uncapped 8.1 / 21.5, 17.7 / 49.1, 50.8 /
-    123.3; capped at 80 6.7 / 16.7, 15.4 / 44.5, 49.1 / 105.6; at 64 (this) 6.7 / 16.8, 14.6 / 43.6, 45.5 / 103.9."""
+    registers (8 blocks per SM; 128 uncapped with the sampled rows' 16-byte loads): H200, us per call at T = 0 /
+    T = 1 on 17 / 65 / 256 rows of 163840: capped at 64 (this) 6.7 / 16.8, 14.6 / 43.6, 45.5 / 103.9; uncapped
+    8.1 / 21.5, 17.7 / 49.1, 50.8 / 123.3; capped at 80 6.7 / 16.7, 15.4 / 44.5, 49.1 / 105.6; sampled rows on
+    4-byte loads 6.3 / 17.3, 13.5 / 41.1, 46.8 / 121.3."""
     c, i, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     lo, hi = _chunk(logits.shape[1], c, cuda.gridDim.x)
     bv, bi = _scan(logits, i, lo, hi, temperature, greedy, row_key(seed, seq[i], pos[i]), vec)

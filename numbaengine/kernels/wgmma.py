@@ -1,6 +1,6 @@
 """Warpgroup MMA (sm_90a `wgmma.mma_async`) from numba: the tensor-core path that reads both operands from shared
 memory. mma.sync feeds every operand through registers, which is what caps the 64-head MLA at 24% of the mma.sync
-roof (README, "Kernel performance"); FlashMLA's design rests on wgmma. numba-cuda compiles kernels for sm_90a on
+roof (H200); FlashMLA's design rests on wgmma. numba-cuda compiles kernels for sm_90a on
 Hopper (compute capability (9, 0, "a")), so the instruction is reachable through inline PTX.
 
 A building block, checked against NumPy by `wgmma_tile` on a GPU (tests/test_wgmma.py, marked gpu; the simulator has
