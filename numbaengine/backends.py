@@ -9,21 +9,27 @@ An op table holds
            silu_mul, router, moe, sample
   facts    name, cache_dtypes (latent cache storage it supports), max_shards (devices one table drives),
            prefill_form (MLA form of prompt forwards: naive on the reference, absorbed on the kernels)
-`numpy` is the reference (kernels/*_ref, fresh arrays everywhere). `sim` and `cuda` run the numba.cuda kernels on
-the CUDA simulator or a GPU (numbaengine/ops_cuda.py).
+`numpy` is the reference (numbaengine/reference.py, fresh arrays everywhere; it imports no numba). `sim` and `cuda`
+run the numba.cuda kernels on the CUDA simulator or a GPU (numbaengine/ops_cuda.py).
 """
 from types import SimpleNamespace
 
 import numpy as np
 
-from numbaengine.kernels.act import silu_mul_ref
-from numbaengine.kernels.attention import attention_ref, kv_attention_ref
-from numbaengine.kernels.gemm import gemm_ref
-from numbaengine.kernels.mla import head_gemm_ref
-from numbaengine.kernels.moe import moe_ref, router_ref
-from numbaengine.kernels.norm import add_rmsnorm_ref, rmsnorm_ref
-from numbaengine.kernels.rope import qk_norm_rope_ref, rope_ref
-from numbaengine.kernels.sample import sample_ref
+from numbaengine.reference import (
+    add_rmsnorm_ref,
+    attention_ref,
+    gemm_ref,
+    head_gemm_ref,
+    kv_attention_ref,
+    moe_ref,
+    qk_norm_rope_ref,
+    rmsnorm_ref,
+    rope_ref,
+    router_ref,
+    sample_ref,
+    silu_mul_ref,
+)
 from numbaengine.weights.dtypes import bf16_to_f32, f32_to_bf16
 
 BACKENDS = ("numpy", "sim", "cuda", "auto")

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from numbaengine.kernels.moe import Experts
 from numbaengine.parallel import check_divisible, expert_range, local_slice
+from numbaengine.reference import Experts
 from numbaengine.weights.dtypes import f32_to_bf16
 from numbaengine.weights.fp8 import dequant_fp8_block
 from numbaengine.weights.layout import target_tensors

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from numbaengine.config import ConfigError, read_config_json
-from numbaengine.kernels.rope import rope_inv_freq
+from numbaengine.reference import rope_inv_freq
 from numbaengine.weights.layout import draft_tensors
 from numbaengine.weights.shards import Checkpoint
 

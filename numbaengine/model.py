@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from numbaengine.checkpoint import Attn, Layer, Mlp, TargetWeights
-from numbaengine.kernels.rope import rope_inv_freq
+from numbaengine.reference import rope_inv_freq
 
 LATENT_NORM_EPS = 1e-6   # q_a / kv_a RMSNorm eps: DeepSeek's reference code and HF use the default, not the config's
 CACHE_DTYPES = ("bf16", "float32")

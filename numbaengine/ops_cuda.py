@@ -43,7 +43,6 @@ from numbaengine.kernels.mla import mla_attention, mla_work
 from numbaengine.kernels.moe import (
     MAX_SLOTS,
     ROUTER_XS,
-    Experts,
     device_experts,
     moe_combine,
     moe_dims,
@@ -55,6 +54,7 @@ from numbaengine.kernels.moe import (
 from numbaengine.kernels.norm import add_rmsnorm, rmsnorm
 from numbaengine.kernels.rope import qk_norm_rope, rope
 from numbaengine.kernels.sample import sample
+from numbaengine.reference import Experts
 
 GEMM_ROWS = 8 * TILES_MAX    # token rows of one GEMM block; taller x runs as several row blocks of one launch
 TALL_PART_BYTES = 64 << 20   # k-split partials a tall GEMM may use (else a launch per row block, partials reused)

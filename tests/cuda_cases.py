@@ -38,12 +38,8 @@ def rand_bf16(rng, *shape, scale=1.0):
 
 # ------------------------------------------------------------------------------------------------------ dense
 def check_gemm(env, m, n, k, xs, cfg=None, seed=0):
-    from numbaengine.kernels.gemm import (
-        GemmWorkspace,
-        gemm,
-        gemm_ref,
-        gemm_workspace_words,
-    )
+    from numbaengine.kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
+    from numbaengine.reference import gemm_ref
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rand_bf16(rng, n, k)
@@ -83,12 +79,8 @@ def check_shared_arrays(env, threads=64):
 
 
 def check_norm(env, n, d, add, seed=0):
-    from numbaengine.kernels.norm import (
-        add_rmsnorm,
-        add_rmsnorm_ref,
-        rmsnorm,
-        rmsnorm_ref,
-    )
+    from numbaengine.kernels.norm import add_rmsnorm, rmsnorm
+    from numbaengine.reference import add_rmsnorm_ref, rmsnorm_ref
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, d)).astype(np.float32)
     res = rng.standard_normal((n, d)).astype(np.float32)
@@ -110,7 +102,8 @@ def check_norm(env, n, d, add, seed=0):
 
 def check_norm_strided(env, seed=0):
     """In place on a column slice (the model's kv[:, :r]): strided rows, out aliasing x."""
-    from numbaengine.kernels.norm import rmsnorm, rmsnorm_ref
+    from numbaengine.kernels.norm import rmsnorm
+    from numbaengine.reference import rmsnorm_ref
     rng = np.random.default_rng(seed)
     kv = rng.standard_normal((5, 80)).astype(np.float32)
     w = rand_bf16(rng, 64)
@@ -122,7 +115,8 @@ def check_norm_strided(env, seed=0):
 
 
 def check_silu_mul(env, n, inter, seed=0):
-    from numbaengine.kernels.act import silu_mul, silu_mul_ref
+    from numbaengine.kernels.act import silu_mul
+    from numbaengine.reference import silu_mul_ref
     rng = np.random.default_rng(seed)
     gu = (rng.standard_normal((n, 2 * inter)) * 3).astype(np.float32)
     out = poisoned(env, (n, inter), np.float32)
@@ -132,7 +126,8 @@ def check_silu_mul(env, n, inter, seed=0):
 
 def check_rope(env, n, heads, nope, rope_dim, interleaved, seed=0):
     """Rope on the rope part of q (a strided view), in place, positions up to 200k."""
-    from numbaengine.kernels.rope import rope, rope_inv_freq, rope_ref
+    from numbaengine.kernels.rope import rope
+    from numbaengine.reference import rope_inv_freq, rope_ref
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((n, heads, nope + rope_dim)).astype(np.float32)
     pos = rng.integers(0, 200_000, n).astype(np.int32)
@@ -146,7 +141,8 @@ def check_rope(env, n, heads, nope, rope_dim, interleaved, seed=0):
 
 def check_qk_norm_rope(env, n, nq, nk, d, interleaved, seed=0):
     """Head norms + rope of the q|k heads of a stacked q|k|v row (a strided view); nq = 0: keys alone."""
-    from numbaengine.kernels.rope import qk_norm_rope, qk_norm_rope_ref, rope_inv_freq
+    from numbaengine.kernels.rope import qk_norm_rope
+    from numbaengine.reference import qk_norm_rope_ref, rope_inv_freq
     rng = np.random.default_rng(seed)
     qkv = (rng.standard_normal((n, nq + 2 * nk, d)) * 3).astype(np.float32)
     q_w, k_w = rand_bf16(rng, d), rand_bf16(rng, d)
@@ -166,7 +162,8 @@ def check_qk_norm_rope(env, n, nq, nk, d, interleaved, seed=0):
 
 
 def check_argmax_topk(env, n, vocab, k, seed=0):
-    from numbaengine.kernels.topk import argmax, argmax_ref, topk, topk_ref
+    from numbaengine.kernels.topk import argmax, topk
+    from numbaengine.reference import argmax_ref, topk_ref
     rng = np.random.default_rng(seed)
     lg = rng.standard_normal((n, vocab)).astype(np.float32)
     lg[0, [3, vocab - 1]] = 50.0                         # exact tie: the lower index wins
@@ -184,7 +181,7 @@ def check_argmax_topk(env, n, vocab, k, seed=0):
 # -------------------------------------------------------------------------------------------------------- MoE
 def make_experts(rng, n_exp, hidden, inter, int4=True):
     """Random experts: INT4 words with every nibble value (any int32 is a valid packing) and bf16 scales."""
-    from numbaengine.kernels.moe import Experts
+    from numbaengine.reference import Experts
     if not int4:
         return Experts(rand_bf16(rng, n_exp, 2 * inter, hidden, scale=0.05),
                        rand_bf16(rng, n_exp, hidden, inter, scale=0.05))
@@ -221,7 +218,8 @@ def check_moe(env, n, hidden, inter, n_exp, k, mode, xs, int4=True, cfgs=None, s
     import dataclasses
 
     import numbaengine.kernels.moe as M
-    from numbaengine.kernels.moe import device_experts, moe, moe_ref, moe_workspace
+    from numbaengine.kernels.moe import device_experts, moe, moe_workspace
+    from numbaengine.reference import moe_ref
     if warp_slots is not None:
         saved, M.PLAN_WARP_SLOTS = M.PLAN_WARP_SLOTS, warp_slots
         try:
@@ -358,7 +356,8 @@ def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_p
     below it must not). nan_row: x[0] is NaN (a garbage row): its picks must still be distinct expert ids; the
     other rows as usual."""
     from numbaengine.kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
-    from numbaengine.kernels.moe import ROUTER_XS, moe_workspace, router, router_ref
+    from numbaengine.kernels.moe import ROUTER_XS, moe_workspace, router
+    from numbaengine.reference import router_ref
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, hidden)).astype(np.float32)
     wg = rand_bf16(rng, n_exp, hidden, scale=0.05)

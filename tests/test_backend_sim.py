@@ -92,7 +92,7 @@ def assert_close(name, got, ref, where):
 
 
 def selection_margins(scores, top_k, n_group, topk_group):
-    """Per token, the smallest gap the grouped top-k router (kernels.moe.router_ref) decides on: between the
+    """Per token, the smallest gap the grouped top-k router (reference.router_ref) decides on: between the
     topk_group-th and next group score (sum of a group's two best) and between the k-th and next expert of the kept
     groups. scores f64[n, E] (sigmoid + bias) -> f64[n]. (The plain top-k gap over all experts misses both: a
     wide64 verify token with a 3.6e-4 gap inside its groups passed a 7.6e-2 global gap and flipped an expert.)"""

@@ -26,7 +26,8 @@ def pack_vis(vis, T):
 
 
 def check_attention(env, n=5, h=4, hk=2, d=24, dv=16, S=37, masked=True, split=True, seed=1):
-    from numbaengine.kernels.attention import attention, attention_ref, attention_work
+    from numbaengine.kernels.attention import attention, attention_work
+    from numbaengine.reference import attention_ref
     rng = np.random.default_rng(seed)
     q = rng.normal(size=(n, h, d)).astype(np.float32)
     k = rng.normal(size=(S, hk, d)).astype(np.float32)
@@ -49,11 +50,8 @@ def check_kv_attention(env, n=5, h=4, hk=2, d=24, dv=16, lens=(5, 37, 20), cap=4
     capacity `cap` whose rows past kv_len[b] are NaN (never read), out poisoned (every row written, the padding
     row after each sequence's rows untouched). target_blocks: splits + merge (None: one split). tc: the
     tensor-core kernel (bf16 operands: a looser tolerance); else the f32 kernel."""
-    from numbaengine.kernels.attention import (
-        kv_attention,
-        kv_attention_ref,
-        kv_attention_work,
-    )
+    from numbaengine.kernels.attention import kv_attention, kv_attention_work
+    from numbaengine.reference import kv_attention_ref
     rng = np.random.default_rng(seed)
     B, lens = len(lens), np.array(lens, np.int32)
     q = rng.normal(size=(B, n + 1, h, d)).astype(np.float32)
@@ -82,7 +80,8 @@ def check_kv_attention_splits(env, split=16, nsplit=3, **kw):
 
 
 def check_sample(env, n=3, V=700, temperatures=(0, 0.7, 1.0), seed=2):
-    from numbaengine.kernels.sample import sample, sample_ref
+    from numbaengine.kernels.sample import sample
+    from numbaengine.reference import sample_ref
     rng = np.random.default_rng(seed)
     logits = rng.normal(size=(n, V)).astype(np.float32)
     logits[min(1, n - 1), [5, 9]] = 50.0                                 # exact tie: lowest index wins

@@ -15,10 +15,10 @@ def check_gemm_fused_reduce(env, m, n, k, cfg=None, calls=2, seed=0, xs=2):
     from numbaengine.kernels.gemm import (
         GemmWorkspace,
         gemm,
-        gemm_ref,
         gemm_sync_words,
         gemm_workspace_words,
     )
+    from numbaengine.reference import gemm_ref
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = C.rand_bf16(rng, n, k)
@@ -40,8 +40,8 @@ def check_gemm_fused_reduce(env, m, n, k, cfg=None, calls=2, seed=0, xs=2):
 def check_ops_gemm_tall(env, m=73, n=16, k=64):
     """KernelOps.gemm on x taller than one block: contiguous x (one launch, row blocks) and a strided view (a
     launch per block) against gemm_ref."""
-    from numbaengine.kernels.gemm import gemm_ref
     from numbaengine.ops_cuda import sim_ops
+    from numbaengine.reference import gemm_ref
     ops = sim_ops()
     rng = np.random.default_rng(3)
     wide = rng.standard_normal((m, k + 32)).astype(np.float32)

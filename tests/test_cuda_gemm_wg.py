@@ -53,8 +53,8 @@ def check(m, n, k, cut=None, seed=None, strided=False):
     array, whose other columns must keep their poison); returns the output."""
     from numba import cuda
 
-    from numbaengine.kernels.gemm import gemm_ref
     from numbaengine.kernels.gemm_wg import gemm_wg, xb_words
+    from numbaengine.reference import gemm_ref
     env = Env(gpu=True)
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((m, k)).astype(np.float32)

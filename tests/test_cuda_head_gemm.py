@@ -1,4 +1,4 @@
-"""kernels.gemm.head_gemm (MLA's per-head products in one launch) against kernels.mla.head_gemm_ref: on the simulator
+"""kernels.gemm.head_gemm (MLA's per-head products in one launch) against reference.head_gemm_ref: on the simulator
 (tiny shapes, strided x/out views as the model passes them), on a GPU (K2 and default-model shapes, marked gpu), and
 compiled for sm_90 on the CPU (no float64, no local memory)."""
 import numpy as np
@@ -19,7 +19,7 @@ def check_head_gemm(env, n, h, b, a, cfg=None, pad_x=32, pad_out=16, seed=0):
         head_gemm,
         head_gemm_workspace_words,
     )
-    from numbaengine.kernels.mla import head_gemm_ref
+    from numbaengine.reference import head_gemm_ref
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((n, h, a + pad_x)).astype(np.float32)
     w = rand_bf16(rng, h, b, a)

@@ -21,13 +21,9 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
     re-poisoned. margin: cache rows past the longest sequence (0: the cache ends at its last row, as the engine's
     verify of a short prompt has it). partials: the split partials' type ("f32", "bf16", "auto"; None: mla_work's
     default), poisoned before the first call."""
-    from numbaengine.kernels.mla import (
-        PARTIAL_DTYPES,
-        mla_attention,
-        mla_attention_ref,
-        mla_work,
-    )
+    from numbaengine.kernels.mla import PARTIAL_DTYPES, mla_attention, mla_work
     from numbaengine.kernels.mla_wg import mla_wg_applies
+    from numbaengine.reference import mla_attention_ref
     rng = np.random.default_rng(seed)
     lengths, ntok = np.array(lengths, np.int32), np.array(ntok, np.int32)
     cap = int((lengths + ntok).max()) + margin

@@ -7,7 +7,7 @@ from cudasim import Env, f64_lines, ptx_or_skip, simulator_test
 from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
 
 from numbaengine.ddtree import build_tree, draft_tree, top_logprobs, walk
-from numbaengine.kernels.mla import mask_bits
+from numbaengine.reference import mask_bits
 
 
 def random_lists(rng, L, K, quantized, peaked=False):
@@ -149,7 +149,8 @@ def check_sample_split(env, n=5, V=700, temperatures=(0, 0.7, 1.0), seed=6, unal
     """kernels.sample.sample with a workspace (rows split over vocabulary chunks) == sample_ref: exact ties, a
     peaked row (most ids skip the noise's logs), -inf logits; the workspace starts as garbage. V % 4 == 0: the rows
     take 16-byte loads; with `unaligned`, then V - 2 ids at one temperature (4-byte loads, 2 ids per unit)."""
-    from numbaengine.kernels.sample import sample, sample_ref, sample_work
+    from numbaengine.kernels.sample import sample, sample_work
+    from numbaengine.reference import sample_ref
     rng = np.random.default_rng(seed)
     logits = (3 * rng.normal(size=(n, V))).astype(np.float32)
     logits[1 % n, [5, 9, V - 1]] = 50.0                                            # exact tie: lowest index wins

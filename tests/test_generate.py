@@ -11,7 +11,7 @@ from numbaengine.backends import NUMPY
 from numbaengine.drafter import load_drafter
 from numbaengine.engine import Engine
 from numbaengine.generate import generate, generate_batch
-from numbaengine.kernels.sample import sample_ref
+from numbaengine.reference import sample_ref
 from numbaengine.weights.synth import synth_config, write_draft, write_target
 
 stats = pytest.importorskip("scipy.stats", reason="a dev extra: pip install -e '.[dev]'")
@@ -204,7 +204,7 @@ def test_noise_draw_below_one():
     """Every id's uniform draw is strictly inside (0, 1), so its Gumbel noise is finite: with 24 bits the largest
     hash rounded to u = 1.0 (infinite noise: that id won at any logit). Regression: (seed 7, seq 0, pos 1000),
     id 871885 drew 1.0; and a row where that id has the lowest logit by far must not pick it."""
-    from numbaengine.kernels.sample import gumbel, unit
+    from numbaengine.reference import gumbel, unit
     u = unit(np.array([0, 2 ** 64 - 1, 2 ** 63, 2 ** 41 - 1], np.uint64))
     assert (u > 0).all() and (u < 1).all(), u
     g = gumbel(7, 0, 1000, 871886)

@@ -182,7 +182,7 @@ def recording_router(target):
     and first unchosen expert score (a near-tie there flips the routing under float32 reorderings)."""
     from types import SimpleNamespace
 
-    from numbaengine.kernels.moe import router_ref
+    from numbaengine.reference import router_ref
     gaps = []
 
     def router(x, w_gate, bias, top_k, *rest):

@@ -1,24 +1,9 @@
 """SwiGLU activation: out = silu(gate) * up with gate_up = [gate | up] along the last axis."""
-import numpy as np
+import math
 
+from numba import cuda, float32, int32
 
-def silu(x):
-    return x / (np.float32(1) + np.exp(-x))
-
-
-def silu_mul_ref(gate_up, out):
-    """gate_up f32[n, 2I] -> out f32[n, I]."""
-    i = gate_up.shape[-1] // 2
-    np.multiply(silu(gate_up[:, :i]), gate_up[:, i:], out=out)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------- numba.cuda
-import math  # noqa: E402
-
-from numba import cuda, float32, int32  # noqa: E402
-
-from numbaengine.kernels.device import kernel, launch  # noqa: E402
+from numbaengine.kernels.device import kernel, launch
 
 
 @kernel()

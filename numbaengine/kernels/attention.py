@@ -1,48 +1,16 @@
 """Softmax attention with an explicit visibility mask; GQA/MQA when k has fewer heads than q.
 
-One reference serves every attention of the engine: MLA prefill (naive form, hk = h), MLA decode and tree
-verify in the absorbed form (MQA over the latent cache: hk = 1, d = kv_lora + rope, v = the c_kv part), and the
-DFlash drafter (GQA, no mask).
+One op (reference.attention_ref on the host) serves every attention of the engine: MLA prefill (naive form,
+hk = h), MLA decode and tree verify in the absorbed form (MQA over the latent cache: hk = 1, d = kv_lora + rope,
+v = the c_kv part), and the DFlash drafter (GQA, no mask).
 """
+import functools
+import math
+
 import numpy as np
+from numba import cuda, float32, int32, uint16, uint32
 
-
-def attention_ref(q, k, v, visible, scale, out):
-    """q f32[n, h, d], k f32[S, hk, d], v f32[S, hk, dv], visible bool[n, S] or None -> out f32[n, h, dv]."""
-    h, hk = q.shape[1], k.shape[1]
-    g = h // hk
-    for j in range(hk):
-        qj = q[:, j * g:(j + 1) * g]                                   # [n, g, d]
-        s = np.einsum("ngd,sd->gns", qj, k[:, j]) * np.float32(scale)  # [g, n, S]
-        if visible is not None:
-            s = np.where(visible[None], s, -np.inf)
-        s = s - s.max(axis=-1, keepdims=True)
-        p = np.exp(s)
-        p /= p.sum(axis=-1, keepdims=True)
-        out[:, j * g:(j + 1) * g] = np.einsum("gns,se->nge", p, v[:, j])
-    return out
-
-
-
-def kv_attention_ref(q, k, v, kv_len, scale, out):
-    """Batched attention without a mask (the DFlash drafter's block over its context plus itself): q f32[B, n, h, d],
-    k f32[B, S, hk, d], v f32[B, S, hk, dv], kv_len i32[B]: the queries of sequence b see keys [0, kv_len[b])
-    -> out f32[B, n, h, dv]."""
-    for b in range(q.shape[0]):
-        S = int(kv_len[b])
-        attention_ref(q[b], k[b, :S], v[b, :S], None, scale, out[b])
-    return out
-
-# --- numba.cuda kernels ---------------------------------------------------------------------------------------------
-# Flash-decoding: a block per (kv head, tile of query rows, split of the keys) writes an unnormalized partial
-# (o, max, sum); merge_splits combines the splits. With one split the block writes the normalized rows directly.
-
-import functools  # noqa: E402
-import math  # noqa: E402
-
-from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
-
-from numbaengine.kernels.device import (  # noqa: E402,F401
+from numbaengine.kernels.device import (  # noqa: F401
     SIM,
     as_f32,
     as_u32,
@@ -55,8 +23,11 @@ from numbaengine.kernels.device import (  # noqa: E402,F401
     ld_quad_l2,
 )
 
+# Flash-decoding: a block per (kv head, tile of query rows, split of the keys) writes an unnormalized partial
+# (o, max, sum); merge_splits combines the splits. With one split the block writes the normalized rows directly.
+
 if SIM:
-    from numbaengine.kernels.device import shfl_xor  # noqa: E402,F401
+    from numbaengine.kernels.device import shfl_xor  # noqa: F401
 else:
     @cuda.jit(device=True, inline="always")
     def shfl_xor(value, mask):

@@ -58,8 +58,6 @@ from numbaengine.kernels.gemm_wg import (
     token_blocks,
 )
 from numbaengine.kernels.gemm_wg import xb_words as wg_xb_words
-from numbaengine.kernels.memo import memo_f32
-from numbaengine.weights.dtypes import bf16_to_f32
 
 # ------------------------------------------------------------------------------- cp.async ring (weights -> shared)
 if SIM:
@@ -107,12 +105,6 @@ else:
             r = b.call(ir.InlineAsm(fn, asm, "=r,=r,=r,=r,l,~{memory}", side_effect=True), [sa])
             return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, k) for k in range(4)])
         return sig, codegen
-
-
-def gemm_ref(x, w, out):
-    """x f32[m, k], w u16[n, k] -> out f32[m, n]."""
-    np.matmul(x, memo_f32(w, lambda: bf16_to_f32(w)).T, out=out)
-    return out
 
 
 BF16, INT4 = 0, 1

@@ -4,50 +4,12 @@ W_kv_b viewed [h, nope + v, kv_lora]: W_UK = rows [:nope], W_UV = rows [nope:]. 
 attend in the latent space: q_lat_h = q_nope_h @ W_UK_h, then o_h = o_lat_h @ W_UV_h^T.
 """
 import numpy as np
+from numba import cuda, float32, int32, uint16, uint32
 
-from numbaengine.kernels.memo import memo_f32
-from numbaengine.weights.dtypes import bf16_to_f32, f32_to_bf16
-
-
-def head_gemm_ref(x, w, out, transpose_w):
-    """Per-head GEMM. x f32[n, h, a]; w u16[h, a, b] (transpose_w=False) or u16[h, b, a] (True) -> out f32[n, h, b]."""
-    np.einsum("nha,hba->nhb" if transpose_w else "nha,hab->nhb", x, memo_f32(w, lambda: bf16_to_f32(w)), out=out)
-    return out
-
-
-# --- absorbed-form attention over the latent cache (decode, tree verify, prefill) ------------------------------------
-
-def mask_bits(mask, n):
-    """Packed visibility u32[T, W] (bit j of word w: sees new token 32w+j) -> bool[n, n] for the first n rows."""
-    words = np.ascontiguousarray(mask[:n]).astype("<u4").view(np.uint8).reshape(n, -1)
-    return np.unpackbits(words, axis=1, bitorder="little")[:, :n].astype(bool)
-
-
-def mla_attention_ref(q, cache, lengths, ntok, mask, scale, out, work=None):
-    """Batched MQA over the bf16 latent cache. q f32[B, T, h, D] ([q_lat | q_pe] per head); cache u16[B, cap, D]
-    (rows [0, lengths[b]) committed, the ntok[b] new tokens' rows right after); mask u32[B, T, W] packed
-    visibility among new tokens (mask_bits) or None = causal; out f32[B, T, h, r] = softmax @ c_kv (r = kv_lora).
-    Query rows t >= ntok[b] get 0. `work` is the GPU launcher's scratch (unused here)."""
-    r = out.shape[-1]
-    out[:] = 0
-    for b in range(q.shape[0]):
-        L, n = int(lengths[b]), int(ntok[b])
-        if n == 0:
-            continue
-        lat = bf16_to_f32(cache[b, :L + n])                                   # [L+n, D]
-        vis = np.ones((n, L + n), bool)
-        vis[:, L:] = np.tril(np.ones((n, n), bool)) if mask is None else mask_bits(mask[b], n)
-        attention_ref(q[b, :n], lat[:, None, :], lat[:, None, :r], vis, scale, out[b, :n])
-    return out
-
-
-from numba import cuda, float32, int32, uint16, uint32  # noqa: E402
-
-import numbaengine.kernels.mla_wg as _wg  # noqa: E402
-from numbaengine.kernels.attention import (  # noqa: E402
+import numbaengine.kernels.mla_wg as _wg
+from numbaengine.kernels.attention import (
     LOG2E,
     NEG_INF,
-    attention_ref,
     last_split_merge,
     launch_smem,
     merge_splits,
@@ -55,8 +17,8 @@ from numbaengine.kernels.attention import (  # noqa: E402
     raise_smem_limit,
     shfl_xor,
 )
-from numbaengine.kernels.cluster import max_clusters, max_resident_blocks  # noqa: E402
-from numbaengine.kernels.device import (  # noqa: E402
+from numbaengine.kernels.cluster import max_clusters, max_resident_blocks
+from numbaengine.kernels.device import (
     SIM,
     as_f32,
     as_u32,
@@ -67,13 +29,14 @@ from numbaengine.kernels.device import (  # noqa: E402
     mma_bf16,
     st_quad,
 )
-from numbaengine.kernels.mla_wg import (  # noqa: E402
+from numbaengine.kernels.mla_wg import (
     mla_wg_applies,
     mla_wg_kernel,
     mla_wg_launch,
     wg_clusters,
     wg_grid,
 )
+from numbaengine.weights.dtypes import f32_to_bf16
 
 if not SIM:
     from llvmlite import ir

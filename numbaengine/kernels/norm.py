@@ -2,33 +2,11 @@
 
 out = x / sqrt(mean(x^2) + eps) * w, float32 math, w stored as bf16 bits.
 """
-import numpy as np
+import math
 
-from numbaengine.weights.dtypes import bf16_to_f32
+from numba import cuda, float32, int32
 
-
-def rmsnorm_ref(x, w, eps, out):
-    """x f32[n, d], w u16[d] (bf16 bits) -> out f32[n, d]."""
-    var = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
-    np.multiply(x / np.sqrt(var + np.float32(eps)), bf16_to_f32(w), out=out)
-    return out
-
-
-def add_rmsnorm_ref(x, residual, w, eps, out, res_out=None):
-    """residual += x (in place), then out = rmsnorm(residual): the pre-norm block boundary. res_out: also a copy
-    of the updated residual there (a layer's output kept as a drafter feature)."""
-    residual += x
-    if res_out is not None:
-        res_out[...] = residual
-    return rmsnorm_ref(residual, w, eps, out)
-
-
-# ---------------------------------------------------------------------------------------------------- numba.cuda
-import math  # noqa: E402
-
-from numba import cuda, float32, int32  # noqa: E402
-
-from numbaengine.kernels.device import SIM, bf16_f32, block_sum, kernel, launch  # noqa: E402
+from numbaengine.kernels.device import SIM, bf16_f32, block_sum, kernel, launch
 
 NORM_THREADS = 32 if SIM else 256    # the simulator runs a Python thread per CUDA thread: one warp is enough there
 

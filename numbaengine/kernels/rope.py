@@ -1,71 +1,13 @@
-"""Rotary position embedding with YaRN frequencies.
+"""Rotary position embedding at the frequencies of reference.rope_inv_freq (YaRN included).
 
 Two layouts of the rotated dims: `interleaved` = adjacent pairs (2i, 2i+1) share inv_freq[i] (DeepSeek / K2
 checkpoints, GPT-J style); otherwise rotate-half: (i, i + d/2) share inv_freq[i] (Qwen3, the DFlash drafter).
 """
 import math
 
-import numpy as np
+from numba import cuda, float32, int32
 
-
-def yarn_mscale(factor, mscale=1.0):
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def rope_inv_freq(dim, theta, yarn=None):
-    """inv_freq f32[dim/2] and the cos/sin multiplier (attention factor; 1 unless YaRN says otherwise)."""
-    base = theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    extra = 1.0 / base
-    if yarn is None:
-        return extra.astype(np.float32), 1.0
-    inter = 1.0 / (yarn.factor * base)
-
-    def corr_dim(rot):  # dimension whose wavelength makes `rot` turns over the original context
-        return dim * math.log(yarn.original_max_position_embeddings / (rot * 2 * math.pi)) / (2 * math.log(theta))
-
-    low = max(math.floor(corr_dim(yarn.beta_fast)), 0)
-    high = min(math.ceil(corr_dim(yarn.beta_slow)), dim - 1)
-    ramp = np.clip((np.arange(dim // 2) - low) / max(high - low, 0.001), 0, 1)
-    inv = inter * ramp + extra * (1 - ramp)
-    if yarn.mscale and yarn.mscale_all_dim:
-        factor = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
-    else:
-        factor = yarn_mscale(yarn.factor)
-    return inv.astype(np.float32), factor
-
-
-def rope_ref(x, pos, inv_freq, out, interleaved, attn_factor=1.0):
-    """x f32[n, h, d], pos i32[n] -> out f32[n, h, d] (out may alias x)."""
-    ang = pos.astype(np.float32)[:, None] * inv_freq[None, :]          # [n, d/2]
-    cos = (np.cos(ang) * np.float32(attn_factor))[:, None, :]
-    sin = (np.sin(ang) * np.float32(attn_factor))[:, None, :]
-    half = x.shape[-1] // 2
-    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
-    ra, rb = a * cos - b * sin, b * cos + a * sin
-    if interleaved:
-        out[..., 0::2], out[..., 1::2] = ra, rb
-    else:
-        out[..., :half], out[..., half:] = ra, rb
-    return out
-
-
-def qk_norm_rope_ref(qk, nq, q_w, k_w, eps, pos, inv_freq, interleaved, q_out, k_out):
-    """Per-head RMSNorm then RoPE of the query and key heads of one stacked projection (Qwen3 q_norm/k_norm, the
-    DFlash drafter): qk f32[n, nq + nk, d] (any strides), heads < nq normalized with q_w u16[d], the others with
-    k_w, all roped at pos i32[n] -> q_out f32[n, nq, d], k_out f32[n, nk, d]."""
-    from numbaengine.kernels.norm import rmsnorm_ref
-    d = qk.shape[-1]
-    for heads, w, out in ((qk[:, :nq], q_w, q_out), (qk[:, nq:], k_w, k_out)):
-        if heads.shape[1]:
-            normed = rmsnorm_ref(heads.reshape(-1, d), w, eps, np.empty((heads.size // d, d), np.float32))
-            rope_ref(normed.reshape(heads.shape), pos, inv_freq, out, interleaved)
-    return q_out, k_out
-
-
-# ---------------------------------------------------------------------------------------------------- numba.cuda
-from numba import cuda, float32, int32  # noqa: E402
-
-from numbaengine.kernels.device import SIM, bf16_f32, kernel, lane_id, launch, warp_sum  # noqa: E402
+from numbaengine.kernels.device import SIM, bf16_f32, kernel, lane_id, launch, warp_sum
 
 _KERNELS = {}
 

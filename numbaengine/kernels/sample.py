@@ -2,65 +2,18 @@
 
 The noise of vocab id v for (seed, seq, pos) is a pure function of those four integers (splitmix64 mixing; ids
 2m and 2m + 1 take the two halves of one hash), so it needs no generator state and the GPU computes the same
-numbers. It is keyed by the ABSOLUTE POSITION of the token being chosen: every tree node at one position shares
-it, which makes DDTree's committed tokens equal to autoregressive sampling's for the same seed, and each committed
-token an exact draw from softmax(logits / T) given its prefix.
+numbers as reference.uniform. It is keyed by the ABSOLUTE POSITION of the token being chosen: every tree node at
+one position shares it, which makes DDTree's committed tokens equal to autoregressive sampling's for the same seed,
+and each committed token an exact draw from softmax(logits / T) given its prefix.
 """
+import math
+
 import numpy as np
+from numba import cuda, float32, int32, int64, uint32, uint64
 
-_M1, _M2, _GOLD = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
-
-
-def mix64(z):
-    """splitmix64 finalizer on uint64 arrays (wrapping arithmetic)."""
-    z = z + _GOLD
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
-
-
-def unit(z, odd=0):
-    """Hashes z u64[...] -> u f32 = (k + 1/2) 2^-23 from 23 of their bits k (63-41 where odd is 0, 31-9 where it
-    is 1): exact in float32, so 0 < u < 1. (With 24 bits, k = 2^24 - 1 rounded up to u = 1.0, an infinite Gumbel:
-    that id won whatever its logit, in about 1% of the rows of a 163840-id vocabulary.)"""
-    half = np.where(np.asarray(odd) != 0, z & np.uint64(0xFFFFFFFF), z >> np.uint64(32))
-    return ((half >> np.uint64(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
-
-
-def uniform(seed, seq, pos, vocab):
-    """u f32[vocab] in (0, 1) for one (seed, seq, pos): ids 2m and 2m + 1 share the hash mix64(h ^ m) and take
-    disjoint halves of it (unit), one hash per two ids."""
-    with np.errstate(over="ignore"):
-        h = mix64(np.uint64(seed) ^ mix64(np.uint64(seq) ^ mix64(np.uint64(pos) + np.uint64(0x5851F42D))))
-        v = np.arange(vocab, dtype=np.uint64)
-        z = mix64(h ^ (v >> np.uint64(1)))
-    return unit(z, v & np.uint64(1))
-
-
-def gumbel(seed, seq, pos, vocab):
-    return -np.log(-np.log(uniform(seed, seq, pos, vocab)))
-
-
-def sample_ref(logits, temperature, seed, seq, pos, out):
-    """logits f32[n, V], seq i32[n], pos i32[n] -> out i32[n]. Lowest index wins exact ties."""
-    if temperature == 0:
-        out[:] = np.argmax(logits, axis=-1)
-        return out
-    for i in range(logits.shape[0]):
-        g = gumbel(seed, int(seq[i]), int(pos[i]), logits.shape[1])
-        out[i] = np.argmax(logits[i] / np.float32(temperature) + g)
-    return out
-
-
-# --- numba.cuda kernels: the same noise with uint64 math on the device -------------------------------------------
-
-import math  # noqa: E402
-
-from numba import cuda, float32, int32, int64, uint32, uint64  # noqa: E402
-
-from numbaengine.kernels.attention import shfl_xor  # noqa: E402
-from numbaengine.kernels.device import SIM, as_f32, block_argmax, kernel, launch, ld16  # noqa: E402
-from numbaengine.kernels.topk import key_index, order_key, warp_max_u64  # noqa: E402
+from numbaengine.kernels.attention import shfl_xor
+from numbaengine.kernels.device import SIM, as_f32, block_argmax, kernel, launch, ld16
+from numbaengine.kernels.topk import key_index, order_key, warp_max_u64
 
 SAMPLE_THREADS = 512            # sample_kernel: one block per row
 SPLIT_THREADS = 64 if SIM else 128  # sample_part_kernel: one block per (vocabulary chunk, row)
@@ -74,7 +27,7 @@ _POS_SALT = uint64(0x5851F42D)
 
 @cuda.jit(device=True, inline="always")
 def mix64_dev(z):
-    """splitmix64 finalizer (wrapping uint64 math), the device twin of mix64."""
+    """splitmix64 finalizer (wrapping uint64 math), the device twin of reference.mix64."""
     z = z + _G3
     z = (z ^ (z >> uint64(30))) * _G1
     z = (z ^ (z >> uint64(27))) * _G2

@@ -44,22 +44,6 @@ TOPK_CHUNKS = 64                # vocabulary chunks per row at most (V <= TOPK_C
 BIG = 2 ** 31 - 1
 NEG_INF = float32(-np.inf)
 
-
-def argmax_ref(logits, out):
-    """logits f32[n, V] -> out i32[n]."""
-    out[:] = np.argmax(logits, axis=-1)
-    return out
-
-
-def topk_ref(logits, k, idx_out, val_out):
-    """logits f32[n, V] -> idx_out i32[n, k], val_out f32[n, k], sorted by value (lower index first on ties)."""
-    order = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
-    idx_out[:] = order
-    val_out[:] = np.take_along_axis(logits, order, axis=-1)
-    return idx_out, val_out
-
-
-# ---------------------------------------------------------------------------------------------------- numba.cuda
 if SIM:
     from numbaengine.kernels.device import shfl_idx
 
