@@ -1,0 +1,373 @@
+"""The OpenAI-compatible server (numbaengine/serve.py) in a subprocess on the numpy backend with the shipped pair,
+driven with the official openai client: every finished response equals Engine.generate for its prompt and
+settings (computed here), whatever else the continuous batch is running; errors are OpenAI error bodies."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from numbaengine.weights import SHIPPED_PAIR
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "fixtures"
+CONTEXT = 512
+FAIL = "raise in the engine"
+PROMPTS = ["def add(a, b):", "import os\nimport sys\n", "class Stack:\n    def push(self, item):",
+           "    for i in range(len(items)):\n        if", "def fibonacci(n):\n    if n < 2:"]
+
+
+@functools.cache
+def engine():
+    from numbaengine import Engine
+    return Engine.load(SHIPPED_PAIR / "target", SHIPPED_PAIR / "draft", backend="numpy", max_context=CONTEXT)
+
+
+@functools.cache
+def offline(prompt, max_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0, stop_ids=None, stops=()):
+    """(text, completion tokens, finish reason) of Engine.generate, cut before the first stop string."""
+    e = engine()
+    r = e.generate(prompt, max_tokens, mode, budget, temperature, seed, list(stop_ids) if stop_ids else None)
+    found = [i for i in (r.text.find(s) for s in stops) if i >= 0]
+    if not found:
+        return r.text, len(r.tokens), "length" if r.stats["stop_reason"] == "length" else "stop"
+    k = next(k for k in range(1, len(r.tokens) + 1) if any(s in e.tokenizer.decode(r.tokens[:k]) for s in stops))
+    return r.text[:min(found)], k, "stop"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server(*args):
+    """`python -m numbaengine.serve ARGS` on a free port; yields (base url, process) once /health answers."""
+    port = free_port()
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "numbaengine.serve", "--backend", "numpy", "--port", str(port),
+                             "--max-context", str(CONTEXT), *map(str, args)], cwd=ROOT, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                log.seek(0)
+                pytest.fail(f"the server did not start:\n{log.read().decode()[-3000:]}")
+            time.sleep(0.1)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def client(url, cls=openai.OpenAI):
+    return cls(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def chat_model():
+    """The shipped target in a folder of its own, with a chat template (tokenizer_config.json)."""
+    with tempfile.TemporaryDirectory() as d:
+        shutil.copytree(SHIPPED_PAIR / "target", Path(d) / "target")
+        shutil.copy(FIXTURES / "chat_tokenizer_config.json", Path(d) / "target" / "tokenizer_config.json")
+        yield Path(d) / "target"
+
+
+@pytest.fixture(scope="module")
+def main(chat_model):
+    with server("--model", chat_model, "--draft", SHIPPED_PAIR / "draft", "--max-batch", 8,
+                "--fail-prompt", FAIL) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def small():
+    """The shipped pair (no chat template), one sequence at a time and one waiting."""
+    with server("--max-batch", 1, "--max-queue", 1, "--max-context", 4096) as (url, _):
+        yield url
+
+
+def health(url):
+    return httpx.get(url + "/health").json()
+
+
+# --- outputs -----------------------------------------------------------------------------------------------------------
+
+SETTINGS = [("ddtree", 16, 0.0, 0), ("ddtree", 8, 0.8, 3), ("dflash", 0, 0.0, 0), ("ar", 0, 1.0, 7)]
+
+
+@pytest.mark.parametrize("mode, budget, temperature, seed", SETTINGS)
+def test_completion_equals_generate(main, mode, budget, temperature, seed):
+    r = client(main).completions.create(model="m", prompt=PROMPTS[0], max_tokens=16, temperature=temperature,
+                                        seed=seed, extra_body={"speculative": {"mode": mode, "budget": budget}})
+    text, n, finish = offline(PROMPTS[0], 16, mode, budget, temperature, seed)
+    assert (r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason) == (text, n, finish)
+    assert r.usage.prompt_tokens == len(engine().tokenizer.encode(PROMPTS[0]))
+    assert r.object == "text_completion" and r.model == "target"
+
+
+def test_token_id_prompt(main):
+    ids = engine().tokenizer.encode(PROMPTS[1])
+    r = client(main).completions.create(model="m", prompt=ids, max_tokens=12, temperature=0)
+    assert r.choices[0].text == offline(PROMPTS[1], 12)[0]
+
+
+def test_two_concurrent_requests(main):
+    """Different prompts and seeds decoded side by side each get Engine.generate's output (noise keyed by
+    sequence index 0 and the request's own seed)."""
+    cases = [(PROMPTS[2], 16, "ddtree", 16, 0.9, 11), (PROMPTS[3], 16, "ddtree", 16, 0.9, 12)]
+    got = {}
+
+    def ask(i, prompt, n, mode, budget, t, seed):
+        got[i] = client(main).completions.create(model="m", prompt=prompt, max_tokens=n, temperature=t, seed=seed)
+
+    threads = [threading.Thread(target=ask, args=(i, *c)) for i, c in enumerate(cases)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, c in enumerate(cases):
+        assert got[i].choices[0].text == offline(*c)[0]
+
+
+def test_chat_template(main):
+    messages = [{"role": "system", "content": "complete the code"}, {"role": "user", "content": "def add(a, b):"}]
+    r = client(main).chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0)
+    prompt = "# system:\ncomplete the code\n# user:\ndef add(a, b):\n# assistant:\n"
+    text, n, finish = offline(prompt, 16)
+    assert (r.choices[0].message.content, r.choices[0].message.role, r.choices[0].finish_reason) == \
+           (text, "assistant", finish)
+    assert r.usage.prompt_tokens == len(engine().tokenizer.encode(prompt)) and r.usage.completion_tokens == n
+
+
+def test_stream_chunks_join(main):
+    chunks = list(client(main).completions.create(model="m", prompt=PROMPTS[4], max_tokens=16, temperature=0.5,
+                                                  seed=2, stream=True, stream_options={"include_usage": True}))
+    text, n, finish = offline(PROMPTS[4], 16, temperature=0.5, seed=2)
+    pieces = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(pieces) == text and len(pieces) > 2
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
+    assert chunks[-1].usage.completion_tokens == n and not chunks[-1].choices
+
+
+def test_chat_stream(main):
+    stream = client(main).chat.completions.create(model="m", messages=[{"role": "user", "content": "import os"}],
+                                                  max_tokens=16, temperature=0, stream=True)
+    deltas = [c.choices[0].delta for c in stream]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == offline("# user:\nimport os\n# assistant:\n", 16)[0]
+
+
+def test_stop_strings(main):
+    full = offline(PROMPTS[0], 16)[0]
+    stop = full.split()[2]                           # a word in the middle of the greedy output
+    want = offline(PROMPTS[0], 16, stops=(stop,))
+    c = client(main)
+    r = c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop, "@@@"])
+    assert (r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason) == want
+    assert len(want[0]) < len(full)
+    stream = c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=stop, stream=True)
+    assert "".join(x.choices[0].text for x in stream) == want[0]
+
+
+def test_stop_token_ids(main):
+    tokens = engine().generate(PROMPTS[1], 16, temperature=0).tokens
+    r = client(main).completions.create(model="m", prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                        extra_body={"stop_token_ids": [tokens[5]]})
+    text, n, _ = offline(PROMPTS[1], 16, stop_ids=(tokens[5],))
+    assert (r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason) == (text, n, "stop")
+    assert n == tokens.index(tokens[5]) + 1
+
+
+# --- bad input and faults ---------------------------------------------------------------------------------------------
+
+BAD = [  # (path, body, param)
+    ("completions", '{"prompt": "x", ', None),
+    ("completions", "[1, 2]", None),
+    ("completions", {}, "prompt"),
+    ("completions", {"prompt": "x", "max_tokens": "16"}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("completions", {"prompt": "x", "seed": -3}, "seed"),
+    ("completions", {"prompt": "x", "n": 2}, "n"),
+    ("completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("completions", {"prompt": "x", "stop": ["a", 3]}, "stop"),
+    ("completions", {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
+    ("completions", {"prompt": "x", "speculative": {"mode": "beam"}}, "speculative.mode"),
+    ("completions", {"prompt": "x", "speculative": {"budget": 5000}}, "speculative.budget"),
+    ("completions", {"prompt": "x", "speculative": {"width": 3}}, "speculative.width"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": [99999]}, "prompt"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": "x", "top_p": 0.5}, "top_p"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", BAD)
+def test_bad_request_names_the_field(main, path, body, param):
+    kw = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.post(f"{main}/v1/{path}", headers={"Content-Type": "application/json"}, timeout=30, **kw)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["type"] == "invalid_request_error" and set(err) >= {"message", "code"}
+    assert err["param"] == param, err
+
+
+def test_bad_request_through_the_client(main):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(main).completions.create(model="m", prompt="x", max_tokens=4, n=3)
+    assert e.value.param == "n" and "n:" in e.value.message
+
+
+def test_prompt_too_long(main):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(main).completions.create(model="m", prompt=[5] * CONTEXT, max_tokens=4)
+    assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
+
+
+def test_chat_without_template(small):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(small).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], max_tokens=4)
+    assert (e.value.param, e.value.code) == ("messages", "no_chat_template")
+
+
+def test_queue_full_then_disconnect_frees_the_slot(small):
+    """One slot, one queue place: a long stream holds the slot (slow rounds: 256-node trees), a second request
+    waits, a third gets 429. Closing the stream frees the slot for the waiting request."""
+    body = {"prompt": "import os", "max_tokens": 3000, "stream": True, "temperature": 0,
+            "speculative": {"mode": "ddtree", "budget": 256}, "stop_token_ids": []}
+    waiting = {}
+    with httpx.stream("POST", small + "/v1/completions", json=body, timeout=60) as long:
+        next(long.iter_lines())
+        asker = threading.Thread(target=lambda: waiting.update(r=client(small).completions.create(
+            model="m", prompt=PROMPTS[0], max_tokens=8, temperature=0)))
+        asker.start()
+        deadline = time.time() + 10
+        while health(small)["queued"] < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert health(small)["active"] == 1
+        with pytest.raises(openai.RateLimitError) as e:
+            client(small).completions.create(model="m", prompt="x", max_tokens=4)
+        assert e.value.response.headers["retry-after"] and e.value.code == "rate_limit_exceeded"
+    t0 = time.time()
+    asker.join(30)
+    assert time.time() - t0 < 10 and waiting["r"].choices[0].text == offline(PROMPTS[0], 8)[0]
+    assert health(small)["active"] == 0
+
+
+def test_engine_error_fails_only_its_request(main):
+    c, got = client(main), {}
+    ok = threading.Thread(target=lambda: got.update(ok=c.completions.create(
+        model="m", prompt=PROMPTS[3], max_tokens=16, temperature=0)))
+    ok.start()
+    with pytest.raises(openai.InternalServerError) as e:
+        c.completions.create(model="m", prompt=FAIL, max_tokens=16, temperature=0)
+    assert e.value.type == "server_error" and "injected fault" in e.value.message
+    with pytest.raises(openai.APIError):                 # mid-stream: an error event
+        list(c.completions.create(model="m", prompt=FAIL, max_tokens=16, temperature=0, stream=True))
+    ok.join()
+    assert got["ok"].choices[0].text == offline(PROMPTS[3], 16)[0]
+    after = c.completions.create(model="m", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert after.choices[0].text == offline(PROMPTS[0], 8)[0]
+
+
+def test_load(main):
+    """40 streamed requests, 8 at a time, greedy and sampled over several modes, every tenth closed after its
+    second chunk: each finished stream equals Engine.generate, each closed one is a prefix of it (no token lost
+    or repeated), and the batch is empty afterwards."""
+    modes = [("ddtree", 16), ("ddtree", 4), ("dflash", 0), ("ar", 0)]
+    cases = [(PROMPTS[i % 5], 16, *modes[i % 4], 0.0 if i % 2 else 0.9, i % 3) for i in range(40)]
+
+    async def one(c, gate, i, case):
+        prompt, n, mode, budget, t, seed = case
+        async with gate:
+            stream = await c.completions.create(model="m", prompt=prompt, max_tokens=n, temperature=t, seed=seed,
+                                                stream=True, extra_body={"speculative": {"mode": mode,
+                                                                                         "budget": budget}})
+            pieces = []
+            async with stream:
+                async for chunk in stream:
+                    pieces.append(chunk.choices[0].text)
+                    if i % 10 == 9 and len(pieces) == 2:
+                        break
+            return "".join(pieces), chunk.choices[0].finish_reason
+
+    async def run():
+        c, gate = client(main, openai.AsyncOpenAI), asyncio.Semaphore(8)
+        return await asyncio.gather(*(one(c, gate, i, case) for i, case in enumerate(cases)))
+
+    results = asyncio.run(run())
+    for i, (case, (text, finish)) in enumerate(zip(cases, results)):
+        want, _, want_finish = offline(*case)
+        if i % 10 == 9 and finish is None:
+            assert want.startswith(text), (i, case)
+        else:
+            assert (text, finish) == (want, want_finish), (i, case)
+    deadline = time.time() + 5
+    while health(main)["active"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert health(main)["active"] == 0 and health(main)["queued"] == 0
+
+
+def test_models_health_metrics(main):
+    assert [m.id for m in client(main).models.list()] == ["target"]
+    assert health(main)["backend"] == "numpy"
+    client(main).completions.create(model="m", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    text = httpx.get(main + "/metrics").text
+    for name in ('numbaengine_requests_total{path="/v1/completions",status="200"}', "numbaengine_tau_bucket",
+                 "numbaengine_round_seconds_count", "numbaengine_batch_occupancy", "numbaengine_queue_depth",
+                 "numbaengine_generation_tokens_total", 'status="400"'):
+        assert name in text
+    assert "numbaengine_gpu_" not in text                # no NVML on a CPU machine: absent, not zero
+
+
+def test_sigterm_drains_in_flight_requests():
+    with server("--max-batch", 2) as (url, proc):
+        got = {}
+
+        def plain():
+            got["plain"] = client(url).completions.create(model="m", prompt=PROMPTS[1], max_tokens=48, temperature=0)
+
+        def streamed():
+            got["stream"] = "".join(c.choices[0].text for c in client(url).completions.create(
+                model="m", prompt=PROMPTS[2], max_tokens=48, temperature=0, stream=True))
+
+        threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 10
+        while health(url)["active"] < 2 and time.time() < deadline:
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        assert proc.wait(30) == 0
+    assert got["plain"].choices[0].text == offline(PROMPTS[1], 48)[0]
+    assert got["stream"] == offline(PROMPTS[2], 48)[0]

@@ -1,0 +1,135 @@
+"""Load generator for the HTTP server (numbaengine/serve.py): streamed completions through the official openai
+client (AsyncOpenAI) at each concurrency of a sweep, over the held-out prompts (tools/train/heldout.json).
+
+    python -m numbaengine.serve --port 8000 &
+    python -m tools.bench_serve --url http://127.0.0.1:8000 --concurrency 1,8,32,128 --out serve.json
+
+Per level: TTFT (request sent -> first text), TPOT ((last text - first text) / (completion tokens - 1)), ITL (gap
+between streamed chunks: one chunk per committed round, so a chunk holds tau tokens), p50 and p99 of each, and
+tokens/s = completion tokens of all requests over the level's wall time. JSON + a table.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tools.acceptance import DEFAULT_PROMPTS, load_prompts
+
+
+@dataclass
+class Sample:
+    ttft: float = float("nan")
+    tpot: float = float("nan")
+    itl: list = field(default_factory=list)
+    tokens: int = 0
+    error: str | None = None
+
+
+async def one(client, model, prompt, args) -> Sample:
+    s, t0, last = Sample(), time.perf_counter(), None
+    extra = {"speculative": {"mode": args.mode, "budget": args.budget}} if args.mode else {}
+    try:
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens,
+                                                 temperature=args.temperature, seed=args.seed, stream=True,
+                                                 stream_options={"include_usage": True}, extra_body=extra)
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                s.tokens = chunk.usage.completion_tokens
+            if not chunk.choices or not chunk.choices[0].text:
+                continue
+            if last is None:
+                s.ttft = now - t0
+                first = now
+            else:
+                s.itl.append(now - last)
+            last = now
+        if last is not None and s.tokens > 1:
+            s.tpot = (last - first) / (s.tokens - 1)
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, the sweep goes on
+        s.error = f"{type(e).__name__}: {e}"
+    return s
+
+
+async def level(client, model, prompts, concurrency, n, args) -> dict:
+    """n requests (prompts in turn), at most `concurrency` in flight."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(i):
+        async with gate:
+            return await one(client, model, prompts[i % len(prompts)], args)
+
+    t0 = time.perf_counter()
+    samples = await asyncio.gather(*(gated(i) for i in range(n)))
+    wall = time.perf_counter() - t0
+    ok = [s for s in samples if s.error is None]
+
+    def pct(values):
+        v = np.array([x for x in values if not math.isnan(x)], np.float64) * 1e3
+        return dict(p50=float(np.percentile(v, 50)), p99=float(np.percentile(v, 99))) if len(v) else {}
+
+    tokens = sum(s.tokens for s in ok)
+    return dict(concurrency=concurrency, requests=n, errors=len(samples) - len(ok),
+                first_error=next((s.error for s in samples if s.error), None), wall_s=wall,
+                tokens=tokens, tokens_per_s=tokens / wall, requests_per_s=len(ok) / wall,
+                ttft_ms=pct(s.ttft for s in ok), tpot_ms=pct(s.tpot for s in ok),
+                itl_ms=pct(x for s in ok for x in s.itl))
+
+
+def table(rows) -> str:
+    head = f"{'conc':>5} {'reqs':>5} {'err':>4} {'tok/s':>9} {'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>17} " \
+           f"{'ITL p50/p99 ms':>17}"
+    lines = [head]
+    for r in rows:
+        cell = lambda d: f"{d.get('p50', float('nan')):8.1f}/{d.get('p99', float('nan')):<8.1f}"
+        lines.append(f"{r['concurrency']:>5} {r['requests']:>5} {r['errors']:>4} {r['tokens_per_s']:>9.1f} "
+                     f"{cell(r['ttft_ms'])} {cell(r['tpot_ms'])} {cell(r['itl_ms'])}")
+    return "\n".join(lines)
+
+
+async def sweep(args) -> list:
+    from openai import AsyncOpenAI
+    client = AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=args.timeout)
+    model = args.model or (await client.models.list()).data[0].id
+    prompts = load_prompts(args.prompts_file, args.prompts)
+    rows = []
+    for c in args.concurrency:
+        rows.append(await level(client, model, prompts, c, args.requests or max(2 * c, 16), args))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", help="model id (default: the server's first)")
+    ap.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 32, 128])
+    ap.add_argument("--requests", type=int, help="requests per level (default: twice the concurrency, at least 16)")
+    ap.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS))
+    ap.add_argument("--prompts", type=int, default=64, help="held-out prompts to cycle through")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mode", choices=("ddtree", "dflash", "ar"), help="speculative mode (default: the server's)")
+    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--out", help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    print(table([]), flush=True)
+    rows = asyncio.run(sweep(args))
+    result = dict(url=args.url, max_tokens=args.max_tokens, temperature=args.temperature, mode=args.mode,
+                  budget=args.budget, levels=rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
