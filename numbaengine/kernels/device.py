@@ -149,11 +149,13 @@ def kernel(**opts):
     """`cuda.jit` for kernels; drops the options the simulator does not know. With PDL the kernel's body runs after
     grid_dep(): the next kernel may launch (griddepcontrol.launch_dependents; not in PDL "wait" mode) and this one
     waits until the previous kernel has finished and its writes are visible (griddepcontrol.wait); nothing of the
-    body (no read, no write) runs before the wait, so every ordering of a plain launch holds."""
+    body (no read, no write) runs before the wait, so every ordering of a plain launch holds. Compiled kernels are
+    kept on disk (kernels/cache.py)."""
+    from numbaengine.kernels import cache as kernel_cache
     if SIM:
         return cuda.jit
     if not PDL:
-        return cuda.jit(**opts)
+        return lambda fn: kernel_cache.install(cuda.jit(**opts)(fn))
 
     def deco(fn):
         import inspect
@@ -162,7 +164,7 @@ def kernel(**opts):
         exec(f"def {fn.__name__}({names}):\n    _grid_dep()\n    _body({names})\n", ns)
         wrapper = ns[fn.__name__]
         wrapper.__doc__, wrapper.__module__, wrapper.__qualname__ = fn.__doc__, fn.__module__, fn.__qualname__
-        k = cuda.jit(**opts)(wrapper)
+        k = kernel_cache.install(cuda.jit(**opts)(wrapper))
         k.grid_dep = True               # launch() gives it the PDL attribute
         return k
     return deco
@@ -855,6 +857,9 @@ def launch(kern, grid, block, *args, shmem=0, cluster=None, coop=False):
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         args = [FakeCUDAArray(a) if isinstance(a, np.ndarray) and a.ndim > 0 else a for a in args]
         kern[grid, block, current_stream(), shmem](*args)
+        return
+    from numbaengine.kernels import cache as kernel_cache
+    if kernel_cache.record_launch(kern, args):         # precompile's dry run: recorded, nothing runs
         return
     if coop:
         with cooperative():
