@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from time import perf_counter
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,8 @@ import numpy as np
 from numbaengine.backends import BACKENDS, gpu_ready
 from numbaengine.ddtree import MAX_BUDGET, MODES
 from numbaengine.engine import Engine
+from numbaengine.kernels import cache as kernel_cache
+from numbaengine.phases import delta, totals
 from numbaengine.treeviz import draw_tree, require_matplotlib, tree_json, tree_lines
 from numbaengine.weights import SHIPPED_PAIR
 
@@ -95,6 +98,10 @@ def parser():
     ap.add_argument("--tree-svg", metavar="DIR", help="draw every round's tree to DIR/round_0001.svg, ...: nodes by "
                     "depth, token text and q, the accepted path and bonus token in colour (needs matplotlib; "
                     "runs on numpy; default: no pictures)")
+    ap.add_argument("--kernel-cache", metavar="DIR", help="where compiled kernels are kept (default: "
+                    "NUMBAENGINE_CACHE_DIR, else ~/.cache/numbaengine/kernels)")
+    ap.add_argument("--no-kernel-cache", action="store_true", help="compile every kernel in this process and keep "
+                    "nothing (default: use the cache)")
     return ap
 
 
@@ -200,6 +207,29 @@ class Watcher:
                     elapsed_s=time.perf_counter() - self.t0)
 
 
+def precompile(engine, args):
+    """cuda: compile the kernels this run needs and the cache lacks in parallel worker processes, from a dry run of
+    the same request (nothing launched, at most 3 rounds), instead of one by one as the real run meets them."""
+    if engine.backend != "cuda" or not kernel_cache.enabled():
+        return
+    from numbaengine.warmup import RoundLimit
+    from numbaengine.warmup import precompile as compile_in_pool
+
+    def dry_run():
+        engine.generate(args.prompt, args.max_new_tokens, args.mode, args.budget, args.temperature, args.seed, (),
+                        on_round=RoundLimit(3))
+    compile_in_pool(dry_run, progress=sys.stderr.isatty())
+    engine.rounds_cache.clear()               # the dry run's buffers and graphs hold garbage
+
+
+def time_line(stats):
+    """Where the command's time went (exclusive seconds per phase) and what the kernel cache did."""
+    parts = ", ".join(f"{k} {v:.2f}s" for k, v in stats["time_s"].items())
+    k = stats.get("kernels")
+    cached = f"; kernels: {k['hits']} loaded, {k['misses']} compiled" if k else ""
+    return f"time: {parts}{cached}"
+
+
 def summary(stats, block_size=None):
     """The stats line: the mode with its own knob (ddtree: budget, dflash: block size), then tokens, acceptance
     (not for ar: it commits one token a round) and timings."""
@@ -268,13 +298,16 @@ def interrupted(args, model, draft, watch):
 
 def main(argv=None):
     args = model = draft = watch = None
+    before, t0 = totals(), perf_counter()
     try:
         args = parse_args(argv)
+        kernel_cache.configure(args.kernel_cache, enabled=not args.no_kernel_cache)
         model, draft, how = pick_models(args.model, args.draft)
         print(f"model: {model}  draft: {draft}  ({how})", file=sys.stderr)
         backend = pick_backend(args, draft)
         engine = Engine.load(model, draft if args.mode != "ar" else None, backend=backend,
                              max_context=args.max_context, devices=args.devices)
+        precompile(engine, args)
         live = sys.stdout.isatty() and not args.json and not args.show_tree
         watch = Watcher(args, engine.tokenizer, Stream(engine.tokenizer, sys.stdout, live))
         result = engine.generate(args.prompt, args.max_new_tokens, args.mode, args.budget, args.temperature,
@@ -285,11 +318,15 @@ def main(argv=None):
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     watch.end_progress()
+    result.stats["time_s"] = {**delta(before), "wall": round(perf_counter() - t0, 3)}
+    if engine.backend == "cuda":
+        result.stats["kernels"] = kernel_cache.stats()
     if args.json:
         print(json.dumps(record(args, model, draft, result.tokens, result.text, result.stats, watch.trees)))
     else:
         watch.stream.finish(result.text)
         print(summary(result.stats, getattr(engine.drafter, "block_size", None)), file=sys.stderr)
+        print(time_line(result.stats), file=sys.stderr)
     return 0
 
 

@@ -68,7 +68,7 @@ def test_show_tree_text_and_json(pair):
     assert sum("root" in ln for ln in lines) == len(rounds)
     assert sum("-> bonus" in ln for ln in lines) == len(rounds)
     assert all(ln.endswith("*") for ln in lines if "root" in ln)              # the root is always accepted
-    assert any("q=" in ln for ln in lines) and "tokens/s" in lines[-1]
+    assert any("q=" in ln for ln in lines) and "tokens/s" in lines[-2]
     p = cli("--prompt", "5 6 7", *model_args(pair), "--show-tree", "--json", "--max-new-tokens", "6", "--budget", "5",
             "--stop", "")
     out = json.loads(p.stdout)
@@ -174,7 +174,7 @@ def test_stdout_is_only_the_text():
     assert p.returncode == 0, p.stderr
     want = Engine.load(backend="numpy").generate("def add(a, b):", 6)
     assert p.stdout == want.text + "\n"
-    assert p.stderr.startswith("model:") and "tokens/s" in p.stderr.splitlines()[-1]
+    assert p.stderr.startswith("model:") and "tokens/s" in p.stderr.splitlines()[-2]
 
 
 class FakeTerminal(io.StringIO):
@@ -277,9 +277,35 @@ def test_memory_error_is_one_line(monkeypatch, capsys):
 def test_stats_line_names_the_knob_of_its_mode(pair, capsys, mode, head):
     argv = ["--prompt", "5 6 7", *model_args(pair), "--mode", mode, "--budget", "8", "--max-new-tokens", "5"]
     assert run.main(argv) == 0
-    line = capsys.readouterr().err.splitlines()[-1]
+    line, times = capsys.readouterr().err.splitlines()[-2:]
     assert line.startswith(head) and "tokens/s" in line
     assert ("budget" in line) == (mode == "ddtree") and ("tau" in line) == (mode != "ar")
+    assert times.startswith("time: load ") and " decode " in times and " wall " in times
+
+
+def test_stats_split_load_compile_capture_prefill_decode(pair, capsys):
+    """The --json stats say where the command's time went; the phases cover the wall time they are part of."""
+    assert run.main(["--prompt", "5 6 7", *model_args(pair), "--json", "--max-new-tokens", "6"]) == 0
+    t = json.loads(capsys.readouterr().out)["stats"]["time_s"]
+    assert list(t) == ["load", "compile", "capture", "prefill", "decode", "wall"], t
+    assert t["load"] > 0 and t["prefill"] > 0 and t["decode"] > 0
+    assert sum(v for k, v in t.items() if k != "wall") <= t["wall"] + 1e-3, t
+
+
+@pytest.mark.parametrize("flags,want_dir,want_on", [([], None, True), (["--no-kernel-cache"], None, False),
+                                                    (["--kernel-cache", "KC"], "KC", True)])
+def test_kernel_cache_flags(pair, tmp_path, monkeypatch, capsys, flags, want_dir, want_on):
+    """--kernel-cache DIR and --no-kernel-cache set where compiled kernels are kept and whether they are used."""
+    from numbaengine.kernels import cache
+    monkeypatch.setenv("NUMBAENGINE_CACHE_DIR", str(tmp_path / "env"))
+    monkeypatch.delenv("NUMBAENGINE_KERNEL_CACHE", raising=False)
+    flags = [str(tmp_path / f) if f == "KC" else f for f in flags]
+    try:
+        assert run.main(["--prompt", "5 6 7", *model_args(pair), "--max-new-tokens", "2", *flags]) == 0
+        assert cache.cache_dir() == (tmp_path / want_dir if want_dir else tmp_path / "env")
+        assert cache.enabled() is want_on
+    finally:
+        cache.configure()
 
 
 # --- trees ----------------------------------------------------------------------------------------------------------
