@@ -126,12 +126,9 @@ INT4_OFFSET2 = uint32(0xC308C308)      # bf16 pair (-136.0, -136.0): 128 + u - 1
 # exit, so the next kernel is launched as this one's last blocks end (ahead of its completion being signalled), and
 # its blocks first wait (griddepcontrol.wait) until this kernel has finished and its writes are visible.
 # NUMBAENGINE_PDL (read at import): "wait" (default), "trigger" (or "1": each kernel also lets the next launch at its
-# start), "off" (or "0": plain launches). H200, session 20, K2 x 2 layers (`python -m tools.bench --synth-k2 2
-# --modes ar,ddtree --budgets 16 --batches 1 --new-tokens 32`, bench/h200_2026-12-01c/): AR step GPU time 1.273 /
-# 1.275 ms off -> 1.249 / 1.252 ms wait (two processes each: -1.8%), DDTree-16 round 3.165 -> 3.157 ms (one each).
-# Session 17: "trigger" made the AR step SLOWER (1.297-1.300 -> 1.405 ms, bench/h200_2026-12-01/k2_pdl.log; not
-# explained: the next kernel's waiting blocks may hold SM slots that parallel graph branches need), although a graph
-# of pure-read kernels gained 0.7-0.8 us per kernel with it (python -m tools.pdl_probe, pdl_probe.json).
+# start), "off" (or "0": plain launches). "wait" against "off", H200, K2.6-shaped 2 layers (`python -m tools.bench
+# --synth-k2 2 --modes ar,ddtree --budgets 16 --batches 1 --new-tokens 32`): AR step 1.249 against 1.273 ms of GPU
+# time (-1.8%). "trigger" made that step slower (1.405 against 1.297 ms).
 PDL_MODES = {"": "wait", "wait": "wait", "1": "trigger", "trigger": "trigger", "0": None, "off": None}
 
 
