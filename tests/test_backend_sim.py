@@ -5,7 +5,7 @@ autoregressive decoding (Engine.generate, absorbed MLA, sampling kernel,
 cache commit) and a tree verify (absorbed MLA with a packed tree mask, hidden features).
 
 Tolerance: |logits - reference| <= 1e-2 * max |reference| (hidden features likewise). The kernels round on
-purpose: the MoE experts take bf16 activations (W4A16, kernels/moe.py MOE_XS = 1) and the absorbed MLA rounds q and
+purpose: the MoE experts take bf16 activations (W4A16, kernels/moe.py) and the absorbed MLA rounds q and
 the softmax weights to bf16 (kernels/mla.py); dense GEMMs on large weights take bf16 activations too (kernels/gemm.py
 XS_DEFAULT), on small weights (these tests' models) hi + lo parts (SMALL_XS, ~1e-5), as the router's
 logits and MLA's per-head products. Measured on the simulator and an H200: 1e-3 .. 3e-3 (logits and hidden); with

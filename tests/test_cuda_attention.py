@@ -146,15 +146,14 @@ def test_gpu_sample():
 
 # --- PTX for sm_90 ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("M,causal,fuse", [(8, False, False), (64, False, False), (1088, False, False),
-                                           (8, True, False), (64, True, False), (1088, True, False), (64, False, True)])
-def test_ptx_mla(M, causal, fuse):
-    """The mma.sync MLA kernel at K2's widths (fuse: with the last split block's merge compiled in)."""
+@pytest.mark.parametrize("M,causal", [(8, False), (64, False), (1088, False), (8, True), (64, True), (1088, True)])
+def test_ptx_mla(M, causal):
+    """The mma.sync MLA kernel at K2's widths."""
     import re
 
     from numbaengine.kernels.mla import MLA_PTX_SIG, mla_geometry, mla_kernel
     wm, wn, pf, _, _ = mla_geometry(M, 576, 512)
-    ptx = ptx_or_skip(mla_kernel(wm, wn, pf, causal, 576, 512, fuse=fuse).py_func, MLA_PTX_SIG)
+    ptx = ptx_or_skip(mla_kernel(wm, wn, pf, causal, 576, 512).py_func, MLA_PTX_SIG)
     assert not f64_lines(ptx), f64_lines(ptx)[:5]
     assert ptx.count("mma.sync") and ptx.count("ldmatrix")
     assert not re.search(r"(ld|st)\.local", ptx), "accumulators spilled to local memory"

@@ -54,19 +54,6 @@ def check_ops_gemm_tall(env, m=73, n=16, k=64):
                        (np.abs(x) @ np.abs(C.bf16_to_f32(w)).T).max())
 
 
-def check_ab_refuses(env):
-    """The AB cut with hi + lo parts or a ring is refused with a one-line error, nothing written."""
-    from numbaengine.kernels.gemm import GemmWorkspace, gemm
-    x, w = np.ones((3, 64), np.float32), C.rand_bf16(np.random.default_rng(0), 16, 64)
-    ws = GemmWorkspace(env.zeros((4096,), np.uint32), env.zeros((4096,), np.float32))
-    for xs, cfg in ((2, GemmConfig(R=1, WR=1, WK=1, SB=1, BF=0, AB=1)),
-                    (1, GemmConfig(R=1, WR=1, WK=1, SB=1, BF=0, S=2, AB=1))):
-        out = C.poisoned(env, (3, 16), np.float32)
-        with pytest.raises(ValueError, match="AB cut"):
-            gemm(env.dev(x), env.dev(w), out, ws, xs, cfg)
-        assert np.isnan(env.host(out)).all()
-
-
 def check_prep_wg_boxes(env):
     """prep_b tiled=3 (kernels/gemm_wg.py's B boxes): every bf16 of x at its swizzled place in its token block,
     rows past m repeating row m - 1, for one block (33 rows -> 40) and two (70 -> 2 x 40)."""
@@ -118,14 +105,6 @@ SIM_CASES = {
         R=2, WR=1, WK=2, SB=2, BF=0, S=2, RB=1)),
     "gemm_ring_b_in_ring_bf16_activations": lambda env: C.check_gemm(env, 17, 32, 320, 1, GemmConfig(
         R=2, WR=1, WK=1, SB=2, BF=0, MB=2, FR=0, S=2, RB=1)),    # the default cut of 3 tiles on large weights
-    # x as the A operand (AB): 2 token tiles of 16 with a row past m, rows past n, k split in and across blocks
-    "gemm_ab_2tiles_split": lambda env: C.check_gemm(env, 17, 48, 128, 1,
-                                                      GemmConfig(R=2, WR=1, WK=2, SB=2, BF=0, FR=0, AB=1)),
-    "gemm_ab_fused_reduce_2warp_rows": lambda env: check_gemm_fused_reduce(env, 5, 40, 192, GemmConfig(
-        R=1, WR=2, WK=1, SB=3, BF=0, AB=1), xs=1),
-    "gemm_ab_3tiles_r1_prep_pads_rows": lambda env: C.check_gemm(env, 40, 24, 64, 1,
-                                                                  GemmConfig(R=1, WR=2, WK=1, SB=1, BF=0, AB=1)),
-    "gemm_ab_bad_cut": lambda env: check_ab_refuses(env),
     "rmsnorm": lambda env: C.check_norm(env, 3, 100, False),
     "add_rmsnorm": lambda env: C.check_norm(env, 3, 100, True),
     "add_rmsnorm_keep": lambda env: C.check_norm(env, 2, 70, "keep"),
@@ -140,8 +119,7 @@ SIM_CASES = {
 
 
 @pytest.mark.parametrize("T,R,BF,S,RB", [(1, 2, 1, 0, 0), (3, 2, 2, 0, 0), (5, 2, 1, 0, 0), (1, 2, 1, 4, 0),
-                                         (3, 2, 2, 4, 0), (9, 1, 2, 3, 0), (3, 2, 2, 3, 1), (9, 1, 2, 2, 1),
-                                         (2, 2, 4, 0, 0), (3, 1, 4, 0, 0), (5, 1, 4, 0, 0)])
+                                         (3, 2, 2, 4, 0), (9, 1, 2, 3, 0), (3, 2, 2, 3, 1), (9, 1, 2, 2, 1)])
 def test_ptx_gemm_fused_reduce(T, R, BF, S, RB):
     """The GEMM with the in-kernel k-split reduce (and the cp.async ring when S) compiles for sm_90: no float64,
     accumulators and weight fragments in registers."""
@@ -153,7 +131,7 @@ def test_ptx_gemm_fused_reduce(T, R, BF, S, RB):
     from numbaengine.kernels.gemm import _build_gemm
     u32, f32 = ty.uint32[::1], ty.float32
     sig = ((f32[::1] if BF == 1 else u32), u32, f32[:, :], f32[:, :, :], u32) + (ty.int32,) * 5
-    ptx = ptx_or_skip(_build_gemm(T, R, 1 if BF == 4 else 2, 2, 1, BF, 1, (256, 2), S, RB).py_func, sig)
+    ptx = ptx_or_skip(_build_gemm(T, R, 2, 2, 1, BF, 1, (256, 2), S, RB).py_func, sig)
     assert not f64_lines(ptx), "float64 instructions:\n" + "\n".join(f64_lines(ptx)[:5])
     assert "mma.sync.aligned.m16n8k16" in ptx and "atom.global.add.u32" in ptx
     assert not re.search(r"\b(ld|st)\.local", ptx), "local memory"
@@ -171,10 +149,10 @@ K2_GEMMS = {"q_a": (1536, 7168), "q_b": (12288, 1536), "kv_a": (576, 7168), "q_k
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 17, 33, 65])
 @pytest.mark.parametrize("over", [dict(S=0, RB=0), dict(S=4, RB=0), dict(S=3, RB=1), dict(S=2, RB=1),
-                                  dict(S=3, RB=1, WR=4), dict(S=0, RB=0, BF=0, AB=1)], ids=str)
+                                  dict(S=3, RB=1, WR=4)], ids=str)
 def test_gpu_gemm_cuts(over, m):
     """The cuts tools/bench_kernels.py tries, on q_kv_a and shared_down (k split in and across blocks) and kv_b
-    (hi + lo parts; the AB cut takes bf16 activations only)."""
+    (hi + lo parts)."""
     from dataclasses import replace
 
     from numbaengine.kernels.gemm import SMEM_MAX, gemm_config, gemm_smem, token_tiles
@@ -182,10 +160,8 @@ def test_gpu_gemm_cuts(over, m):
         n, k = K2_GEMMS[name]
         cfg = replace(gemm_config(m, n, k), WG=0, **over)      # the mma path's cuts (not kernels/gemm_wg.py)
         T = token_tiles(m, cfg)
-        if cfg.AB and T >= 3:        # 2R*T*4 accumulators per lane: above 40 numba keeps them in local memory
-            cfg = replace(cfg, R=1)
         if cfg.WR * cfg.WK <= 8 and gemm_smem(T, cfg, 2 * T * cfg.RB) <= SMEM_MAX:
-            C.check_gemm(Env(gpu=True), m, n, k, 1 if cfg.AB else 2, cfg)
+            C.check_gemm(Env(gpu=True), m, n, k, 2, cfg)
 
 
 @pytest.mark.gpu

@@ -82,36 +82,18 @@ def test_gpu_gemm_wg_k2(name, m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 9, 40, 70])
-@pytest.mark.parametrize("xin", [0, 1, 2])
+@pytest.mark.parametrize("xin", [0, 1])
 @pytest.mark.parametrize("mt,cl,stages", [(1, 1, 2), (2, 1, 3), (1, 3, 2), (2, 2, 5), (2, 8, 4), (1, 5, 8)])
 def test_gpu_gemm_wg_cuts(mt, cl, stages, xin, m):
     """Every cut field on odd shapes: rows past n inside a box and a whole box past n (n = 200: MT = 2 strips of 128),
     k pieces of unequal boxes (k = 704: 11 boxes), fewer boxes than stages, clusters of 1 .. 8, x converted by the
-    blocks (XIN 1, any height here: 70 rows are two blocks of 40; none with 2 stages), x as f32 by TMA converted in
-    shared memory (XIN 2: rows past m land as zeros) or prepared and bulk-copied (XIN 0)."""
+    blocks (XIN 1, any height here: 70 rows are two blocks of 40; none with 2 stages) or prepared and bulk-copied
+    (XIN 0)."""
     from numbaengine.kernels.gemm_wg import wg_cut
     for n, k in ((200, 704), (1000, 640), (64, 128)):
         if cl > k // 64:
             continue
         check(m, n, k, wg_cut(m, n, k, mt=mt, cl=cl, stages=stages, xin=xin))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 5, 17, 40, 70])
-@pytest.mark.parametrize("name", ["q_kv_a", "o", "q_b"])
-def test_gpu_gemm_wg_xtma(name, m, monkeypatch):
-    """WG_XTMA_ROWS on (x as f32 by TMA, converted in shared memory: XIN 2) gives bitwise the prep path's output (the
-    same bf16 x, the same sums in the same order) on K2's projections; 70 rows: two token blocks of 40, the second
-    partly past m. (64-row blocks on two-box strips leave room for 2 stages only: XIN 2 needs 3, they fall back.)"""
-    import numbaengine.kernels.gemm_wg as kw
-    seed = int(np.random.default_rng().integers(1 << 30))
-    monkeypatch.setattr(kw, "WG_XTMA_ROWS", 64)
-    monkeypatch.setattr(kw, "WG_XIN_ROWS", 0)
-    got = check(m, *K2[name], seed=seed)
-    assert kw.wg_cut(m, *K2[name]).XIN == 2
-    monkeypatch.setattr(kw, "WG_XTMA_ROWS", 0)
-    assert kw.wg_cut(m, *K2[name]).XIN == 0
-    np.testing.assert_array_equal(got, check(m, *K2[name], seed=seed), err_msg=f"{name} m={m}: XIN 2 vs prep")
 
 
 @pytest.mark.gpu
@@ -155,7 +137,7 @@ def test_gpu_gemm_wg_batch_invariant(name):
         np.testing.assert_array_equal(outs[m][r], outs[9][r], err_msg=f"{name}: token {r} among 9 vs {m}")
 
 
-@pytest.mark.parametrize("mt,cl,nb,xin", [(2, 4, 8, 1), (1, 3, 40, 0), (1, 4, 8, 2), (2, 2, 24, 2), (2, 4, 64, 2)])
+@pytest.mark.parametrize("mt,cl,nb,xin", [(2, 4, 8, 1), (1, 3, 40, 0)])
 def test_wg_kernel_ptx(mt, cl, nb, xin):
     """The kernel compiles for sm_90a on the CPU (NVVM): 4 MT wgmma per stage, no local memory, no float64; with
     GEMM_WG_STAMPS one timer read per STAMP_POINTS (tools/gemm_wg_stamps.py), without them none; the PDL wait first
@@ -164,8 +146,7 @@ def test_wg_kernel_ptx(mt, cl, nb, xin):
     from cudasim import f64_lines, ptx_or_skip, ptxas_check
 
     from numbaengine.kernels.gemm_wg import STAMP_POINTS, gemm_wg_kernel
-    xb = "uint64[::1]" if xin == 2 else "uint32[::1]"          # XIN 2: x's tensor map in xb's place
-    sig = "void(uint64[::1], " + xb + ", float32[::1], float32[:,::1], int32, int32, int32{})"
+    sig = "void(uint64[::1], uint32[::1], float32[::1], float32[:,::1], int32, int32, int32{})"
     ptx = ptx_or_skip(gemm_wg_kernel(mt, cl, 5, nb, xin).py_func, sig.format(""), cc=(9, 0, "a"))
     assert ptx.count("wgmma.mma_async") == 4 * mt and ".local" not in ptx and not f64_lines(ptx)
     assert "globaltimer" not in ptx
@@ -173,13 +154,13 @@ def test_wg_kernel_ptx(mt, cl, nb, xin):
                           cc=(9, 0, "a"))
     assert stamped.count("globaltimer") == len(STAMP_POINTS)
     assert ptx.count("griddepcontrol.wait") == 1 and ptx.index("griddepcontrol.wait") < ptx.index("mbarrier.init")
-    assert ptx.count("fence.proxy.tensormap") == (2 if xin == 2 else 1)        # XIN 2: x's map too
+    assert ptx.count("fence.proxy.tensormap") == 1
     nofence = ptx_or_skip(gemm_wg_kernel(mt, cl, 5, nb, xin, False, False).py_func, sig.format(""), cc=(9, 0, "a"))
     assert "fence.proxy.tensormap" not in nofence and nofence.count("wgmma.mma_async") == 4 * mt
     lines = [ln for ln in ptx.splitlines() if "ld.shared::cluster.v4" in ln or "add.f32" in ln or "add.rn.f32" in ln]
     kinds = "".join("L" if "ld.shared" in ln else "A" for ln in lines)
     assert kinds.count("L") == cl and kinds.startswith("L" * cl), kinds
-    ptxas_check(ptx)            # (XIN 2 converting a stage before its own wgmmas made ptxas serialize them)
+    ptxas_check(ptx)
 
 
 def test_gemm_wg_stamps_cases_parse():

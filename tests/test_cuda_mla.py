@@ -16,9 +16,8 @@ from numbaengine.weights.dtypes import bf16_to_f32, f32_to_bf16
 def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="none", causal=False, sms=132,
           scale=None, seed=0, calls=1, margin=7, partials=None):
     """mla_attention against mla_attention_ref. work: "none" (one normalized split), an int (keys per split)
-    or "auto" (mla_work's sizing for `sms` SMs); with splits the row tiles' counters of the fused merge must be
-    back at zero after each call (what a graph replay needs); calls > 1: again on the same work, output
-    re-poisoned. margin: cache rows past the longest sequence (0: the cache ends at its last row, as the engine's
+    or "auto" (mla_work's sizing for `sms` SMs); with splits the work's count (the kernels' unread argument) must
+    still be zero after each call; calls > 1: again on the same work, output re-poisoned. margin: cache rows past the longest sequence (0: the cache ends at its last row, as the engine's
     verify of a short prompt has it). partials: the split partials' type ("f32", "bf16", "auto"; None: mla_work's
     default), poisoned before the first call."""
     from numbaengine.kernels.mla import PARTIAL_DTYPES, mla_attention, mla_work
@@ -50,7 +49,7 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
         assert np.isfinite(got).all(), f"call {call}: non-finite output"
         assert np.abs(got - want).max() <= 8e-3 * max(1.0, np.abs(want).max()), worst(got, want)
         if wk is not None:
-            assert not env.host(wk.count).any(), f"call {call}: row-tile counters not reset"
+            assert not env.host(wk.count).any(), f"call {call}: the work's count written"
     return wk
 
 
@@ -69,25 +68,6 @@ def check_knobs(env, knobs, module="numbaengine.kernels.mla", **kw):
             setattr(km, k, v)
 
 
-def check_cp_piece_sw128(env):
-    """The simulator twin of the swizzled cp.async fill (kernels/mla.py _make_cp_piece, sw_rows): every piece of a
-    16-row tile lands where kernels/wgmma.py sw128_offset puts its 8 values, rows >= nvalid as zeros."""
-    from numbaengine.kernels.mla import _make_cp_piece
-    from numbaengine.kernels.wgmma import sw128_offset
-    rng = np.random.default_rng(7)
-    D, rows, nvalid = 128, 16, 13
-    src = rng.integers(1, 60000, size=(rows + 2) * D, dtype=np.uint16)
-    sm = np.full(rows * D, 0xFFFF, np.uint16)
-    cp = _make_cp_piece(D // 8, rows * D // 8, sw_rows=rows)
-    for idx in range(rows * D // 8):
-        cp(sm, 0, src, D, 0, idx, nvalid)                          # tile = rows 1 .. rows of src
-    want = np.empty_like(sm)
-    for row in range(rows):
-        for k in range(D):
-            want[sw128_offset(row, k, rows) // 2] = src[(row + 1) * D + k] if row < nvalid else 0
-    assert (sm == want).all(), np.argwhere(sm != want)[:5]
-
-
 def check_split_sizing(env):
     from numbaengine.kernels.mla import MLA_MIN_SPLIT, mla_work
     one = mla_work(np.zeros, 1, 1, 64, 512, 4097)                    # batch 1: every SM gets a split
@@ -104,7 +84,6 @@ def check_split_sizing(env):
 
 
 SIM_CASES = {
-    "cp_piece_sw128": check_cp_piece_sw128,
     "ring_one_split": lambda env: check(env, seed=1),                                      # 5 steps > 4 stages
     "ring_splits_merge": lambda env: check(env, work=32, seed=2),                  # 5 splits of 64: 5 split groups
     # bf16 split partials (the 64-head kernel's default: kernels.mla MLA_PARTIALS) through the 8-head kernel
@@ -123,12 +102,6 @@ SIM_CASES = {
     # many rows for their splits (merge_shape's wave rule): one split group, 4 splits per round (3 rounds of 10)
     "merge_one_group_rounds": lambda env: check_knobs(env, dict(MERGE_WAVE_THREADS=1), "numbaengine.kernels.attention",
                                                       lengths=(600, 90), work=32, seed=15),
-    # the merge by the last split block (3 splits: a round of 2, then 1), called twice on the same counters
-    "merge_fused_dead_rows_empty_seq": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=4), B=3, T=3, h=4,
-                                                               lengths=(45, 0, 64), ntok=(2, 0, 3), work=32, seed=13,
-                                                               calls=2),
-    "merge_fused_bf16": lambda env: check_knobs(env, dict(MLA_FUSED_MERGE=4), B=2, T=2, h=4, lengths=(100, 30),
-                                                ntok=(2, 1), work=32, seed=17, partials="bf16"),
     "many_splits_auto": lambda env: check(env, B=1, lengths=(300,), ntok=(1,), work="auto", sms=12, seed=3),
     "pv_two_tiles_per_warp": lambda env: check(env, B=1, T=16, h=4, D=160, r=128, lengths=(70,),
                                                        ntok=(13,), work=64, seed=4),
@@ -204,105 +177,51 @@ def test_gpu_mma_sync_path(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["cp.async", "tma", "seesaw"])
 @pytest.mark.parametrize("case", WG_CASES)
-def test_gpu_wgmma_loads(case, path, monkeypatch):
-    """The 64-head cases with the cache tiles loaded by cp.async (128 threads) or by TMA tensor copies
-    (kernels.mla_wg.MLA_WG_TMA), and TMA under the seesaw schedule (MLA_WG_SEESAW): rows past each sequence's end
-    are NaN in the cache (check), so a tile's rows past the split's end must land as zeros either way."""
-    import numbaengine.kernels.mla_wg as kw
-    monkeypatch.setattr(kw, "MLA_WG_TMA", path != "cp.async")
-    monkeypatch.setattr(kw, "MLA_WG_SEESAW", path == "seesaw")
+def test_gpu_wgmma_loads(case):
+    """The 64-head cases twice on the same work, the cache tiles loaded by TMA tensor copies: rows past each
+    sequence's end are NaN in the cache (check), so a tile's rows past the split's end must land as zeros."""
     check(Env(gpu=True), **K2, **GPU_CASES[case], calls=2)
 
 
 # splits of a row tile merged in thread-block clusters (kernels.mla_wg.MLA_WG_CLUSTER): (splits, cluster size) =
 # (2, 2), (3, 3) (rows 22 / 22 / 20) with dead queries, (4, 4) (two row tiles per query), (8, 8) (splits past the
-# sequence's end: blocks with no partial); with MLA_WG_CLUSTER_GROUPS also (12, 6) and (9, 3): one partial per
-# cluster, then merge_splits, a cluster wholly past the sequence's end. Values: shape, cluster size without and
-# with groups (grids this small always fit as clusters).
+# sequence's end: blocks with no partial); 12 and 9 splits: more than a cluster holds, merge_splits. Values: shape,
+# cluster size (grids this small always fit as clusters).
 CLUSTER_CASES = {
-    "decode_h64_b3_split2": (dict(B=3, h=64, lengths=(4000, 1500, 30), ntok=(1, 1, 1), work=2016), 2, 2),
-    "tree17_h64_split3_dead": (dict(B=2, T=17, h=64, lengths=(2900, 40), ntok=(17, 6), work=1024), 3, 3),
-    "decode_h128_split4": (dict(B=2, h=128, lengths=(3000, 500), ntok=(1, 1), work=800), 4, 4),
-    "decode_h64_split8": (dict(B=2, h=64, lengths=(1000, 4000), ntok=(1, 1), work=512), 8, 8),
-    "decode_h64_split12": (dict(B=2, h=64, lengths=(3000, 700), ntok=(1, 1), work=256), 0, 6),
-    "tree17_h64_split9": (dict(B=2, T=17, h=64, lengths=(2200, 1000), ntok=(17, 3), work=256), 0, 3),
-}
-
-
-# and many splits for the grid merge (kernels.mla_wg.MLA_WG_GRID): one sequence in 66 splits (124-125 items of a
-# tile per block: two thread groups per item), 129 splits (63-64 items: four groups; blocks past the 64th fold
-# rows the earlier ones also touch), two sequences of one 64-head tile each in 33 splits with empty ones. With
-# groups: 66 splits as 11 clusters of 6, 33 x 2 as 22 clusters of 3 (one wave either way), 129 as none (43 clusters
-# of 3 at once: more than the H200 holds)
-GRID_CASES = {
-    "decode_h64_b1_split66": (dict(B=1, h=64, lengths=(4200,), ntok=(1,), work=64), 0, 6),
-    "decode_h64_b1_split129": (dict(B=1, h=64, lengths=(8200,), ntok=(1,), work=64), 0, 0),
-    "decode_h64_b2_split33": (dict(B=2, h=64, lengths=(2080, 1000), ntok=(1, 1), work=64), 0, 3),
+    "decode_h64_b3_split2": (dict(B=3, h=64, lengths=(4000, 1500, 30), ntok=(1, 1, 1), work=2016), 2),
+    "tree17_h64_split3_dead": (dict(B=2, T=17, h=64, lengths=(2900, 40), ntok=(17, 6), work=1024), 3),
+    "decode_h128_split4": (dict(B=2, h=128, lengths=(3000, 500), ntok=(1, 1), work=800), 4),
+    "decode_h64_split8": (dict(B=2, h=64, lengths=(1000, 4000), ntok=(1, 1), work=512), 8),
+    "decode_h64_split12": (dict(B=2, h=64, lengths=(3000, 700), ntok=(1, 1), work=256), 0),
+    "tree17_h64_split9": (dict(B=2, T=17, h=64, lengths=(2200, 1000), ntok=(17, 3), work=256), 0),
 }
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("epilogue", ["direct", "staged", "cluster", "groups", "grid", "groups_grid"])
-@pytest.mark.parametrize("case", sorted(CLUSTER_CASES) + sorted(GRID_CASES))
+@pytest.mark.parametrize("epilogue", ["direct", "staged", "cluster"])
+@pytest.mark.parametrize("case", sorted(CLUSTER_CASES))
 def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
     """The 64-head kernel's ways out: O stored from the accumulators (direct, f32 partials only) or through shared
-    memory (staged),
-    both with the partials merged by merge_splits, or merged in the kernel across a cluster of the split blocks
-    (cluster; groups: clusters of a divisor of the split count, a partial each), the cluster sizes of CLUSTER_CASES
-    checked to be what ran, or across all the splits of a cooperative launch through L2 (grid: where all the blocks
-    fit at once, one per SM, else the merge launch), or groups whose clusters' partials then merge across the grid
-    (groups_grid: a cooperative launch of clusters; this case has not been run on a GPU)."""
-    from numba import cuda
-
+    memory (staged), both with the partials merged by merge_splits, or merged in the kernel across a cluster of the
+    split blocks (cluster), the cluster sizes of CLUSTER_CASES checked to be what ran."""
     import numbaengine.kernels.mla_wg as kw
     monkeypatch.setattr(kw, "MLA_WG_STAGED", epilogue != "direct")
-    monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 8 if epilogue in ("cluster", "groups", "groups_grid") else 0)
-    monkeypatch.setattr(kw, "MLA_WG_CLUSTER_GROUPS", epilogue in ("groups", "groups_grid"))
-    monkeypatch.setattr(kw, "MLA_WG_GRID", kw.GRID_SPLITS if epilogue in ("grid", "groups_grid") else 0)
-    shape, plain, grouped = {**CLUSTER_CASES, **GRID_CASES}[case]
+    monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 8 if epilogue == "cluster" else 0)
+    shape, plain = CLUSTER_CASES[case]
     if epilogue == "direct":                  # (its register stores write f32 only: bf16 partials are refused)
         with pytest.raises(ValueError, match="bf16 partials need kernels.mla_wg.MLA_WG_STAGED"):
             check(Env(gpu=True), **K2, **shape, partials="bf16")
     wk = check(Env(gpu=True), **K2, **shape, calls=2, partials="f32" if epilogue == "direct" else None)
-    if epilogue != "groups_grid":             # (its cluster: the largest divisor whose clusters all fit at once)
-        assert wk.cluster == {"cluster": plain, "groups": grouped}.get(epilogue, 0)
-    nsplit = wk.o.shape[1]
-    blocks = shape.get("T", 1) * shape["h"] // 64 * nsplit * shape["B"]     # row tiles x splits x B
-    fits = blocks <= cuda.get_current_device().MULTIPROCESSOR_COUNT
-    left = nsplit // wk.cluster if wk.cluster else nsplit                  # partials after any cluster merge
-    if epilogue == "groups_grid" and blocks > 64:    # (<= 64 blocks fit as clusters of <= 8 on the H200's 8
-        assert not wk.grid or (fits and left > 1)    # GPCs; beyond, the driver's cluster count decides)
-    else:
-        assert wk.grid == (epilogue in ("grid", "groups_grid") and fits and left > 1)
+    assert wk.cluster == (plain if epilogue == "cluster" else 0)
 
 
-@pytest.mark.parametrize("groups", [False, True])
-def test_wg_clusters(groups, monkeypatch):
-    """kernels.mla_wg.wg_clusters: all the splits as one cluster (2..8), or with groups every divisor up to 8,
-    largest first; none for one split, with the fused merge or past 8 without groups."""
+def test_wg_clusters():
+    """kernels.mla_wg.wg_clusters: all the splits as one cluster (2..8); none for one split or past 8."""
     import numbaengine.kernels.mla_wg as kw
-    monkeypatch.setattr(kw, "MLA_WG_CLUSTER_GROUPS", groups)
     got = {n: kw.wg_clusters(n) for n in (1, 2, 7, 8, 9, 12, 13, 33, 65)}
     want = {1: [], 2: [2], 7: [7], 8: [8], 9: [], 12: [], 13: [], 33: [], 65: []}
-    if groups:
-        want.update({8: [8, 4, 2], 9: [3], 12: [6, 4, 3, 2], 33: [3], 65: [5]})
     assert got == want
-    assert kw.wg_clusters(4, fuse=True) == []
-
-
-def test_wg_grid(monkeypatch):
-    """kernels.mla_wg.wg_grid: 2 .. MLA_WG_GRID (at most GRID_SPLITS) splits may merge across a cooperative launch,
-    not one, not with the fused merge, none with MLA_WG_GRID = 0."""
-    import numbaengine.kernels.mla_wg as kw
-    monkeypatch.setattr(kw, "MLA_WG_GRID", 8)
-    assert [kw.wg_grid(n) for n in (1, 2, 8, 9, 33)] == [False, True, True, False, False]
-    monkeypatch.setattr(kw, "MLA_WG_GRID", 1 << 20)
-    assert [kw.wg_grid(n) for n in (1, 2, 33, kw.GRID_SPLITS, kw.GRID_SPLITS + 1)] == [False, True, True, True, False]
-    assert not kw.wg_grid(8, fuse=True)
-    monkeypatch.setattr(kw, "MLA_WG_GRID", 0)
-    assert not kw.wg_grid(8)
 
 
 def test_stamp_phases():
@@ -335,16 +254,14 @@ def test_stamp_phases():
 
 def test_ptx_stamps():
     """MLA_WG_STAMPS compiles thread 0's seven (clock, global timer, SM) reads into the split kernel; the default
-    kernel has none; the cluster, fused and grid kernels are not stamped (the same compiled objects)."""
+    kernel has none; the cluster kernels are not stamped (the same compiled objects)."""
     import numbaengine.kernels.mla_wg as kw
     plain = ptx_or_skip(kw.mla_wg_kernel(192, 128, False).py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
-    unstamped = [kw.mla_wg_kernel(192, 128, False, **kw_) for kw_ in ({"cluster": 2}, {"fuse": True}, {"grid": True})]
+    unstamped = [kw.mla_wg_kernel(192, 128, False, cluster=2)]
     try:
         kw.MLA_WG_STAMPS = True
         stamped = ptx_or_skip(kw.mla_wg_kernel(192, 128, False).py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
-        # the merges that use `count` themselves (fused, grid) and the cluster kernels stay as they are
-        assert unstamped == [kw.mla_wg_kernel(192, 128, False, **kw_)
-                             for kw_ in ({"cluster": 2}, {"fuse": True}, {"grid": True})]
+        assert unstamped == [kw.mla_wg_kernel(192, 128, False, cluster=2)]    # the cluster kernels stay as they are
     finally:
         kw.MLA_WG_STAMPS = False
     assert "%globaltimer" not in plain and stamped.count("%globaltimer") == 7 and stamped.count("%clock64") == 7
@@ -392,19 +309,6 @@ def test_cluster_pays(blocks, size, fits, slots, pays):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["decode_h64_b9_auto", "tree17_h64", "decode_h8_b5_auto"])
-def test_gpu_fused_merge(case):
-    """The split merge by the last split block of each row tile (kernels.mla.MLA_FUSED_MERGE, off by default:
-    slower on the H200), in both kernels; the row-tile counters end at zero."""
-    import numbaengine.kernels.mla as km
-    saved, km.MLA_FUSED_MERGE = km.MLA_FUSED_MERGE, 1 << 20
-    try:
-        check(Env(gpu=True), **K2, **GPU_CASES[case])
-    finally:
-        km.MLA_FUSED_MERGE = saved
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("D,r", [(192, 128), (576, 512)])
 def test_gpu_wgmma_path_taken(D, r):
     """On an sm_90 GPU, 64-head tiles run kernels/mla_wg.py (and match the reference at a narrow width too)."""
@@ -416,11 +320,10 @@ def test_gpu_wgmma_path_taken(D, r):
 
 
 @pytest.mark.parametrize("args", [(0x1000, 100, 576, 32, 32), (0x1008, 100, 576, 32, 64), (0x1000, 100, 572, 32, 64),
-                                  (0x1000, 100, 576, 257, 64), (0x1000, 17, 7170, 24, 64, True),
-                                  (0x1000, 17, 7168, 24, 32, True)])
+                                  (0x1000, 100, 576, 257, 64)])
 def test_tensor_map_rejects(args):
-    """kernels/bulk.py tensor_map_2d: a box that is not 64 columns (bf16: one 128-byte swizzle span; f32: 256 bytes)
-    or more than 256 rows, an unaligned address or row pitch: a one-line ValueError before the driver is asked."""
+    """kernels/bulk.py tensor_map_2d: a box that is not 64 columns (one 128-byte swizzle span of bf16) or more than
+    256 rows, an unaligned address or row pitch: a one-line ValueError before the driver is asked."""
     from numbaengine.kernels.bulk import tensor_map_2d
     with pytest.raises(ValueError, match=r"^tensor_map_2d: boxes of .*\(must be 16-byte aligned\)$"):
         tensor_map_2d(*args)
@@ -428,45 +331,28 @@ def test_tensor_map_rejects(args):
 
 # --- PTX for sm_90 ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("D,r,fuse,tma,seesaw,cl,grid", [(192, 128, False, False, False, 0, False),
-                                                          (192, 128, False, True, False, 0, False),
-                                                          (192, 128, False, True, True, 0, False),
-                                                          (192, 128, False, True, False, 3, False),
-                                                          (192, 128, False, True, False, 0, True),
-                                                          (192, 128, False, True, False, 3, True)])
-def test_ptx_wgmma_kernel(D, r, fuse, tma, seesaw, cl, grid, monkeypatch):   # K2's (576, 512): 4x the time
+@pytest.mark.parametrize("D,r,cl", [(192, 128, 0), (192, 128, 3)])
+def test_ptx_wgmma_kernel(D, r, cl):   # K2's (576, 512): 4x the time
     """kernels/mla_wg.py compiles for sm_90a: D/16 wgmma for S(0) and as many for S(i + 1), NK/16 (MN-major B)
-    for P V in each warpgroup's loop (seesaw: own and other's tile, in the loop and at its ends), no float64, no
-    local memory; ptxas (where installed) keeps the wgmmas asynchronous (no serialization notice) in 255
-    registers without spills; at K2's widths 254 registers (seesaw: 255). fuse: the variant with the last split
-    block's merge (at K2's widths ptxas gives it 255 registers and a 4-byte spill; the default kernel carries none
-    of that code: 254, no spill); cl: the cluster merge of 3 splits; grid: the grid merge (K2's widths: 247
-    registers, no spill); both: clusters of 3 with a partial each, then the grid merge."""
+    for P V in each warpgroup's loop, the cache tiles by TMA, no float64, no local memory; ptxas (where installed)
+    keeps the wgmmas asynchronous (no serialization notice) in 255 registers without spills; at K2's widths 254
+    registers. cl: the cluster merge of 3 splits."""
     import re
 
     import numbaengine.kernels.mla_wg as kw
-    monkeypatch.setattr(kw, "MLA_WG_TMA", tma)
-    monkeypatch.setattr(kw, "MLA_WG_SEESAW", seesaw)
-    monkeypatch.setattr(kw, "MLA_WG_CLUSTER_GROUPS", bool(cl and grid))     # (clusters' partials, then the grid)
-    kern = kw.mla_wg_kernel(D, r, False, fuse=fuse, cluster=cl, grid=grid)
+    kern = kw.mla_wg_kernel(D, r, False, cluster=cl)
     ptx = ptx_or_skip(kern.py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
     # the epilogue: O staged in shared memory, 16-byte global stores; (cluster) two cluster barriers on each path
     # (an empty split's block and a working one) and the partials read through DSMEM
     assert "st.shared.v2.f32" in ptx and "st.global.v4.u32" in ptx
     assert ptx.count("barrier.cluster.wait") == (4 if cl else 0) and ("mapa.shared::cluster" in ptx) == bool(cl)
-    # (grid) the counter: arrive, spin on an atomic read (not a plain load that could be cached), leave, the last
-    # one's reset, in one inlined copy of the merge (with clusters, one per exit path); the partials read at L2
-    spins = re.findall(r"\$L__BB\d+_\d+:\n\s*atom\.global\.add\.u32\s+%r\d+, \[%rd\d+\], 0;", ptx)
-    calls = (2 if cl else 1) if grid else 0           # (without clusters the empty split falls through to the one copy)
-    assert (len(spins), ptx.count("atom.global.exch")) == (calls, calls), spins
-    assert ("ld.global.cg.v4" in ptx) == grid
     MLA_WG_NK = kw.MLA_WG_NK
     tensor = re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)
-    assert len(tensor) % (D // 64) == 0 and bool(tensor) == bool(tma), len(tensor)   # a copy per 64-column box
-    assert ("cp.async.cg" in ptx) != bool(tma)
-    assert ("fence.proxy.tensormap" in ptx) == tma
+    assert len(tensor) % (D // 64) == 0 and tensor, len(tensor)   # a copy per 64-column box
+    assert "cp.async.cg" not in ptx
+    assert "fence.proxy.tensormap" in ptx
     ops = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.bf16\.bf16[^;]*,\s*(\d);", ptx)
-    want = [(str(MLA_WG_NK), "0")] * (2 * D // 16) + [(str(r // 2), "1")] * ((4 if seesaw else 2) * MLA_WG_NK // 16)
+    want = [(str(MLA_WG_NK), "0")] * (2 * D // 16) + [(str(r // 2), "1")] * (2 * MLA_WG_NK // 16)
     assert sorted(ops) == sorted(want), ops
     assert not f64_lines(ptx) and not re.search(r"\b(ld|st)\.local", ptx)
     ptxas_check(ptx)
@@ -497,17 +383,14 @@ def test_ptx_geometries(M, D, r, partials):
     assert ("st.global.v4.u32" in ptx) == (partials == "f32")
 
 
-@pytest.mark.parametrize("grid", [False, True])
-def test_ptx_wgmma_bf16_partials(grid):
-    """kernels/mla_wg.py with bf16 split partials: the staged O leaves as bf16 pairs in 8-byte stores (and, grid
-    merge, the partials come back from L2 in 8-byte loads); no float64, no local memory."""
+def test_ptx_wgmma_bf16_partials():
+    """kernels/mla_wg.py with bf16 split partials: the staged O leaves as bf16 pairs in 8-byte stores; no float64,
+    no local memory."""
     import re
 
     import numbaengine.kernels.mla_wg as kw
-    ptx = ptx_or_skip(kw.mla_wg_kernel(192, 128, False, grid=grid).py_func, bf16_partials(kw.MLA_WG_PTX_SIG),
-                      cc=(9, 0, "a"))
+    ptx = ptx_or_skip(kw.mla_wg_kernel(192, 128, False).py_func, bf16_partials(kw.MLA_WG_PTX_SIG), cc=(9, 0, "a"))
     assert "cvt.rn.bf16x2.f32" in ptx and "st.global.v2.u32" in ptx
-    assert ("ld.global.cg.v2.u32" in ptx) == grid
     assert not f64_lines(ptx) and not re.search(r"\b(ld|st)\.local", ptx)
 
 

@@ -17,20 +17,20 @@ BULK = (ExpertConfig(R=2, WR=1, WK=1, T=1, U=2, S=2, blocks_per_sm=2), SMALL[1])
 BULK_WK2 = (ExpertConfig(R=2, WR=1, WK=2, T=1, U=2, S=2, blocks_per_sm=2), SMALL[1])
 STAMPED = (ExpertConfig(R=1, WR=1, WK=1, T=1, blocks_per_sm=2), ExpertConfig(R=1, WR=2, WK=1, T=1, blocks_per_sm=1))
 SIM_CASES = {
-    "moe_int4_bulk_warp_without_k_steps": lambda env: C.check_moe(env, 3, 128, 64, 4, 2, "random", 1, cfgs=BULK_WK2,
+    "moe_int4_bulk_warp_without_k_steps": lambda env: C.check_moe(env, 3, 128, 64, 4, 2, "random", cfgs=BULK_WK2,
                                                                   tiled=2, exact=False),
-    "moe_int4_bulk_rings": lambda env: C.check_moe(env, 1, 384, 64, 2, 1, "random", 1, cfgs=BULK, tiled=2,
+    "moe_int4_bulk_rings": lambda env: C.check_moe(env, 1, 384, 64, 2, 1, "random", cfgs=BULK, tiled=2,
                                                    exact=False),
-    "moe_int4_random": lambda env: C.check_moe(env, 5, 128, 64, 4, 2, "random", 1, cfgs=SMALL),
-    "moe_int4_one_expert_two_items_shared": lambda env: C.check_moe(env, 9, 128, 64, 4, 2, "one_hot", 1, cfgs=SMALL,
+    "moe_int4_random": lambda env: C.check_moe(env, 5, 128, 64, 4, 2, "random", cfgs=SMALL),
+    "moe_int4_one_expert_two_items_shared": lambda env: C.check_moe(env, 9, 128, 64, 4, 2, "one_hot", cfgs=SMALL,
                                                                      shared=True),
-    "moe_int4_unused_expert_hi_lo": lambda env: C.check_moe(env, 3, 128, 64, 4, 2, "skip", 2, cfgs=SMALL),
-    "moe_bf16_experts": lambda env: C.check_moe(env, 4, 128, 64, 4, 2, "random", 1, int4=False, cfgs=SMALL),
-    "moe_int4_expert_parallel_shard": lambda env: C.check_moe(env, 6, 128, 64, 8, 3, "random", 1, cfgs=SMALL,
+    "moe_int4_unused_expert": lambda env: C.check_moe(env, 3, 128, 64, 4, 2, "skip", cfgs=SMALL),
+    "moe_bf16_experts": lambda env: C.check_moe(env, 4, 128, 64, 4, 2, "random", int4=False, cfgs=SMALL),
+    "moe_int4_expert_parallel_shard": lambda env: C.check_moe(env, 6, 128, 64, 8, 3, "random", cfgs=SMALL,
                                                               held=(4, 2), shared=True),
-    "moe_int4_prep_2_blocks_per_row": lambda env: C.check_moe(env, 2, 512, 64, 4, 1, "random", 1, cfgs=SMALL,
+    "moe_int4_prep_2_blocks_per_row": lambda env: C.check_moe(env, 2, 512, 64, 4, 1, "random", cfgs=SMALL,
                                                               seed=3),
-    "moe_int4_70_experts_plan_scans_3_warps": lambda env: C.check_moe(env, 3, 128, 64, 70, 2, "random", 1,
+    "moe_int4_70_experts_plan_scans_3_warps": lambda env: C.check_moe(env, 3, 128, 64, 70, 2, "random",
                                                                       cfgs=SMALL, seed=5, warp_slots=0),
     # more units than blocks (4 per block at gate_up: 8 past STAMP_UNITS are counted only), both stages
     "moe_stamps": lambda env: C.check_moe_stamps(env, 3, 128, 64, 4, 2, STAMPED),
@@ -68,14 +68,14 @@ test_simulator = simulator_test(__name__)
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,n_exp,mode", [(1, 16, "random"), (17, 16, "skip"), (65, 8, "random")])
 def test_gpu_moe_int4(n, n_exp, mode):
-    C.check_moe(Env(gpu=True), n, 7168, 2048, n_exp, 8, mode, 2)
+    C.check_moe(Env(gpu=True), n, 7168, 2048, n_exp, 8, mode)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,mode,cfgs", [(1, "random", None), (17, "skip", None), (9, "one_hot", BULK)])
 def test_gpu_moe_int4_bulk(n, mode, cfgs):
     """Bulk layout + rings at K2 widths: against moe_ref and bit for bit the register path."""
-    C.check_moe(Env(gpu=True), n, 7168, 2048, 16, 8, mode, 1, cfgs=cfgs, tiled=2)
+    C.check_moe(Env(gpu=True), n, 7168, 2048, 16, 8, mode, cfgs=cfgs, tiled=2)
 
 
 @pytest.mark.gpu
@@ -83,7 +83,7 @@ def test_gpu_moe_int4_bulk(n, mode, cfgs):
 def test_gpu_moe_int4_bulk_few_k_steps(hidden):
     """The engine's default cuts (bulk gate_up, WK = 2) where H has 1 or 2 k-steps: a warp with no step issues no
     copy (H = 128 faulted the tiny engine's prefill: CUDA_ERROR_LAUNCH_FAILED)."""
-    C.check_moe(Env(gpu=True), 9, hidden, 64, 4, 2, "random", 1, tiled=2)
+    C.check_moe(Env(gpu=True), 9, hidden, 64, 4, 2, "random", tiled=2)
 
 
 @pytest.mark.gpu
@@ -95,17 +95,17 @@ def test_gpu_moe_stamps():
 
 @pytest.mark.gpu
 def test_gpu_moe_int4_one_expert_shared():
-    C.check_moe(Env(gpu=True), 33, 1024, 512, 16, 8, "one_hot", 2, shared=True)
+    C.check_moe(Env(gpu=True), 33, 1024, 512, 16, 8, "one_hot", shared=True)
 
 
 @pytest.mark.gpu
 def test_gpu_moe_int4_bf16_activations():
-    C.check_moe(Env(gpu=True), 9, 1024, 512, 16, 8, "random", 1)
+    C.check_moe(Env(gpu=True), 9, 1024, 512, 16, 8, "random")
 
 
 @pytest.mark.gpu
 def test_gpu_moe_bf16_experts():
-    C.check_moe(Env(gpu=True), 5, 1024, 256, 8, 4, "random", 2, int4=False)
+    C.check_moe(Env(gpu=True), 5, 1024, 256, 8, 4, "random", int4=False)
 
 
 @pytest.mark.gpu

@@ -35,7 +35,7 @@ def _gemm():
     cases = {f"gemm_T{T}_R{R}_XS{XS}_PF{PF}_BF{BF}": (_build_gemm(T, R, XS, 2, PF, BF), sig, True)
              for T, R, XS, PF, BF in [(1, 2, 2, 0, 0), (1, 2, 2, 1, 1), (3, 2, 2, 0, 1), (5, 1, 1, 0, 1),
                                       (9, 1, 2, 1, 0)]}
-    cases["prep_hi_lo_int4_order"] = (_build_prep(2, 1), (A2(f32), A1(u32), i32, i32), True)
+    cases["prep_int4_order"] = (_build_prep(1, 1), (A2(f32), A1(u32), i32, i32), True)
     cases["prep_bf16"] = (_build_prep(1, 0), (A2(f32), A1(u32), i32, i32), True)
     cases["gemm_reduce"] = (_build_reduce(), (A3(f32), A2(f32), i32, i32, i32), False)
     return cases
@@ -51,18 +51,18 @@ def _moe():
         _build_router_select,
     )
     cases = {}
-    for fmt, down, T, R, XS, G in [(INT4, 0, 2, 2, 2, 4), (INT4, 1, 1, 2, 2, 4), (INT4, 1, 1, 1, 1, 2),
-                                   (INT4, 0, 1, 1, 1, 1), (BF16, 0, 2, 2, 2, 1)]:
+    for fmt, down, T, R, G in [(INT4, 0, 2, 2, 4), (INT4, 1, 1, 2, 4), (INT4, 1, 1, 1, 2), (INT4, 0, 1, 1, 1),
+                               (BF16, 0, 2, 2, 1)]:
         w = ty.uint32[:, ::1]
         sc = ty.uint16[:, ::1] if fmt == INT4 else w
         sig = (A1(u32), w, sc, A1(u16), A2(f32), A2(f32)) + (A1(i32),) * 5 + (i32,) * 5 + (A2(i32),)
-        name = f"expert_{'int4' if fmt == INT4 else 'bf16'}_{'down' if down else 'gate_up'}_T{T}_R{R}_XS{XS}_G{G}"
-        cases[name] = (_build_expert_gemm(fmt, down, T, R, XS, G, 2, int(fmt == INT4), int(down)), sig, True)
+        name = f"expert_{'int4' if fmt == INT4 else 'bf16'}_{'down' if down else 'gate_up'}_T{T}_R{R}_G{G}"
+        cases[name] = (_build_expert_gemm(fmt, down, T, R, G, 2, int(fmt == INT4), int(down)), sig, True)
     cases["router_logits"] = (_build_router_logits(4), (A1(f32), A1(u32), A3(f32), i32, i32, i32), False)
     cases["router_select"] = (_build_router_select(8), (A3(f32), A1(f32), A2(i32), A2(f32)) + (i32,) * 5 + (f32,),
                               False)
     for slots in (0, 32):                                       # block scan only; with the one-warp plan
-        cases[f"plan_prep_int4_warp{slots}"] = (_build_plan(1, 1, slots), (A2(i32), i32, i32, i32, i32, i32)
+        cases[f"plan_prep_int4_warp{slots}"] = (_build_plan(1, slots), (A2(i32), i32, i32, i32, i32, i32)
                                                 + (A1(i32),) * 5 + (A2(f32), A1(u32), i32), False)
     cases["combine"] = (_build_combine(8), (A2(f32), A2(f32), A2(f32), A2(i32)) + (i32,) * 5, False)
     return cases
@@ -176,7 +176,7 @@ def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
     assert not getattr(D.LaunchConfig(grid=1, block=32), "programmatic_stream_serialization", False)
     seen = []                     # (cuda.core checks a cooperative config against the device: record its arguments)
     monkeypatch.setattr(dev._launch_config, "orig", lambda *a, **k: seen.append(k.get("is_cooperative", False)))
-    with dev.cooperative():       # kernels/cluster.py group_barrier's launches
+    with dev.cooperative():
         D.LaunchConfig(grid=4, block=32)
     D.LaunchConfig(grid=4, block=32)
     assert seen == [True, False]

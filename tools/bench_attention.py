@@ -9,7 +9,7 @@ overhead is not measured. `run(results, copy_bw_gbs)` is called by tools/bench_k
     python -m tools.bench_attention --only mla --quick --mla-max-batch 1 --mla-variant '[{}, {"MERGE_GROUPS": 8}]'
     python -m tools.bench_attention --only mla --mla-shapes '{"ctx": [4096], "heads": [64], "queries": [1]}'
     ncu -k regex:mla python -m tools.bench_attention --profile-mla 64:1:4096:64  # heads:queries:context:batch
-    python -m tools.bench_attention --only mla --parallel --out v.json --mla-variant '[{}, {"MLA_WG_GRID": 8}]'
+    python -m tools.bench_attention --only mla --parallel --out v.json --mla-variant '[{}, {"MLA_WG_CLUSTER": 0}]'
 (--parallel: a process per variant; all compile at once, then each times alone: tools/turns.py)
 """
 import argparse
@@ -166,17 +166,17 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
                     nbytes = B * (ctx + T) * K2_D * 2
                     flops = 2.0 * B * (ctx + T) * T * h * (K2_D + K2_R)
                     gbs = nbytes / us / 1e3
-                    cluster, grid = 0, False
+                    cluster = 0
                     if kw.mla_wg_applies(h, K2_D, K2_R):
                         kern, nk, stages = "wgmma", kw.MLA_WG_NK, kw.wg_stages(K2_D)
-                        cluster, grid = work.cluster, work.grid     # how the call's splits merged
-                        smem = kw.wg_smem(K2_D, nk, stages, kw.MLA_WG_SEESAW and kw.MLA_WG_TMA)
+                        cluster = work.cluster      # how the call's splits merged
+                        smem = kw.wg_smem(K2_D, nk, stages)
                     else:
                         rg, kg, stages, _, smem = mla_geometry(T * h, K2_D, K2_R)
                         kern, nk = "mma.sync", mla_step_keys(rg, kg, K2_D, K2_R)
                     rows.append(dict(ctx=ctx, heads=h, queries=T, batch=B, split=work.split, splits=work.o.shape[1],
                                      partials="bf16" if work.o.dtype == np.uint16 else "f32",
-                                     cluster=cluster, grid=grid, kernel=kern, nk=nk, stages=stages,
+                                     cluster=cluster, kernel=kern, nk=nk, stages=stages,
                                      smem_kb=smem // 1024,
                                      us=round(us, 2), cache_gbs=round(gbs, 1), pct_copy=round(100 * gbs / copy_bw, 1),
                                      tflops=round(flops / us / 1e6, 1), timing=how))

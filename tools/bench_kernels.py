@@ -50,17 +50,10 @@ GEMM_VARIANTS = {"mma": (GEMM_MS, dict(WG=0)),      # the mma path (gemm_config'
                  "wg_x0": ((1,), dict(wg=dict(WG_XIN_ROWS=0))), "wg_x16": ((9,), dict(wg=dict(WG_XIN_ROWS=16))),
                  "wg_t1": ((1, 17, 33), dict(wg=dict(WG_TARGET=1.0))),
                  "wg_nofence": ((1, 17, 33), dict(wg=dict(WG_TMAP_FENCE=False))),     # WG_TMAP_FENCE off
-                 # x as f32 by TMA, converted in shared memory (XIN 2: no prep launch; not measured)
-                 "wg_xtma": ((1, 9, 17, 33), dict(wg=dict(WG_XTMA_ROWS=64, WG_XIN_ROWS=0))),
-                 "wg_xtma8": ((1,), dict(wg=dict(WG_XTMA_ROWS=8))),
                  # the mma path's rings: weights in a 4-stage ring, no B in the ring, B in a 2-stage ring
                  "ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
                  "rb2": ((17,), dict(S=2, RB=1)), "rb2w4": ((17, 33), dict(S=2, RB=1, WR=4)),
                  "xs2": ((17, 33, 65), dict(xs=2)),
-                 # x as the mma's A operand, weights as B (GemmConfig.AB: no register moves)
-                 "ab": ((1, 9, 17), dict(S=0, RB=0, BF=0, AB=1, xs=1)),
-                 "ab_u2": ((17,), dict(S=0, RB=0, BF=0, AB=1, U=2, xs=1)),
-                 "ab_r1": ((17, 33, 65), dict(S=0, RB=0, BF=0, AB=1, R=1, xs=1)),   # R=2 spills from 3 m16 tiles
                  # the k split from other warp targets (gemm_config target_warps; the k order stays a function of
                  # n, k): kernels/gemm.py TARGET_WARPS
                  "tw1k_r1": ((1, 17, 33), dict(tw=1056, R=1)), "tw2k_r1": ((1, 17, 33), dict(tw=2112, R=1)),
@@ -190,7 +183,6 @@ def moe_cuts(over):
 def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
     from numbaengine.kernels.moe import (
         MOE_TILED,
-        MOE_XS,
         moe_combine,
         moe_plan,
         moe_stage,
@@ -211,10 +203,10 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
     ex = experts({})
     bias = dv(cp.zeros(E, cp.float32))
     alloc = lambda shape, dtype: dv(cp.zeros(shape, dtype))  # noqa: E731
-    wss = {xs: moe_workspace(max(NS), TOPK, H, I, E, alloc, xs=xs) for xs in (1, 2)}   # xs=2: the router's logits
+    ws = moe_workspace(max(NS), TOPK, H, I, E, alloc)
     rows = results.setdefault("moe", [])
 
-    def run(n, xs, gu_cfg, dn_cfg, tag, stages=False, ex=ex):
+    def run(n, gu_cfg, dn_cfg, tag, stages=False, ex=ex):
         def layer_args():
             idx, wts = routing(rng, n)
             x = dv(cp.random.standard_normal((n, H), dtype=cp.float32))
@@ -226,7 +218,7 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
                     "down": lambda: moe_stage(1, ex, dw, ws, dn_cfg),
                     "combine": lambda: moe_combine(out, None, ws, di, ex)}
 
-        ws, out = wss[xs], dv(cp.zeros((n, H), cp.float32))
+        out = dv(cp.zeros((n, H), cp.float32))
         layers = [layer_args() for _ in range(CHAIN_MIN)]   # each its own routing: as consecutive layers read
         distinct, x, di, dw = layers[0]
         nbytes = distinct * EXPERT_BYTES
@@ -241,7 +233,7 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
         g_ms, e_ms = timed(cp, full, reps)
         c_ms = chained_ms(cp, lambda i: [f() for f in chain_parts[i]], CHAIN_MIN, nbytes)
         c_bytes = np.mean([a[0] for a in layers]) * EXPERT_BYTES
-        row = dict(op="moe_int4", tag=tag, n=n, xs=xs, distinct_experts=distinct, bytes=nbytes, graph_ms=g_ms,
+        row = dict(op="moe_int4", tag=tag, n=n, distinct_experts=distinct, bytes=nbytes, graph_ms=g_ms,
                    eager_ms=e_ms, gbps=nbytes / g_ms / 1e6, pct_copy_single=100 * nbytes / g_ms / 1e6 / copy_bw,
                    chain_ms=c_ms, chain_bytes=c_bytes, pct_copy=100 * c_bytes / c_ms / 1e6 / copy_bw,
                    gate_up_cfg=gu_cfg.__dict__, down_cfg=dn_cfg.__dict__)
@@ -254,7 +246,7 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
             row["gate_up_pct_copy"] = 100 * gu_bytes / row["gate_up_ms"] / 1e6 / copy_bw
             row["down_pct_copy"] = 100 * dn_bytes / row["down_ms"] / 1e6 / copy_bw
         rows.append(row)
-        print(f"moe  {tag:>14} n={n:3d} xs={xs} experts={distinct:3d} {nbytes / 1e6:8.1f} MB  "
+        print(f"moe  {tag:>14} n={n:3d} experts={distinct:3d} {nbytes / 1e6:8.1f} MB  "
               f"graph {g_ms * 1e3:8.1f} us {row['pct_copy_single']:5.1f}%  chain {c_ms * 1e3:8.1f} us "
               f"{c_bytes / c_ms / 1e6:7.0f} GB/s {row['pct_copy']:5.1f}%  eager {e_ms * 1e3:8.1f} us"
               + (f"  [gate_up {row['gate_up_ms'] * 1e3:.1f} us {row['gate_up_pct_copy']:.0f}%, down "
@@ -266,14 +258,14 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
     variants = {"default": {}, **_chosen(MOE_VARIANTS, tags)}
     best, best_pct = "default", -1.0
     for tag, over in variants.items():
-        pct = np.mean([run(n, over.get("xs", MOE_XS), *moe_cuts(over), tag, ex=experts(over))["pct_copy"]
+        pct = np.mean([run(n, *moe_cuts(over), tag, ex=experts(over))["pct_copy"]
                        for n in sweep_ns])
         if pct > best_pct:
             best, best_pct = tag, pct
     results["moe_best_cut"] = best
     over = variants[best]
     for n in NS:
-        run(n, over.get("xs", MOE_XS), *moe_cuts(over), "best", stages=True, ex=experts(over))
+        run(n, *moe_cuts(over), "best", stages=True, ex=experts(over))
     if quick:
         return
 
@@ -294,7 +286,7 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
 
             def f():
                 for g in gates:
-                    router(x, g, bias, TOPK, 1, 1, True, 2.827, ii, ww, wss[2], logits_gemm=mma)
+                    router(x, g, bias, TOPK, 1, 1, True, 2.827, ii, ww, ws, logits_gemm=mma)
             nbytes = E * H * 2
             g_ms, e_ms = (t / len(gates) for t in timed(cp, f, 20))
             results.setdefault("router", []).append(dict(op="router", form=form, n=n, bytes=nbytes, graph_ms=g_ms,
@@ -477,7 +469,7 @@ def bench_head_gemm(cp, cuda, results, copy_bw, quick):
 def summary(results):
     """The acceptance lines of the issue: best graph-replay % of copy bandwidth per op and size."""
     lines = []
-    moe = [r for r in results.get("moe", []) if r["tag"] == "best" and r["xs"] == 2]
+    moe = [r for r in results.get("moe", []) if r["tag"] == "best"]
     for r in moe:
         goal = " (goal >= 75%, target 85%)" if r["n"] <= 17 else ""
         lines.append(f"MoE INT4 n={r['n']:2d}: {r['pct_copy']:5.1f}% of copy{goal}")

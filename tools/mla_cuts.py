@@ -16,9 +16,8 @@ CUTS = {    # name: lines of mla_wg.py's kernel source removed, or (old, new) re
     "softmax": [f'{{softmax("{I12}")}}\n'],                           # warpgroup 0's softmax inside the loop
     "pv": [f'{{pv_calls("{I12}")}}\n'],                               # O += P V in both warpgroups' loops
     "s": [f'{{s_calls("{I12}")}}\n'],                                 # S(i + 1) = Q K^T inside the loop
-    "load": [   # the ring's refills in the loop: cp.async pieces, or TMA boxes (then the refill copies nothing
-        #         but still completes its slot's mbarrier phase, so the waits do not hang)
-        ("load_tile(usm, cache, row0, lo + (i + 3) * {NK}, hi, (i + 3) % {stages}, tid - 128)", "pass"),
+    "load": [   # the ring's refills in the loop: the TMA boxes (the refill copies nothing but still completes its
+        #         slot's mbarrier phase, so the waits do not hang)
         ("load_tile_tma(wsm, bars, tmap, row0, lo + (i + 3) * {NK}, hi, (i + 3) % {stages})",
          "load_tile_tma(wsm, bars, tmap, row0, hi, hi, (i + 3) % {stages})")],
     "sync": [f"{I12}fence_proxy_async()                   # P(i) -> the wgmma proxy\n{I12}cuda.syncthreads()\n",
@@ -85,12 +84,12 @@ def check():
 
 
 def cut_kernel(variant, D=576, r=512):
-    """The kernel (not compiled yet) of kernels/mla_wg.py's source with `variant`'s cuts, with the module's load
-    path (MLA_WG_TMA); building it runs the generated source, so a cut that breaks it fails here."""
+    """The kernel (not compiled yet) of kernels/mla_wg.py's source with `variant`'s cuts; building it runs the
+    generated source, so a cut that breaks it fails here."""
     import numbaengine.kernels.mla_wg as W
     ns = {"__name__": "numbaengine.kernels.mla_wg_cut"}
     exec(compile(cut_source(variant), "mla_wg_cut", "exec"), ns)
-    return ns["_make_kernel"](D, r, False, W.MLA_WG_NK, W.wg_stages(D), False, W.MLA_WG_TMA)
+    return ns["_make_kernel"](D, r, False, W.MLA_WG_NK, W.wg_stages(D))
 
 
 def main():

@@ -7,7 +7,7 @@ with two constant operands into one LOP3, for one, so PTX counts can mislead.
 
     python -m tools.ptx_stats [--sass]                 # the INT4 expert GEMMs (gate_up, down), default cuts
     python -m tools.ptx_stats --sass --gemm q_kv_a:17  # a K2 dense GEMM (tools.bench_kernels.K2_GEMMS) at m rows
-    python -m tools.ptx_stats --sass --gemm q_kv_a:17 --cut '{"AB": 1, "S": 0, "RB": 0}'   # another cut
+    python -m tools.ptx_stats --sass --gemm q_kv_a:17 --cut '{"S": 0, "RB": 0}'   # another cut
     python -m tools.ptx_stats --sass --mla 64          # the MLA kernel for 64 query rows (whole kernel, registers)
 """
 import argparse
@@ -149,11 +149,11 @@ def expert_gemm_ptx(down, cfg=None):
     from numba import types as ty
 
     from numbaengine.kernels.gemm import INT4
-    from numbaengine.kernels.moe import MOE_XS, _build_expert_gemm
+    from numbaengine.kernels.moe import _build_expert_gemm
     _sm90()
     c = cfg or default_cut(down)
     bounds = (32 * c.WR * c.WK, c.min_blocks) if c.min_blocks else None
-    kern = _build_expert_gemm(INT4, down, c.T, c.R, MOE_XS, 4, c.U, 1, c.PF, bounds, c.S)
+    kern = _build_expert_gemm(INT4, down, c.T, c.R, 4, c.U, 1, c.PF, bounds, c.S)
     u32, u16, i32, f32 = ty.uint32, ty.uint16, ty.int32, ty.float32
     sc = u32[:, ::1] if c.S else u16[:, ::1]        # bulk layout: the scales are inside the weight chunks
     sig = (u32[::1], u32[:, ::1], sc, u16[::1], f32[:, ::1], f32[:, ::1]) + (i32[::1],) * 5 + (i32,) * 5
@@ -172,13 +172,12 @@ def dense_gemm_ptx(m, n, k, over=None):
     from numbaengine.kernels.gemm import _build_gemm, gemm_config, token_tiles
     _sm90()
     c = dataclasses.replace(gemm_config(m, n, k), **(over or {}))
-    xs = 1 if c.AB else c.XS
     T = token_tiles(m, c)
-    bf = 1 if c.BF == 1 and not c.AB else (4 if c.AB else 2)
-    kern = _build_gemm(T, c.R, xs, c.U, c.PF, bf, 0, (32 * c.WR * c.WK, c.MB) if c.MB else None, c.S, c.RB)
+    bf = 1 if c.BF == 1 else 2
+    kern = _build_gemm(T, c.R, c.XS, c.U, c.PF, bf, 0, (32 * c.WR * c.WK, c.MB) if c.MB else None, c.S, c.RB)
     u32, i32, f32 = ty.uint32, ty.int32, ty.float32
     sig = (u32[::1], u32[::1], f32[:, :], f32[:, :, :]) + (i32,) * 5
-    return cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))[0], c, 2 * c.R * T * xs * (2 if c.AB else 1)
+    return cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))[0], c, 2 * c.R * T * c.XS
 
 
 def mla_ptx(M, D=576, r=512):
@@ -209,7 +208,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sass", action="store_true", help="count the SASS of ptxas instead of numba's PTX")
     ap.add_argument("--gemm", metavar="NAME:M", help="a K2 dense GEMM (tools.bench_kernels.K2_GEMMS) at M rows")
-    ap.add_argument("--cut", metavar="JSON", help='with --gemm: GemmConfig fields to change, e.g. {"AB": 1}')
+    ap.add_argument("--cut", metavar="JSON", help='with --gemm: GemmConfig fields to change, e.g. {"S": 0}')
     ap.add_argument("--mla", metavar="M", type=int, help="the MLA kernel for M query rows: registers, spills, SASS")
     ap.add_argument("--moe-cut", metavar="JSON", help='expert GEMMs: ExpertConfig fields to change, e.g. {"R": 1, '
                                                       '"WR": 4, "U": 8} (with --sass: registers, spills and load '

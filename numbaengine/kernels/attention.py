@@ -18,9 +18,7 @@ from numbaengine.kernels.device import (  # noqa: F401
     kernel,
     launch,
     ld4,
-    ld4_l2,
     ld_quad,
-    ld_quad_l2,
 )
 
 # Flash-decoding: a block per (kv head, tile of query rows, split of the keys) writes an unnormalized partial
@@ -246,66 +244,6 @@ def merge_kernel(RB, SU=1):
     return merge_splits_kernel
 
 
-MERGE_TAIL_ITEMS = 8        # (row, 4 columns) items per thread whose partial loads are in flight together
-MERGE_TAIL_SPLITS = 2       # splits loaded per round in last_split_merge
-
-
-@device
-def last_split_merge(o_part, ml_part, out, count, b, tile, m0, rows):
-    """merge_splits_kernel inside the split kernel: every block of a row tile (one per split, gridDim.y) calls it
-    after writing its partial rows m0 .. m0 + rows - 1 of sequence b; the last to arrive (count i32[B, tiles],
-    zero between calls) merges them into out f32[B, M, r] and puts count[b, tile] back to 0. The partials are
-    read at L2 (ld.global.cg: other blocks' writes of this kernel), MERGE_TAIL_ITEMS x MERGE_TAIL_SPLITS 16-byte
-    loads per thread in flight. Meant to save the merge launch (11.4 us for 64 x 64 rows of 512 at two splits on
-    the H200), but slower there (kernels.mla.MLA_FUSED_MERGE: 163.4 us against 129.8 at 4K context, batch 64, 64
-    heads).
-    Every thread of the (1-D) block must call it (barriers inside)."""
-    last = cuda.shared.array(1, int32)
-    cuda.threadfence()
-    cuda.syncthreads()
-    t, nt = cuda.threadIdx.x, cuda.blockDim.x
-    nsplit = cuda.gridDim.y
-    if t == 0:
-        last[0] = int32(cuda.atomic.add(count, (b, tile), int32(1)) == nsplit - 1)
-    cuda.syncthreads()
-    if last[0] == 0:
-        return
-    cuda.threadfence()
-    M, r = o_part.shape[2], o_part.shape[3]
-    X = r // 4
-    n = min(rows, M - m0) * X                     # items: (row, column quad)
-    acc = cuda.local.array((MERGE_TAIL_ITEMS, 6), float32)
-    u = cuda.local.array((MERGE_TAIL_SPLITS, MERGE_TAIL_ITEMS, 4), uint32)
-    ml = cuda.local.array((MERGE_TAIL_SPLITS, MERGE_TAIL_ITEMS, 2), uint32)
-    for i0 in range(0, n, nt * MERGE_TAIL_ITEMS):
-        for k in range(MERGE_TAIL_ITEMS):
-            for j in range(5):
-                acc[k, j] = float32(0)
-            acc[k, 5] = NEG_INF
-        for s0 in range(0, nsplit, MERGE_TAIL_SPLITS):
-            for q in range(MERGE_TAIL_SPLITS):    # every load of the round first (the loads are ordered)
-                for k in range(MERGE_TAIL_ITEMS):
-                    it = min(i0 + k * nt + t, n - 1)
-                    row = (b * nsplit + min(s0 + q, nsplit - 1)) * M + m0 + it // X
-                    ml[q, k, 0], ml[q, k, 1] = ld4_l2(ml_part, 2 * row), ld4_l2(ml_part, 2 * row + 1)
-                    u[q, k, 0], u[q, k, 1], u[q, k, 2], u[q, k, 3] = ld_quad_l2(o_part, row * r + 4 * (it % X))
-            for q in range(MERGE_TAIL_SPLITS):
-                if s0 + q < nsplit:
-                    for k in range(MERGE_TAIL_ITEMS):
-                        _fold(acc, k, as_f32(ml[q, k, 0]), as_f32(ml[q, k, 1]), as_f32(u[q, k, 0]),
-                              as_f32(u[q, k, 1]), as_f32(u[q, k, 2]), as_f32(u[q, k, 3]))
-        for k in range(MERGE_TAIL_ITEMS):
-            it = i0 + k * nt + t
-            if it < n:
-                m, c = m0 + it // X, 4 * (it % X)
-                den = acc[k, 4]
-                inv = float32(1) / den if den > float32(0) else float32(0)
-                out[b, m, c], out[b, m, c + 1] = acc[k, 0] * inv, acc[k, 1] * inv
-                out[b, m, c + 2], out[b, m, c + 3] = acc[k, 2] * inv, acc[k, 3] * inv
-    if t == 0:
-        count[b, tile] = 0
-
-
 def merge_shape(B, nsplit, M, r):
     """merge_splits' launch shape for partials [B, nsplit, M, r] -> (rows per block, split groups, a thread's splits
     per load round, column quads per block X). Where the splits are few (<= MERGE_ROWS, 48 KB of shared memory)
@@ -522,11 +460,11 @@ def raise_smem_limit(kern, args, smem):
     return _SMEM_CF[key]
 
 
-def launch_smem(kern, grid, threads, smem, args, cluster=None, coop=False):
+def launch_smem(kern, grid, threads, smem, args, cluster=None):
     """device.launch with `smem` bytes of dynamic shared memory (raise_smem_limit first), thread-block clusters of
-    `cluster` blocks, cooperative (coop: all blocks resident at once)."""
+    `cluster` blocks."""
     raise_smem_limit(kern, args, smem)
-    launch(kern, grid, threads, *args, shmem=smem, cluster=cluster, coop=coop)
+    launch(kern, grid, threads, *args, shmem=smem, cluster=cluster)
 
 
 # --- tensor-core kernel for kv_attention (f32 K/V rounded to bf16 in shared memory) ----------------------------------

@@ -21,23 +21,18 @@ import numpy as np
 from numbaengine.kernels.device import SIM, device, syncwarp
 
 
-def tensor_map_2d(addr, rows, cols, box_rows, box_cols, f32=False):
+def tensor_map_2d(addr, rows, cols, box_rows, box_cols):
     """Tensor map (u64[16], host) of a row-major bf16 [rows, cols] tensor at device address addr, copied in boxes of
     box_rows x box_cols (box_cols * 2 = 128 bytes: one swizzle span) into the 128-byte-swizzle layout, L2 asked for
-    256-byte lines, rows past the end read as zeros. f32: a float32 tensor, boxes of 64 columns (256 bytes) landing
-    row after row, unswizzled."""
-    esize = 4 if f32 else 2
-    if box_cols != 64 or not 0 < box_rows <= 256 or addr % 16 or cols * esize % 16:
-        raise ValueError(f"tensor_map_2d: boxes of {box_rows} x {box_cols} {'f32' if f32 else 'bf16'} (<= 256 rows, "
-                         f"64 columns), address {addr:#x} and row pitch {cols * esize} bytes (must be 16-byte "
-                         f"aligned)")
+    256-byte lines, rows past the end read as zeros."""
+    if box_cols != 64 or not 0 < box_rows <= 256 or addr % 16 or cols * 2 % 16:
+        raise ValueError(f"tensor_map_2d: boxes of {box_rows} x {box_cols} bf16 (<= 256 rows, 64 columns), address "
+                         f"{addr:#x} and row pitch {cols * 2} bytes (must be 16-byte aligned)")
     from cuda.bindings import driver as d
     err, tmap = d.cuTensorMapEncodeTiled(
-        d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32 if f32 else
         d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, addr, [d.cuuint64_t(cols), d.cuuint64_t(rows)],
-        [d.cuuint64_t(cols * esize)], [d.cuuint32_t(box_cols), d.cuuint32_t(box_rows)], [d.cuuint32_t(1)] * 2,
-        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE if f32 else d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        [d.cuuint64_t(cols * 2)], [d.cuuint32_t(box_cols), d.cuuint32_t(box_rows)], [d.cuuint32_t(1)] * 2,
+        d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != d.CUresult.CUDA_SUCCESS:
@@ -49,12 +44,6 @@ def tensor_map_2d(addr, rows, cols, box_rows, box_cols, f32=False):
 if SIM:
     def mbar_init(bars, i):
         bars[i] = 0
-
-    def mbar_init_count(bars, i, count):
-        bars[i] = 0
-
-    def mbar_arrive(bars, i):
-        pass
 
     def mbar_fence_init():
         pass
@@ -109,8 +98,6 @@ else:
         return intrinsic(ns[name])
 
     mbar_init = _bar_op("mbar_init", "mbarrier.init.shared::cta.b64 [$0], 1;", 0)
-    mbar_init_count = _bar_op("mbar_init_count", "mbarrier.init.shared::cta.b64 [$0], $1;", 1)   # count arrivals
-    mbar_arrive = _bar_op("mbar_arrive", "mbarrier.arrive.shared::cta.b64 _, [$0];", 0)       # one arrival
     mbar_expect = _bar_op("mbar_expect", "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", 1)
     mbar_try_wait = _bar_op("mbar_try_wait", "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2;"
                             " selp.u32 $0, 1, 0, p; }", 1, ret=True)

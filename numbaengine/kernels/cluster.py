@@ -13,18 +13,10 @@ The simulator has no twin (its blocks do not share memory): these raise there.
 A cluster's blocks must all be resident together on one GPC, so fewer blocks may run at once than without clusters
 (H200: 16 clusters of 8 blocks of 225 KB took 2x the time of 128 plain blocks); `max_clusters` asks the
 driver's occupancy calculator how many fit.
-
-Grid-wide groups (`group_barrier`, `group_leave`): where more blocks must merge than a cluster holds, the blocks
-of a cooperative launch (`device.launch(..., coop=True)`: all resident at once, or the launch fails) meet at a
-counter in global memory instead and read each other's partials at L2; `max_resident_blocks` says how many blocks
-a launch may have for that.
 """
-from numba import cuda
-
 from numbaengine.kernels.device import SIM
 
 _MAX_CLUSTERS = {}
-_MAX_BLOCKS = {}
 
 
 def max_clusters(cf, threads, smem, dims):
@@ -55,32 +47,12 @@ def max_clusters(cf, threads, smem, dims):
     return _MAX_CLUSTERS[key]
 
 
-def max_resident_blocks(cf, threads, smem):
-    """Blocks of `threads` threads and `smem` dynamic shared bytes of the compiled kernel cf that the whole GPU holds
-    at once (cuOccupancyMaxActiveBlocksPerMultiprocessor x SMs): the most a cooperative launch may have; 0, with a
-    warning, where the driver cannot tell."""
-    key = (id(cf), threads, smem)
-    if key not in _MAX_BLOCKS:
-        from cuda.bindings import driver as d
-        err, fn = d.cuKernelGetFunction(cf.handle)
-        if err != d.CUresult.CUDA_SUCCESS:
-            fn = cf.handle
-        err, n = d.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, smem)
-        if err != d.CUresult.CUDA_SUCCESS:
-            import warnings
-            warnings.warn(f"max_resident_blocks: cuOccupancyMaxActiveBlocksPerMultiprocessor failed ({err}) for "
-                          f"{threads} threads and {smem} shared bytes: counted as 0 (no grid-wide groups)")
-            n = 0
-        _MAX_BLOCKS[key] = int(n) * cf.device.MULTIPROCESSOR_COUNT
-    return _MAX_BLOCKS[key]
-
-
 if SIM:
     def _no_twin(*args):
-        raise NotImplementedError("thread-block clusters and grid-wide groups have no simulator twin (its blocks run "
-                                  "one at a time): run kernels/cluster.py on a GPU")
+        raise NotImplementedError("thread-block clusters have no simulator twin (its blocks run one at a time): run "
+                                  "kernels/cluster.py on a GPU")
 
-    cluster_sync = dsmem_ld4 = dsmem_ld16 = group_barrier = group_leave = _no_twin
+    cluster_sync = dsmem_ld4 = dsmem_ld16 = _no_twin
 else:
     from llvmlite import ir
     from numba import types
@@ -118,26 +90,3 @@ else:
 
     dsmem_ld4 = _dsmem_load(1)
     dsmem_ld16 = _dsmem_load(4)
-
-    @cuda.jit(device=True, inline="always")
-    def group_barrier(count, b, t, n):
-        """The n blocks sharing the int32 counter count[b, t] (zero before) meet: every thread of each block calls
-        it, then group_leave once it is done. They must be resident together (a cooperative launch): a block
-        spins until the others have arrived. Global writes before it (any thread) are seen after it by L2 loads
-        (ld.global.cg). Thread 0 alone fences, after the block barrier (CUTLASS's semaphore does the same)."""
-        cuda.syncthreads()
-        if cuda.threadIdx.x == 0:
-            cuda.threadfence()                    # the block's writes, before its arrival
-            cuda.atomic.add(count, (b, t), 1)
-            while cuda.atomic.add(count, (b, t), 0) < n:      # (an atomic: read at L2, never a stale copy)
-                pass
-            cuda.threadfence()                    # the others' writes, before this block's loads
-        cuda.syncthreads()
-
-    @cuda.jit(device=True, inline="always")
-    def group_leave(count, b, t, n):
-        """After group_barrier (off its critical path): the last of the n blocks to leave puts count[b, t] back to
-        zero, when every block is past its wait (what the next launch, or a graph replay, needs)."""
-        if cuda.threadIdx.x == 0:
-            if cuda.atomic.add(count, (b, t), 1) == 2 * n - 1:
-                cuda.atomic.exch(count, (b, t), 0)

@@ -139,9 +139,6 @@ def _build_prep_unit(xs, perm, tiled):
         if tiled == 1:
             base = ((blk // 4 * ((m + 7) // 8) + row // 8) * xs) * RING_CHUNK + (4 * (row % 8) + blk % 4) * 4
             pstride = RING_CHUNK
-        elif tiled == 2:       # A fragments: chunk (step, m16 tile, k16 half), lane 4*(row%8) + t, word 2j + upper
-            base = ((blk // 4 * ((m + 15) // 16) + row // 16) * 2) * RING_CHUNK + (4 * (row % 8) + blk % 4) * 4
-            base += (row // 8) % 2
         elif tiled == 3:       # wgmma B boxes (kernels/gemm_wg.py): [token block][k/64 box][NB rows][128 bytes],
             zb = (m + WG_NB_MAX - 1) // WG_NB_MAX    # chunk c of row r at chunk c ^ (r % 8) (128-byte swizzle)
             nb = ((m + zb - 1) // zb + 7) // 8 * 8
@@ -156,9 +153,7 @@ def _build_prep_unit(xs, perm, tiled):
             else:
                 e0, e1 = k0 + 2 * q, k0 + 2 * q + 1
             v0, v1 = x[row, e0], x[row, e1]
-            if tiled == 2:     # columns 8t + 4h + 2j, +1 -> half h's chunk, word 2j (+1 for rows 8..15)
-                xb[base + (q // 2) * RING_CHUNK + 2 * (q % 2)] = pack_bf16x2(v0, v1)
-            elif xs == 2:
+            if xs == 2:
                 hi, lo = split_bf16x2(v0, v1)
                 xb[base + q] = hi
                 xb[base + pstride + q] = lo
@@ -174,29 +169,26 @@ def _build_prep(xs, perm, tiled=0):
     def prep(x, xb, m, kdim):
         """x f32[m, k] (any strides) -> xb u32 flat [m, xs, k/2] (bf16 pairs; perm=1: INT4 column order), or
         (tiled=1) the mma B fragments in warp order: word ((s*ceil(m/8) + row//8)*xs + p)*128 + 4*lane + q with
-        lane = 4*(row%8) + t holds part p of columns 32s + 8t + 2q, +1 (rows past m repeat row m-1), or (tiled=2,
-        xs=1) the mma A fragments of 16-row token tiles: word ((s*ceil(m/16) + row//16)*2 + h)*128 + 4*lane +
-        2j + (row//8)%2 holds columns 32s + 8t + 4h + 2j, +1 (the k order of a weight row's 16-byte lane load), or
+        lane = 4*(row%8) + t holds part p of columns 32s + 8t + 2q, +1 (rows past m repeat row m-1), or
         (tiled=3, xs=1) kernels/gemm_wg.py's wgmma B boxes: token block z of NB rows, 64-column box b, row r:
         words ((z*k/64 + b)*NB + r)*32 + 4*(c ^ r%8) + q hold columns 64b + 8c + 2q, +1.
-        Launch: grid (ceil(k/8/256), m, or the rows rounded up to 8 (tiled=1), 16 (tiled=2) or ZB*NB (3)), block
+        Launch: grid (ceil(k/8/256), m, or the rows rounded up to 8 (tiled=1) or ZB*NB (3)), block
         256; moves m*k*4 bytes in, m*k*2*xs out."""
         prep_unit(x, xb, m, kdim, cuda.blockIdx.y, cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
     return prep
 
 
 def prep_b(x, xb, xs=XS_DEFAULT, perm=0, tiled=0):
-    """x f32[m, k] -> xb (uint32 flat, >= m*xs*k/2 words; tiled=1: ceil(m/8)*8*xs*k/2, tiled=2: ceil(m/16)*16*k/2,
-    tiled=3: kernels.gemm_wg.xb_words):
-    the B operand of the mma GEMMs (tiled=2: the A operand of the AB cut)."""
+    """x f32[m, k] -> xb (uint32 flat, >= m*xs*k/2 words; tiled=1: ceil(m/8)*8*xs*k/2, tiled=3:
+    kernels.gemm_wg.xb_words): the B operand of the mma GEMMs (tiled=3: of the wgmma GEMM)."""
     m, k = x.shape
-    if tiled >= 2 and (xs != 1 or perm):
+    if tiled == 3 and (xs != 1 or perm):
         raise ValueError(f"prep_b: the tiled={tiled} layout is for bf16 activations in natural column order")
     if tiled == 3:
         nb, zb = token_blocks(m)
         rows = nb * zb
     else:
-        rows = math.ceil(m / (8 * tiled)) * 8 * tiled if tiled else m
+        rows = math.ceil(m / 8) * 8 if tiled else m
     launch(_cached(_build_prep, xs, perm, tiled), (math.ceil(k / 8 / 256), rows), 256, x, xb, int32(m), int32(k))
 
 
@@ -206,27 +198,11 @@ def _build_bf16_mma(T, R, XS, BF):
     qa u32[8R]: qa[4h .. 4h+3] = the lane's 16 bytes of row g (h = 2r) or g+8 (h = 2r+1) of row tile r, columns
     32s + 8t .. +8. B read as in `_build_step`, or (BF=2) from the tiled layout of `prep_b`: the lane's B words of
     (step s, tile tt, part p) at boff[tt] + s*T*XS*128 + p*128 (one warp load = 512 contiguous bytes), or (BF=3) the
-    same fragments from a shared ring slot at boff[tt] + p*128.
-    BF=4 (XS=1): the roles swapped. The weights are the B operand: qa[4h], qa[4h+1] (h's row, columns 8t .. 8t+3)
-    are the B fragment of n8 tile h for the step's first k16 half, qa[4h+2], qa[4h+3] for the second, so the
-    loaded words feed the mma as they are (as the A operand they need register moves: rows g and g+8 interleave).
-    x is the A operand: T tiles of 16 token rows from `prep_b` tiled=2, halves at boff[tt] + s*T*256 (+128).
-    acc[(h*T + tt)*4 + i]: the D fragment of (n8 tile h, token tile tt): rows = tokens, columns = weight rows."""
-    SSTR = T * (2 if BF == 4 else XS) * RING_CHUNK
+    same fragments from a shared ring slot at boff[tt] + p*128."""
+    SSTR = T * XS * RING_CHUNK
 
     @device
     def mma_step(qa, xb, s, t, half, boff, acc):
-        if BF == 4:
-            for tt in range(T):
-                a0, a1, a2, a3 = ld16(xb, boff[tt] + s * SSTR)
-                a4, a5, a6, a7 = ld16(xb, boff[tt] + s * SSTR + RING_CHUNK)
-                for h in range(2 * R):
-                    i = (h * T + tt) * 4
-                    c0, c1, c2, c3 = mma_bf16(a0, a1, a2, a3, qa[4 * h], qa[4 * h + 1],
-                                              acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
-                    acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = mma_bf16(a4, a5, a6, a7, qa[4 * h + 2],
-                                                                          qa[4 * h + 3], c0, c1, c2, c3)
-            return
         xw = cuda.local.array(8, uint32)
         for tt in range(T):
             if BF == 1:
@@ -459,9 +435,8 @@ def red_bytes(R, T, WR, WK):
 def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
     mainloop = (_cached(_build_ring_mainloop, T, R, XS, S, BF, RB) if S
                 else _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, BF))
-    AB = BF == 4                                    # x as the A operand: T tiles of 16 token rows
-    block_reduce = _cached(_build_block_reduce, 2 * R if AB else R, T, 1)
-    NACC, NA, TROWS = R * T * 4 * (2 if AB else 1), 2 * R, 16 if AB else 8
+    block_reduce = _cached(_build_block_reduce, R, T, 1)
+    NACC, NA = R * T * 4, 2 * R
 
     @device
     def body(xb, w, out, part, sync, m, n, kdim, nwr, nwk):
@@ -479,8 +454,8 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
         warp = cuda.threadIdx.x // 32
         wr, wk = warp % nwr, warp // nwr
         tile0 = (cuda.blockIdx.x * nwr + wr) * R
-        r0 = cuda.blockIdx.z * TROWS * T             # this block's token rows: [r0, r0 + mb)
-        mb = min(m - r0, TROWS * T)
+        r0 = cuda.blockIdx.z * 8 * T                 # this block's token rows: [r0, r0 + mb)
+        mb = min(m - r0, 8 * T)
         sb, nsb = cuda.blockIdx.y, cuda.gridDim.y
         half = kdim // 2
         s0, s1 = _split_range(sb * nwk + wk, nsb * nwk, kdim // 32)
@@ -493,7 +468,7 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
             aoff[2 * r + 1] = min(row + 8, n - 1) * half
         for tt in range(T):
             if BF >= 2:
-                boff[tt] = tt * (2 if AB else XS) * RING_CHUNK + lane * 4
+                boff[tt] = tt * XS * RING_CHUNK + lane * 4
             else:
                 boff[tt] = (r0 + min(tt * 8 + g, mb - 1)) * (kdim if BF else XS * half)
         for i in range(NACC):
@@ -501,16 +476,12 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
         mainloop(w, w, xb, s0, s1, t, half, aoff, aoff, boff, acc)
         block_reduce(acc, wr, wk, nwr, nwk, lane)
         if wk == 0:
-            for h in range(NACC // (4 * T)):         # weight tiles: m16 tiles r, or (AB) n8 tiles h = 2r, 2r + 1
+            for h in range(R):                       # weight tiles: m16 tiles
                 for tt in range(T):
                     for e in range(4):
                         i = (h * T + tt) * 4 + e
-                        if AB:                       # rows of the D fragment are tokens, columns weight rows
-                            row = tile0 * 16 + 8 * h + 2 * t + e % 2
-                            tok = tt * 16 + g + 8 * (e // 2)
-                        else:
-                            row = (tile0 + h) * 16 + g + 8 * (e // 2)
-                            tok = tt * 8 + 2 * t + e % 2
+                        row = (tile0 + h) * 16 + g + 8 * (e // 2)
+                        tok = tt * 8 + 2 * t + e % 2
                         if row < n and tok < mb:
                             if nsb == 1:
                                 out[r0 + tok, row] = acc[i]
@@ -615,10 +586,6 @@ class GemmConfig:
     S: int = 0         # >= 2: weights stream through an S-stage cp.async ring per warp (U, PF unused); 0: registers
     RB: int = 0        # 1 (with S, prepared B): the B fragments ride in the ring too
     XS: int = XS_DEFAULT   # activations as bf16 (1) or hi + lo parts (2), unless the call names xs
-    AB: int = 0        # 1 (x prepared, no ring, XS=1): x is the mma's A operand in 16-row token tiles and the weights
-    #                    the B operand, which takes a weight row's 16-byte load as two k16 fragments without register
-    #                    moves (python -m tools.ptx_stats --sass --gemm: 40 of 84 SASS per step at m = 17 are moves).
-    #                    8R accumulators per token tile: R=1 from 3 tiles (above 40 per lane they go to local memory)
     WG: int = 0        # 1: kernels/gemm_wg.py (TMA ring + wgmma, sm_90; the fields above unused)
 
 
@@ -690,8 +657,8 @@ def with_xs(cfg, xs):
 
 
 def token_tiles(m, cfg):
-    """Token tiles of m rows in a GEMM block: 8 rows each, 16 with x as the A operand (cfg.AB)."""
-    return math.ceil(m / (16 if cfg.AB else 8))
+    """Token tiles of m rows in a GEMM block: 8 rows each."""
+    return math.ceil(m / 8)
 
 
 def gemm_workspace_words(m, n, k, xs=None, cfg=None):
@@ -700,7 +667,7 @@ def gemm_workspace_words(m, n, k, xs=None, cfg=None):
     cfg = with_xs(cfg or gemm_config(m, n, k), xs)
     if cfg.WG:
         return wg_xb_words(m, k), 0
-    rows = token_tiles(m, cfg) * (16 if cfg.AB else 8)
+    rows = token_tiles(m, cfg) * 8
     xb = rows * (xs or cfg.XS) * k // 2 if m <= 8 * TILES_ONE_BLOCK else 0
     return xb, (cfg.SB * m * n if cfg.SB > 1 else 0)
 
@@ -715,7 +682,7 @@ def gemm_smem(T, cfg, nb=0):
     """Dynamic shared bytes of the GEMM kernel: the cp.async rings (nb B chunks per stage), or the in-block k-split
     exchange if larger."""
     ring = 4 * ring_words(cfg.R, cfg.S, cfg.WR * cfg.WK, nb) if cfg.S else 0
-    return max(ring, red_bytes(cfg.R * (2 if cfg.AB else 1), T, cfg.WR, cfg.WK))
+    return max(ring, red_bytes(cfg.R, T, cfg.WR, cfg.WK))
 
 
 def gemm(x, w, out, ws, xs=None, cfg=None):
@@ -737,11 +704,8 @@ def gemm(x, w, out, ws, xs=None, cfg=None):
     nsync = gemm_sync_words(m, n, k, cfg) if ws.sync is not None else 0
     if nsync and ws.sync.size < nsync:
         raise ValueError(f"gemm: sync counters too few ({ws.sync.size} < {nsync})")
-    if cfg.AB and (xs != 1 or cfg.S or m > 8 * TILES_ONE_BLOCK):
-        raise ValueError(f"gemm: the AB cut needs bf16 activations (xs=1), no ring and at most "
-                         f"{8 * TILES_ONE_BLOCK} rows (got xs={xs}, {cfg}, m={m})")
     T, zb = token_tiles(m, cfg), 1
-    fused = cfg.BF and contiguous(x) and not cfg.AB
+    fused = cfg.BF and contiguous(x)
     if T > TILES_MAX and fused and not cfg.S and not nsync:
         T, zb = TILES_MAX, math.ceil(m / (8 * TILES_MAX))      # row blocks (grid z) of TILES_MAX token tiles
     elif T > TILES_ONE_BLOCK:
@@ -751,12 +715,12 @@ def gemm(x, w, out, ws, xs=None, cfg=None):
         xb = x.reshape(m * k)
     else:
         xb = ws.xb[:nxb]
-        prep_b(x, xb, xs, 0, tiled=2 if cfg.AB else 1)
+        prep_b(x, xb, xs, 0, tiled=1)
     if cfg.WR * cfg.WK > MAX_WARPS:
         raise ValueError(f"gemm: {cfg} has more than {MAX_WARPS} warps per block")
     threads = 32 * cfg.WR * cfg.WK
     rb = int(bool(cfg.S and cfg.RB and not fused))
-    kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, 1 if fused else (4 if cfg.AB else 2), int(nsync > 0),
+    kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, 1 if fused else 2, int(nsync > 0),
                    (threads, cfg.MB) if cfg.MB else None, cfg.S, rb)
     grid = (math.ceil(n / 16 / (cfg.WR * cfg.R)), cfg.SB, zb)
     part = ws.part[:npart].reshape(cfg.SB, m, n) if npart else ws.part[:1].reshape(1, 1, 1)

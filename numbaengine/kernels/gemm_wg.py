@@ -44,12 +44,6 @@ WG_XIN_ROWS = 8           # token blocks up to this many rows convert their f32 
 #                           m = 1, XIN / prep: o 80.3 / 77.8, kv_b 65.5 / 61.2 (MT = 2); q_kv_a 39.6 / 48.2 (MT = 1:
 #                           twice the f32 x per weight byte, so MT = 1 keeps the prep); at 16 rows XIN lost on every
 #                           shape (o 61.5 / 75.4)
-WG_XTMA_ROWS = 0          # token blocks up to this many rows take x as f32 by TMA (a box of NB rows x 64 k per stage
-#                           beside the weights, rows past m land as zeros) and convert it into the stage's bf16 x box
-#                           in shared memory once it has landed (XIN = 2: no prep launch, no x load on a thread's
-#                           critical path). 0: off; aimed at the 1.7-2.4 us x prep launch of the other cuts
-#                           (docs/PERFORMANCE.md).
-#                           Not measured, never run on a GPU (tests/test_cuda_gemm_wg.py has its GPU tests)
 BOX = 64 * 64 * 2         # bytes of one weight box (64 rows x 64 k bf16)
 WG_TMAP_FENCE = True      # fence.proxy.tensormap acquire on the weights' tensor map before the first TMA (orders the
 #                           host's write of the map before the copy engine reads it). Off: maps are never freed or
@@ -72,7 +66,7 @@ STAMP_WORDS = 2 * len(STAMP_POINTS) + 2
 class WgCut:
     """How one wgmma GEMM is cut: MT m64 weight tiles per block, CL k pieces (a cluster), S ring stages, NB token
     rows per block (wgmma N), ZB token blocks, XIN: how x reaches the ring's bf16 x boxes: 0 prepared by prep_b and
-    bulk-copied, 1 the block's threads load f32 x and convert it, 2 f32 x by TMA into the stage, converted there."""
+    bulk-copied, 1 the block's threads load f32 x and convert it."""
     MT: int
     CL: int
     S: int
@@ -91,8 +85,8 @@ def token_blocks(m):
 def wg_cut(m, n, k, sms=132, mt=None, cl=None, stages=None, xin=None):
     """The default cut: MT and CL from (n, k) alone (batch invariance): the MT (2 on a tie) whose strips x k pieces
     come closest to WG_TARGET blocks per SM without passing it (past it for both: the fewer blocks), k pieces of >= 2
-    boxes, <= WG_CL_MAX; XIN 2 up to WG_XTMA_ROWS rows, else 1 up to WG_XIN_ROWS rows with MT = 2 (S >= 3), else 0;
-    S as many stages as WG_SMEM_BLOCK holds. mt / cl / stages / xin override."""
+    boxes, <= WG_CL_MAX; XIN 1 up to WG_XIN_ROWS rows with MT = 2 (S >= 3), else 0; S as many stages as
+    WG_SMEM_BLOCK holds. mt / cl / stages / xin override."""
     boxes = k // 64
     target = int(WG_TARGET * sms)
     options = []
@@ -104,23 +98,23 @@ def wg_cut(m, n, k, sms=132, mt=None, cl=None, stages=None, xin=None):
     _, MT, CL = max(options)                                                # else the fewest (MT = 2 first)
     NB, ZB = token_blocks(m)
     if xin is None:
-        xin = 2 if NB <= WG_XTMA_ROWS else int(NB <= WG_XIN_ROWS and MT == 2)
-    S = stages or max(2, min(WG_STAGES_MAX, WG_SMEM_BLOCK // _layout(MT, 1, NB, xin)[0]))
+        xin = int(NB <= WG_XIN_ROWS and MT == 2)
+    S = stages or max(2, min(WG_STAGES_MAX, WG_SMEM_BLOCK // _layout(MT, 1, NB)[0]))
     return WgCut(MT, CL, S, NB, ZB, xin if S >= 3 else 0)
 
 
-def _layout(MT, S, NB, XIN=0):
-    """(stage bytes, first mbarrier's byte offset) of the shared memory: S ring stages of MT weight boxes, one bf16 x
-    box (NB rows x 128 bytes, 128-byte swizzle) and with XIN 2 the f32 x the TMA lands (NB rows x 256 bytes); the
-    partial tile [NB][64 MT + 4] f32 reuses the start after the main loop. A stage is a multiple of 1024 bytes (NB a
-    multiple of 8): every weight box starts on a swizzle period."""
-    stage = MT * BOX + NB * 128 + (NB * 256 if XIN == 2 else 0)
+def _layout(MT, S, NB):
+    """(stage bytes, first mbarrier's byte offset) of the shared memory: S ring stages of MT weight boxes and one
+    bf16 x box (NB rows x 128 bytes, 128-byte swizzle); the partial tile [NB][64 MT + 4] f32 reuses the start after
+    the main loop. A stage is a multiple of 1024 bytes (NB a multiple of 8): every weight box starts on a swizzle
+    period."""
+    stage = MT * BOX + NB * 128
     return stage, max(S * stage, NB * (64 * MT + 4) * 4)
 
 
 def wg_smem(cut):
     """Dynamic shared bytes of a cut: the ring (or the partial tile), then S mbarriers."""
-    return _layout(cut.MT, cut.S, cut.NB, cut.XIN)[1] + 8 * cut.S
+    return _layout(cut.MT, cut.S, cut.NB)[1] + 8 * cut.S
 
 
 def _sm90():
@@ -177,9 +171,8 @@ def _build(MT, CL, S, NB, XIN, STAMPS, FENCE):
     )
 
     BM, XBOX = 64 * MT, NB * 128               # weight rows per block; bytes of one activation box
-    STAGE, BARB = _layout(MT, S, NB, XIN)
-    XF32 = MT * BOX + XBOX                     # (XIN 2) byte offset in a stage of the f32 x box, NB rows x 256 bytes
-    XBYTES = {0: XBOX, 1: 0, 2: NB * 256}[XIN]    # x's bytes a stage's mbarrier counts (TMA: rows past m too)
+    STAGE, BARB = _layout(MT, S, NB)
+    XBYTES = XBOX if XIN == 0 else 0           # x's bytes a stage's mbarrier counts
     BAR = BARB // 8                            # first mbarrier (u64 index)
     BMP = BM + 4                               # f32 row pitch of the partial tile [NB tokens][BM rows]
     NACC = NB // 2
@@ -241,23 +234,7 @@ def _build(MT, CL, S, NB, XIN, STAMPS, FENCE):
         """(STAMPS) thread 0 writes point k of STAMP_POINTS: SM cycles, then global ns."""
         return f"{ind}if tid == 0:\n{ind}    sm = stamp_point(stamps, blk, {2 * k})\n" if STAMPS else ""
     # (STAMPS) stage 0 issued on its own, then its stamp (in the loop it would be copied by the unrolling)
-    fence = ("        tensormap_acquire(wmap)\n" + ("        tensormap_acquire(xb)\n" if XIN == 2 else "")
-             if FENCE else "")
-    def x_conv(nslot, ind):
-        """(XIN 2) the f32 x of ring slot `nslot` (landed) -> its bf16 x box, a quad (row r, 4 columns qd) per thread
-        and pass, written out unrolled."""
-        return "".join(f"""{ind}u = tid + {128 * e}
-{ind}f0, f1, f2, f3 = lds16(wsm, ({nslot} * {STAGE} + {XF32}) // 4 + (u >> 4) * 64 + 4 * (u & 15))
-{ind}xstore(wsm, {nslot}, u >> 4, u & 15, f0, f1, f2, f3)
-""" for e in range(NB // 8)) + f"{ind}fence_proxy_async()                    # st.shared -> the wgmma proxy\n"
-    # XIN 2: stage 0's x converted before the main loop, stage j + 1's in iteration j once its wgmmas are issued
-    # (S >= 3: stage j + 1 was issued by iteration j - 1, and its slot's last wgmmas, stage j + 1 - S's, have retired)
-    # (every k piece has a box: gemm_wg checks CL <= k / 64; a guard here made ptxas serialize the wgmmas)
-    x_conv0 = (f"    mbar_wait(bars, {BAR}, 0)\n" + x_conv(0, "    ") + "    cuda.syncthreads()\n" if XIN == 2 else "")
-    x_next = (f"""        if j + 1 < ns:
-            nslot = (j + 1) % {S}
-            mbar_wait(bars, {BAR} + nslot, ((j + 1) // {S}) & 1)
-""" + x_conv("nslot", " " * 12)) if XIN == 2 else ""
+    fence = "        tensormap_acquire(wmap)\n" if FENCE else ""
     st_issue0 = ("        load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0, 0, 3)\n"
                  + stamp(2, " " * 8) if STAMPS else "")
     st_tail = (f"    if tid == 0:\n        stamps[blk, {STAMP_WORDS - 2}], stamps[blk, {STAMP_WORDS - 1}] = int32(sm), "
@@ -274,7 +251,7 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
     ns = ((c + 1) * nbox) // {CL} - b0
     row0 = strip * {BM}
     tok0 = z * {NB}
-    xoff = {"tok0" if XIN == 2 else f"z * nbox * {XBOX // 4}"}
+    xoff = z * nbox * {XBOX // 4}
     live = min({MT}, (n - row0 + 63) // 64)        # weight boxes of the strip inside the matrix
     if tid == 0:
         for p in range({S}):
@@ -283,7 +260,7 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
 {fence}{stamp(1, "        ")}{st_issue0}        for p in range({1 if STAMPS else 0}, min({S}, ns)):
             load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + p, p, 3)
 {stamp(3)}{xin}    cuda.syncthreads()
-{stamp(4)}{x_conv0}{zero}
+{stamp(4)}{zero}
     for j in range(ns):
 {x_store}        slot = j % {S}
         mbar_wait(bars, {BAR} + slot, (j // {S}) & 1)
@@ -292,7 +269,7 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
         wg_fence()
 {mma}
         wg_commit()
-{x_next}        wg_wait1()                                 # stage j - 1's wgmmas have retired
+        wg_wait1()                                 # stage j - 1's wgmmas have retired
         cuda.syncthreads()                         # (all four warps): its slot may be refilled
         if tid == 0 and j >= 1 and j + {S} - 1 < ns:
             load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + j + {S} - 1, (j - 1) % {S}, 3)
@@ -324,8 +301,7 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
     def load_stage(wsm, bars, wmap, xb, xoff, row0, live, box, slot, parts):
         """Thread 0: stage `box` (64 k columns) into ring slot `slot`, completing on the slot's mbarrier: parts & 1
         the expected bytes and the live weight boxes by TMA, parts & 2 the token block's x: (XIN 0) its bf16 box
-        from xb (prep_b's layout, the block's boxes from u32 word xoff) by one bulk copy, (XIN 2) NB rows x 64 f32
-        from row xoff of x by TMA (xb: x's tensor map), (XIN 1) nothing."""
+        from xb (prep_b's layout, the block's boxes from u32 word xoff) by one bulk copy, (XIN 1) nothing."""
         if parts & 1:
             mbar_expect(bars, BAR + slot, live * BOX + XBYTES)
             for t in range(MT):
@@ -334,8 +310,6 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
                                    BAR + slot)
         if parts & 2 and XIN == 0:
             bulk_load(wsm, (slot * STAGE + MT * BOX) // 4, xb, xoff + box * (XBOX // 4), XBOX, bars, BAR + slot)
-        if parts & 2 and XIN == 2:
-            tensor_load_2d(wsm, (slot * STAGE + XF32) // 4, xb, 64 * box, xoff, bars, BAR + slot)
 
     @cuda.jit(device=True, inline="always")
     def xsrc(tok0, r, m, nbox, box, qd):
@@ -366,23 +340,21 @@ _TMAP = {}
 
 
 def tensor_map(a, box_rows):
-    """The TMA tensor map of a contiguous 2-D array in boxes of box_rows x 64 columns, in device memory: bf16 weights
-    u16[n, k] in the 128-byte swizzle, or f32 x [m, k] plain (XIN 2). Made on the first call for this address, shape
-    and box and kept (never freed: no map is ever rewritten), outside graph capture: engines run a round eagerly
-    before they capture it."""
+    """The TMA tensor map of contiguous bf16 weights u16[n, k] in boxes of box_rows x 64 columns (128-byte swizzle),
+    in device memory. Made on the first call for this address, shape and box and kept (never freed: no map is ever
+    rewritten), outside graph capture: engines run a round eagerly before they capture it."""
     from numbaengine.kernels.bulk import tensor_map_2d
     from numbaengine.kernels.gemm import _address
     rows, cols = a.shape
-    f32 = a.dtype == np.float32
-    key = (_address(a), rows, cols, box_rows, f32)
+    key = (_address(a), rows, cols, box_rows)
     if key not in _TMAP:
-        _TMAP[key] = cuda.to_device(tensor_map_2d(key[0], rows, cols, box_rows, 64, f32=f32))
+        _TMAP[key] = cuda.to_device(tensor_map_2d(key[0], rows, cols, box_rows, 64))
     return _TMAP[key]
 
 
 def gemm_wg(x, w, out, xb, cut=None, stamps=None):
     """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T: one launch of (CL, strips, ZB) blocks in clusters of CL,
-    after x -> bf16 boxes in xb (u32, >= xb_words(m, k)) unless the blocks convert x themselves (cut.XIN 1 or 2, x
+    after x -> bf16 boxes in xb (u32, >= xb_words(m, k)) unless the blocks convert x themselves (cut.XIN 1, x
     contiguous; else the cut falls back to XIN 0). w contiguous (its tensor map); out may be a strided view (a
     vocabulary shard's columns). stamps: int32 [>= blocks, STAMP_WORDS] with GEMM_WG_STAMPS on."""
     from numbaengine.kernels.attention import launch_smem
@@ -407,8 +379,7 @@ def gemm_wg(x, w, out, xb, cut=None, stamps=None):
     if GEMM_WG_STAMPS and (stamps is None or stamps.shape[0] < math.prod(grid) or stamps.shape[1] < STAMP_WORDS):
         raise ValueError(f"gemm_wg: GEMM_WG_STAMPS needs stamps of [>= {math.prod(grid)} blocks, {STAMP_WORDS}] int32")
     xf = x.reshape(m * k) if cut.XIN else xb.view(np.float32)     # (without XIN: not read)
-    xsrc = tensor_map(x, cut.NB) if cut.XIN == 2 else xb           # XIN 2: the kernel's `xb` is x's tensor map
-    args = (tensor_map(w, 64), xsrc, xf, out, int32(m), int32(n), int32(k // 64))
+    args = (tensor_map(w, 64), xb, xf, out, int32(m), int32(n), int32(k // 64))
     launch_smem(kern, grid, 128, wg_smem(cut), args + ((stamps,) if GEMM_WG_STAMPS else ()),
                 cluster=(cut.CL, 1, 1) if cut.CL > 1 else None)
     return out

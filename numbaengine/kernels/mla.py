@@ -10,14 +10,13 @@ import numbaengine.kernels.mla_wg as _wg
 from numbaengine.kernels.attention import (
     LOG2E,
     NEG_INF,
-    last_split_merge,
     launch_smem,
     merge_splits,
     placeholder,
     raise_smem_limit,
     shfl_xor,
 )
-from numbaengine.kernels.cluster import max_clusters, max_resident_blocks
+from numbaengine.kernels.cluster import max_clusters
 from numbaengine.kernels.device import (
     SIM,
     as_f32,
@@ -34,7 +33,6 @@ from numbaengine.kernels.mla_wg import (
     mla_wg_kernel,
     mla_wg_launch,
     wg_clusters,
-    wg_grid,
 )
 from numbaengine.weights.dtypes import f32_to_bf16
 
@@ -74,21 +72,13 @@ if not SIM:
             return _address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         return sig, codegen
 
-    def _make_cp_piece(d8, npieces, sw_rows=0):
+    def _make_cp_piece(d8, npieces):
         """cp.async of 16-byte piece idx (< npieces) of a tile of rows of d8 pieces: global gptr + 16*idx -> shared
-        slot + 16*(idx + idx // d8) (rows padded by 16 bytes), or with sw_rows > 0 into the 128-byte-swizzle layout
-        of a tile of sw_rows rows (kernels/wgmma.py sw128_offset; 8 lanes, one 128-byte global row segment, land
-        in 8 different bank groups). Rows idx // d8 >= nvalid read nothing (zeros) from gsafe. All 32-bit index
-        math in one PTX block."""
-        if sw_rows:  # piece c of row kr: slab c >> 3, atom kr >> 3, row kr & 7, chunk (c & 7) ^ (kr & 7)
-            place = (f" mul.lo.u32 so, kr, {d8}; sub.u32 c, $2, so; and.b32 t, kr, 7; and.b32 so, c, 7;"
-                     " xor.b32 so, so, t; shl.b32 so, so, 4; shl.b32 t, t, 7; add.u32 so, so, t;"
-                     f" shr.u32 t, c, 3; mad.lo.u32 so, t, {sw_rows * 128}, so; shr.u32 t, kr, 3;"
-                     " shl.b32 t, t, 10; add.u32 so, so, t; add.u32 so, so, $0;")
-        else:
-            place = " add.u32 so, $2, kr; shl.b32 so, so, 4; add.u32 so, so, $0;"
+        slot + 16*(idx + idx // d8) (rows padded by 16 bytes). Rows idx // d8 >= nvalid read nothing (zeros) from
+        gsafe. All 32-bit index math in one PTX block."""
         asm = ("{ .reg .u32 kr, so, sz, c, t; .reg .u64 ga, off; .reg .pred ok, in;"
-               f" div.u32 kr, $2, {d8}; setp.lt.u32 in, $2, {npieces}; setp.lt.s32 ok, kr, $3;" + place +
+               f" div.u32 kr, $2, {d8}; setp.lt.u32 in, $2, {npieces}; setp.lt.s32 ok, kr, $3;"
+               " add.u32 so, $2, kr; shl.b32 so, so, 4; add.u32 so, so, $0;"
                " mul.wide.u32 off, $2, 16; add.u64 ga, $1, off; selp.b64 ga, ga, $4, ok; selp.u32 sz, 16, 0, ok;"
                " cvta.to.global.u64 ga, ga; @in cp.async.cg.shared.global [so], [ga], 16, sz; }")
 
@@ -235,15 +225,11 @@ else:
     def _row_addr(arr, gidx):
         return gidx
 
-    def _make_cp_piece(d8, npieces, sw_rows=0):
+    def _make_cp_piece(d8, npieces):
         def cp_piece(sm, slot, arr, gptr, gsafe, idx, nvalid):
             if idx < npieces:
-                kr, c = divmod(idx, d8)
-                if sw_rows:
-                    o = slot + ((c >> 3) * sw_rows * 128 + (kr >> 3) * 1024 + (kr & 7) * 128
-                                + (((c & 7) ^ (kr & 7)) << 4)) // 2
-                else:
-                    o = slot + 8 * (idx + kr)
+                kr = idx // d8
+                o = slot + 8 * (idx + kr)
                 sm[o:o + 8] = np.array(ld16(arr, gptr + 8 * idx) if kr < nvalid else (0, 0, 0, 0),
                                        np.uint32).view(np.uint16)
         return cp_piece
@@ -272,10 +258,6 @@ MLA_MIN_SPLIT = 64          # fewest keys per flash-decoding split (H200, 8 head
 MLA_PTX_SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32[:,:,::1], float32, int32, "
                "int32, float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1], int32[:,::1])")
 # ^ the MLA kernels' argument types (both kernels take the same), for compile_ptx in tests and tools
-MLA_FUSED_MERGE = 0         # up to this many splits the last split block of a row tile merges the partials
-# (attention.last_split_merge) instead of the merge launch; 0: off. H200, 4K context, batch 64, 2 splits (`python -m
-# tools.bench_attention --only mla --quick`): 64 heads 163.4 us against 129.8 with the merge launch (43.3 / 54.3% of
-# copy), 8 heads 123.9 against 100.3 (57.1 / 70.3%): the last blocks' merge is a slow tail.
 MLA_SPLIT_COST = 128        # a split's fixed cost in cache rows for the split rule (q prologue, partial write, merge
 #                             share): ~8 us of a 64-head block at ~2.1 us per 32 rows (H200)
 MLA_PARTIALS = "auto"       # the split partials O (mla_work): "bf16" (half the bytes of the store and the merge's
@@ -321,17 +303,16 @@ def mla_geometry(M, D, r):
     return rg, kg, stages, 32 * rg * kg, _smem_bytes(rg, kg, stages, D, r, nk)
 
 
-def mla_kernel(rg, kg, stages, causal, D, r, nk=None, fuse=False):
+def mla_kernel(rg, kg, stages, causal, D, r, nk=None):
     """The absorbed-attention kernel for one geometry (mla_geometry), latent width D, output width r, nk keys per
-    step (None: mla_step_keys; compiled once per key); fuse: with the last split block's merge compiled in (its
-    code costs registers, so the default kernel has none of it)."""
-    key = (rg, kg, stages, causal, D, r, mla_step_keys(rg, kg, D, r) if nk is None else nk, _s_tiles(rg), fuse)
+    step (None: mla_step_keys; compiled once per key)."""
+    key = (rg, kg, stages, causal, D, r, mla_step_keys(rg, kg, D, r) if nk is None else nk, _s_tiles(rg))
     if key not in _MLA_KERNELS:
         _MLA_KERNELS[key] = _make_mla_kernel(*key)
     return _MLA_KERNELS[key]
 
 
-def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW, FUSE):
+def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
     MT, THREADS = 16 * rg, 32 * rg * kg
     DP, D8, D32 = D + 8, D // 8, D // 32            # Q/K row stride (conflict-free ldmatrix), 16 B pieces, k32 steps
     RGS = rg // SMW                                   # S = Q K^T: warp (wi, gj) has SMW m16 tiles of row group wi
@@ -383,7 +364,8 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW, FUSE):
         meet in shared memory, an online softmax (f32, base 2: `scale` includes log2 e) leaves P as bf16, and warp
         (pr, pc) adds P V for its 16*PM rows and CW columns (mma.sync bf16, f32 accumulators). Steps wholly inside
         the committed rows skip the masks. Bytes: each cache row of the split once per row tile (tiles of one
-        split run side by side: L2), q once, partials MT*r*4 per block."""
+        split run side by side: L2), q once, partials MT*r*4 per block. out, count: unread (kernels/mla_wg.py's
+        kernel takes the same arguments: its cluster merge's output, MLA_WG_STAMPS' buffer)."""
         T, h = q.shape[1], q.shape[2]
         mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid = cuda.threadIdx.x
@@ -401,8 +383,6 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW, FUSE):
             if tid < MT and mt * MT + tid < M:
                 ml_part[b, s, mt * MT + tid, 0] = NEG_INF
                 ml_part[b, s, mt * MT + tid, 1] = float32(0)
-            if FUSE:
-                last_split_merge(o_part, ml_part, out, count, b, mt, mt * MT, MT)
             return
         row0 = b * cache.shape[1]
         for p in range(stages - 1):                   # the ring's first tiles in flight
@@ -584,8 +564,6 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW, FUSE):
                 if not normalize and col == 0:
                     ml_part[b, s, m, 0] = fsm[row] if live else NEG_INF
                     ml_part[b, s, m, 1] = den if live else float32(0)
-        if FUSE:                                      # the last split of the tile merges (no merge launch)
-            last_split_merge(o_part, ml_part, out, count, b, mt, mt * MT, MT)
     return mla_attention_kernel
 
 
@@ -600,9 +578,9 @@ class MlaWork:
         nsplit = max(1, -(-max_keys // split))
         self.o = zeros((B, nsplit, M, r), PARTIAL_DTYPES[partials])
         self.ml = zeros((B, nsplit, M, 2), np.float32)
-        self.count = zeros((B, M), np.int32)     # splits done per row tile (last_split_merge; <= M tiles)
+        self.count = zeros((1, 1), np.int32)     # the kernels' count argument, unread (tools/mla_stamps.py puts
+        #                                          MLA_WG_STAMPS' buffer here)
         self.cluster = 0                         # the cluster size of the last mla_attention call (0: none)
-        self.grid = False                        # whether it merged across a cooperative launch (grid_merge)
 
 
 def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132, partials=None):
@@ -654,28 +632,11 @@ def pick_cluster(sizes, kernel_args, threads, smem, blocks, tag):
     return _MERGE_PICK[key]
 
 
-def pick_grid(kernel_args, threads, smem, blocks, tag, cluster=0):
-    """Whether all `blocks` blocks of the grid-merge kernel (kernel_args() = (kernel, args); in clusters of
-    `cluster` blocks) fit on the GPU at once, as its cooperative launch needs (kernels/cluster.py
-    max_resident_blocks, or max_clusters x cluster); decided once per (kernel tag, blocks, cluster, shared bytes,
-    device)."""
-    dev = cuda.get_current_device()
-    key = ("grid", tag, blocks, cluster, threads, smem, dev.id)
-    if key not in _MERGE_PICK:
-        cf = raise_smem_limit(*kernel_args(), smem)
-        fits = (max_clusters(cf, threads, smem, (1, cluster, 1)) * cluster if cluster else
-                max_resident_blocks(cf, threads, smem))
-        _MERGE_PICK[key] = blocks <= fits
-    return _MERGE_PICK[key]
-
-
 def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     """mla_attention_ref on the GPU or the simulator (same arguments). work=None: one split per sequence,
     normalized in place (no scratch); else an MlaWork (splits; read lengths/ntok on the device), merged by
-    merge_splits (or by the last split block of each row tile: MLA_FUSED_MERGE; or, 64-head tiles, inside the kernel
-    by thread-block clusters of the split blocks where they fit: kernels/mla_wg.py cluster_merge, cluster_pays; or
-    across a cooperative launch through L2 where all its blocks fit: grid_merge, up to MLA_WG_GRID partials, off
-    by default).
+    merge_splits (or, 64-head tiles, inside the kernel by thread-block clusters of the split blocks where they fit:
+    kernels/mla_wg.py cluster_merge, cluster_pays).
     Launch: grid (row tiles, splits, B) of mla_geometry's threads and shared memory, or kernels/mla_wg.py's
     (mla_wg_launch) for 64-head tiles on sm_90."""
     B, T, h, D = q.shape
@@ -691,21 +652,20 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
         raise ValueError(f"mla_attention: out {out.shape} must be C-contiguous (written through a [B, T h, r] view)")
     M = T * h
     nsplit = 1 if work is None else work.o.shape[1]
-    fused = work is not None and nsplit <= MLA_FUSED_MERGE    # the fused kernels merge (out, count), no launch
     tmap, sizes, wg = (), [], mla_wg_applies(h, D, r)     # the wgmma kernel's tensor map, after the cache
     if wg:                                        # 64-head tiles on an sm_90 GPU: both products on wgmma
-        sizes = wg_clusters(nsplit, fused)        # splits merged in the kernel through distributed shared memory
-        kern, tiles, threads, smem, tm = mla_wg_launch(M, D, r, mask is None, work, cache, fused)
+        sizes = wg_clusters(nsplit)               # splits merged in the kernel through distributed shared memory
+        kern, tiles, threads, smem, tm = mla_wg_launch(M, D, r, mask is None, work, cache)
         tmap = (tm,)
     else:
         rg, kg, stages, threads, smem = mla_geometry(M, D, r)
-        kern, tiles = mla_kernel(rg, kg, stages, mask is None, D, r, fuse=fused), -(-M // (16 * rg))
+        kern, tiles = mla_kernel(rg, kg, stages, mask is None, D, r), -(-M // (16 * rg))
     if wg and work is not None and work.o.dtype != np.float32 and not _wg.MLA_WG_STAGED:
         raise ValueError("mla_attention: bf16 partials need kernels.mla_wg.MLA_WG_STAGED (its register stores are f32)")
     maskarg = mask if mask is not None else placeholder(q, (1, 1, 1), np.uint32)
-    if wg and _wg.wg_stamps(fused):               # (stamp mode: every 64-head call brings the stamps' buffer)
+    if wg and _wg.wg_stamps():                    # (stamp mode: every 64-head call brings the stamps' buffer)
         _wg.check_stamps(None if work is None else work.count, tiles * nsplit * B)
-    if work is None:                              # out is o_part (out, count: the fused kernels')
+    if work is None:                              # out is o_part (out, count: unread)
         args = (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E),
                 int32(cache.shape[1]), 1, out.reshape(B, 1, M, r), placeholder(q, (1, 1, 1, 2), np.float32),
                 placeholder(q, (1, 1, 1), np.float32), placeholder(q, (1, 1), np.int32))
@@ -713,30 +673,15 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
         return out
     out3 = out.reshape(B, M, r)
 
-    def partials(size):                           # one per cluster of `size` splits (the first of the buffers,
-        G = nsplit // size if size else nsplit    # merged after where G > 1), or one per split
-        return [a.reshape(-1)[:B * G * M * a.shape[3]].reshape(B, G, M, a.shape[3]) for a in (work.o, work.ml)]
-
-    def args_of(o, ml):
-        return (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0,
-                o, ml, out3, work.count)
-    blocks, tag = tiles * nsplit * B, (D, r, mask is None)
+    args = (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0,
+            work.o, work.ml, out3, work.count)
     cluster = pick_cluster(
-        sizes, lambda c: (mla_wg_kernel(D, r, mask is None, cluster=c), args_of(*partials(c))), threads, smem,
-        blocks, tag) if sizes else 0
-    parts = nsplit // cluster if cluster else nsplit      # partials left after the kernel's cluster merge (if any)
-    grid = wg and wg_grid(parts, fused) and pick_grid(    # ... merged across a cooperative launch through L2
-        lambda: (mla_wg_kernel(D, r, mask is None, cluster=cluster, grid=True), args_of(*partials(cluster))),
-        threads, smem, blocks, tag, cluster)
-    if (fused or grid) and work.count.shape != (B, M):      # (their row tiles' counters)
-        raise ValueError(f"mla_attention: work for {work.count.shape} (B, T h) rows, not {(B, M)}")
-    if cluster or grid:
-        kern = mla_wg_kernel(D, r, mask is None, cluster=cluster, grid=grid)
-    work.cluster, work.grid = cluster, grid       # (what ran: benchmarks report it)
-    o, ml = partials(cluster)
-    args = args_of(o, ml)
-    launch_smem(kern, (tiles, nsplit, B), threads, smem, args, cluster=(1, cluster, 1) if cluster else None,
-                coop=grid)
-    if not fused and nsplit != cluster and not grid:
-        merge_splits(o, ml, out3)
+        sizes, lambda c: (mla_wg_kernel(D, r, mask is None, cluster=c), args), threads, smem,
+        tiles * nsplit * B, (D, r, mask is None)) if sizes else 0
+    if cluster:                                   # all the splits of a tile in one cluster: it writes out
+        kern = mla_wg_kernel(D, r, mask is None, cluster=cluster)
+    work.cluster = cluster                        # (what ran: benchmarks report it)
+    launch_smem(kern, (tiles, nsplit, B), threads, smem, args, cluster=(1, cluster, 1) if cluster else None)
+    if nsplit != cluster:
+        merge_splits(work.o, work.ml, out3)
     return out

@@ -11,49 +11,31 @@ rows in 128-byte-swizzle atoms (the same bytes are the K-major B of S = Q K^T an
                registers, P as bf16 into shared memory (two P tiles alternate), the rescale factors beside it;
   warpgroup 1: the ring's loads (three tiles ahead): TMA tensor copies (kernels/bulk.py tensor_load_2d: one box
                of 64 columns x MLA_WG_NK rows per 128-byte slab, issued by its first thread, an mbarrier per slot;
-               it zeroes the rows of a tile past the split's end), or cp.async pieces by all 128 (MLA_WG_TMA off);
+               it zeroes the rows of a tile past the split's end);
   both:        O[:, wg half] = alpha O + P V[:, wg half] (NK/16 wgmma m64n(r/2)k16; 64 x r/2 f32 per warpgroup),
                issued after S of the next step so the softmax runs beside them; at the end O leaves through f32
                rows of shared memory in 16-byte stores (MLA_WG_STAGED).
 Launched as thread-block clusters of a tile's 2..8 splits (MLA_WG_CLUSTER, where they fit as well as plain blocks:
 kernels.mla.cluster_pays), the split blocks merge through distributed shared memory (cluster_merge) and write out;
-other split counts leave partials for kernels.attention's merge_splits launch, or (MLA_WG_GRID, off by default:
-no faster than that launch), where the whole grid fits at once, run as a cooperative launch whose
-blocks meet at a counter per row tile and merge from the partials at L2 (grid_merge).
+other split counts leave partials for kernels.attention's merge_splits launch.
 Bytes: each cache row of the split once per tile (the tiles of one split share it through L2), q once, the
 partials 64 r 2 per block (bf16, kernels.mla MLA_PARTIALS; 64 r 4 as f32; none in a cluster: the output once).
 Same arguments and outputs as mla.py's kernel (o_part, ml_part, the merge after; out in a cluster)."""
 import math
 import textwrap
 
-import numpy as np
 from numba import cuda, float32, int32, uint16, uint32, uint64
 
-from numbaengine.kernels.attention import (
-    NEG_INF,
-    last_split_merge,
-    placeholder,
-    shfl_xor,
-)
-from numbaengine.kernels.cluster import (
-    cluster_sync,
-    dsmem_ld4,
-    dsmem_ld16,
-    group_barrier,
-    group_leave,
-)
+from numbaengine.kernels.attention import NEG_INF, shfl_xor
+from numbaengine.kernels.cluster import cluster_sync, dsmem_ld4, dsmem_ld16
 from numbaengine.kernels.device import (
     SIM,
     as_f32,
     as_u32,
-    cp_commit,
     cp_wait,
     kernel,
-    ld4_l2,
     ld16,
-    ld_quad_l2,
     lds16,
-    shfl_idx,
     st16,
     st_quad,
     stamp_point,
@@ -63,12 +45,6 @@ from numbaengine.kernels.wgmma import core_offset, sw128_mn_strides, sw128_offse
 
 MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
 MLA_WG_NK = 32              # cache rows per step (S is m64nNK per k16 step; four tiles must fit)
-MLA_WG_TMA = True           # cache tiles by TMA tensor copies (one thread, an mbarrier per ring slot); False: by
-#                             cp.async of the 128 threads of warpgroup 1. H200, decode 4K x batch 64: 117.2 us with
-#                             TMA against 130.9 with cp.async (60.7 / 54.4% of copy)
-MLA_WG_SEESAW = False       # FlashMLA-style seesaw (TMA only): the warpgroups take alternate tiles for S and the
-#                             softmax, each adds every tile's P V to its half of O. Correct (GPU tests) but slower on
-#                             the H200 (4K x batch 64: 137.3 against 116.8 us)
 MLA_WG_STAGED = True        # O leaves through shared memory in 16-byte stores (a warp writes 512 contiguous bytes),
 #                             not as 4-byte stores from the accumulator registers. H200, decode 4K x batch 64: 108.39
 #                             us against 117.07 (65.3 / 60.4% of copy)
@@ -76,23 +52,11 @@ MLA_WG_CLUSTER = 8          # 2 .. this many splits of a row tile run as one thr
 #                             distributed shared memory (kernels/cluster.py): no partials, no merge launch; 0: off,
 #                             at most 8 (the portable cluster size). H200, decode 4K x batch 64 (2 splits): 99.81 us
 #                             against 108.39 with the merge launch (70.9 / 65.3% of copy)
-MLA_WG_GRID = 0             # up to this many partials (splits that run no cluster; with MLA_WG_CLUSTER_GROUPS the
-#                             clusters') merge across a cooperative launch where all its blocks are resident at once:
-#                             the split blocks meet at a counter per row tile and fold the partials from L2
-#                             (grid_merge), no merge launch; 0: off (default), at most GRID_SPLITS. H200, 64-head
-#                             decode against the merge launch: ties it at 16K x batch 16 (8: 102.88 us, 64: 102.45,
-#                             merge launch 102.37 = 69.5% of copy), loses at 64K x 4 (103.69 against 102.89 us)
-GRID_SPLITS = 256           # most partials of a grid merge (its shared memory; a cooperative launch holds fewer)
-MLA_WG_CLUSTER_GROUPS = False   # also clusters of a divisor of a tile's split count, each merging into one partial
-#                             (then merge_splits over the clusters' partials, or where all fit at once the grid merge:
-#                             a cooperative launch of clusters, never run on a GPU). Off: not measured together with
-#                             kernels.mla.cluster_pays (without that check, clusters of 3 of 33 splits ran two waves:
-#                             192 against 104 us, H200); GPU-tested only without it (test_gpu_wgmma_epilogue "groups")
 MLA_WG_QG = 18              # q prologue: 8-value units of the q tile each thread has in flight (two 16-byte loads
 #                             each; the largest divisor of the units per thread up to this: all 18 at K2's widths).
 #                             H200, 64-head decode, 4K x batch 64: 97.01 us at 18 against 98.52 at 3 (73.3 / 72.2% of
 #                             copy); the prologue of a 16K x 16 block 6.4 us against 7.3 (tools/mla_stamps.py)
-MLA_WG_Q_FIRST = True       # (TMA) the q prologue's loads go out before the ring's first three tiles, which are
+MLA_WG_Q_FIRST = True       # the q prologue's loads go out before the ring's first three tiles, which are
 #                             issued between them and q's conversion (the tiles are not needed until the main loop).
 #                             H200, 64-head decode, on / off: 16K x 16 100.17 / 100.79 us (70.9 / 70.5% of copy);
 #                             batch 1 mixed. All four ring tiles before the prologue: slower (its q loads queue
@@ -108,19 +72,15 @@ MLA_WG_PTX_SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], uint64[::1], int32[
 _KERNELS = {}
 
 
-def wg_smem(D, nk, stages, seesaw=False):
+def wg_smem(D, nk, stages):
     """Bytes of shared memory: Q tile, `stages` cache tiles, two P tiles, then the f32[64] rows of the statistics
-    (alpha x 2, max, sum; seesaw: alpha, max, sum per warpgroup and the final max), then (seesaw) the slots'
-    release counters (u32) and one mbarrier per cache tile (TMA; seesaw: and one per warpgroup's P)."""
-    if seesaw:
-        return 64 * D * 2 + stages * nk * D * 2 + 2 * 64 * nk * 2 + 7 * 64 * 4 + 4 * stages + 8 * (stages + 6)
+    (alpha x 2, max, sum), then one mbarrier per cache tile."""
     return 64 * D * 2 + stages * nk * D * 2 + 2 * 64 * nk * 2 + 4 * 64 * 4 + 8 * stages
 
 
-def wg_stages(D, nk=None, seesaw=None):
+def wg_stages(D, nk=None):
     """4 (tiles i - 1 .. i + 2 of the pipeline) if they fit, else 0."""
-    seesaw = MLA_WG_SEESAW and MLA_WG_TMA if seesaw is None else seesaw
-    return 4 if wg_smem(D, nk or MLA_WG_NK, 4, seesaw) <= MLA_WG_SMEM else 0
+    return 4 if wg_smem(D, nk or MLA_WG_NK, 4) <= MLA_WG_SMEM else 0
 
 
 def mla_wg_applies(h, D, r):
@@ -131,26 +91,21 @@ def mla_wg_applies(h, D, r):
     return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)
 
 
-def mla_wg_kernel(D, r, causal, nk=None, fuse=False, cluster=0, grid=False):
-    """The kernel for latent width D, output width r; fuse: with the last split block's merge compiled in;
-    cluster: the merge of that many splits through distributed shared memory compiled in (0: none); grid: the
-    merge of all the splits of a cooperative launch through L2 (grid_merge)."""
+def mla_wg_kernel(D, r, causal, nk=None, cluster=0):
+    """The kernel for latent width D, output width r; cluster: the merge of that many splits through distributed
+    shared memory compiled in (0: none)."""
     nk = nk or MLA_WG_NK
-    seesaw = MLA_WG_SEESAW and MLA_WG_TMA
-    groups = bool(cluster and MLA_WG_CLUSTER_GROUPS)
-    stamps = wg_stamps(fuse, cluster, grid)
-    key = (D, r, causal, nk, fuse, MLA_WG_TMA, seesaw, MLA_WG_STAGED, cluster, groups, grid, stamps, MLA_WG_QG,
-           MLA_WG_Q_FIRST)
+    stamps = wg_stamps(cluster)
+    key = (D, r, causal, nk, MLA_WG_STAGED, cluster, stamps, MLA_WG_QG, MLA_WG_Q_FIRST)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk, seesaw), fuse, MLA_WG_TMA, seesaw,
-                                     MLA_WG_STAGED, cluster, groups, grid, stamps, MLA_WG_QG, MLA_WG_Q_FIRST)
+        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk), MLA_WG_STAGED, cluster, stamps, MLA_WG_QG,
+                                     MLA_WG_Q_FIRST)
     return _KERNELS[key]
 
 
-def wg_stamps(fuse=False, cluster=0, grid=False):
-    """Whether MLA_WG_STAMPS is compiled into the kernel of these merges: not into those that use `count` for their
-    own counters (fused, grid) nor the cluster kernels."""
-    return MLA_WG_STAMPS and not (fuse or cluster or grid)
+def wg_stamps(cluster=0):
+    """Whether MLA_WG_STAMPS is compiled into the kernel: not into the cluster kernels."""
+    return MLA_WG_STAMPS and not cluster
 
 
 def check_stamps(count, blocks):
@@ -161,23 +116,10 @@ def check_stamps(count, blocks):
                          f" int32, not {None if count is None else count.shape} (tools/mla_stamps.py)")
 
 
-def wg_clusters(nsplit, fuse=False):
-    """Cluster sizes to try for `nsplit` splits of a row tile, best first: all of them (merged into the output in
-    the kernel) where 2 <= nsplit <= MLA_WG_CLUSTER (<= 8, the portable size); with MLA_WG_CLUSTER_GROUPS every
-    divisor in 2 .. MLA_WG_CLUSTER, largest first (a partial per cluster); none with the fused merge."""
-    top = min(MLA_WG_CLUSTER, 8, nsplit)
-    if fuse or top < 2:
-        return []
-    if MLA_WG_CLUSTER_GROUPS:
-        return [c for c in range(top, 1, -1) if nsplit % c == 0]
-    return [nsplit] if nsplit <= top else []
-
-
-def wg_grid(nsplit, fuse=False):
-    """Whether `nsplit` partials of a row tile (its splits', or its clusters') may merge across a cooperative launch
-    (kernels.mla then asks whether all the blocks fit at once): 2 .. min(MLA_WG_GRID, GRID_SPLITS), not with the
-    fused merge."""
-    return not fuse and 2 <= nsplit <= min(MLA_WG_GRID, GRID_SPLITS)
+def wg_clusters(nsplit):
+    """Cluster sizes to try for `nsplit` splits of a row tile: all of them (merged into the output in the kernel)
+    where 2 <= nsplit <= MLA_WG_CLUSTER (<= 8, the portable size), else none."""
+    return [nsplit] if 2 <= nsplit <= min(MLA_WG_CLUSTER, 8) else []
 
 
 SOFTMAX_MAX = """\
@@ -197,7 +139,7 @@ al1 = _ex2(m1 - mx1) if mx1 != m1 else float32(1)
 m0, m1 = mx0, mx1
 if t == 0:
     fsm[sa + r0] = al0
-    fsm[sa + r1] = al1{m_out}
+    fsm[sa + r1] = al1
 """   # the online softmax's first half (kernel source, filled in by _make_kernel): the new max, alpha
 SOFTMAX_EXP = """\
 tot0, tot1 = float32(0), float32(0)
@@ -212,53 +154,35 @@ QUAD_SUM = """\
 """
 
 
-def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, STAGED=False, CL=0, GROUPS=False,
-                 GRID=False, STAMPS=False, QG=18, Q_FIRST=True):
-    from numbaengine.kernels.mla import (
-        _ex2,
-        _make_cp_piece,
-        _pack2,
-        _row_addr,
-        _slot_addr,
-    )
+def _make_kernel(D, r, causal, NK, stages, STAGED=False, CL=0, STAMPS=False, QG=18, Q_FIRST=True):
+    from numbaengine.kernels.mla import _ex2, _pack2
     from numbaengine.kernels.wgmma import (
         fence_proxy_async,
         make_desc,
         make_wgmma,
         wg_commit,
         wg_fence,
-        wg_sync,
         wg_wait0,
         wg_wait1,
     )
     if SIM:
         raise NotImplementedError("mla_wg: wgmma has no simulator twin")
-    if SEESAW and not TMA:
-        raise ValueError("mla_wg: the seesaw schedule fills its ring by TMA only (MLA_WG_TMA)")
-    if CL and (FUSE or not 2 <= CL <= 8):
-        raise ValueError(f"mla_wg: a cluster merge of {CL} splits (2..8, not with the fused merge)")
-    if GRID and (FUSE or (CL and not GROUPS)):
-        raise ValueError("mla_wg: the grid merge is not for the fused merge, nor after a cluster of all the splits")
+    if CL and not 2 <= CL <= 8:
+        raise ValueError(f"mla_wg: a cluster merge of {CL} splits (2..8)")
     D8, NPV = D // 8, r // 2
     QBYTES, TILE, PBYTES = 64 * D * 2, NK * D * 2, 64 * NK * 2
     PB = QBYTES + stages * TILE                 # two P tiles (bytes), then the f32 stats
     SF = (PB + 2 * PBYTES) // 4                 # f32 index of alpha[2][64], max[64], sum[64]
-    BAR = (PB + 2 * PBYTES + 4 * 64 * 4) // 8   # u64 index of the ring's mbarriers (TMA)
-    CNT = SF + 7 * 64                           # seesaw: u32 index of the slots' release counters
-    if SEESAW:
-        BAR = -(-(4 * (CNT + stages)) // 8)     # then the ring's mbarriers, then one per warpgroup's P (PBAR + w)
-    PBAR, VHALF = BAR + stages, NPV // 64 * NK * 128    # VHALF: bytes into a tile of warpgroup 1's V columns
-    MBAR, PFREE = PBAR + 2, PBAR + 4            # seesaw: per warpgroup, its max published / its P tile free
+    BAR = (PB + 2 * PBYTES + 4 * 64 * 4) // 8   # u64 index of the ring's mbarriers
+    VHALF = NPV // 64 * NK * 128                # bytes into a tile of warpgroup 1's V columns
     NS, NO = NK // 2, NPV // 2                  # accumulators per thread: S (warpgroup 0), O (both)
     PITCH, R4 = r + 8, r // 4                   # staged epilogue: f32 rows of O (8 floats of padding: st.shared.v2
     #                                             of a warp without bank conflicts), r / 4 16-byte quads per row
     ML, FAC = 64 * PITCH, 64 * PITCH + 128      # f32 index (cluster): this block's max, sum of 64 rows; fold factors
-    GRID_FSM = 2 * (64 + 3 * GRID_SPLITS) + 1024    # (grid) f32 beside them: factors, sums, the groups' sums
-    if (STAGED or CL or GRID) and 4 * (FAC + max(64 * max(CL, 1), GRID_FSM)) > PB:
+    if (STAGED or CL) and 4 * (FAC + 64 * max(CL, 1)) > PB:
         raise ValueError(f"mla_wg: the staged O tile ({64 * PITCH * 4} bytes) does not fit below the P tiles ({PB})")
     QPT = 64 * D8 // 256                        # q units (8 values: 16 bytes of the tile) per thread
     QG = max(g for g in range(1, min(QG, QPT) + 1) if QPT % g == 0)   # units in flight (two 16-byte loads each)
-    PPT = -(-(NK * D8) // 128)                  # cache pieces per loader thread (warpgroup 1) and tile
 
     def stamp(k, ind="    "):
         """(STAMPS) thread 0 writes point k of its block's timeline: SM cycles, then global ns."""
@@ -303,19 +227,16 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, 
         plines.append(f"{tot} += as_f32(w << uint32(16)) + as_f32(w & uint32(0xFFFF0000))")
         plines.append(f"wsm[(pb + core_offset({row}, {8 * (i // 4)} + 2 * t, {NK // 8})) >> 2] = w")
     p_out = "\n".join(plines)
-    m_out = "\n    fsm[sa + 128 + r0] = m0\n    fsm[sa + 128 + r1] = m1" if SEESAW else ""   # the max beside alpha
-    softmax_max = (SOFTMAX_MAX.replace("{softmax_in}", softmax_in).replace("{NK}", str(NK))
-                   .replace("{m_out}", m_out))
+    softmax_max = SOFTMAX_MAX.replace("{softmax_in}", softmax_in).replace("{NK}", str(NK))
     softmax_exp = SOFTMAX_EXP.replace("{p_out}", p_out)
 
-    def softmax(indent, part=None):
+    def softmax(indent):
         """Online softmax of S (registers) for the step at key c0: P as bf16 into the P tile at byte pb, the
-        rescale factors into alpha row sa and (al0, al1); part "max" or "exp": one half."""
-        body = {"max": softmax_max, "exp": softmax_exp}.get(part, softmax_max + softmax_exp)
-        return "\n".join(indent + ln if ln else ln for ln in body.split("\n"))
+        rescale factors into alpha row sa and (al0, al1)."""
+        return "\n".join(indent + ln if ln else ln for ln in (softmax_max + softmax_exp).split("\n"))
 
-    def rescale(indent, a="al"):
-        return "\n".join(f"{indent}o{i} *= {a}{0 if i % 4 < 2 else 1}" for i in range(NO))
+    def rescale(indent):
+        return "\n".join(f"{indent}o{i} *= al{0 if i % 4 < 2 else 1}" for i in range(NO))
     # O's stores: unsigned row / column indices (no negative-index checks; the column's constant folds into the
     # store's address)
     stores = [f"    ra, rb, cb = uint32(mb + r0), uint32(mb + r1), uint32(wg * {NPV} + 2 * t)"]
@@ -327,7 +248,7 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, 
     def merge_in_cluster(ind):
         return "\n".join(ind + ln for ln in (
             "cluster_sync()                                # every block's O rows and (max, sum) published",
-            "cluster_merge(wsm, fsm, out, o_part, ml_part, b, s, mb, tid)   # this block's rows, from all",
+            "cluster_merge(wsm, fsm, out, b, s, mb, tid)   # this block's rows, from all",
             "cluster_sync()                                # the others are done reading this block's memory"))
 
     if STAGED or CL:      # O (times 1 / sum where normalized) into f32 rows of shared memory, then 16-byte stores
@@ -369,144 +290,25 @@ def _make_kernel(D, r, causal, NK, stages, FUSE=False, TMA=False, SEESAW=False, 
         """Where a block's (max, sum) of row tid go: ml_part, or (cluster) its shared memory for the others."""
         return f"fsm[{ML + 64 * k} + tid]" if CL else f"ml_part[b, s, mb + tid, {k}]"
 
-    def lines(ind, text):
-        return "\n".join(ind + ln if ln else ln for ln in text.split("\n"))
-
-    def take(ind, J):
-        """Seesaw: the other warpgroup's tile J, first half: wait for its max and alpha (ap0, ap1), take them
-        (this warpgroup's sum rescaled; O is rescaled just before its P V)."""
-        return lines(ind, f'''jj = {J}
-mbar_wait(bars, {MBAR} + po, (jj >> 1) & 1)                    # its max and alpha published
-ap0, ap1 = fsm[{SF} + 64 * po + r0], fsm[{SF} + 64 * po + r1]
-m0, m1 = fsm[{SF + 128} + 64 * po + r0], fsm[{SF + 128} + 64 * po + r1]
-l0, l1 = l0 * ap0, l1 * ap1''')
-
-    def pv_other(ind, J):
-        """Seesaw: the other warpgroup's tile J into this half of O: rescale by its alpha, wait for its P, O += P V,
-        retire it, say its P tile is free, release the tile's slot."""
-        return lines(ind, f'''jj = {J}
-if ap0 != float32(1) or ap1 != float32(1):
-{rescale("    ", "ap")}
-mbar_wait(bars, {BAR} + jj % {stages}, (jj // {stages}) & 1)   # landed (its owner saw it: returns at once)
-mbar_wait(bars, {PBAR} + po, (jj >> 1) & 1)                    # its P published
-dp = desc_p(wsm, {PB} + po * {PBYTES})
-dv = desc_v(wsm, {QBYTES} + (jj % {stages}) * {TILE} + wg * {VHALF})
-wg_fence()
-{pv_calls("")}
-wg_commit()
-wg_wait0()
-mbar_arrive(bars, {PFREE} + po)               # its P tile may be rewritten
-release(wsm, bars, tmap, row0, lo, hi, nsteps, jj, lane)''')
-
-    def own(ind, J, prev=None):
-        """Seesaw: this warpgroup's tile J (S in registers): the new max and alpha published first (the chain
-        between the warpgroups), then P (into this warpgroup's P tile once the other has retired its P V of the
-        last one), then P V of the other's tile `prev` and of tile J into this half of O; both slots released."""
-        free = "" if prev is None else (f"if {J} >= 2:\n    mbar_wait(bars, {PFREE} + wg, ((({J}) - 2) >> 1) & 1)"
-                                        f"   # the other's P V of my last P done\n")
-        return lines(ind, f'''c0, pb, sa = lo + ({J}) * {NK}, {PB} + wg * {PBYTES}, {SF} + 64 * wg
-{softmax("", "max")}
-mbar_arrive(bars, {MBAR} + wg)                # the max and alpha of tile J published
-{free}{softmax("", "exp")}
-fence_proxy_async()                           # P -> the wgmma proxy (both warpgroups)
-mbar_arrive(bars, {PBAR} + wg)                # P of tile J published
-wg_sync(1 + wg)                               # this warpgroup's P rows all written
-{"" if prev is None else pv_other("", prev)}
-if al0 != float32(1) or al1 != float32(1):
-{rescale("    ")}
-dp = desc_p(wsm, pb)
-dv = desc_v(wsm, {QBYTES} + (({J}) % {stages}) * {TILE} + wg * {VHALF})
-wg_fence()
-{pv_calls("")}
-wg_commit()
-wg_wait0()
-release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
-
-    if SEESAW:
-        ring_init = f'''    if tid == 0:
+    ring_init = f'''    if tid == 128:
         for p in range({stages}):
             mbar_init(bars, {BAR} + p)
-            wsm[{CNT} + p] = uint32(0)
-        for p in range(6):                        # P, max and P-free barriers of both warpgroups
-            mbar_init_count(bars, {PBAR} + p, 128)
         mbar_fence_init()
-    if lane == 0:                                 # any warp's lane 0 may refill a slot (release)
         tensormap_acquire(tmap)
     cuda.syncthreads()
-    if tid == 0:                                  # tiles 0 .. stages - 1 in flight
-        for p in range({stages}):
-            if p < nsteps:
+'''
+    ring_fill = f'''    if wg == 1:                                   # warpgroup 1: ring tiles 0, 1, 2 in flight
+        for p in range(3):
+            if tid == 128 and p <= nsteps:
                 load_tile_tma(wsm, bars, tmap, row0, lo + p * {NK}, hi, p)
 '''
-        ring_fill = ""
-        main = f'''    tw = tid & 127
-    m0, m1 = NEG_INF, NEG_INF                     # running max of rows r0, r1; sums over this warpgroup's tiles
-    l0, l1 = float32(0), float32(0)
-    plain = min(hi, L)                            # steps ending here see no mask
-    dq = desc_k(wsm, 0)
-    po = 1 - wg                                   # the other warpgroup
-    fence_proxy_async()                           # st.shared (q) -> the wgmma proxy
-    cuda.syncthreads()
-    # Seesaw (FlashMLA's schedule): warpgroup w takes tiles j = w, w + 2, ... for S = Q K^T and the softmax; both
-    # add every tile's P V to their half of O in tile order. The chain between them is only the running max: a
-    # warpgroup publishes tile j's max and alpha (MBAR) as soon as S(j) is reduced, then P(j) (PBAR), then adds
-    # the other's tile j - 1 and its own tile j; the other says when it has retired P V of a P tile (PFREE).
-    # A tile's slot is refilled (tile j + stages) by the last of the 8 warps to release it (smem counter).
-    if wg == 0:                                   # tile 0 (warpgroup 1 starts with S(1))
-        tile_landed(wsm, bars, lo, hi, 0, tw)
-        dk = desc_k(wsm, {QBYTES})
-        wg_fence()
-{s_calls("        ")}
-        wg_commit()
-        wg_wait0()
-{own("        ", "0")}
-    for j in range(2 - wg, nsteps, 2):
-        tile_landed(wsm, bars, lo, hi, j, tw)
-        dk = desc_k(wsm, {QBYTES} + (j % {stages}) * {TILE})
-        wg_fence()
-{s_calls("        ")}
-        wg_commit()
-{take("        ", "j - 1")}
-        wg_wait0()                                # S(j) done
-{own("        ", "j", "j - 1")}
-    if ((nsteps - 1) & 1) != wg:                  # the other's last tile
-{take("        ", "nsteps - 1")}
-{pv_other("        ", "nsteps - 1")}
-'''
-        stats = QUAD_SUM + f'''    if t == 0:
-        fsm[{SF + 256} + 64 * wg + r0] = l0
-        fsm[{SF + 256} + 64 * wg + r1] = l1
-        if wg == 0:                               # (both warpgroups hold the final max)
-            fsm[{SF + 384} + r0] = m0
-            fsm[{SF + 384} + r1] = m1
-''' + finish(SF + 384, lambda x: f"fsm[{SF + 256} + {x}] + fsm[{SF + 320} + {x}]")
-    else:
-        ring_init = f'''    if {TMA}:
-        if tid == 128:
-            for p in range({stages}):
-                mbar_init(bars, {BAR} + p)
-            mbar_fence_init()
-            tensormap_acquire(tmap)
-        cuda.syncthreads()
-'''
-        ring_fill = f'''    if wg == 1:                                   # warpgroup 1: ring tiles 0, 1, 2 in flight
-        for p in range(3):
-            if {TMA}:
-                if tid == 128 and p <= nsteps:
-                    load_tile_tma(wsm, bars, tmap, row0, lo + p * {NK}, hi, p)
-            else:
-                load_tile(usm, cache, row0, lo + p * {NK}, hi, p, tid - 128)
-'''
-        main = f'''    m0, m1 = NEG_INF, NEG_INF                     # warpgroup 0: running max and sum of rows r0, r1
+    main = f'''    m0, m1 = NEG_INF, NEG_INF                     # warpgroup 0: running max and sum of rows r0, r1
     l0, l1 = float32(0), float32(0)
     plain = min(hi, L)                            # steps ending here see no mask
     dq = desc_k(wsm, 0)
     if wg == 1:
-        if {TMA}:
-            tile_landed(wsm, bars, lo, hi, 0, tid - 128)
-        else:
-            cp_wait2()                            # tile 0 landed (tiles 1, 2 may be in flight)
-    fence_proxy_async()                           # cp.async / st.shared -> the wgmma proxy
+        tile_landed(wsm, bars, lo, hi, 0, tid - 128)
+    fence_proxy_async()                           # st.shared (q) -> the wgmma proxy
     cuda.syncthreads()
     # Warpgroup 0, step i: after the barrier (P(i) and tile i + 1 visible) it issues S(i + 1), then O += P(i) V(i),
     # waits for S(i + 1) only and runs softmax(i + 1) beside the P V products on the tensor cores, then waits for
@@ -515,8 +317,7 @@ release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
     # alternate. Every accumulator is retired inside the step that issued it (S(nsteps) runs on the zero tile past
     # the split's end), so ptxas keeps the wgmmas asynchronous.
     if wg == 0:                                   # one loop per warpgroup: no path crosses between them
-        if {TMA}:
-            mbar_wait(bars, {BAR}, 0)             # (warpgroup 1 saw it land: this wait returns at once)
+        mbar_wait(bars, {BAR}, 0)                 # (warpgroup 1 saw it land: this wait returns at once)
 {stamp(3, "        ")}        dk = desc_k(wsm, {QBYTES})
         wg_fence()
 {s_calls("        ")}
@@ -527,8 +328,7 @@ release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
         for i in range(nsteps):
             fence_proxy_async()                   # P(i) -> the wgmma proxy
             cuda.syncthreads()
-            if {TMA}:
-                mbar_wait(bars, {BAR} + (i + 1) % {stages}, ((i + 1) // {stages}) & 1)
+            mbar_wait(bars, {BAR} + (i + 1) % {stages}, ((i + 1) // {stages}) & 1)
             dk = desc_k(wsm, {QBYTES} + ((i + 1) % {stages}) * {TILE})
             wg_fence()
 {s_calls("            ")}
@@ -546,31 +346,25 @@ release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
             wg_wait0()
     else:
         for i in range(nsteps):
-            if {TMA}:
-                tile_landed(wsm, bars, lo, hi, i + 1, tid - 128)
-            else:
-                cp_wait1()                        # tile i + 1 landed (tile i + 2 may be in flight)
+            tile_landed(wsm, bars, lo, hi, i + 1, tid - 128)
             fence_proxy_async()
             cuda.syncthreads()
-            if {TMA}:
-                if tid == 128 and i + 3 <= nsteps:
-                    load_tile_tma(wsm, bars, tmap, row0, lo + (i + 3) * {NK}, hi, (i + 3) % {stages})
-            else:
-                load_tile(usm, cache, row0, lo + (i + 3) * {NK}, hi, (i + 3) % {stages}, tid - 128)
+            if tid == 128 and i + 3 <= nsteps:
+                load_tile_tma(wsm, bars, tmap, row0, lo + (i + 3) * {NK}, hi, (i + 3) % {stages})
             sa = {SF} + (i & 1) * 64
             al0, al1 = fsm[sa + r0], fsm[sa + r1]
             if al0 != float32(1) or al1 != float32(1):
 {rescale("                ")}
             dp = desc_p(wsm, {PB} + (i & 1) * {PBYTES})
-            dv = desc_v(wsm, {QBYTES} + (i % {stages}) * {TILE} + {NPV // 64 * NK * 128})
+            dv = desc_v(wsm, {QBYTES} + (i % {stages}) * {TILE} + {VHALF})
             wg_fence()
 {pv_calls("            ")}
             wg_commit()
             wg_wait0()
     wg_wait0()
-    cp_wait0()
+    cp_wait0()                                    # (no cp.async in flight: see usm)
 '''
-        stats = QUAD_SUM + f'''    if wg == 0 and t == 0:
+    stats = QUAD_SUM + f'''    if wg == 0 and t == 0:
         fsm[{SF + 128} + r0], fsm[{SF + 192} + r0] = m0, l0
         fsm[{SF + 128} + r1], fsm[{SF + 192} + r1] = m1, l1
 ''' + finish(SF + 128, lambda x: f"fsm[{SF + 192} + {x}]")
@@ -580,16 +374,16 @@ release(wsm, bars, tmap, row0, lo, hi, nsteps, {J}, lane)''')
             fsm[{ML} + tid] = NEG_INF
             fsm[{ML + 64} + tid] = float32(0)
 {merge_in_cluster("        ")}
-        if {GRID}:                                # (groups: then the clusters' partials merge across the grid)
-            grid_merge(fsm, out, o_part, ml_part, count, b, s, mt, mb, tid)
         return
 '''
+    fill_after_q = ("        if p0 == 0:                               # (q's first loads are out: now the ring)\n"
+                    + textwrap.indent(ring_fill, "        ")) if Q_FIRST else ""     # (see MLA_WG_Q_FIRST)
     src = f'''
 def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count):
     T, h = q.shape[1], q.shape[2]
     mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
     tid = cuda.threadIdx.x
-    wg, lane = {'shfl_idx(tid >> 7, 0)' if SEESAW else 'tid >> 7'}, tid & 31   # (seesaw: a warp-uniform value)
+    wg, lane = tid >> 7, tid & 31
     g, t = lane >> 2, lane & 3
     r0 = 16 * ((tid >> 5) & 3) + g                # this thread's accumulator rows: r0 and r0 + 8
     r1 = r0 + 8
@@ -598,7 +392,7 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
     tq = mb // h                                  # the query of this tile (64 of its heads)
 {'    blk = (b * cuda.gridDim.y + s) * cuda.gridDim.x + mt' if STAMPS else ''}
 {stamp(0)}    fsm = cuda.shared.array(0, float32, alignment=1024)     # swizzle atoms are 1024-aligned
-    usm = cuda.shared.array(0, uint16, alignment=1024)
+    usm = cuda.shared.array(0, uint16, alignment=1024)      # unread, as cp_wait0 below: the PTX stays the measured one
     wsm = cuda.shared.array(0, uint32, alignment=1024)
     bars = cuda.shared.array(0, uint64, alignment=1024)
     L, n = lengths[b], ntok[b]
@@ -611,20 +405,11 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
         elif tid < 64:
             ml_part[b, s, mb + tid, 0] = NEG_INF
             ml_part[b, s, mb + tid, 1] = float32(0)
-        if {FUSE}:
-            last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
-'''
-    empty_exit = f'''        if {GRID}:                                # (max -inf, sum 0: the others skip its rows)
-            grid_merge(fsm, out, o_part, ml_part, count, b, s, mt, mb, tid)
         return
-'''
-    q_first = Q_FIRST and TMA and not SEESAW     # the ring's first tiles issued after the q loads (see MLA_WG_Q_FIRST)
-    fill_after_q = ("        if p0 == 0:                               # (q's first loads are out: now the ring)\n"
-                    + textwrap.indent(ring_fill, "        ")) if q_first else ""
-    body = f'''    row0 = b * cache.shape[1]
+    row0 = b * cache.shape[1]
     nsteps = (hi - lo + {NK - 1}) // {NK}
 {ring_init}
-{stamp(1)}{"" if q_first else ring_fill}    qv = cuda.local.array({8 * QG}, uint32)
+{stamp(1)}{"" if Q_FIRST else ring_fill}    qv = cuda.local.array({8 * QG}, uint32)
     for p0 in range(0, {QPT}, {QG}):              # q tile -> bf16, 128-byte swizzle: unit u is 8 values, 8 lanes
         for p in range({QG}):                     # read 256 contiguous bytes and store to 8 bank groups
             u = tid + (p0 + p) * 256
@@ -642,29 +427,8 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
 {stamp(2)}{main}
 {stamp(4)}{stats}
 {stamp(5)}{store_out}
-{stamp(6)}{stamp_tail}    if {FUSE}:                                    # the last split block of the tile merges
-        last_split_merge(o_part, ml_part, out, count, b, mt, mb, 64)
-'''
-    tail = f'''    if {GRID}:                                    # each split merges its share of the tile (no launch)
-        grid_merge(fsm, out, o_part, ml_part, count, b, s, mt, mb, tid)
-'''
-    if GRID and not CL:     # one inlined copy of the grid merge: the empty split's block falls through to it
-        src += "    else:\n" + textwrap.indent(body, "    ") + tail
-    else:
-        src += empty_exit + body + tail
-    cp_piece = _make_cp_piece(D8, NK * D8, sw_rows=NK)
-    cp_wait0, cp_wait1, cp_wait2 = cp_wait(0), cp_wait(1), cp_wait(2)
-
-    @cuda.jit(device=True, inline="always")
-    def load_tile(usm, cache, row0, j0, hi, stage, tid):
-        """cp.async of cache rows j0 .. j0 + NK - 1 into ring slot `stage` (128-byte swizzle), rows >= hi as zeros,
-        by the 128 threads of warpgroup 1 (tid < 128)."""
-        slot = _slot_addr(usm, (QBYTES + stage * TILE) // 2)
-        gptr = _row_addr(cache, (row0 + j0) * D)
-        gsafe = _row_addr(cache, row0 * D)
-        for p in range(PPT):
-            cp_piece(usm, slot, cache, gptr, gsafe, tid + p * 128, hi - j0)
-        cp_commit()
+{stamp(6)}{stamp_tail}'''
+    cp_wait0 = cp_wait(0)
 
     NSLAB = D // 64
 
@@ -697,17 +461,6 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                     wsm[base + (k * NK + rr) * 32] = uint32(0)
 
     @cuda.jit(device=True, inline="always")
-    def release(wsm, bars, tmap, row0, lo, hi, nsteps, j, lane):
-        """Seesaw: this warp is done with tile j (its P V retired); the last of the 8 warps to say so refills the
-        slot with tile j + stages (TMA, issued by its lane 0) and resets the slot's counter."""
-        if lane == 0:
-            k = j % stages
-            if cuda.atomic.add(wsm, CNT + k, uint32(1)) == uint32(7):
-                wsm[CNT + k] = uint32(0)
-                if j + stages < nsteps:
-                    load_tile_tma(wsm, bars, tmap, row0, lo + (j + stages) * NK, hi, k)
-
-    @cuda.jit(device=True, inline="always")
     def key_ok(j, hi, L, tq, b, mask):
         """Cache row j is visible to query tq: before the split's end, committed, or a new token tq sees."""
         if j >= hi:
@@ -719,20 +472,17 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
             return jj <= tq
         return ((mask[b, tq, jj >> 5] >> uint32(jj & 31)) & uint32(1)) != uint32(0)
 
-    NQ, MU_GRID = 64 * R4, 16                   # (grid) 16-byte items of a tile; loads in flight per thread
     CLN = max(CL, 1)
     RP = -(-64 // CLN)                          # (cluster) rows of the tile each block merges
     MU = max(1, 8 // CLN)                       # items per round: MU x CL 16-byte loads in flight
 
     @cuda.jit(device=True, inline="always")
-    def cluster_merge(wsm, fsm, out, o_part, ml_part, b, s, mb, tid):
-        """Cluster of CL consecutive split blocks (rank s % CL; after a cluster barrier): fold rows rank RP .. rank
-        RP + RP - 1 of the tile from every block's staged O and (max m_c, sum l_c), read through DSMEM. One cluster
-        (gridDim.y = CL): into out f32[B, M, r], out = sum_c 2^(m_c - m) O_c / sum_c 2^(m_c - m) l_c (rows no split
-        saw get 0, merge_splits' rule); G > 1 clusters: cluster s // CL's partial (sum_c 2^(m_c - m) O_c; m,
-        sum_c 2^(m_c - m) l_c) into o_part [B, G, M, r], ml_part [B, G, M, 2] for merge_splits. 16-byte stores."""
-        rank, grp = s % CL, s // CL
-        G = cuda.gridDim.y // CL if GROUPS else 1     # (without groups: one cluster, no partial code compiled)
+    def cluster_merge(wsm, fsm, out, b, s, mb, tid):
+        """The cluster of the tile's CL split blocks (gridDim.y = CL, rank s % CL; after a cluster barrier): fold rows
+        rank RP .. rank RP + RP - 1 of the tile from every block's staged O and (max m_c, sum l_c), read through
+        DSMEM, into out f32[B, M, r]: out = sum_c 2^(m_c - m) O_c / sum_c 2^(m_c - m) l_c (rows no split saw get 0,
+        merge_splits' rule). 16-byte stores."""
+        rank = s % CL
         row0 = rank * RP
         nrows = min(64, row0 + RP) - row0
         if tid < nrows:                           # one thread per row: the fold factors of the CL partials
@@ -749,16 +499,12 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                 ms[c] = math.exp2(ms[c] - mx) if ms[c] != NEG_INF else float32(0)
                 den += ms[c] * ls[c]
             inv = float32(1) / den if den > float32(0) else float32(0)
-            if G > 1:                             # a partial: the sum stays out (merge_splits divides)
-                inv = float32(1)
-                ml_part[b, grp, mb + row0 + tid, 0] = mx
-                ml_part[b, grp, mb + row0 + tid, 1] = den
             for c in range(CL):
                 fsm[FAC + c * 64 + tid] = ms[c] * inv
         cuda.syncthreads()
         n = nrows * R4
         M = out.shape[1]
-        dst = b * M + mb + row0 if G == 1 else (b * G + grp) * M + mb + row0     # flat row of out / o_part
+        dst = b * M + mb + row0                   # flat row of out
         v = cuda.local.array((MU, CLN, 4), uint32)
         for i0 in range(tid, n, 256 * MU):
             for u in range(MU):                   # every load of the round first
@@ -780,140 +526,27 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                             a2 += f * as_f32(v[u, c, 2])
                             a3 += f * as_f32(v[u, c, 3])
                     col, w0, w1, w2, w3 = 4 * (it - row * R4), as_u32(a0), as_u32(a1), as_u32(a2), as_u32(a3)
-                    if G == 1:
-                        st16(out, (dst + row) * r + col, w0, w1, w2, w3)
-                    else:
-                        st_quad(o_part, (dst + row) * r + col, w0, w1, w2, w3)
-
-    def fold_items(IU, MS):
-        """grid_merge's fold of IU items (row, 16-byte column quad) at a time, MS of the P partials of each per round
-        of loads (IU MS 16-byte L2 loads in flight per thread): items i_lo + wi, + W, .. below i_hi, partials g,
-        g + G, .. (G > 1: one item per thread; the other IU - 1 load the last item again and store nothing)."""
-        @cuda.jit(device=True, inline="always")
-        def fold(fsm, out, o_part, b, mb, M, P, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid):
-            acc = cuda.local.array((IU, 4), float32)
-            v = cuda.local.array((IU, MS, 4), uint32)
-            fv = cuda.local.array((IU, MS), float32)
-            for i0 in range(i_lo + wi, i_hi if g < G else i_lo, W * IU):
-                for iu in range(IU):
-                    for j in range(4):
-                        acc[iu, j] = float32(0)
-                for c0 in range(g, P, G * MS):
-                    for iu in range(IU):          # every load of the round first
-                        it = min(i0 + iu * W, i_hi - 1)
-                        row = it // R4
-                        src = (b * P * M + mb + row) * r + 4 * (it - row * R4)    # partial 0's; c: c M r on
-                        for u in range(MS):
-                            c = min(c0 + u * G, P - 1)    # (a round past the last partial re-reads it, factor 0)
-                            f = fsm[FAC + (row - k_lo) * P + c]
-                            fv[iu, u] = f if c0 + u * G < P else float32(0)
-                            v[iu, u, 0], v[iu, u, 1], v[iu, u, 2], v[iu, u, 3] = ld_quad_l2(o_part, src + c * M * r)
-                    for iu in range(IU):
-                        for u in range(MS):
-                            f = fv[iu, u]
-                            for j in range(4):            # (factor 0: an empty split's rows, whatever they hold)
-                                x = as_f32(v[iu, u, j])
-                                acc[iu, j] += f * (x if f != float32(0) else float32(0))
-                for iu in range(IU):
-                    it = i0 + iu * W
-                    if it < i_hi:
-                        row = it // R4
-                        if G == 1:
-                            st16(out, (b * M + mb + row) * r + 4 * (it - row * R4), as_u32(acc[iu, 0]),
-                                 as_u32(acc[iu, 1]), as_u32(acc[iu, 2]), as_u32(acc[iu, 3]))
-                        else:                     # (G > 1: at most one item per thread)
-                            for j in range(4):
-                                fsm[gs + 4 * tid + j] = acc[iu, j]
-        return fold
-
-    fold = fold_items(2, MU_GRID // 2)      # (one fold for every case: a second copy cost ~0.9K SASS per call site)
-
-    @cuda.jit(device=True, inline="always")
-    def grid_merge(fsm, out, o_part, ml_part, count, b, s, mt, mb, tid):
-        """Split block s of a cooperative launch, its share of the P partials o_part [B, P, M, r] and ml_part written
-        (P = splits: its own; P = clusters, with MLA_WG_CLUSTER_GROUPS: its rows of its cluster's): meet the
-        tile's other splits at count[b, mt] (group_barrier), then fold items (row, 16-byte column quad) s n /
-        splits .. (s + 1) n / splits - 1 of the tile's n = 64 r / 4 from all P partials, read at L2, into out
-        f32[B, M, r]: sum_c 2^(m_c - m) O_c / sum_c 2^(m_c - m) l_c (rows no split saw get 0). First the
-        (max, sum) of the rows it touches (one round of loads), their fold factors a warp per row; where the block
-        has fewer items than threads, G groups of threads take every G-th partial each and add up in shared memory;
-        two items x 8 partials per round of loads."""
-        nsplit, P = cuda.gridDim.y, o_part.shape[1]
-        group_barrier(count, b, mt, nsplit)
-        M = out.shape[1]
-        i_lo, i_hi = s * NQ // nsplit, (s + 1) * NQ // nsplit
-        k_lo = i_lo // R4
-        rows = (i_hi + (R4 - 1)) // R4 - k_lo if i_hi > i_lo else 0
-        fl = FAC + 64 + 3 * P                     # f32 index of the sums beside the factors (FAC + k P + c, k below
-        gs = fl + 64 + 3 * P                      # `rows` <= items / R4 + 2), then the groups' sums
-        for p in range(tid, rows * P, 256):       # (max, sum) of partial c, row k_lo + k: p = k P + c
-            k = p // P
-            at = (b * P * M + mb + k_lo + k) * 2 + 2 * (p - k * P) * M
-            mc, lc = ld4_l2(ml_part, at), ld4_l2(ml_part, at + 1)
-            fsm[FAC + p], fsm[fl + p] = as_f32(mc), as_f32(lc)
-        cuda.syncthreads()
-        w, lane = tid >> 5, tid & 31
-        for k in range(w, rows, 8):               # a warp per row: max over the splits, then the factors
-            mx = NEG_INF
-            for c in range(lane, P, 32):
-                mx = max(mx, fsm[FAC + k * P + c])
-            for d in range(5):
-                mx = max(mx, shfl_xor(mx, 1 << d))
-            den = float32(0)
-            for c in range(lane, P, 32):
-                mc = fsm[FAC + k * P + c]
-                e = math.exp2(mc - mx) if mc != NEG_INF else float32(0)
-                fsm[FAC + k * P + c] = e
-                den += e * fsm[fl + k * P + c]
-            for d in range(5):
-                den += shfl_xor(den, 1 << d)
-            inv = float32(1) / den if den > float32(0) else float32(0)
-            for c in range(lane, P, 32):
-                fsm[FAC + k * P + c] *= inv
-        cuda.syncthreads()
-        items = i_hi - i_lo
-        G = max(1, min(P, 256 // max(items, 1)))
-        W = 256 // G
-        g, wi = tid // W, tid - (tid // W) * W
-        fold(fsm, out, o_part, b, mb, M, P, i_lo, i_hi, k_lo, g, G, wi, W, gs, tid)
-        if G > 1:                                 # (then every thread has at most one item)
-            cuda.syncthreads()
-            if g == 0 and wi < items:
-                it = i_lo + wi
-                row = it // R4
-                acc = cuda.local.array(4, float32)
-                for j in range(4):
-                    acc[j] = float32(0)
-                    for gg in range(G):
-                        acc[j] += fsm[gs + 4 * (gg * W + wi) + j]
-                st16(out, (b * M + mb + row) * r + 4 * (it - row * R4), as_u32(acc[0]), as_u32(acc[1]),
-                     as_u32(acc[2]), as_u32(acc[3]))
-        group_leave(count, b, mt, nsplit)
+                    st16(out, (dst + row) * r + col, w0, w1, w2, w3)
 
     from numbaengine.kernels.bulk import (
-        mbar_arrive,
         mbar_expect,
         mbar_fence_init,
         mbar_init,
-        mbar_init_count,
         mbar_wait,
         tensor_load_2d,
         tensormap_acquire,
     )
     from numbaengine.kernels.mla import LAZY
-    ns = dict(mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait, mbar_arrive=mbar_arrive,
-              mbar_init_count=mbar_init_count, release=release, wg_sync=wg_sync,
+    ns = dict(mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait,
               tensormap_acquire=tensormap_acquire,
               load_tile_tma=load_tile_tma, tile_landed=tile_landed, cuda=cuda, float32=float32, int32=int32,
-              uint16=uint16, uint32=uint32, uint64=uint64, NEG_INF=NEG_INF,
-              LAZY=LAZY, last_split_merge=last_split_merge,
-              shfl_xor=shfl_xor, shfl_idx=shfl_idx, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
-              sts8=sts8, lds16=lds16, st16=st16, st_quad=st_quad, cluster_sync=cluster_sync,
-              cluster_merge=cluster_merge,
-              grid_merge=grid_merge, stamp_point=stamp_point,
-              core_offset=cuda.jit(device=True, inline="always")(core_offset), load_tile=load_tile, key_ok=key_ok,
+              uint16=uint16, uint32=uint32, uint64=uint64, NEG_INF=NEG_INF, LAZY=LAZY,
+              shfl_xor=shfl_xor, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
+              sts8=sts8, lds16=lds16, st_quad=st_quad, cluster_sync=cluster_sync,
+              cluster_merge=cluster_merge, stamp_point=stamp_point,
+              core_offset=cuda.jit(device=True, inline="always")(core_offset), key_ok=key_ok,
               sw128_offset=cuda.jit(device=True, inline="always")(sw128_offset),
-              cp_wait0=cp_wait0, cp_wait1=cp_wait1, cp_wait2=cp_wait2, fence_proxy_async=fence_proxy_async,
+              cp_wait0=cp_wait0, fence_proxy_async=fence_proxy_async,
               wg_fence=wg_fence, wg_commit=wg_commit, wg_wait0=wg_wait0, wg_wait1=wg_wait1,
               desc_k=make_desc(16, 1024, 128), desc_p=make_desc(128, 16 * NK),
               desc_v=make_desc(*sw128_mn_strides(NK * 128, 1024), 128),
@@ -922,18 +555,15 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
     return kernel(max_registers=255)(ns["mla_wg_attention"])
 
 
-def mla_wg_launch(M, D, r, causal, work, cache, fuse=False):
+def mla_wg_launch(M, D, r, causal, work, cache):
     """(kernel, row tiles, threads, shared bytes, tensor map) for mla.mla_attention's launch: M = T h query rows in
     tiles of 64 (one query's heads), 256 threads; `work` splits must be whole steps. The tensor map (a device u64
-    array, made once per cache) is the kernel's third argument (a placeholder without MLA_WG_TMA). Its cluster
-    variants (mla_wg_kernel(..., cluster=c), launched in clusters of (1, c, 1) blocks) write out where one cluster
-    holds all the splits, else one partial per cluster into o_part / ml_part [B, splits / c, M, ...]."""
+    array, made once per cache) is the kernel's third argument. Its cluster variants (mla_wg_kernel(..., cluster=c),
+    launched in clusters of (1, c, 1) blocks, c = all the splits) write out."""
     if work is not None and work.split % MLA_WG_NK:
         raise ValueError(f"mla_attention: split {work.split} is not a multiple of {MLA_WG_NK} keys")
-    tmap = cache_tensor_map(cache) if MLA_WG_TMA else placeholder(cache, (16,), np.uint64)   # unread without TMA
-    seesaw = MLA_WG_SEESAW and MLA_WG_TMA
-    smem = wg_smem(D, MLA_WG_NK, wg_stages(D, seesaw=seesaw), seesaw)
-    return mla_wg_kernel(D, r, causal, fuse=fuse), M // 64, 256, smem, tmap
+    smem = wg_smem(D, MLA_WG_NK, wg_stages(D))
+    return mla_wg_kernel(D, r, causal), M // 64, 256, smem, cache_tensor_map(cache)
 
 
 _TMAP_DEV = {}

@@ -54,7 +54,6 @@ from numbaengine.kernels.gemm import (
 )
 from numbaengine.reference import Experts
 
-MOE_XS = 1            # B operand: activations as bf16 (W4A16); 2 = hi + lo parts (~1e-5 from the f32 reference, slower)
 MAX_E = 1024          # experts per layer the router/plan kernels handle (one thread each)
 MAX_SLOTS = 4096      # tokens * top_k the plan kernel handles
 PLAN_WARP_SLOTS = 32  # routings of up to this many slots (<= 32) are planned by one warp without barriers (H200,
@@ -160,8 +159,8 @@ def bulk_fits(hidden, inter, R):
 class MoeWorkspace:
     """Scratch of the router and experts for up to `n_max` tokens, allocated once (fixed sizes: graph capture)."""
     logits: object        # f32[ks, n_max, E]          router GEMV k slices (ks = router_slices(H))
-    xb: object            # u32 flat [n_max * XS * H / 2]   B operand of gate_up
-    act: object           # u32 flat [n_max * k * XS * I / 2] B operand of down (silu(gate) * up)
+    xb: object            # u32 flat [n_max * H / 2]      B operand of gate_up (bf16 activations: W4A16)
+    act: object           # u32 flat [n_max * k * I / 2]  B operand of down (silu(gate) * up, bf16)
     y: object             # f32[n_max * k, H]             per-slot expert outputs, routing weight applied
     sorted_slot: object   # i32[n_max * k]                slots (t * k + j) grouped by expert
     item_e: object        # i32[n_max * k]                work items: expert, first sorted slot, count
@@ -170,19 +169,18 @@ class MoeWorkspace:
     n_items: object       # i32[1]
     n_max: int
     top_k: int
-    xs: int               # B operand parts (1: bf16 activations, 2: hi + lo)
     stamps: object = None  # i32[>= grid, STAMP_WORDS]: the stamped stage's block timelines (MOE_STAMPS; else a
     #                        [1, 1] placeholder the kernels do not touch, made once: no per-call host work)
 
 
-def moe_workspace(n_max, top_k, hidden, inter, n_experts, alloc, xs=MOE_XS):
+def moe_workspace(n_max, top_k, hidden, inter, n_experts, alloc):
     """alloc(shape, dtype) -> array (numba.cuda.device_array, or np.empty under the simulator)."""
     s = n_max * top_k
     return MoeWorkspace(alloc((router_slices(hidden), n_max, n_experts), np.float32),
-                        alloc((n_max * xs * hidden // 2,), np.uint32), alloc((s * xs * inter // 2,), np.uint32),
+                        alloc((n_max * hidden // 2,), np.uint32), alloc((s * inter // 2,), np.uint32),
                         alloc((s, hidden), np.float32),
                         alloc((s,), np.int32), alloc((s,), np.int32), alloc((s,), np.int32), alloc((s,), np.int32),
-                        alloc((1,), np.int32), n_max, top_k, xs, alloc((1, 1), np.int32))
+                        alloc((1,), np.int32), n_max, top_k, alloc((1, 1), np.int32))
 
 
 # ------------------------------------------------------------------------------------------------------ router
@@ -428,16 +426,16 @@ def _plan_warp(idx, ns, top_k, e0, n_exp, cap, sorted_slot, item_e, item_start, 
         n_items[0] = total
 
 
-def _build_plan(xs, perm, warp_slots):
+def _build_plan(perm, warp_slots):
     """The plan kernel; routings of <= warp_slots slots take _plan_warp (PLAN_WARP_SLOTS)."""
-    prep_unit = _cached(_build_prep_unit, xs, perm, 0)
+    prep_unit = _cached(_build_prep_unit, 1, perm, 0)
 
     @kernel(max_registers=64)                     # 1024-thread blocks
     def plan(idx, n, top_k, e0, n_exp, cap, sorted_slot, item_e, item_start, item_len, n_items, x, xb, kdim):
         """Block 0: the routing plan: slots (t * k + j) of the experts held here (global ids e0 .. e0+n_exp-1)
         grouped by local expert (stable: slot order inside an expert), and work items of <= cap slots per expert,
         in expert order. Outputs sized n_max*k (fixed); n_items[0] = live items. Blocks 1..: the B operand of
-        gate_up, xb = prep of x f32[n, kdim] (gemm's prep: xs parts, perm=1 the INT4 column order), row
+        gate_up, xb = prep of x f32[n, kdim] (gemm's prep: bf16 pairs, perm=1 the INT4 column order), row
         (b - 1) // per_row. Launch: grid 1 + n * ceil(kdim / 8 / block), block 1024 (>= n_exp)."""
         tid, bs = cuda.threadIdx.x, cuda.blockDim.x
         if cuda.blockIdx.x > 0:
@@ -499,7 +497,7 @@ def _perm8(i):
     return (i & ~7) | ((i & 3) << 1) | ((i >> 2) & 1)
 
 
-def _build_bulk_ring(T, R, XS, S, U):
+def _build_bulk_ring(T, R, S, U):
     """Device functions (start, consume) of the INT4 expert GEMM over the bulk layout (`int4_bulk_tiles`). Each warp
     streams its R row tiles' chunks through an S-slot ring in dynamic shared memory, U k-steps (U chunks of
     R*BULK_WORDS words, contiguous) per slot, each slot filled by ONE cp.async.bulk issued by lane 0 and completed
@@ -508,7 +506,7 @@ def _build_bulk_ring(T, R, XS, S, U):
     across a unit's end, so the next unit's first weights arrive while this one finishes. No register holds a
     load in flight. The lanes read back the register path's words and scales and run the same `_build_int4_mma`:
     the same bits. geo: i32 local [GEO], indexed by the G_* names."""
-    int4_mma = _cached(_build_int4_mma, T, R, XS, 4)
+    int4_mma = _cached(_build_int4_mma, T, R, 1, 4)
     CH = R * BULK_WORDS                  # words per k-step
     SLOT, NQ = U * CH, 8 * R
 
@@ -605,14 +603,14 @@ def bulk_ring_bytes(cfg):
     return 4 * cfg.WR * cfg.WK * cfg.S * cfg.U * cfg.R * BULK_WORDS
 
 
-def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S=0, STAMPS=False):
+def _build_expert_gemm(fmt, down, T, R, G, U, perm_out, PF=0, bounds=None, S=0, STAMPS=False):
     """One expert GEMM stage over the work items (persistent grid). down=0: gate_up with rows interleaved per tile
     (8 gate rows, then the matching 8 up rows) and silu(gate) * up written as the next B operand (act);
     down=1: rows in order, output * routing weight written per slot (y). S > 0: INT4 weights in the bulk layout
     through S-slot bulk-copy rings (`_build_bulk_ring`; w is then u32 [E, words of one expert]).
     STAMPS (measurement, MOE_STAMPS): thread 0 writes its block's timeline into stamps (`_stamp`)."""
-    mainloop = _cached(_build_mainloop, fmt, T, R, XS, G, U, PF)
-    ring_start, ring_consume = _cached(_build_bulk_ring, T, R, XS, S, U) if S else (None, None)
+    mainloop = _cached(_build_mainloop, fmt, T, R, 1, G, U, PF)
+    ring_start, ring_consume = _cached(_build_bulk_ring, T, R, S, U) if S else (None, None)
     NBAR = MAX_WARPS * max(S, 1)
     block_reduce = _cached(_build_block_reduce, R, T)
     NACC, NA = R * T * 4, 2 * R
@@ -623,8 +621,8 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
     def expert_gemm(xb, w, sc, act16, y, wts, sorted_slot, item_e, item_start, item_len, n_items, top_k, nrows, kdim,
                     nwr, nwk, stamps):
         """Launch: grid = fixed (persistent), block 32*nwr*nwk (<= 256); each block loops over (item, row block) units.
-        xb u32 flat [rows, XS, k/2]; w u32 [E, nrows*k/WDIV]; sc u16 [E, nrows*k/32] (int4);
-        act16 u16 flat [slots, XS, nrows/2] (down=0); y f32[slots, nrows] (down=1); stamps i32 [grid, STAMP_WORDS]
+        xb u32 flat [rows, k/2]; w u32 [E, nrows*k/WDIV]; sc u16 [E, nrows*k/32] (int4);
+        act16 u16 flat [slots, nrows/2] (down=0); y f32[slots, nrows] (down=1); stamps i32 [grid, STAMP_WORDS]
         (STAMPS only; else not touched). Moves the weights (and scales) of every live expert once per item."""
         if STAMPS:
             _stamp(stamps, 0, 0)
@@ -671,7 +669,7 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
             for tt in range(T):
                 c = min(tt * 8 + g, ln - 1)
                 src = start + c if down else sorted_slot[start + c] // top_k
-                boff[tt] = src * XS * half
+                boff[tt] = src * half
             for i in range(NACC):
                 acc[i] = F0
             if S:
@@ -702,11 +700,9 @@ def _build_expert_gemm(fmt, down, T, R, XS, G, U, perm_out, PF=0, bounds=None, S
                                         j = (tile0 + r) * 8 + g
                                         if perm_out:
                                             j = _perm8(j)
-                                        base = (start + col) * XS * inter + j
+                                        base = (start + col) * inter + j
                                         hb = pack_bf16x2(h, F0)
                                         act16[base] = hb & 0xFFFF
-                                        if XS == 2:
-                                            act16[base + inter] = pack_bf16x2(h - bf16_lo(hb), F0) & 0xFFFF
             if STAMPS:
                 _stamp(stamps, nu, 3)
             nu += 1
@@ -792,8 +788,8 @@ def _cfgs(experts, cfg_gate_up, cfg_down):
 def moe(x, idx, wts, experts: DeviceExperts, out, ws: MoeWorkspace, shared=None, cfg_gate_up=None, cfg_down=None):
     """GPU moe_ref: out f32[n, H] = sum_j wts[t, j] * E_idx[t, j](x[t]) (+ shared[t] when given).
     Launches: plan with the B prep of x, gate_up (+SiLU-mul), down (* routing weight), combine. Only live experts'
-    weights are read; grids are fixed by the workspace size so the sequence can be graph-captured. The workspace's
-    xs decides the activations' precision in the mma (MOE_XS)."""
+    weights are read; grids are fixed by the workspace size so the sequence can be graph-captured. The activations
+    enter the mma as bf16 (W4A16)."""
     moe_experts(x, idx, wts, experts, ws, cfg_gate_up, cfg_down)
     moe_combine(out, shared, ws, idx, experts)
     return out
@@ -833,7 +829,7 @@ def moe_plan(x, idx, experts, ws, cfg_gate_up=None, cfg_down=None):
         raise ValueError(f"moe: configs {cfg_gate_up}, {cfg_down}: same T, <= {MAX_WARPS} warps per block")
     plan_threads = 32 * math.ceil(n_exp / 32) if SIM else 1024   # simulator: a Python thread per CUDA thread
     grid = 1 + n * math.ceil(h / 8 / plan_threads)
-    plan = _cached(_build_plan, ws.xs, int(fmt == INT4), min(PLAN_WARP_SLOTS, 32))     # a warp holds 32 slots
+    plan = _cached(_build_plan, int(fmt == INT4), min(PLAN_WARP_SLOTS, 32))     # a warp holds 32 slots
     launch(plan, grid, plan_threads, idx, int32(n), int32(k), int32(experts.offset), int32(n_exp),
            int32(8 * cfg_gate_up.T), ws.sorted_slot, ws.item_e, ws.item_start, ws.item_len, ws.n_items, x, ws.xb,
            int32(h))
@@ -853,7 +849,7 @@ def moe_stage(down, experts, wts, ws, cfg=None):
         raise ValueError(f"moe: wts {wts.shape} is not [n <= {ws.n_max}, {ws.top_k}]")
     g = int4_group_block(kdim) if fmt == INT4 else 1
     bounds = (32 * cfg.WR * cfg.WK, cfg.min_blocks) if cfg.min_blocks else None
-    kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, ws.xs, g, cfg.U, int(fmt == INT4), cfg.PF, bounds,
+    kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, g, cfg.U, int(fmt == INT4), cfg.PF, bounds,
                    cfg.S, MOE_STAMPS)
     rblocks = math.ceil(nrows / 16 / (cfg.WR * cfg.R))
     grid = min(ws.n_max * ws.top_k * rblocks, _sm_count() * cfg.blocks_per_sm)

@@ -54,7 +54,7 @@ if SIM:
     def _no_twin(*args):
         raise NotImplementedError("wgmma has no simulator twin: run kernels/wgmma.py on an sm_90a GPU")
 
-    wg_fence = wg_commit = wg_wait0 = wg_wait1 = fence_proxy_async = smem_desc = wg_sync = _no_twin
+    wg_fence = wg_commit = wg_wait0 = wg_wait1 = fence_proxy_async = smem_desc = _no_twin
 
     def make_desc(lbo, sbo, swizzle=0):
         return _no_twin
@@ -75,16 +75,6 @@ else:
     wg_wait0 = _statement("wgmma.wait_group.sync.aligned 0;")       # every committed group done
     wg_wait1 = _statement("wgmma.wait_group.sync.aligned 1;")       # all but the newest group done
     fence_proxy_async = _statement("fence.proxy.async.shared::cta;")   # generic-proxy smem writes -> wgmma reads
-
-    @intrinsic
-    def wg_sync(typingctx, bid):
-        """Barrier of one warpgroup's 128 threads on named barrier `bid` (1..15; 0 is syncthreads'): the other
-        warpgroup runs on."""
-        def codegen(ctx, b, sig, args):
-            v = ctx.cast(b, args[0], sig.args[0], types.uint32)
-            b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(32)]), "bar.sync $0, 128;",
-                                "r,~{memory}", side_effect=True), [v])
-        return types.void(bid), codegen
 
     _DESC = {}
 
