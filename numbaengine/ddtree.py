@@ -46,6 +46,13 @@ class Tree:
         return len(self.tokens)
 
 
+def first_nodes(tree, n):
+    """The tree of the first n pops: the best-first heap pops in decreasing path probability, so these n nodes are
+    the tree build_tree makes for budget n (same nodes, same order); n >= len(tree) - 1 keeps the whole tree."""
+    k = n + 1
+    return Tree(tree.tokens[:k], tree.parents[:k], tree.depths[:k], tree.scores[:k], tree.vis[:k, :k])
+
+
 def build_tree(bonus, ids, lp, budget):
     """The `budget` most probable prefixes of the factorized drafter distribution, by a best-first heap.
 
@@ -168,12 +175,22 @@ def decode_round(seqs, budgets, target, drafter, ops, p: Params, timer):
     """One round for every sequence: draft -> build -> verify -> walk -> commit. budgets[i] = tree nodes for
     sequence i (the chain length in dflash mode). Returns one RoundOut per sequence."""
     drafter = drafter if p.mode != "ar" else None
-    layers = drafter.layer_ids if drafter is not None else ()
+    trees = draft_trees(seqs, budgets, drafter, p, timer)
+    return verify_trees(seqs, trees, target, drafter, ops, p, timer)
+
+
+def draft_trees(seqs, budgets, drafter, p: Params, timer):
+    """Draft and build: one tree per sequence of at most budgets[i] nodes (the root alone without a drafter)."""
     with timer("draft"):
         drafts = [drafter.draft(s.ctx, s.bonus, s.start) if drafter is not None and b > 0 else None
                   for s, b in zip(seqs, budgets)]
     with timer("build"):
-        trees = [draft_tree(p.mode, s.bonus, d, b) for s, d, b in zip(seqs, drafts, budgets)]
+        return [draft_tree(p.mode, s.bonus, d, b) for s, d, b in zip(seqs, drafts, budgets)]
+
+
+def verify_trees(seqs, trees, target, drafter, ops, p: Params, timer):
+    """Verify, walk and commit the given trees (drafter None: nothing to feed, as in ar mode)."""
+    layers = drafter.layer_ids if drafter is not None else ()
     with timer("verify"):
         outs = []
         for s, t in zip(seqs, trees):

@@ -9,6 +9,7 @@ from threadpoolctl import threadpool_limits
 
 from numbaengine import generate as gen
 from numbaengine.backends import get_ops
+from numbaengine.budget import AUTO, AUTO_MISSING, reference_costs
 from numbaengine.checkpoint import load_target_weights
 from numbaengine.config import load_config
 from numbaengine.drafter import load_drafter
@@ -40,6 +41,7 @@ class Engine:
         self.backend, self.max_context = backend, max_context
         self.ranks = ranks           # kernel backends over a device list: every rank (numbaengine/devices.py)
         self.rounds_cache = {}       # kernel backends: DeviceRounds (buffers + captured graph) of the last shape
+        self.costs = None            # numpy, budget "auto": the reference round timed at its first use
 
     @classmethod
     def load(cls, model_dir=None, draft_dir=None, backend="auto", max_context=4096, cache_dtype="bf16",
@@ -96,21 +98,29 @@ class Engine:
         return threadpool_limits(1, "blas") if self.backend == "numpy" else contextlib.nullcontext()
 
     def generate(self, prompt, max_new_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0, stop=None,
-                 on_round=None) -> gen.Result:
-        """Decode one prompt (text or token ids): `ar`, `dflash` (chain) or `ddtree` (tree of `budget` nodes)."""
-        return self.generate_batch([prompt], max_new_tokens, mode, budget, temperature, seed, stop, on_round)[0]
+                 on_round=None, cost_table=None) -> gen.Result:
+        """Decode one prompt (text or token ids): `ar`, `dflash` (chain) or `ddtree` (tree of `budget` nodes, or
+        budget "auto": the size chosen each round, see generate_batch)."""
+        return self.generate_batch([prompt], max_new_tokens, mode, budget, temperature, seed, stop, on_round,
+                                   cost_table)[0]
 
     def generate_batch(self, prompts, max_new_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0, stop=None,
-                       on_round=None) -> list[gen.Result]:
+                       on_round=None, cost_table=None) -> list[gen.Result]:
         """Decode several prompts together, each with its own cache and tree. On the kernel backends (cuda, sim)
         all sequences run in one batched round on the device (numbaengine/device_round.py), captured as a CUDA
-        graph on cuda."""
+        graph on cuda. budget "auto" (numpy only): each round's tree size from the drafter's probabilities and
+        `cost_table` (a budget.CostTable; None: the reference round timed on this CPU once, at the first use)."""
+        if budget == AUTO and self.backend != "numpy":
+            raise NotImplementedError(AUTO_MISSING)
         if self.backend != "numpy":
             from numbaengine import device_round
             return device_round.generate_batch(self.target, self.drafter, self.tokenizer, prompts, max_new_tokens,
                                                mode, budget, temperature, seed, stop, self.max_context, on_round,
                                                self.rounds_cache, ranks=self.ranks)
         with self._blas():
+            if budget == AUTO and mode == "ddtree" and cost_table is None and self.drafter is not None:
+                self.costs = self.costs or reference_costs(self.target, self.drafter, self.target.ops)
+                cost_table = self.costs
             return gen.generate_batch(self.target, self.drafter, self.tokenizer, prompts, max_new_tokens, mode,
                                       budget, temperature, seed, stop, max_context=self.max_context,
-                                      on_round=on_round)
+                                      on_round=on_round, cost_table=cost_table)

@@ -12,6 +12,7 @@ from time import perf_counter
 
 import numpy as np
 
+from numbaengine.budget import AUTO, AUTO_MISSING, Calibration, Picks, auto_round, reference_costs
 from numbaengine.ddtree import MAX_BUDGET, MODES, Params, Seq, decode_round, sample
 from numbaengine.phases import span
 from numbaengine.tokenizer import IdTokenizer
@@ -34,6 +35,7 @@ class Run:
     tokens: list = field(default_factory=list)
     taus: list = field(default_factory=list)
     stop_reason: str | None = None     # "stop" | "length" | "context" once finished
+    picks: Picks | None = None         # budget "auto": the sizes chosen for it
 
 
 class Timer:
@@ -50,27 +52,35 @@ class Timer:
 
 
 def generate(target, drafter, tokenizer, prompt, max_new_tokens, mode="ddtree", budget=16, temperature=0.0,
-             seed=0, stop=None, ops=None, max_context=4096, on_round=None) -> Result:
+             seed=0, stop=None, ops=None, max_context=4096, on_round=None, cost_table=None) -> Result:
     """Decode one prompt (text, or a list of token ids); see generate_batch."""
     return generate_batch(target, drafter, tokenizer, [prompt], max_new_tokens, mode, budget, temperature, seed,
-                          stop, ops, max_context, on_round)[0]
+                          stop, ops, max_context, on_round, cost_table)[0]
 
 
 def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="ddtree", budget=16,
-                   temperature=0.0, seed=0, stop=None, ops=None, max_context=4096, on_round=None) -> list:
+                   temperature=0.0, seed=0, stop=None, ops=None, max_context=4096, on_round=None,
+                   cost_table=None) -> list:
     """Decode several prompts together, each with its own tree, caches and noise stream (its batch index).
 
     mode: ddtree (tree of `budget` drafted nodes), dflash (the drafter's argmax chain) or ar (no drafter).
+    budget "auto" (ddtree): each round the size with the most expected tokens per second of `cost_table`
+    (numbaengine/budget.py; None: the reference round timed on this CPU), shared over the batch by path
+    probability; the output equals ar's for the same seed, as with any fixed budget.
     stop: token ids that end a sequence; None = the target config's eos ids, [] = none.
     max_context: rows of the target cache; the prompt plus at least one new token must fit.
     on_round(index, round_out | None, tokens): called after the prefill (None) and after every round.
     """
     ops = ops if ops is not None else target.ops
     tokenizer = tokenizer if tokenizer is not None else IdTokenizer()
-    check_args(mode, budget, max_new_tokens, temperature, drafter)
+    check_args(mode, budget, max_new_tokens, temperature, drafter, auto=True)
     ids = [prompt_ids(p, tokenizer, target.cfg.vocab_size, max_context) for p in prompts]
     stop = set(target.cfg.eos_ids if stop is None else (int(t) for t in stop))
-    p, width = Params(mode, float(temperature), int(seed)), tree_width(mode, budget, drafter)
+    table = None
+    if budget == AUTO and mode == "ddtree":
+        table = cost_table if cost_table is not None else reference_costs(target, drafter, ops)
+    p, cal = Params(mode, float(temperature), int(seed)), Calibration()
+    width = max(table.sizes) if table is not None else tree_width(mode, budget, drafter)
     drafter = drafter if mode != "ar" else None
     report = on_round if on_round is not None else (lambda index, out, tokens: None)
     t0 = perf_counter()
@@ -78,28 +88,40 @@ def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="dd
     with span("prefill"):
         for i, prompt in enumerate(ids):     # cache rows: prompt + output + one round's tree (capped by the context)
             rows = min(max_context, len(prompt) + max_new_tokens + width)
-            runs.append(Run(prefill(i, prompt, target, drafter, ops, p, rows), len(prompt)))
+            runs.append(Run(prefill(i, prompt, target, drafter, ops, p, rows), len(prompt),
+                            picks=Picks() if table is not None else None))
             push(runs[-1], [runs[-1].seq.bonus], stop, max_new_tokens)
             report(i, None, list(runs[-1].tokens))
     prefill_s, t1, timer = perf_counter() - t0, perf_counter(), Timer()
     with span("decode"):
         while live := [r for r in runs if still_decoding(r)]:
             budgets = [min(width, r.seq.cache.max_len - r.seq.start - 1) for r in live]     # shrink near a full cache
-            for r, out in zip(live, decode_round([r.seq for r in live], budgets, target, drafter, ops, p, timer)):
+            seqs = [r.seq for r in live]
+            if table is None:
+                outs = decode_round(seqs, budgets, target, drafter, ops, p, timer)
+            else:
+                choice, outs, cal = auto_round(seqs, budgets, target, drafter, ops, p, timer, table, cal)
+                for i, r in enumerate(live):
+                    r.picks.add(choice, i)
+            for r, out in zip(live, outs):
                 r.taus.append(out.tau)
                 push(r, out.tokens, stop, max_new_tokens)
                 report(r.seq.index, out, list(r.tokens))
     decode_s = perf_counter() - t1
-    return [Result(r.tokens, tokenizer.decode(r.tokens), stats_of(r, p, budget, prefill_s, decode_s, timer))
+    return [Result(r.tokens, tokenizer.decode(r.tokens), stats_of(r, p, budget, prefill_s, decode_s, timer, cal))
             for r in runs]
 
 
-def check_args(mode, budget, max_new_tokens, temperature, drafter):
-    """One-line ValueErrors for arguments out of range."""
+def check_args(mode, budget, max_new_tokens, temperature, drafter, auto=False):
+    """One-line ValueErrors for arguments out of range. auto: budget "auto" is allowed (the reference loop);
+    elsewhere it raises NotImplementedError naming what is missing."""
     if mode not in MODES:
         raise ValueError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
-    if not isinstance(budget, (int, np.integer)) or not 0 <= budget <= MAX_BUDGET:
-        raise ValueError(f"budget: {budget!r} is not an integer in 0..{MAX_BUDGET} (drafted tree nodes per round)")
+    if budget == AUTO and not auto:
+        raise NotImplementedError(AUTO_MISSING)
+    if budget != AUTO and (not isinstance(budget, (int, np.integer)) or not 0 <= budget <= MAX_BUDGET):
+        raise ValueError(f"budget: {budget!r} is not an integer in 0..{MAX_BUDGET} (drafted tree nodes per round) "
+                         "or 'auto'")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}")
     if not 0 <= temperature < float("inf"):
@@ -162,15 +184,17 @@ def push(run: Run, new, stop, max_new_tokens):
             return
 
 
-def stats_of(run: Run, p: Params, budget, prefill_s, decode_s, timer: Timer) -> dict:
-    """Acceptance and timing of one sequence. Times (prefill, decode, phases) are of the whole batch."""
+def stats_of(run: Run, p: Params, budget, prefill_s, decode_s, timer: Timer, cal=None) -> dict:
+    """Acceptance and timing of one sequence. Times (prefill, decode, phases) are of the whole batch. Budget "auto"
+    adds budget_hist, nodes_mean, expected_tau, calibrated_tau and calibration (budget.Picks.stats)."""
     taus = run.taus
     hist = [0] * (max(taus, default=0) + 1)     # hist[tau] = rounds that committed tau tokens
     for t in taus:
         hist[t] += 1
-    return dict(mode=p.mode, budget=budget, temperature=p.temperature, seed=p.seed,
-                prompt_tokens=run.prompt_len, new_tokens=len(run.tokens), stop_reason=run.stop_reason,
-                rounds=len(taus), tau_mean=float(np.mean(taus)) if taus else 0.0, tau_hist=hist,
-                prefill_s=prefill_s, decode_s=decode_s,
-                tokens_per_s=(len(run.tokens) - 1) / decode_s if decode_s > 0 else 0.0,
-                phase_s=dict(timer.seconds))
+    out = dict(mode=p.mode, budget=budget, temperature=p.temperature, seed=p.seed,
+               prompt_tokens=run.prompt_len, new_tokens=len(run.tokens), stop_reason=run.stop_reason,
+               rounds=len(taus), tau_mean=float(np.mean(taus)) if taus else 0.0, tau_hist=hist,
+               prefill_s=prefill_s, decode_s=decode_s,
+               tokens_per_s=(len(run.tokens) - 1) / decode_s if decode_s > 0 else 0.0,
+               phase_s=dict(timer.seconds))
+    return {**out, **run.picks.stats(cal)} if run.picks is not None else out

@@ -68,7 +68,8 @@ def totals() -> dict[str, float]:
 
 
 def delta(before: dict[str, float]) -> dict[str, float]:
-    """Exclusive seconds per phase since `before` (an earlier `totals()`), every phase of PHASES present."""
+    """Exclusive seconds per phase since `before` (an earlier `totals()`): every phase of PHASES, then the other
+    spans that ran since (e.g. "costs", budget auto's timing of the reference round)."""
     now = totals()
-    names = list(PHASES) + [k for k in now if k not in PHASES]
+    names = list(PHASES) + [k for k in now if k not in PHASES and now[k] != before.get(k)]
     return {k: round(now.get(k, 0.0) - before.get(k, 0.0), 6) for k in names}

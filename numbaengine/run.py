@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from numbaengine.backends import BACKENDS, gpu_ready
+from numbaengine.budget import AUTO, AUTO_MISSING, CostTable
 from numbaengine.ddtree import MAX_BUDGET, MODES
 from numbaengine.engine import Engine
 from numbaengine.kernels import cache as kernel_cache
@@ -53,7 +54,12 @@ class Parser(argparse.ArgumentParser):
 
 
 def budget_arg(text):
-    b = int(text)
+    if text == AUTO:
+        return AUTO
+    try:
+        b = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or 'auto'") from None
     if not 0 <= b <= MAX_BUDGET:
         raise argparse.ArgumentTypeError(f"{b} is out of range 0..{MAX_BUDGET}")
     return b
@@ -81,7 +87,10 @@ def parser():
     ap.add_argument("--mode", choices=MODES, default="ddtree", help="ddtree: a drafted tree of --budget nodes; "
                     "dflash: the drafter's chain of one block; ar: the target alone (default: %(default)s)")
     ap.add_argument("--budget", type=budget_arg, default=16,
-                    help=f"drafted tree nodes per round, 0..{MAX_BUDGET}, ddtree only (default: %(default)s)")
+                    help=f"drafted tree nodes per round, 0..{MAX_BUDGET}, ddtree only; auto: chosen each round from "
+                    "the drafter's probabilities and the cost table, numpy only (default: %(default)s)")
+    ap.add_argument("--cost-table", metavar="FILE", help="with --budget auto: seconds of a round per batch and tree "
+                    "size, JSON (numbaengine/budget.py CostTable) (default: the reference round timed on this CPU)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="sampling noise seed (default: %(default)s)")
@@ -235,17 +244,28 @@ def summary(stats, block_size=None):
     (not for ar: it commits one token a round) and timings."""
     hist = " ".join(f"{t}:{n}" for t, n in enumerate(stats["tau_hist"]) if n)
     phases = " ".join(f"{k} {v:.3f}s" for k, v in stats["phase_s"].items())
-    mode = {"ddtree": f"ddtree (budget {stats['budget']})", "dflash": f"dflash (block {block_size})"}
+    mode = {"ddtree": f"ddtree (budget {stats['budget']}{auto_part(stats)})",
+            "dflash": f"dflash (block {block_size})"}
     tau = "" if stats["mode"] == "ar" else f"tau {stats['tau_mean']:.2f} [{hist}], "
     return (f"{mode.get(stats['mode'], stats['mode'])}: {stats['new_tokens']} tokens in {stats['rounds']} rounds, "
             f"{tau}{stats['tokens_per_s']:.1f} tokens/s, prefill {stats['prefill_s']:.3f}s, {phases}, "
             f"stop: {stats['stop_reason']}")
 
 
+def auto_part(stats):
+    """Budget auto in the stats line: rounds per chosen size and the expected tau beside the observed one."""
+    if "budget_hist" not in stats:
+        return ""
+    sizes = " ".join(f"{k}:{n}" for k, n in stats["budget_hist"].items())
+    return f": sizes [{sizes}], expected tau {stats['expected_tau']:.2f}"
+
+
 def pick_backend(args, draft):
     """The backend to load, after the checks that need the whole command line."""
     if args.mode != "ar" and draft is None:
         raise UsageError(f"--mode {args.mode} needs a drafter: pass --draft DIR, or use --mode ar")
+    if args.cost_table and args.budget != AUTO:
+        raise UsageError("--cost-table is read by --budget auto only")
     host_trees = args.show_tree or args.tree_svg
     if host_trees and args.backend in ("cuda", "sim"):
         raise UsageError("--show-tree and --tree-svg read the trees on the host: use --backend numpy (the kernel "
@@ -255,6 +275,9 @@ def pick_backend(args, draft):
         Path(args.tree_svg).mkdir(parents=True, exist_ok=True)
     backend = "numpy" if host_trees else args.backend
     check_devices(args.devices, backend, host_trees)
+    if args.budget == AUTO and args.mode == "ddtree" and (backend in ("cuda", "sim") or
+                                                          backend == "auto" and gpu_ready()):
+        raise NotImplementedError(AUTO_MISSING)
     return backend
 
 
@@ -305,13 +328,14 @@ def main(argv=None):
         model, draft, how = pick_models(args.model, args.draft)
         print(f"model: {model}  draft: {draft}  ({how})", file=sys.stderr)
         backend = pick_backend(args, draft)
+        table = CostTable.load(args.cost_table) if args.cost_table else None
         engine = Engine.load(model, draft if args.mode != "ar" else None, backend=backend,
                              max_context=args.max_context, devices=args.devices)
         precompile(engine, args)
         live = sys.stdout.isatty() and not args.json and not args.show_tree
         watch = Watcher(args, engine.tokenizer, Stream(engine.tokenizer, sys.stdout, live))
         result = engine.generate(args.prompt, args.max_new_tokens, args.mode, args.budget, args.temperature,
-                                 args.seed, stop_ids(args.stop), on_round=watch)
+                                 args.seed, stop_ids(args.stop), on_round=watch, cost_table=table)
     except KeyboardInterrupt:
         return interrupted(args, model, draft, watch)
     except (UsageError, ValueError, OSError, ImportError, NotImplementedError, MemoryError) as e:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from numbaengine.budget import AUTO, LADDER
 from numbaengine.phases import record, span
 from numbaengine.tokenizer import IdTokenizer
 from numbaengine.weights import SHIPPED_PAIR
@@ -206,7 +207,7 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp, hold_s=0.0):
                phase_ms=phases, phase_floor_mb={k: v / 1e6 for k, v in phase_b.items()}, phase_pct=phase_pct,
                graph_kernels=len(dev.kernel_nodes()), graph_depth=dev.graph_depth(),
                gpu_ms_per_device=[(d.gpu_s - g) / rounds * 1e3 for d, g in zip(devs, gpu0)])
-    print(f"{mode:7s} B{budget:<4d} x{batch:<4d} p{len(res):<4d} {row['tokens_per_s']:9.1f} tok/s  "
+    print(f"{mode:7s} B{budget!s:<4} x{batch:<4d} p{len(res):<4d} {row['tokens_per_s']:9.1f} tok/s  "
           f"tau {row['tau']:5.2f}  round {round_ms:7.3f} ms  gpu {gpu_ms:7.3f} ms  host {row['host_pct']:5.1f}%  floor "
           f"{row['floor_mb']:8.1f} MB = {row['floor_pct']:5.1f}% of copy  nodes {row['graph_kernels']} "
           f"depth {row['graph_depth']}  " + " ".join(f"{k} {v:.3f}" + (f" ({phase_pct[k]:.0f}%)" if phase_b[k] else "")
@@ -275,6 +276,16 @@ def projection(rows, layers_measured, cfg) -> list:
     return out
 
 
+def budget_list(text) -> list:
+    """--budgets: comma-separated integers and 'auto' (the size chosen each round; numbaengine/budget.py)."""
+    return [AUTO if b.strip() == AUTO else int(b) for b in text.split(",")]
+
+
+def verify_rows(batch, budget) -> int:
+    """Verify rows of a round: batch x (budget + 1); auto at most the largest ladder size."""
+    return batch * ((max(LADDER) if budget == AUTO else budget) + 1)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(SHIPPED_PAIR / "target"))
@@ -283,7 +294,8 @@ def main(argv=None):
     ap.add_argument("--synth-dir", help="with --synth-k2: write the checkpoint to this folder and keep it; a later run "
                                         "with the same folder and layer count reuses it")
     ap.add_argument("--modes", default="ar,dflash,ddtree")
-    ap.add_argument("--budgets", default="4,16,64,256")
+    ap.add_argument("--budgets", type=budget_list, default="4,16,64,256", help="ddtree budgets; 'auto' is "
+                    "refused on cuda with the line saying what it lacks (default: 4,16,64,256)")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--hold-seconds", type=float, default=0.0, metavar="S",
@@ -313,13 +325,13 @@ def main(argv=None):
     print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
     for mode in args.modes.split(","):
-        for budget in ([int(b) for b in args.budgets.split(",")] if mode == "ddtree" else [0]):
+        for budget in (args.budgets if mode == "ddtree" else [0]):
             for batch in [int(b) for b in args.batches.split(",")]:
-                if batch * (budget + 1) > args.max_rows:
+                if verify_rows(batch, budget) > args.max_rows:
                     continue
                 try:
                     row = run_case(engine, mode, budget, batch, args.new_tokens, copy_bw, cp, args.hold_seconds)
-                except MemoryError as e:
+                except (MemoryError, NotImplementedError) as e:
                     print(f"{mode} {budget} x{batch}: {e}", flush=True)
                     continue
                 row["copy_gbs"] = copy_bw

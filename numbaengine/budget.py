@@ -1,0 +1,249 @@
+"""Budget "auto": each round, the tree size that maximizes expected committed tokens per second of round cost.
+
+Expected acceptance. The best-first heap pops nodes in decreasing path probability, and the surrogate's expected
+number of accepted drafts of the tree made of the first n pops is the sum of their path probabilities; so one heap
+run up to the largest ladder size gives every size at once (prefix sums). A Calibration scales that expectation by
+what the target actually accepted in past rounds.
+
+Cost. A CostTable maps (batch, ladder size = drafted nodes per sequence) to the seconds of one round; a round's
+verify has batch x (size + 1) rows.
+
+Choice. For each ladder size s, one best-first selection over all sequences' nodes takes the batch x s most
+probable (so confident sequences get deep trees and uncertain ones few nodes); the size with the most
+(batch + calibrated expected accepted drafts) per second of round cost wins, ties to the smaller size.
+
+Exactness. The choice reads only the drafter's probabilities, the cost table and the calibration of past rounds,
+never the current round's target samples; and any tree gives the autoregressive output for the same seed (the
+target's sampling noise is keyed by seed, sequence, position and token id, not by the tree), so auto's output
+equals ar's, greedy and sampled.
+"""
+from __future__ import annotations
+
+import json
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from pathlib import Path
+from time import perf_counter
+
+import numpy as np
+
+from numbaengine.ddtree import MAX_BUDGET, draft_tree, draft_trees, first_nodes, sample, verify_inputs, verify_trees
+from numbaengine.phases import span
+
+AUTO = "auto"
+LADDER = (0, 2, 4, 8, 16, 32, 64)         # drafted nodes per sequence; 0 = the root alone (autoregressive)
+EDGES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)   # calibration bins of the surrogate's expected accepted drafts
+PRIOR = 1.0                               # accepted drafts' worth of observed = expected in every bin
+DECAY = 0.9                               # a bin's sums are scaled by this at each new observation in it
+AUTO_MISSING = ("budget 'auto' runs on the numpy backend only: the kernel backends need per-round switching "
+                "between captured graphs of several budgets sharing one latent cache (numbaengine/device_round.py) "
+                "and a cost table measured at warmup from those graphs; use --backend numpy or a fixed budget")
+
+
+# --- expected acceptance ------------------------------------------------------------------------------------------
+
+def expected_accepts(tree):
+    """f64[n+1]: [k] = the surrogate's expected accepted drafts of the tree of the tree's first k pops."""
+    return np.concatenate([[0.0], np.cumsum(np.exp(tree.scores[1:]))])
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Observed over expected accepted drafts per bin of expected (EDGES), from committed rounds:
+    ratio = (PRIOR + observed) / (PRIOR + expected), both sums decayed by DECAY at each observation in the bin."""
+    observed: tuple = (0.0,) * (len(EDGES) + 1)
+    expected: tuple = (0.0,) * (len(EDGES) + 1)
+
+    def ratio(self, e) -> float:
+        b = bisect_right(EDGES, e)
+        return (PRIOR + self.observed[b]) / (PRIOR + self.expected[b])
+
+    def apply(self, e) -> float:
+        """Calibrated expected accepted drafts for a surrogate expectation e."""
+        return e * self.ratio(e)
+
+    def observe(self, e, accepted) -> "Calibration":
+        """After a round: a tree with surrogate expectation e had `accepted` drafts accepted."""
+        b = bisect_right(EDGES, e)
+        return Calibration(decayed(self.observed, b, float(accepted)), decayed(self.expected, b, float(e)))
+
+    def state(self) -> dict:
+        return dict(edges=list(EDGES), ratio=[round((PRIOR + o) / (PRIOR + x), 4)
+                                              for o, x in zip(self.observed, self.expected)],
+                    observed=[round(o, 4) for o in self.observed], expected=[round(x, 4) for x in self.expected],
+                    prior=PRIOR, decay=DECAY)
+
+
+def decayed(sums, b, x):
+    """sums with bin b scaled by DECAY and x added."""
+    return sums[:b] + (DECAY * sums[b] + x,) + sums[b + 1:]
+
+
+# --- cost ---------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CostTable:
+    """Seconds of one round per batch and ladder size (per model and GPU). A batch between listed ones takes the
+    next listed batch (graphs are bucketed that way); above the largest, that one's seconds scale linearly."""
+    sizes: tuple                               # the ladder, ascending: drafted nodes per sequence
+    seconds: dict                              # batch -> tuple of seconds, one per size
+    model: str = ""
+    device: str = ""
+
+    def __post_init__(self):
+        sizes = list(self.sizes)
+        if not sizes or sizes != sorted(set(sizes)) or not all(0 <= s <= MAX_BUDGET for s in sizes):
+            raise ValueError(f"cost table: sizes {sizes} must be distinct ascending integers in 0..{MAX_BUDGET}")
+        for b, row in self.seconds.items():
+            if b < 1 or len(row) != len(sizes) or not all(0 < s < float("inf") for s in row):
+                raise ValueError(f"cost table: batch {b} needs {len(sizes)} positive finite seconds, got {row}")
+        if not self.seconds:
+            raise ValueError("cost table: no batch rows")
+
+    def round_s(self, batch, size) -> float:
+        listed = sorted(self.seconds)
+        b = next((x for x in listed if x >= batch), listed[-1])
+        return self.seconds[b][self.sizes.index(size)] * max(1.0, batch / b)
+
+    @classmethod
+    def from_dict(cls, d) -> "CostTable":
+        """{"sizes": [...], "seconds": {"batch": [seconds per size]}, "model": ..., "device": ...}."""
+        if not isinstance(d, dict) or "sizes" not in d or "seconds" not in d:
+            raise ValueError("cost table: expected an object with 'sizes' and 'seconds' (batch -> seconds per size)")
+        return cls(tuple(int(s) for s in d["sizes"]),
+                   {int(b): tuple(float(x) for x in row) for b, row in d["seconds"].items()},
+                   str(d.get("model", "")), str(d.get("device", "")))
+
+    def to_dict(self) -> dict:
+        return dict(model=self.model, device=self.device, sizes=list(self.sizes),
+                    seconds={str(b): list(row) for b, row in sorted(self.seconds.items())})
+
+    @classmethod
+    def load(cls, path) -> "CostTable":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (ValueError, TypeError, AttributeError) as e:          # bad JSON, bad fields: one line naming the file
+            raise ValueError(f"{path}: {e}") from None
+
+    def save(self, path):
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def measure(round_s, batches=(1,), sizes=LADDER, model="", device="") -> CostTable:
+    """The table from a timing function round_s(batch, size) -> seconds: on numpy `reference_round_s`; on cuda
+    (not built yet) warmup would pass one that replays the captured graph of each (batch, budget) between events."""
+    return CostTable(tuple(sizes), {b: tuple(round_s(b, s) for s in sizes) for b in batches}, model, device)
+
+
+def reference_round_s(target, drafter, ops, reps=3, prompt_len=8):
+    """round_s for the numpy reference: the best of `reps` timings of `batch` rounds of one sequence (the reference
+    runs a batch's sequences one after another) as an auto round runs them at every size, 0 included: the draft and
+    the heap run to the largest ladder size (the choice reads them), then verify of size + 1 rows after an 8-token
+    prompt and the samples."""
+    width = max(LADDER) + 1
+    cache, ctx = target.new_cache(prompt_len + width), drafter.new_context(prompt_len + width)
+    positions = np.arange(prompt_len, dtype=np.int32)
+    _, hidden = target.forward(positions % target.cfg.vocab_size, positions, cache, None,
+                               hidden_layers=drafter.layer_ids, form=ops.prefill_form)
+    cache.commit(positions)
+    drafter.append(ctx, hidden, positions)
+
+    def one(size):
+        tree = first_nodes(draft_tree("ddtree", 0, drafter.draft(ctx, 0, prompt_len), max(LADDER)), size)
+        tokens, positions, mask = verify_inputs(tree, prompt_len)
+        logits, _ = target.forward(tokens, positions, cache, mask, hidden_layers=drafter.layer_ids)
+        sample(ops, logits, 0.0, 0, 0, positions)
+
+    def round_s(batch, size):
+        best = float("inf")
+        for _ in range(reps):
+            t0 = perf_counter()
+            for _ in range(batch):
+                one(size)
+            best = min(best, perf_counter() - t0)
+        return best
+    return round_s
+
+
+def reference_costs(target, drafter, ops) -> CostTable:
+    """The numpy default: the reference round timed on this CPU at batch 1 (larger batches scale linearly), under
+    the phase "costs" (about half a second on the shipped pair)."""
+    with span("costs"):
+        return measure(reference_round_s(target, drafter, ops), (1,), LADDER, model=f"{target.cfg.num_hidden_layers}"
+                       f" layers, hidden {target.cfg.hidden_size}", device="cpu (numpy reference)")
+
+
+# --- the choice ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Choice:
+    """One round's sizes: the ladder size (batch total = batch x size) and each sequence's share of it."""
+    size: int
+    nodes: tuple             # drafted nodes per sequence
+    expected: tuple          # surrogate expected accepted drafts of each sequence's tree
+    calibrated: tuple        # the same, calibrated
+    rate: float              # expected committed tokens per second of round cost
+
+
+def shares(trees, total):
+    """Nodes per sequence of one best-first selection of `total` nodes over all the trees (each tree's nodes in pop
+    order, so every share is a prefix): larger path probability first, then lower sequence, then earlier pop."""
+    scores = np.concatenate([t.scores[1:] for t in trees])
+    seq = np.concatenate([np.full(len(t) - 1, i) for i, t in enumerate(trees)]).astype(np.int64)
+    pop = np.concatenate([np.arange(len(t) - 1) for t in trees]).astype(np.int64)
+    order = np.lexsort((pop, seq, -scores))
+    return np.bincount(seq[order[:total]], minlength=len(trees))
+
+
+def choose(trees, table: CostTable, cal: Calibration) -> Choice:
+    """The ladder size with the most expected committed tokens per second; trees are each sequence's heap run up to
+    the largest size it may get."""
+    B, best = len(trees), None
+    prefix = [expected_accepts(t) for t in trees]
+    for size in table.sizes:
+        nodes = shares(trees, B * size)
+        raw = tuple(float(p[n]) for p, n in zip(prefix, nodes))
+        calibrated = tuple(cal.apply(e) for e in raw)
+        rate = (B + sum(calibrated)) / table.round_s(B, size)
+        if best is None or rate > best.rate:
+            best = Choice(size, tuple(int(n) for n in nodes), raw, calibrated, rate)
+    return best
+
+
+def auto_round(seqs, caps, target, drafter, ops, p, timer, table: CostTable, cal: Calibration):
+    """One ddtree round with the sizes chosen from its drafts: one heap run per sequence up to caps[i] nodes, the
+    choice, then verify of each tree's chosen prefix. Returns (choice, round outs, calibration after the round)."""
+    trees = draft_trees(seqs, caps, drafter, p, timer)
+    with timer("build"):
+        choice = choose(trees, table, cal)
+        trees = [first_nodes(t, n) for t, n in zip(trees, choice.nodes)]
+    outs = verify_trees(seqs, trees, target, drafter, ops, p, timer)
+    for e, n, out in zip(choice.expected, choice.nodes, outs):
+        cal = cal.observe(e, out.tau - 1) if n > 0 else cal
+    return choice, outs, cal
+
+
+@dataclass
+class Picks:
+    """One sequence's auto record: per round the ladder size, its nodes and expected accepted drafts."""
+    sizes: list = field(default_factory=list)
+    nodes: list = field(default_factory=list)
+    expected: list = field(default_factory=list)
+    calibrated: list = field(default_factory=list)
+
+    def add(self, choice: Choice, i):
+        self.sizes.append(choice.size)
+        self.nodes.append(choice.nodes[i])
+        self.expected.append(choice.expected[i])
+        self.calibrated.append(choice.calibrated[i])
+
+    def stats(self, cal: Calibration) -> dict:
+        """budget_hist {size: rounds}, mean nodes verified, expected tau (surrogate and calibrated; the observed one
+        is tau_mean) and the calibration at the end."""
+        return dict(budget_hist={s: self.sizes.count(s) for s in sorted(set(self.sizes))},
+                    nodes_mean=mean(self.nodes), expected_tau=1 + mean(self.expected),
+                    calibrated_tau=1 + mean(self.calibrated), calibration=cal.state())
+
+
+def mean(xs) -> float:
+    return float(np.mean(xs)) if xs else 0.0

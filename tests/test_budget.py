@@ -1,0 +1,307 @@
+"""Budget "auto" (numbaengine/budget.py): expected acceptance from the heap's prefix sums, calibration, cost
+tables, the chooser and its batch allocation; auto output equals autoregressive output; CLI and bench flags."""
+import json
+
+import numpy as np
+import pytest
+from test_generate import Oracle, pair  # noqa: F401  (pair: the tiny K2-style target and random drafter)
+
+from numbaengine import run
+from numbaengine.budget import (
+    AUTO_MISSING,
+    LADDER,
+    Calibration,
+    CostTable,
+    choose,
+    expected_accepts,
+    measure,
+    reference_costs,
+    shares,
+)
+from numbaengine.ddtree import build_tree, draft_tree, first_nodes
+from numbaengine.engine import Engine
+from numbaengine.generate import check_args, generate_batch
+from tools.bench import budget_list, verify_rows
+
+PROMPTS = [[5, 6, 7], [200, 2, 9, 41, 17], [8], [1, 2], [100], [33, 34, 35, 36], [250, 3], [77, 78, 79]]
+N_NEW = 16
+
+
+def table(seconds, batches=(1, 3, 8), sizes=LADDER):
+    """A cost table with the same seconds per size at every batch."""
+    return CostTable(tuple(sizes), {b: tuple(seconds) for b in batches})
+
+
+PICK = {"ar": table([1, 9, 9, 9, 9, 9, 9]), "small": table([9, 1, 9, 9, 9, 9, 9]),
+        "large": table([9, 9, 9, 9, 9, 9, 1])}
+PICKED = {"ar": 0, "small": 2, "large": 64}
+
+
+# --- expected acceptance --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_prefix_sums_are_every_size_of_build_tree(quantized):
+    """One heap run to 64 nodes: its first n pops are build_tree's tree for budget n, and the prefix sum of their path
+    probabilities is that tree's expected accepted drafts, for every n (quantized logits tie a lot)."""
+    rng = np.random.default_rng(3 + quantized)
+    logits = rng.normal(size=(5, 40)).astype(np.float32)
+    if quantized:
+        logits = np.round(logits).astype(np.float32)
+    big = draft_tree("ddtree", 7, logits, 64)
+    prefix = expected_accepts(big)
+    assert len(prefix) == 65 and prefix[0] == 0 and np.all(np.diff(prefix) > 0)
+    for n in range(65):
+        tree, head = draft_tree("ddtree", 7, logits, n), first_nodes(big, n)
+        for field in ("tokens", "parents", "depths", "scores", "vis"):
+            assert np.array_equal(getattr(head, field), getattr(tree, field)), (n, field)
+        np.testing.assert_allclose(prefix[n], np.exp(tree.scores[1:]).sum(), rtol=1e-12, atol=0)
+
+
+def test_spec_worked_example_expectation():
+    """spec/DDTREE.md section 4: the 5-node tree expects .55+.33+.30+.297+.18 = 1.657 accepted drafts."""
+    q = np.array([[.55, .30, .08], [.60, .30, .05], [.90, .05, .01]])
+    tree = build_tree(0, np.arange(9, dtype=np.int32).reshape(3, 3), np.log(q).astype(np.float32), 5)
+    assert expected_accepts(tree)[5] == pytest.approx(1.657, abs=1e-6)
+    assert expected_accepts(first_nodes(tree, 3))[-1] == pytest.approx(.55 + .33 + .30, abs=1e-6)
+
+
+# --- calibration ----------------------------------------------------------------------------------------------------
+
+def test_calibration_moves_toward_observed():
+    cal = Calibration()
+    assert cal.ratio(3.0) == 1.0 and cal.apply(3.0) == 3.0                 # the prior: trust the drafter
+    ratios = []
+    for _ in range(40):                                                    # the target accepts a third of it
+        cal = cal.observe(3.0, 1.0)
+        ratios.append(cal.ratio(3.0))
+    assert all(b < a for a, b in zip(ratios, ratios[1:]))
+    assert ratios[-1] == pytest.approx((1 + 10) / (1 + 30), rel=1e-3)     # sums decay to 10 x one observation
+    assert cal.ratio(0.3) == 1.0 and cal.ratio(9.0) == 1.0                 # other bins untouched
+    for _ in range(40):                                                    # then twice what it expects
+        cal = cal.observe(3.0, 6.0)
+    assert cal.ratio(3.0) > 1.8 and cal.apply(3.0) == pytest.approx(3.0 * cal.ratio(3.0))
+    state = cal.state()
+    assert len(state["ratio"]) == len(state["edges"]) + 1 and state["decay"] == 0.9
+
+
+# --- cost tables ----------------------------------------------------------------------------------------------------
+
+def test_cost_table_lookup_json_and_errors(tmp_path):
+    t = CostTable((0, 2, 4), {1: (1.0, 2.0, 3.0), 8: (4.0, 5.0, 6.0)}, "m", "gpu")
+    assert t.round_s(1, 2) == 2.0 and t.round_s(5, 4) == 6.0               # batch 5 runs in the batch-8 bucket
+    assert t.round_s(16, 0) == 8.0                                          # above the largest: linear
+    t.save(tmp_path / "t.json")
+    assert CostTable.load(tmp_path / "t.json") == t
+    assert CostTable.from_dict(json.loads((tmp_path / "t.json").read_text())) == t
+    for bad, match in [(dict(sizes=[2, 0], seconds={"1": [1, 1]}), "ascending"),
+                       (dict(sizes=[0, 2], seconds={"1": [1]}), "batch 1 needs 2"),
+                       (dict(sizes=[0, 2], seconds={"1": [1, 0]}), "positive"),
+                       (dict(sizes=[0], seconds={}), "no batch rows"), ([1, 2], "expected an object")]:
+        with pytest.raises(ValueError, match=match):
+            CostTable.from_dict(bad)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="bad.json"):
+        CostTable.load(tmp_path / "bad.json")
+
+
+def test_measure_hook_and_reference_default(pair):  # noqa: F811
+    """measure() builds a table from any round_s(batch, size) (the cuda warmup's hook); the numpy default times
+    the reference round at batch 1: positive seconds at every ladder size."""
+    t = measure(lambda b, s: b * (1 + s), (1, 4), (0, 2))
+    assert t.seconds == {1: (1, 3), 4: (4, 12)}
+    ref = reference_costs(pair.target, pair.drafter, pair.target.ops)
+    assert ref.sizes == LADDER and list(ref.seconds) == [1] and all(s > 0 for s in ref.seconds[1])
+
+
+# --- the chooser ----------------------------------------------------------------------------------------------------
+
+def random_trees(rng, n, size=64, V=30, L=4):
+    return [draft_tree("ddtree", 0, (rng.normal(size=(L, V)) * rng.uniform(0.5, 4)).astype(np.float32), size)
+            for _ in range(n)]
+
+
+def brute_choice(trees, t, cal):
+    """(size, nodes) maximizing (batch + calibrated expected) / seconds, first best on ties, by plain sorting."""
+    nodes_of = {}
+    best = None
+    cands = sorted((-t_.scores[j], i, j) for i, t_ in enumerate(trees) for j in range(1, len(t_)))
+    for s in t.sizes:
+        nodes = [0] * len(trees)
+        for _, i, _ in cands[:len(trees) * s]:
+            nodes[i] += 1
+        gain = len(trees) + sum(cal.apply(np.exp(trees[i].scores[1:n + 1]).sum()) for i, n in enumerate(nodes))
+        rate = gain / t.round_s(len(trees), s)
+        nodes_of[s] = tuple(nodes)
+        if best is None or rate > best[1] * (1 + 1e-12):
+            best = (s, rate)
+    return best[0], nodes_of[best[0]]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_chooser_is_the_argmax(case):
+    rng = np.random.default_rng(case)
+    trees = random_trees(rng, 1 + case % 4)
+    t = table(np.sort(rng.uniform(1, 3, len(LADDER))), batches=(1, 2, 3, 4))
+    cal = Calibration().observe(rng.uniform(0.2, 3), rng.uniform(0, 3))
+    got = choose(trees, t, cal)
+    assert (got.size, got.nodes) == brute_choice(trees, t, cal)
+    assert got.rate == pytest.approx((len(trees) + sum(got.calibrated)) / t.round_s(len(trees), got.size))
+
+
+def test_chooser_hand_made():
+    """One sequence, path probabilities .55 .33 .30 .297 .18 (spec section 4): rates by hand."""
+    q = np.array([[.55, .30, .08], [.60, .30, .05], [.90, .05, .01]])
+    tree = build_tree(0, np.arange(9, dtype=np.int32).reshape(3, 3), np.log(q).astype(np.float32), 4)
+    t = CostTable((0, 2, 4), {1: (1.0, 1.5, 2.0)})
+    got = choose([tree], t, Calibration())
+    assert got.size == 2 and got.nodes == (2,) and got.rate == pytest.approx((1 + .55 + .33) / 1.5, rel=1e-6)
+    t = CostTable((0, 2, 4), {1: (1.0, 1.5, 1.6)})                          # now 4 nodes pay: 2.477 / 1.6
+    assert choose([tree], t, Calibration()).size == 4
+    half = Calibration()
+    for _ in range(30):
+        half = half.observe(0.88, 0.0).observe(1.477, 0.0)                # the target never accepts
+    assert choose([tree], t, half).size == 0
+
+
+def test_chooser_ties_go_to_the_smaller_size():
+    root = draft_tree("ar", 0, None, 0)                                    # nothing drafted: every size expects 1
+    assert choose([root, root], table([2, 2, 2, 2, 2, 2, 2]), Calibration()).size == 0
+    two = build_tree(0, np.array([[1]], np.int32), np.array([[-0.1]], np.float32), 2)   # a 1-node tree
+    t = CostTable((0, 2, 4), {1: (5.0, 1.0, 1.0)})                           # 2 and 4 nodes: the same tree, cost
+    assert choose([two], t, Calibration()).size == 2
+
+
+def test_batch_allocation_gives_the_confident_sequence_more_nodes():
+    L, V = 5, 50
+    confident = np.zeros((L, V), np.float32)
+    confident[:, :4] = [6.0, 4.0, 3.0, 2.0]                                # per depth q ~ .76 .10 .04 .01 ...
+    flat = np.random.default_rng(0).normal(scale=0.1, size=(L, V)).astype(np.float32)
+    trees = [draft_tree("ddtree", 0, flat, 64), draft_tree("ddtree", 0, confident, 64)]
+    nodes = shares(trees, 16)
+    assert nodes.sum() == 16 and nodes[1] >= 10 > nodes[0]
+    c = choose(trees, table([1, 1.05, 1.1, 1.2, 1.4, 1.8, 2.6], batches=(2,)), Calibration())
+    assert c.size > 0 and c.nodes[1] > c.nodes[0] and c.calibrated[1] > 4 * c.calibrated[0]
+    for total in range(0, 130, 7):                                          # each share is a prefix, total kept
+        got = shares(trees, total)
+        assert got.sum() == min(total, 128) and np.all(got >= shares(trees, max(0, total - 7)))
+
+
+# --- exactness: auto output == autoregressive output -----------------------------------------------------------------
+
+def gen(pair_, prompts, budget, drafter=None, n=N_NEW, **kw):  # noqa: F811
+    return generate_batch(pair_.target, drafter, None, prompts, n, mode="ar" if budget is None else "ddtree",
+                          budget=budget or 16, stop=[], **kw)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_auto_equals_ar(pair, batch, temperature):  # noqa: F811
+    """Random drafter and an oracle, with tables that make the chooser pick AR, 2 and 64 nodes per sequence."""
+    prompts, kw = PROMPTS[:batch], dict(temperature=temperature, seed=3)
+    want = [r.tokens for r in gen(pair, prompts, None, **kw)]
+    vocab = pair.target.cfg.vocab_size
+    for name, cost in PICK.items():
+        for drafter in (pair.drafter, Oracle([p + w for p, w in zip(prompts, want)], vocab)):
+            results = gen(pair, prompts, "auto", drafter, cost_table=cost, **kw)
+            assert [r.tokens for r in results] == want, (name, type(drafter).__name__)
+            for r in results:
+                assert r.stats["budget_hist"] == {PICKED[name]: r.stats["rounds"]} and r.stats["budget"] == "auto"
+                if isinstance(drafter, Oracle) and name == "large":
+                    assert r.stats["tau_mean"] > 3                         # the trees were walked deep
+
+
+def test_auto_tracks_the_drafter(pair):  # noqa: F811
+    """A table with a fixed cost and a cost per verify row: the oracle earns trees, the random drafter does not, and
+    in one batch the sequence the oracle knows gets the nodes."""
+    rows = CostTable(LADDER, {b: tuple(1 + 0.05 * b * (s + 1) for s in LADDER) for b in (1, 3)})
+    want = [r.tokens for r in gen(pair, PROMPTS[:3], None)]
+    rand = gen(pair, PROMPTS[:3], "auto", pair.drafter, cost_table=rows)
+    assert [r.tokens for r in rand] == want and all(set(r.stats["budget_hist"]) == {0} for r in rand)
+    knows_first = Oracle([PROMPTS[0] + want[0]] + PROMPTS[1:3], pair.target.cfg.vocab_size)
+    mixed = gen(pair, PROMPTS[:3], "auto", knows_first, cost_table=rows)
+    assert [r.tokens for r in mixed] == want
+    s = [r.stats for r in mixed]
+    assert max(s[0]["budget_hist"]) > 0 and s[0]["nodes_mean"] > 2 * max(s[1]["nodes_mean"], s[2]["nodes_mean"])
+    assert s[0]["tau_mean"] > 3 and s[0]["expected_tau"] > 3 and 0 < s[0]["calibrated_tau"]
+    assert s[0]["calibration"] == s[1]["calibration"]                       # one calibration for the batch
+
+
+def test_auto_near_a_full_context(pair):  # noqa: F811
+    """Trees shrink to the cache rows left; the output still equals ar's up to the full context."""
+    want = gen(pair, PROMPTS[:2], None, n=40)
+    got = gen(pair, PROMPTS[:2], "auto", pair.drafter, n=40, cost_table=PICK["large"], max_context=12)
+    assert [r.tokens for r in got] == [r.tokens[:13 - len(p)] for r, p in zip(want, PROMPTS)]
+    assert all(r.stats["stop_reason"] == "context" for r in got)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return Engine.load(backend="numpy")
+
+
+SHIPPED_PROMPTS = ["def add(a, b):", "import os\n", "class Point:", "for i in range(", "x = [", "# sort the list",
+                   "with open(path) as f:", "return"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_auto_equals_ar_shipped_pair(shipped, batch, temperature):
+    """The shipped pair's trained drafter with the AR, small and large tables, and the measured default."""
+    prompts, kw = SHIPPED_PROMPTS[:batch], dict(temperature=temperature, seed=2, stop=[])
+    want = [r.tokens for r in shipped.generate_batch(prompts, 10, mode="ar", **kw)]
+    for name, cost in PICK.items():
+        results = shipped.generate_batch(prompts, 10, budget="auto", cost_table=cost, **kw)
+        assert [r.tokens for r in results] == want, name
+        assert all(r.stats["budget_hist"] == {PICKED[name]: r.stats["rounds"]} for r in results)
+    if batch == 3:
+        assert [r.tokens for r in shipped.generate_batch(prompts, 10, budget="auto", **kw)] == want
+        assert shipped.costs is not None and shipped.costs.sizes == LADDER
+
+
+# --- API, CLI, bench --------------------------------------------------------------------------------------------------
+
+def test_kernel_backends_refuse_auto_in_one_line(pair):  # noqa: F811
+    engine = Engine(pair.engine.cfg, pair.target, pair.drafter, backend="cuda")   # nothing is launched
+    for call in (lambda: engine.generate([5, 6], 4, budget="auto"),
+                 lambda: check_args("ddtree", "auto", 4, 0.0, pair.drafter)):     # device_round's own check
+        with pytest.raises(NotImplementedError) as e:
+            call()
+        assert str(e.value) == AUTO_MISSING and "\n" not in AUTO_MISSING
+        assert "device_round.py" in AUTO_MISSING and "warmup" in AUTO_MISSING
+
+
+def cli_args(pair_):  # noqa: F811
+    return ["--prompt", "5 6 7", "--model", str(pair_.root / "target"), "--draft", str(pair_.root / "draft"),
+            "--max-new-tokens", "9", "--stop", ""]
+
+
+def test_cli_budget_auto(pair, tmp_path, capsys):  # noqa: F811
+    want = gen(pair, [[5, 6, 7]], None, n=9)[0].tokens
+    PICK["small"].save(tmp_path / "costs.json")
+    argv = cli_args(pair) + ["--backend", "numpy", "--budget", "auto", "--json"]
+    assert run.main(argv + ["--cost-table", str(tmp_path / "costs.json")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == want and out["stats"]["budget"] == "auto"
+    assert out["stats"]["budget_hist"] == {"2": out["stats"]["rounds"]} and "calibration" in out["stats"]
+    assert run.main(argv[:-1]) == 0                                             # the measured default, stats line
+    line = capsys.readouterr().err.splitlines()[-2]
+    assert line.startswith("ddtree (budget auto: sizes [") and "expected tau" in line
+
+
+def test_cli_budget_auto_errors(pair, tmp_path, monkeypatch, capsys):  # noqa: F811
+    cases = [(["--backend", "cuda", "--budget", "auto"], "error: " + AUTO_MISSING),
+             (["--backend", "numpy", "--cost-table", "x.json"], "error: --cost-table is read by --budget auto only"),
+             (["--backend", "numpy", "--budget", "auto", "--cost-table", str(tmp_path / "none.json")], "error: "),
+             (["--backend", "numpy", "--budget", "many"], "error: argument --budget: 'many' is not an integer")]
+    for extra, head in cases:
+        assert run.main(cli_args(pair) + extra) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err[-1].startswith(head) and not any("Traceback" in e for e in err), err
+    monkeypatch.setattr(run, "gpu_ready", lambda: True)                         # --backend auto would pick cuda
+    assert run.main(cli_args(pair) + ["--budget", "auto"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "error: " + AUTO_MISSING
+
+
+def test_bench_parses_auto():
+    assert budget_list("auto,16") == ["auto", 16] and budget_list("4") == [4]
+    assert verify_rows(8, "auto") == 8 * 65 and verify_rows(8, 16) == 8 * 17
