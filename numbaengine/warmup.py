@@ -168,6 +168,21 @@ class RoundLimit:
                 raise RuntimeError("round limit")
 
 
+def precompile_shapes(engine, todo, workers=None, progress=True) -> Precompiled:
+    """precompile() the kernels of every (mode, batch, budget) in `todo` on `engine`: a dry run of each shape (no
+    stop token, out after 3 rounds: eager, captured, replayed, whatever garbage tau the never-run rounds return),
+    then the dry run's buffers and graphs are dropped."""
+    def dry_run_all():
+        for mode, batch, budget in todo:
+            try:
+                engine.generate_batch([PROMPT] * batch, 16, mode, budget, stop=(), on_round=RoundLimit(3))
+            except Exception:  # garbage results (or the round limit); the next shape still records its kernels
+                pass
+    done = precompile(dry_run_all, workers, progress)
+    engine.rounds_cache.clear()
+    return done
+
+
 def report() -> str:
     entries, size = cache.usage(cache.cache_dir())
     return f"kernel cache {cache.cache_dir()}: {entries} entries, {size / 1e6:.1f} MB"
@@ -181,15 +196,7 @@ def warm(args):
     model = args.model or SHIPPED_PAIR / "target"
     draft = args.draft or (SHIPPED_PAIR / "draft" if args.model is None else None)
     engine = Engine.load(model, draft, backend="cuda", max_context=args.max_context)
-
-    def dry_run_all():
-        for mode, batch, budget in todo:          # no stop token, and out after 3 rounds (eager, captured, replayed)
-            try:                                  # whatever garbage tau the never-run rounds return
-                engine.generate_batch([PROMPT] * batch, 16, mode, budget, stop=(), on_round=RoundLimit(3))
-            except Exception:  # garbage results (or the round limit); the next shape still records its kernels
-                pass
-    done = precompile(dry_run_all, args.workers)
-    engine.rounds_cache.clear()              # buffers and graphs of the dry run
+    done = precompile_shapes(engine, todo, args.workers)
     for mode, batch, budget in todo:
         engine.generate_batch([PROMPT] * batch, 8, mode, budget)
     s = cache.stats()

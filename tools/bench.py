@@ -30,8 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from numbaengine.budget import AUTO, LADDER
+from numbaengine.kernels import cache as kernel_cache
 from numbaengine.phases import record, span
 from numbaengine.tokenizer import IdTokenizer
+from numbaengine.warmup import precompile_shapes
 from numbaengine.weights import SHIPPED_PAIR
 from tools.acceptance import DEFAULT_PROMPTS, load_prompts
 
@@ -304,8 +306,11 @@ def main(argv=None):
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--prefill", type=int, default=0, metavar="TOKENS", help="also time a prompt forward this long")
     ap.add_argument("--devices", help="comma-separated GPU ids: one rank per GPU over NCCL (default: GPU 0 alone)")
+    ap.add_argument("--no-precompile", action="store_true", help="compile kernels as the cases meet them instead of "
+                    "in parallel workers first (default: precompile what the kernel cache lacks)")
     ap.add_argument("--out", default="bench.json")
     args = ap.parse_args(argv)
+    t_main = time.perf_counter()                    # first_case_done_s: from here (imports excluded) to the end of the first timed case
     import cupy as cp
 
     from numbaengine import Engine
@@ -323,22 +328,26 @@ def main(argv=None):
     devices = [int(d) for d in args.devices.split(",")] if args.devices else None
     engine = Engine.load(model, draft, backend="cuda", max_context=args.max_context, devices=devices)
     print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
-    rows = []
-    for mode in args.modes.split(","):
-        for budget in (args.budgets if mode == "ddtree" else [0]):
-            for batch in [int(b) for b in args.batches.split(",")]:
-                if verify_rows(batch, budget) > args.max_rows:
-                    continue
-                try:
-                    row = run_case(engine, mode, budget, batch, args.new_tokens, copy_bw, cp, args.hold_seconds)
-                except (MemoryError, NotImplementedError) as e:
-                    print(f"{mode} {budget} x{batch}: {e}", flush=True)
-                    continue
-                row["copy_gbs"] = copy_bw
-                rows.append(row)
+    cases = [(mode, batch, budget) for mode in args.modes.split(",")
+             for budget in (args.budgets if mode == "ddtree" else [0])
+             for batch in [int(b) for b in args.batches.split(",")] if verify_rows(batch, budget) <= args.max_rows]
+    if not args.no_precompile:
+        done = precompile_shapes(engine, [c for c in cases if c[2] != "auto"])
+        print(f"precompiled {done.compiled} of {done.found} missing kernels in {done.seconds:.1f} s", flush=True)
+    rows, first_round_s = [], None
+    for mode, batch, budget in cases:
+        try:
+            row = run_case(engine, mode, budget, batch, args.new_tokens, copy_bw, cp, args.hold_seconds)
+        except (MemoryError, NotImplementedError) as e:
+            print(f"{mode} {budget} x{batch}: {e}", flush=True)
+            continue
+        first_round_s = first_round_s or round(time.perf_counter() - t_main, 3)
+        row["copy_gbs"] = copy_bw
+        rows.append(row)
     prefill = prefill_times(engine, args.prefill, cp) if args.prefill else {}
     name = f"synthetic K2.6 x{args.synth_k2}" if args.synth_k2 else str(args.model)
-    result = dict(copy_gbs=copy_bw, prefill=prefill, model=name,
+    result = dict(copy_gbs=copy_bw, prefill=prefill, model=name, first_case_done_s=first_round_s,
+                  kernels=kernel_cache.stats(),
                   layers=engine.cfg.num_hidden_layers, rows=rows, date=time.strftime("%Y-%m-%d"), devices=devices,
                   gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode())
     if args.synth_k2:
