@@ -27,7 +27,15 @@ from numba import cuda, int32, uint16, uint32
 from numbaengine.backends import InOrder, visibility_ref
 from numbaengine.kernels.act import silu_mul
 from numbaengine.kernels.attention import attention, kv_attention, kv_attention_work
-from numbaengine.kernels.device import F0, SIM, bf16_f32, kernel, launch, pack_bf16x2
+from numbaengine.kernels.device import (
+    F0,
+    SIM,
+    bf16_f32,
+    grid_dep,
+    kernel,
+    launch,
+    pack_bf16x2,
+)
 from numbaengine.kernels.gemm import (
     TILES_MAX,
     GemmWorkspace,
@@ -75,6 +83,7 @@ ROUTER_MMA_FROM = 4          # router logits on the mma GEMM from this many toke
 def _bf16_rows_k(src, idx, gather, out, d):
     """out f32[n, d] = rows of src u16[*, d] as float32: row idx[i] (gather: embedding lookup) or row i (cache
     read). Launch: grid (n, ceil(d / block)), block <= 256. Moves n*d*6 bytes."""
+    grid_dep()
     i = cuda.blockIdx.x
     j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     if j < d:
@@ -87,6 +96,7 @@ def _write_rows_k(src, dst, start, count, has_count, bf16, d):
     """Row i of block b of src f32[B*T, d] -> dst[b, start[b] + i] (bf16 bits, round to nearest even, when bf16;
     else float32) for i < count[b] (every row when not has_count). dst u16/f32[B, cap, d]. Launch: grid (B*T,
     ceil(d / block)), block <= 256. Moves B*T*d*(4 + 2 or 4) bytes."""
+    grid_dep()
     r = cuda.blockIdx.x
     j = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     T = src.shape[0] // dst.shape[0]
@@ -101,7 +111,9 @@ def _write_rows_k(src, dst, start, count, has_count, bf16, d):
 @kernel()
 def _block_inputs_k(bonus, lengths, mask_id, tokens, positions, kv_len):
     """Drafter block inputs of sequence b (one block of Lb threads): tokens i32[B, Lb] = [bonus[b], mask_id...],
-    positions i32[B*Lb] = lengths[b] + j, kv_len[b] = lengths[b] + Lb (context plus the block)."""
+    positions i32[B*Lb] = lengths[b] + j, kv_len[b] = lengths[b] + Lb (context plus the block). Launch: grid B,
+    block >= Lb. Moves B*(2*Lb + 1)*4 bytes out."""
+    grid_dep()
     b, j = cuda.blockIdx.x, cuda.threadIdx.x
     Lb = tokens.shape[1]
     if j < Lb:

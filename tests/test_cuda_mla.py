@@ -394,20 +394,6 @@ def test_ptx_wgmma_bf16_partials():
     assert not f64_lines(ptx) and not re.search(r"\b(ld|st)\.local", ptx)
 
 
-def test_mla_cuts_match_the_kernel():
-    """tools/mla_cuts.py's cuts still find their lines in kernels/mla_wg.py (a stale cut would stop the tool with
-    an error; this keeps it usable for the next measurement), each one changes the source, and the kernel built
-    from the cut source still parses (a cut that leaves broken indentation fails here)."""
-    from tools.mla_cuts import CUTS, cut_kernel, cut_source
-    base = cut_source("base")
-    for name in CUTS:
-        assert cut_source(name) != base, name
-        cut_kernel(name)                                # the generated kernel source still runs (Python only)
-    assert cut_source("base+merge") == base             # a launch cut: the child skips the merge, no source change
-    with pytest.raises(SystemExit, match="unknown cut"):
-        cut_source("base+nonsense")
-
-
 def test_partials_type(monkeypatch):
     """mla_work's split partials: f32 or bf16 bits (uint16) as asked; "auto" (the default) is bf16 exactly where the
     64-head wgmma kernel runs; any other name is refused in one line."""

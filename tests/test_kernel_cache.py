@@ -134,7 +134,7 @@ def test_unknown_values_make_a_kernel_uncacheable():
 
 
 def test_real_kernel_key_same_in_fresh_processes(tmp_path):
-    """A project kernel (PDL wrapper, device functions, intrinsics) built in two fresh processes with other hash
+    """A project kernel (grid_dep, device functions, intrinsics) built in two fresh processes with other hash
     seeds, and a closure pickled by value with cloudpickle and hashed in a child, as precompile's workers do."""
     try:
         import cloudpickle

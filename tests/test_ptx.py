@@ -141,10 +141,11 @@ def test_pdl_mode_values():
 
 
 def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
-    """With kernels.device.PDL (NUMBAENGINE_PDL, "wait" by default) a kernel made by kernel() waits for the previous
-    one before its body's first global load or store (and in "trigger" mode first lets the next one launch); the
-    launch attribute exists in this cuda.core and kernels.device.pdl sets it on this thread's launches only (rank
-    threads launch concurrently), and only inside the context; kernels.device.cooperative likewise its flag."""
+    """With kernels.device.PDL (NUMBAENGINE_PDL, "wait" by default) a kernel made by kernel() that starts with
+    grid_dep() waits for the previous one before its body's first global load or store (and in "trigger" mode first
+    lets the next one launch); the launch attribute exists in this cuda.core and kernels.device.pdl sets it on this
+    thread's launches only (rank threads launch concurrently), and only inside the context;
+    kernels.device.cooperative likewise its flag."""
     import numba.cuda.dispatcher as D
     from numba import cuda
 
@@ -154,6 +155,7 @@ def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
 
         @dev.kernel()
         def axpy(x, y):
+            dev.grid_dep()
             i = cuda.grid(1)
             if i < x.shape[0]:
                 y[i] += x[i] * 2.0

@@ -241,8 +241,10 @@ def wgmma_loop_kernel(N=256, per_wait=8):
     """Kernel (out, steps) for wgmma_peak_tflops: a 128-thread block issues m64nNk16 wgmmas (kernels/wgmma.py) on
     one A and one B tile of zeros in shared memory into the same f32 accumulators, waiting every `per_wait`.
     (cupy-free, so tests/test_wgmma.py compiles it on the CPU.)"""
-    from numba import cuda, float32, uint32
+    from numba import cuda, uint32
 
+    from numbaengine.kernels.device import F0, device
+    from numbaengine.kernels.unroll import fill, tfold, unroll
     from numbaengine.kernels.wgmma import (
         fence_proxy_async,
         make_wgmma,
@@ -251,29 +253,33 @@ def wgmma_loop_kernel(N=256, per_wait=8):
         wg_fence,
         wg_wait0,
     )
-    nacc, nsm = N // 2, (64 + N) * 8
-    acc = ", ".join(f"c{i}" for i in range(nacc))         # scalars: a tuple indexed in a loop goes to local memory
-    src = f"""
-def wgmma_loop(out, steps):
-    sm = cuda.shared.array({nsm}, uint32)
-    for i in range(cuda.threadIdx.x, {nsm}, 128):
-        sm[i] = uint32(0)
-    fence_proxy_async()
-    cuda.syncthreads()
-    {acc} = {", ".join(["float32(0)"] * nacc)}
-    da, db = smem_desc(sm, 0), smem_desc(sm, 2048)
-    for s in range(steps // {per_wait}):
-        wg_fence()
-        for u in range({per_wait}):
-            {acc} = wgmma(da, db, {acc})
-        wg_commit()
-        wg_wait0()
-    out[cuda.blockIdx.x * 128 + cuda.threadIdx.x] = {" + ".join(f"c{i}" for i in range(nacc))}
-"""
-    ns = dict(cuda=cuda, uint32=uint32, float32=float32, fence_proxy_async=fence_proxy_async, wg_fence=wg_fence,
-              wg_commit=wg_commit, wg_wait0=wg_wait0, smem_desc=smem_desc, wgmma=make_wgmma(N))
-    exec(src, ns)
-    return cuda.jit(ns["wgmma_loop"])
+    NACC, NSM, PER_WAIT = N // 2, (64 + N) * 8, per_wait
+    wgmma = make_wgmma(N)
+
+    @device
+    def issue(u, acc, da, db):
+        return wgmma(da, db, acc, 1)
+
+    @device
+    def total(i, c, acc):
+        return c if i == 0 else acc + c
+
+    @cuda.jit
+    def wgmma_loop(out, steps):
+        sm = cuda.shared.array(NSM, uint32)
+        for i in range(cuda.threadIdx.x, NSM, 128):
+            sm[i] = uint32(0)
+        fence_proxy_async()
+        cuda.syncthreads()
+        acc = fill(NACC, F0)                   # a tuple of registers (kernels/unroll.py), never indexed at run time
+        da, db = smem_desc(sm, 0), smem_desc(sm, 2048)
+        for _ in range(steps // PER_WAIT):
+            wg_fence()
+            acc = unroll(PER_WAIT, issue, acc, da, db)
+            wg_commit()
+            wg_wait0()
+        out[cuda.blockIdx.x * 128 + cuda.threadIdx.x] = tfold(total, acc, F0)
+    return wgmma_loop
 
 
 def wgmma_peak_tflops(N=256, steps=2048, per_wait=8):

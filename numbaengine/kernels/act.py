@@ -3,12 +3,13 @@ import math
 
 from numba import cuda, float32, int32
 
-from numbaengine.kernels.device import kernel, launch
+from numbaengine.kernels.device import grid_dep, kernel, launch
 
 
 @kernel()
 def _silu_mul_k(gate_up, out, n, inter):
     """Thread per output element. Launch: grid (ceil(I/256), n), block 256. Moves n*I*12 bytes."""
+    grid_dep()
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     row = cuda.blockIdx.y
     if i < inter:

@@ -6,6 +6,7 @@ v = the c_kv part), and the DFlash drafter (GQA, no mask).
 """
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
@@ -15,10 +16,13 @@ from numbaengine.kernels.device import (  # noqa: F401
     as_f32,
     as_u32,
     device,
+    grid_dep,
     kernel,
     launch,
     ld4,
+    ld16,
     ld_quad,
+    mma_bf16,
 )
 
 # Flash-decoding: a block per (kv head, tile of query rows, split of the keys) writes an unnormalized partial
@@ -50,6 +54,7 @@ def attention_split_kernel(q, k, v, kv_len, has_len, vis, has_vis, scale, split,
     [s*split, (s+1)*split) (a split past kv_len[b] writes the neutral (0, -inf, 0)); normalize=1 (one split):
     o_part[b, 0] = the attention output. Grid (nsplit, ceil(n*g / ATT_ROWS), B*hk). Bytes: K/V of the split once
     per row tile (L2), q rows once; keys past kv_len[b] are never read."""
+    grid_dep()
     n, h, d = q.shape[1], q.shape[2], q.shape[3]
     S, hk, dv = k.shape[1], k.shape[2], v.shape[3]
     g = h // hk
@@ -189,6 +194,7 @@ def merge_kernel(RB, SU=1):
         (split kernel + merge, graph) 13.94 us against 15.37 with (128, 8). o_part f32 or bf16 (u16 bits: ld_quad widens
         them) [B, nsplit, M, r] and ml_part f32[B, nsplit, M, 2] contiguous (r % 4X == 0), out f32[B, M, r] (any
         strides); rows whose splits saw no key get 0. Bytes: the partials once, the output once."""
+        grid_dep()
         x, y = cuda.threadIdx.x, cuda.threadIdx.y
         X, G = cuda.blockDim.x, cuda.blockDim.y
         nsplit, M, r = o_part.shape[1], o_part.shape[2], o_part.shape[3]
@@ -508,24 +514,49 @@ else:
         return _cvt_pair(hi, lo)
 
 
-def _make_kv_kernel(wm, wn, pf, D, DV):
-    from numbaengine.kernels.device import as_f32, kernel, ld16, mma_bf16
+@dataclass(frozen=True)
+class KvLayout:
+    """The tensor-core kv_attention kernel's compile-time sizes: wm x wn warps, head dims D, DV; shared memory: f32
+    scores [MT][nk] and row stats, then uint16 Q, K, V (rows padded by 8: conflict-free ldmatrix) and P tiles."""
+    wm: int
+    wn: int
+    pf: int
+    D: int
+    DV: int
+
+    nk = KV_NK                                           # keys per step
+    MT = property(lambda k: 16 * k.wm)
+    THREADS = property(lambda k: 32 * k.wm * k.wn)
+    CW = property(lambda k: k.DV // k.wn)                # O columns per warp
+    NTP = property(lambda k: k.CW // 8)
+    NKP = property(lambda k: k.nk + 8)                   # P row stride
+    ST = property(lambda k: k.MT * k.nk)                 # f32 offset of the row stats (max, sum, alpha)
+    DP = property(lambda k: k.D + 8)
+    VP = property(lambda k: k.DV + 8)
+    U0 = property(lambda k: 2 * (k.MT * k.nk + 3 * k.MT))   # first uint16 of the Q/K/V/P area
+    KO = property(lambda k: k.U0 + k.MT * k.DP)
+    VO = property(lambda k: k.KO + k.nk * k.DP)
+    PO = property(lambda k: k.VO + k.nk * k.VP)
+    C4 = property(lambda k: k.D // 4)                    # 16-byte chunks per key row of K, of V
+    CV = property(lambda k: k.DV // 4)
+    PK = property(lambda k: -(-k.nk * k.C4 // k.THREADS))   # 16-byte loads per thread and step: K, V
+    PV = property(lambda k: -(-k.nk * k.CV // k.THREADS))
+
+
+def _kv_frags():
+    """mla.py's ldmatrix fragments, and its bf16 rounding (imported here: mla imports this module)."""
     from numbaengine.kernels.mla import _frag_a, _frag_bn, _frag_bt, _to_bf16
     if SIM:                  # as device functions, so that the simulator gives them its cuda module (threadIdx)
         _frag_a, _frag_bn, _frag_bt = (cuda.jit(device=True)(f) for f in (_frag_a, _frag_bn, _frag_bt))
-    nk = KV_NK
-    MT, THREADS, cw = 16 * wm, 32 * wm * wn, DV // wn
-    NTP = cw // 8
-    ACC, NKP, ST = 4 * NTP, nk + 8, MT * nk          # accumulators per lane; P row stride; stats offset (f32)
-    PF4 = 4 * pf
-    DP, VP = D + 8, DV + 8                            # smem row strides (uint16): conflict-free ldmatrix
-    U0 = 2 * (MT * nk + 3 * MT)                      # first uint16 of the Q/K/V/P area
-    KO = U0 + MT * DP
-    VO = KO + nk * DP
-    PO = VO + nk * VP
-    C4, CV = D // 4, DV // 4                          # 16-byte chunks per key row of K, of V
-    PK, PV = -(-nk * C4 // THREADS), -(-nk * CV // THREADS)   # 16-byte loads per thread and step: K, V
-    CPT = nk // 4                                    # softmax: 4 threads per row, CPT columns each
+    return _frag_a, _frag_bn, _frag_bt, _to_bf16
+
+
+def _kv_loads(kl):
+    """fetch (a step's K then V rows, f32, into registers: 16-byte loads, zeros past hi), q_tile (q rows -> bf16 in
+    shared memory; the row stats initialized) and stage_kv (the fetched registers -> bf16 K and V tiles)."""
+    _to_bf16 = _kv_frags()[3]
+    nk, MT, D, THREADS, ST, U0, DP, VP, KO, VO, C4, CV, PK, PV = (kl.nk, kl.MT, kl.D, kl.THREADS, kl.ST, kl.U0, kl.DP,
+                                                                   kl.VP, kl.KO, kl.VO, kl.C4, kl.CV, kl.PK, kl.PV)
 
     @cuda.jit(device=True, inline="always")
     def fetch(k, v, kbase, vbase, kss, vss, c0, hi, tid, regs):
@@ -544,6 +575,114 @@ def _make_kv_kernel(wm, wn, pf, D, DV):
             q = 4 * (PK + p)
             regs[q], regs[q + 1], regs[q + 2], regs[q + 3] = x, y, z, e
 
+    @cuda.jit(device=True, inline="always")
+    def q_tile(q, usm, fsm, b, j, g, M, mt, tid):
+        for idx in range(tid, MT * D // 2, THREADS):  # q tile -> bf16 in shared memory
+            i, c = idx // (D // 2), 2 * (idx % (D // 2))
+            m = mt * MT + i
+            x0, x1 = float32(0), float32(0)
+            if m < M:
+                x0 = q[b, m // g, j * g + m % g, c]
+                x1 = q[b, m // g, j * g + m % g, c + 1]
+            usm[U0 + i * DP + c] = _to_bf16(x0)
+            usm[U0 + i * DP + c + 1] = _to_bf16(x1)
+        if tid < MT:
+            fsm[ST + tid] = NEG_INF
+            fsm[ST + MT + tid] = float32(0)
+
+    @cuda.jit(device=True, inline="always")
+    def stage_kv(wsm, regs, tid):
+        for p in range(PK + PV):                     # registers -> bf16 in shared memory
+            idx = tid + (p if p < PK else p - PK) * THREADS
+            if p < PK and idx < nk * C4:
+                at = KO + (idx // C4) * DP + 4 * (idx % C4)
+            elif p >= PK and idx < nk * CV:
+                at = VO + (idx // CV) * VP + 4 * (idx % CV)
+            else:
+                continue
+            wsm[at // 2] = bf16_pair(as_f32(regs[4 * p]), as_f32(regs[4 * p + 1]))
+            wsm[at // 2 + 1] = bf16_pair(as_f32(regs[4 * p + 2]), as_f32(regs[4 * p + 3]))
+    return fetch, q_tile, stage_kv
+
+
+def _kv_math(kl):
+    """scores (S = Q K^T of the step, scaled, -inf past hi, into f32 rows), softmax_rows (the online softmax, 4
+    threads per row; P as bf16) and pv (O += P V for a warp's columns after the rescale by alpha)."""
+    _frag_a, _frag_bn, _frag_bt, _ = _kv_frags()
+    nk, D, MT, THREADS, ST, U0, DP, VP, KO, VO, PO, NKP, NTP, wn, cw = (
+        kl.nk, kl.D, kl.MT, kl.THREADS, kl.ST, kl.U0, kl.DP, kl.VP, kl.KO, kl.VO, kl.PO, kl.NKP, kl.NTP, kl.wn, kl.CW)
+    CPT = nk // 4                                    # softmax: 4 threads per row, CPT columns each
+
+    @cuda.jit(device=True, inline="always")
+    def scores(usm, fsm, scale2, c0, hi, wi, wj, gq, tq):
+        for nt in range(wj, nk // 8, wn):        # S = Q K^T for n-tile nt of this warp's rows
+            s0, s1, s2, s3 = float32(0), float32(0), float32(0), float32(0)
+            t0, t1, t2, t3 = float32(0), float32(0), float32(0), float32(0)   # second chain: half the latency
+            for kk in range(0, D, 32):
+                b0, b1, b2, b3 = _frag_bn(usm, KO, DP, nt * 8, kk)
+                a0, a1, a2, a3 = _frag_a(usm, U0, DP, wi * 16, kk)
+                s0, s1, s2, s3 = mma_bf16(a0, a1, a2, a3, b0, b1, s0, s1, s2, s3)
+                a0, a1, a2, a3 = _frag_a(usm, U0, DP, wi * 16, kk + 16)
+                t0, t1, t2, t3 = mma_bf16(a0, a1, a2, a3, b2, b3, t0, t1, t2, t3)
+            s0, s1, s2, s3 = s0 + t0, s1 + t1, s2 + t2, s3 + t3
+            for e in range(4):
+                row = wi * 16 + gq + 8 * (e >> 1)
+                col = nt * 8 + 2 * tq + (e & 1)
+                x = s0 if e == 0 else s1 if e == 1 else s2 if e == 2 else s3
+                fsm[row * nk + col] = x * scale2 if c0 + col < hi else NEG_INF
+
+    @cuda.jit(device=True, inline="always")
+    def softmax_rows(fsm, wsm, tid):
+        for task in range(tid, 4 * MT, THREADS):  # online softmax, 4 threads per row; P as bf16
+            row, c1 = task >> 2, (task & 3) * CPT
+            m_old = fsm[ST + row]
+            mx = m_old
+            for c in range(c1, c1 + CPT):
+                mx = max(mx, fsm[row * nk + c])
+            mx = max(mx, shfl_xor(mx, 1))
+            mx = max(mx, shfl_xor(mx, 2))
+            tot = float32(0)
+            for c in range(c1, c1 + CPT, 2):     # scores in log2 units: p = 2^(x - max)
+                pw = uint32(0)
+                if mx != NEG_INF:
+                    pw = bf16_pair(math.exp2(fsm[row * nk + c] - mx), math.exp2(fsm[row * nk + c + 1] - mx))
+                    tot += as_f32(pw << uint32(16)) + as_f32(pw & uint32(0xFFFF0000))
+                wsm[(PO + row * NKP + c) // 2] = pw
+            tot += shfl_xor(tot, 1)
+            tot += shfl_xor(tot, 2)
+            alpha = math.exp2(m_old - mx) if mx != NEG_INF else float32(1)
+            if c1 == 0:
+                fsm[ST + row] = mx
+                fsm[ST + MT + row] = fsm[ST + MT + row] * alpha + tot
+                fsm[ST + 2 * MT + row] = alpha
+
+    @cuda.jit(device=True, inline="always")
+    def pv(usm, fsm, acc, wi, wj, gq):
+        al0, al1 = fsm[ST + 2 * MT + wi * 16 + gq], fsm[ST + 2 * MT + wi * 16 + gq + 8]
+        for u in range(NTP):
+            acc[4 * u] *= al0
+            acc[4 * u + 1] *= al0
+            acc[4 * u + 2] *= al1
+            acc[4 * u + 3] *= al1
+        for kk in range(0, nk, 16):              # O += P V for this warp's columns
+            a0, a1, a2, a3 = _frag_a(usm, PO, NKP, wi * 16, kk)
+            for u in range(0, NTP, 2):
+                b0, b1, b2, b3 = _frag_bt(usm, VO, VP, kk, wj * cw + 8 * u)
+                acc[4 * u], acc[4 * u + 1], acc[4 * u + 2], acc[4 * u + 3] = mma_bf16(
+                    a0, a1, a2, a3, b0, b1, acc[4 * u], acc[4 * u + 1], acc[4 * u + 2], acc[4 * u + 3])
+                acc[4 * u + 4], acc[4 * u + 5], acc[4 * u + 6], acc[4 * u + 7] = mma_bf16(
+                    a0, a1, a2, a3, b2, b3, acc[4 * u + 4], acc[4 * u + 5], acc[4 * u + 6], acc[4 * u + 7])
+    return scores, softmax_rows, pv
+
+
+def _make_kv_kernel(wm, wn, pf, D, DV):
+    """The kernel of one geometry (kv_kernel's key), from its steps: fetch, q_tile, stage_kv, scores, softmax_rows,
+    pv."""
+    kl = KvLayout(wm, wn, pf, D, DV)
+    nk, MT, THREADS, ST, NTP, cw, ACC, PF4 = kl.nk, kl.MT, kl.THREADS, kl.ST, kl.NTP, kl.CW, 4 * kl.NTP, 4 * pf
+    fetch, q_tile, stage_kv = _kv_loads(kl)
+    scores, softmax_rows, pv = _kv_math(kl)
+
     @kernel(max_registers=min(255, 65536 // (2 * THREADS)))   # two blocks per SM
     def kv_attention_kernel(q, k, v, kv_len, scale2, split, normalize, o_part, ml_part):
         """Block (split s, row tile, sequence b * kv head j) of 32*wm*wn threads; warp (wi, wj) owns rows
@@ -551,8 +690,10 @@ def _make_kv_kernel(wm, wn, pf, D, DV):
         Per step of nk keys: 16-byte loads of K and V rows (f32) into registers one step ahead, rounded to bf16
         into shared memory; S = Q K^T and O += P V on tensor cores (mma.sync bf16, f32 accumulate; q and p
         rounded to bf16). Arrays as attention_split_kernel's, but scale2 = scale * log2(e) (softmax in base 2);
-        k/v rows need 16-byte aligned, unit-stride rows.
+        k/v rows need 16-byte aligned, unit-stride rows. Grid (splits, ceil(n g / 16 wm), B hk), kv_geometry's
+        threads and shared bytes.
         Bytes: K/V rows [s*split, min((s+1)*split, kv_len[b])) of kv head j once per row tile, q once."""
+        grid_dep()
         n, h = q.shape[1], q.shape[2]
         hk = k.shape[2]
         g = h // hk
@@ -577,18 +718,7 @@ def _make_kv_kernel(wm, wn, pf, D, DV):
                 ml_part[b, s, row, 0] = NEG_INF
                 ml_part[b, s, row, 1] = float32(0)
             return
-        for idx in range(tid, MT * D // 2, THREADS):  # q tile -> bf16 in shared memory
-            i, c = idx // (D // 2), 2 * (idx % (D // 2))
-            m = mt * MT + i
-            x0, x1 = float32(0), float32(0)
-            if m < M:
-                x0 = q[b, m // g, j * g + m % g, c]
-                x1 = q[b, m // g, j * g + m % g, c + 1]
-            usm[U0 + i * DP + c] = _to_bf16(x0)
-            usm[U0 + i * DP + c + 1] = _to_bf16(x1)
-        if tid < MT:
-            fsm[ST + tid] = NEG_INF
-            fsm[ST + MT + tid] = float32(0)
+        q_tile(q, usm, fsm, b, j, g, M, mt, tid)
         acc = cuda.local.array(ACC, float32)
         for u in range(ACC):
             acc[u] = float32(0)
@@ -597,71 +727,14 @@ def _make_kv_kernel(wm, wn, pf, D, DV):
         fetch(k, v, kbase, vbase, kss, vss, lo, hi, tid, regs)   # first step's K/V rows into registers
         for c0 in range(lo, hi, nk):
             cuda.syncthreads()
-            for p in range(PK + PV):                 # registers -> bf16 in shared memory
-                idx = tid + (p if p < PK else p - PK) * THREADS
-                if p < PK and idx < nk * C4:
-                    at = KO + (idx // C4) * DP + 4 * (idx % C4)
-                elif p >= PK and idx < nk * CV:
-                    at = VO + (idx // CV) * VP + 4 * (idx % CV)
-                else:
-                    continue
-                wsm[at // 2] = bf16_pair(as_f32(regs[4 * p]), as_f32(regs[4 * p + 1]))
-                wsm[at // 2 + 1] = bf16_pair(as_f32(regs[4 * p + 2]), as_f32(regs[4 * p + 3]))
+            stage_kv(wsm, regs, tid)
             cuda.syncthreads()
             fetch(k, v, kbase, vbase, kss, vss, c0 + nk, hi, tid, regs)   # next step's rows in flight
-            for nt in range(wj, nk // 8, wn):        # S = Q K^T for n-tile nt of this warp's rows
-                s0, s1, s2, s3 = float32(0), float32(0), float32(0), float32(0)
-                t0, t1, t2, t3 = float32(0), float32(0), float32(0), float32(0)   # second chain: half the latency
-                for kk in range(0, D, 32):
-                    b0, b1, b2, b3 = _frag_bn(usm, KO, DP, nt * 8, kk)
-                    a0, a1, a2, a3 = _frag_a(usm, U0, DP, wi * 16, kk)
-                    s0, s1, s2, s3 = mma_bf16(a0, a1, a2, a3, b0, b1, s0, s1, s2, s3)
-                    a0, a1, a2, a3 = _frag_a(usm, U0, DP, wi * 16, kk + 16)
-                    t0, t1, t2, t3 = mma_bf16(a0, a1, a2, a3, b2, b3, t0, t1, t2, t3)
-                s0, s1, s2, s3 = s0 + t0, s1 + t1, s2 + t2, s3 + t3
-                for e in range(4):
-                    row = wi * 16 + gq + 8 * (e >> 1)
-                    col = nt * 8 + 2 * tq + (e & 1)
-                    x = s0 if e == 0 else s1 if e == 1 else s2 if e == 2 else s3
-                    fsm[row * nk + col] = x * scale2 if c0 + col < hi else NEG_INF
+            scores(usm, fsm, scale2, c0, hi, wi, wj, gq, tq)
             cuda.syncthreads()
-            for task in range(tid, 4 * MT, THREADS):  # online softmax, 4 threads per row; P as bf16
-                row, c1 = task >> 2, (task & 3) * CPT
-                m_old = fsm[ST + row]
-                mx = m_old
-                for c in range(c1, c1 + CPT):
-                    mx = max(mx, fsm[row * nk + c])
-                mx = max(mx, shfl_xor(mx, 1))
-                mx = max(mx, shfl_xor(mx, 2))
-                tot = float32(0)
-                for c in range(c1, c1 + CPT, 2):     # scores in log2 units: p = 2^(x - max)
-                    pw = uint32(0)
-                    if mx != NEG_INF:
-                        pw = bf16_pair(math.exp2(fsm[row * nk + c] - mx), math.exp2(fsm[row * nk + c + 1] - mx))
-                        tot += as_f32(pw << uint32(16)) + as_f32(pw & uint32(0xFFFF0000))
-                    wsm[(PO + row * NKP + c) // 2] = pw
-                tot += shfl_xor(tot, 1)
-                tot += shfl_xor(tot, 2)
-                alpha = math.exp2(m_old - mx) if mx != NEG_INF else float32(1)
-                if c1 == 0:
-                    fsm[ST + row] = mx
-                    fsm[ST + MT + row] = fsm[ST + MT + row] * alpha + tot
-                    fsm[ST + 2 * MT + row] = alpha
+            softmax_rows(fsm, wsm, tid)
             cuda.syncthreads()
-            al0, al1 = fsm[ST + 2 * MT + wi * 16 + gq], fsm[ST + 2 * MT + wi * 16 + gq + 8]
-            for u in range(NTP):
-                acc[4 * u] *= al0
-                acc[4 * u + 1] *= al0
-                acc[4 * u + 2] *= al1
-                acc[4 * u + 3] *= al1
-            for kk in range(0, nk, 16):              # O += P V for this warp's columns
-                a0, a1, a2, a3 = _frag_a(usm, PO, NKP, wi * 16, kk)
-                for u in range(0, NTP, 2):
-                    b0, b1, b2, b3 = _frag_bt(usm, VO, VP, kk, wj * cw + 8 * u)
-                    acc[4 * u], acc[4 * u + 1], acc[4 * u + 2], acc[4 * u + 3] = mma_bf16(
-                        a0, a1, a2, a3, b0, b1, acc[4 * u], acc[4 * u + 1], acc[4 * u + 2], acc[4 * u + 3])
-                    acc[4 * u + 4], acc[4 * u + 5], acc[4 * u + 6], acc[4 * u + 7] = mma_bf16(
-                        a0, a1, a2, a3, b2, b3, acc[4 * u + 4], acc[4 * u + 5], acc[4 * u + 6], acc[4 * u + 7])
+            pv(usm, fsm, acc, wi, wj, gq)
         cuda.syncthreads()
         for half in range(2):                        # rows gq and gq+8 of this warp's 16
             r = wi * 16 + gq + 8 * half

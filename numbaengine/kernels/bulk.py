@@ -80,22 +80,22 @@ else:
 
     def _bar_op(name, asm, nargs, ret=False):
         """An intrinsic on mbarrier bars[i] (a shared uint64 array) with nargs more u32 operands ($1.. in asm)."""
-        def typer(typingctx, bars, i, *more):
-            sig = (types.uint32 if ret else types.void)(bars, i, *more)
+        def op(typingctx, bars, i, *more):
+            if len(more) != nargs:
+                return None
+            sig = (types.uint32 if ret else types.void)(bars, i, types.StarArgTuple(more))
 
             def codegen(ctx, b, sig, args):
                 i32 = ir.IntType(32)
                 addr = _smem_addr(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
-                vals = [addr] + [ctx.cast(b, v, ty, types.uint32) for v, ty in zip(args[2:], sig.args[2:])]
+                vals = [addr] + [ctx.cast(b, b.extract_value(args[2], k), ty, types.uint32)
+                                 for k, ty in enumerate(sig.args[2])]
                 fn = ir.FunctionType(i32 if ret else ir.VoidType(), [i32] * len(vals))
                 cons = ("=r," if ret else "") + ",".join(["r"] * len(vals)) + ",~{memory}"
                 return b.call(ir.InlineAsm(fn, asm, cons, side_effect=True), vals)
             return sig, codegen
-        params = ", ".join(f"a{k}" for k in range(nargs))
-        ns = {"typer": typer}
-        exec(f"def {name}(typingctx, bars, i{', ' if nargs else ''}{params}):\n"
-             f"    return typer(typingctx, bars, i{', ' if nargs else ''}{params})", ns)
-        return intrinsic(ns[name])
+        op.__name__ = op.__qualname__ = name
+        return intrinsic(op)
 
     mbar_init = _bar_op("mbar_init", "mbarrier.init.shared::cta.b64 [$0], 1;", 0)
     mbar_expect = _bar_op("mbar_expect", "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", 1)

@@ -1,10 +1,10 @@
 """On-disk cache of compiled GPU kernels (cubin and PTX), keyed by everything that changes their machine code.
 
 numba's own `cache=True` names an entry by the function's file, name and line: two closures of one factory with
-different constants would share it, and kernel()'s PDL wrapper has no file. Here the key is a sha256 over the
-kernel's code and the values it reads (globals, closure cells, device functions and intrinsics, recursively), the
-argument types, the target options, the GPU and the toolchain. A value of a kind the key cannot describe makes the
-kernel uncacheable: it is compiled as without a cache. kernel() installs the cache on every dispatcher it makes.
+different constants would share it. Here the key is a sha256 over the kernel's code and the values it reads
+(globals, closure cells, device functions and intrinsics, recursively), the argument types, the target options, the
+GPU and the toolchain. A value of a kind the key cannot describe makes the kernel uncacheable: it is compiled as
+without a cache. kernel() installs the cache on every dispatcher it makes.
 
 Layout: one file <key>.nbk per kernel and argument types under cache_dir(): a header (8-byte magic, u32 format,
 32-byte key, 32-byte sha256 of the payload, u64 payload bytes; little-endian) then the payload, numba's pickled

@@ -143,26 +143,20 @@ PDL = pdl_mode(os.environ.get("NUMBAENGINE_PDL", "").strip().lower())
 
 
 def kernel(**opts):
-    """`cuda.jit` for kernels; drops the options the simulator does not know. With PDL the kernel's body runs after
-    grid_dep(): the next kernel may launch (griddepcontrol.launch_dependents; not in PDL "wait" mode) and this one
-    waits until the previous kernel has finished and its writes are visible (griddepcontrol.wait); nothing of the
-    body (no read, no write) runs before the wait, so every ordering of a plain launch holds. Compiled kernels are
-    kept on disk (kernels/cache.py)."""
+    """`cuda.jit` for kernels; drops the options the simulator does not know. A kernel's first statement is
+    grid_dep(): with PDL the next kernel may launch (griddepcontrol.launch_dependents; not in PDL "wait" mode) and
+    this one waits until the previous kernel has finished and its writes are visible (griddepcontrol.wait); nothing
+    of the body (no read, no write) runs before the wait, so every ordering of a plain launch holds. launch() gives
+    the PDL attribute only to kernels whose code calls grid_dep (tests/test_structure.py checks that every kernel of
+    the package starts with it). Compiled kernels are kept on disk (kernels/cache.py)."""
     from numbaengine.kernels import cache as kernel_cache
     if SIM:
         return cuda.jit
-    if not PDL:
-        return lambda fn: kernel_cache.install(cuda.jit(**opts)(fn))
 
     def deco(fn):
-        import inspect
-        names = ", ".join(inspect.signature(fn).parameters)
-        ns = {"_grid_dep": grid_dep if PDL == "trigger" else _wait_previous, "_body": device(fn)}
-        exec(f"def {fn.__name__}({names}):\n    _grid_dep()\n    _body({names})\n", ns)
-        wrapper = ns[fn.__name__]
-        wrapper.__doc__, wrapper.__module__, wrapper.__qualname__ = fn.__doc__, fn.__module__, fn.__qualname__
-        k = kernel_cache.install(cuda.jit(**opts)(wrapper))
-        k.grid_dep = True               # launch() gives it the PDL attribute
+        k = kernel_cache.install(cuda.jit(**opts)(fn))
+        code = fn.__code__                             # launch() gives the PDL attribute where it calls grid_dep
+        k.grid_dep = bool(PDL) and "grid_dep" in code.co_names + code.co_freevars
         return k
     return deco
 
@@ -418,6 +412,9 @@ if SIM:
     def cp_commit():
         """Simulator: cp.async copies land at once, so groups and waits are no-ops."""
 
+    def grid_dep():
+        """Simulator: launches run one after another (no PDL)."""
+
     def cp_wait(n):
         return cp_commit
 
@@ -604,11 +601,17 @@ else:
     _launch_dependents = _barrier_op("griddepcontrol.launch_dependents;")
     _wait_previous = _barrier_op("griddepcontrol.wait;")
 
-    @cuda.jit(device=True, forceinline=True)
-    def grid_dep():
-        """The next kernel may launch; wait for the previous one (PDL; no-ops without the launch attribute)."""
-        _launch_dependents()
-        _wait_previous()
+    @intrinsic
+    def grid_dep(typingctx):
+        """A kernel's first statement (kernel()): by PDL's mode when the kernel is compiled, "trigger": the next
+        kernel may launch, then (both modes) wait for the previous one; nothing with PDL off. No-ops without the
+        launch attribute."""
+        def codegen(ctx, b, sig, args):
+            steps = (["griddepcontrol.launch_dependents;"] if PDL == "trigger" else []) + (
+                ["griddepcontrol.wait;"] if PDL else [])
+            for asm in steps:
+                b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), asm, "~{memory}", side_effect=True), [])
+        return types.void(), codegen
 
     def cp_wait(n):
         """cp.async.wait_group n: all but this thread's n most recent groups have landed."""
@@ -631,13 +634,14 @@ else:
 
     def _asm_op(name, asm, cons, argtys, retty):
         """An intrinsic around one inline-PTX instruction; arguments are cast to `argtys` first."""
-        def typer(typingctx, *args):
+        def op(typingctx, *args):
             if len(args) != len(argtys):
                 return None
-            sig = retty(*args)
+            sig = retty(types.StarArgTuple(args))
 
             def codegen(ctx, b, sig, llargs):
-                vals = [ctx.cast(b, v, ty, want) for v, ty, want in zip(llargs, sig.args, argtys)]
+                vals = [ctx.cast(b, b.extract_value(llargs[0], k), ty, want)
+                        for k, (ty, want) in enumerate(zip(sig.args[0], argtys))]
                 if isinstance(retty, types.UniTuple):
                     lty = ir.LiteralStructType([ctx.get_value_type(retty.dtype)] * retty.count)
                 else:
@@ -648,12 +652,8 @@ else:
                     return ctx.make_tuple(b, retty, [b.extract_value(r, k) for k in range(retty.count)])
                 return r
             return sig, codegen
-        typer.__name__ = name
-        # numba's intrinsic needs a fixed arity: build the signature-specific wrapper
-        params = ", ".join(f"a{k}" for k in range(len(argtys)))
-        ns = {"typer": typer}
-        exec(f"def {name}(typingctx, {params}):\n    return typer(typingctx, {params})", ns)
-        return intrinsic(ns[name])
+        op.__name__ = op.__qualname__ = name
+        return intrinsic(op)
 
     _u32, _f32 = types.uint32, types.float32
     as_f32 = _asm_op("as_f32", "mov.b32 $0, $1;", "=f,r", [_u32], _f32)

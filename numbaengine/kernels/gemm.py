@@ -38,6 +38,7 @@ from numbaengine.kernels.device import (
     cp_commit,
     cp_wait,
     device,
+    grid_dep,
     int4_pair,
     kernel,
     lane_id,
@@ -174,6 +175,7 @@ def _build_prep(xs, perm, tiled=0):
         words ((z*k/64 + b)*NB + r)*32 + 4*(c ^ r%8) + q hold columns 64b + 8c + 2q, +1.
         Launch: grid (ceil(k/8/256), m, or the rows rounded up to 8 (tiled=1) or ZB*NB (3)), block
         256; moves m*k*4 bytes in, m*k*2*xs out."""
+        grid_dep()
         prep_unit(x, xb, m, kdim, cuda.blockIdx.y, cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
     return prep
 
@@ -494,11 +496,18 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
     if FR:
         @kernel(**opts)
         def gemm_k(xb, w, out, part, sync, m, n, kdim, nwr, nwk):
+            """body with the splits' reduce fused (FR): the last block of a row range adds them. Launch: grid
+            (ceil(n/16/(nwr*R)), splits), block 32*nwr*nwk. Moves n*k*2 bytes of weights, x through L1/L2,
+            2*splits*m*n*4 of partials."""
+            grid_dep()
             body(xb, w, out, part, sync, m, n, kdim, nwr, nwk)
         return gemm_k
 
     @kernel(**opts)
     def gemm_k(xb, w, out, part, m, n, kdim, nwr, nwk):
+        """body (out = x @ W^T). Launch: grid (ceil(n/16/(nwr*R)), splits, row blocks), block 32*nwr*nwk. Moves
+        n*k*2 bytes of weights per row block, x through L1/L2, 2*splits*m*n*4 of partials when split."""
+        grid_dep()
         body(xb, w, out, part, w, m, n, kdim, nwr, nwk)
     return gemm_k
 
@@ -539,7 +548,9 @@ def last_split_reduce(part, out, sync, m, n, rows):
 def _build_reduce():
     @kernel()
     def reduce_k(part, out, splits, m, n):
-        """out[i, j] = sum over s of part[s, i, j], in order. Launch: grid (ceil(m*n/256)), block 256."""
+        """out[i, j] = sum over s of part[s, i, j], in order. Launch: grid (ceil(m*n/256)), block 256. Moves
+        (splits + 1)*m*n*4 bytes."""
+        grid_dep()
         idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if idx >= m * n:
             return
@@ -787,6 +798,7 @@ def _build_head_gemm(T, R, XS, U, PF):
         x: f32 addressed flat from x[0, 0, 0] with element strides (sx0, sx1, 1); w: u32 flat [h, b, a/2];
         out f32[n, h, b] (any strides). Launch: grid (ceil(b/16/(nwr*R)), ceil(n/(8T)), h), block 32*nwr*nwk.
         Moves h*b*a*2 bytes of weights, n*h*(a + b)*4 of activations and outputs."""
+        grid_dep()
         lane = lane_id()
         g, t = lane // 4, lane % 4
         warp = cuda.threadIdx.x // 32

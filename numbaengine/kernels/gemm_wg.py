@@ -26,7 +26,38 @@ from dataclasses import dataclass, replace
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from numbaengine.kernels.device import SIM
+from numbaengine.kernels.bulk import (
+    bulk_load,
+    mbar_expect,
+    mbar_fence_init,
+    mbar_init,
+    mbar_wait,
+    tensor_load_2d,
+    tensormap_acquire,
+)
+from numbaengine.kernels.cluster import cluster_sync, dsmem_ld16
+from numbaengine.kernels.device import (
+    F0,
+    SIM,
+    as_f32,
+    device,
+    grid_dep,
+    kernel,
+    ld16,
+    lds16,
+    pack_bf16x2,
+    stamp_point,
+)
+from numbaengine.kernels.unroll import each, fill, tfold, tmap, unroll
+from numbaengine.kernels.wgmma import (
+    fence_proxy_async,
+    make_desc,
+    make_wgmma,
+    wg_commit,
+    wg_fence,
+    wg_wait0,
+    wg_wait1,
+)
 
 GEMM_WG = os.environ.get("NUMBAENGINE_GEMM_WG", "1") != "0"   # kernels.gemm.gemm_config takes this path where it
 #                           applies (gemm_wg_applies); NUMBAENGINE_GEMM_WG=0: the mma path everywhere
@@ -148,156 +179,16 @@ def gemm_wg_kernel(MT, CL, S, NB, XIN=0, STAMPS=False, FENCE=True):
     return _KERNELS[key]
 
 
-def _build(MT, CL, S, NB, XIN, STAMPS, FENCE):
-    from numbaengine.kernels.bulk import (
-        bulk_load,
-        mbar_expect,
-        mbar_fence_init,
-        mbar_init,
-        mbar_wait,
-        tensor_load_2d,
-        tensormap_acquire,
-    )
-    from numbaengine.kernels.cluster import cluster_sync, dsmem_ld16
-    from numbaengine.kernels.device import as_f32, kernel, ld16, lds16, pack_bf16x2
-    from numbaengine.kernels.wgmma import (
-        fence_proxy_async,
-        make_desc,
-        make_wgmma,
-        wg_commit,
-        wg_fence,
-        wg_wait0,
-        wg_wait1,
-    )
-
-    BM, XBOX = 64 * MT, NB * 128               # weight rows per block; bytes of one activation box
+def _ring_steps(MT, S, NB, XIN):
+    """Device functions of the ring for one cut: load_stage (thread 0 issues a stage), and with XIN the block's own
+    x boxes: x_prologue (the first S stages), x_load / x_store (one stage in flight through registers)."""
+    XBOX = NB * 128
     STAGE, BARB = _layout(MT, S, NB)
-    XBYTES = XBOX if XIN == 0 else 0           # x's bytes a stage's mbarrier counts
-    BAR = BARB // 8                            # first mbarrier (u64 index)
-    BMP = BM + 4                               # f32 row pitch of the partial tile [NB tokens][BM rows]
-    NACC = NB // 2
-    accs = [", ".join(f"a{t}_{i}" for i in range(NACC)) for t in range(MT)]
-    mma = "\n".join(f"        {accs[t]} = wg(da + uint64({t * BOX // 16 + kk * 2}), db + uint64({kk * 2}), {accs[t]})"
-                    for kk in range(4) for t in range(MT))
-    zero = "\n".join(f"    {accs[t]} = {', '.join(['float32(0)'] * NACC)}" for t in range(MT))
-    # accumulator register 4j + i: row 16 w + g + 8 (i // 2), column 8 j + 2 t + i % 2 (kernels/wgmma.py)
-    store = "\n".join(
-        f"    fsm[{8 * (i // 4) + i % 2} * {BMP} + cbase + {t * 64 + 8 * ((i % 4) // 2)}] = a{t}_{i}"
-        for t in range(MT) for i in range(NACC))
-    # the fold of an item (4 rows x 1 token): all CL ranks' quads loaded, then ranks 1 .. CL - 1 added to rank 0's
-    # in rank order
-    if CL > 1:
-        ld = [f"        r{r}_0, r{r}_1, r{r}_2, r{r}_3 = dsmem_ld16(wsm, idx, {r})" for r in range(CL)]
-        add = ["        " + ", ".join(f"v{e}" for e in range(4)) + " = " + ", ".join(f"as_f(r0_{e})" for e in range(4))]
-        add += ["\n".join(f"        v{e} += as_f(r{r}_{e})" for e in range(4)) for r in range(1, CL)]
-        fold = "\n".join(ld + add)
-        sync = "    cluster_sync()\n"
-    else:
-        fold = ("        r0_0, r0_1, r0_2, r0_3 = lds16(wsm, idx)\n"
-                "        v0, v1, v2, v3 = as_f(r0_0), as_f(r0_1), as_f(r0_2), as_f(r0_3)")
-        sync = "    cuda.syncthreads()\n"
-    # XIN (S >= 3): the 128 threads turn x's rows tok0 .. tok0 + NB - 1 (past m: row m - 1) into the x boxes of the
-    # ring, 16 bytes of f32 x (one quad of a row) per chunk: the first S stages before the main loop (XG chunks of
-    # loads in flight per thread), then stage j + S - 1 loaded at iteration j beside its weights' TMA and stored at
-    # the top of iteration j + 1 (consumed at j + S - 1 >= j + 2: after iteration j + 1's barrier)
-    XG, CH = 8, NB * 16 // 128
-    xin = f'''    for i0 in range(0, {-(-S * NB * 16 // 128)}, {XG}):
-        fv = cuda.local.array({4 * XG}, uint32)
-        for e in range({XG}):
-            u = tid + 128 * (i0 + e)
-            if u < min({S}, ns) * {NB * 16}:
-                p, r, qd = u // {NB * 16}, (u >> 4) % {NB}, u & 15
-                fv[4 * e], fv[4 * e + 1], fv[4 * e + 2], fv[4 * e + 3] = ld16(x, xsrc(tok0, r, m, nbox, b0 + p, qd))
-        for e in range({XG}):
-            u = tid + 128 * (i0 + e)
-            if u < min({S}, ns) * {NB * 16}:
-                p, r, qd = u // {NB * 16}, (u >> 4) % {NB}, u & 15
-                xstore(wsm, p, r, qd, fv[4 * e], fv[4 * e + 1], fv[4 * e + 2], fv[4 * e + 3])
-    fence_proxy_async()                            # st.shared -> the wgmma proxy
-    xv = cuda.local.array({4 * CH}, uint32)
-''' if XIN == 1 else ""
-    x_store = f'''        if j >= 2 and j + {S - 2} < ns:             # stage j + S - 2, loaded last iteration
-            for e in range({CH}):
-                u = tid + 128 * e
-                xstore(wsm, (j - 2) % {S}, u >> 4, u & 15, xv[4 * e], xv[4 * e + 1], xv[4 * e + 2], xv[4 * e + 3])
-            fence_proxy_async()
-''' if XIN == 1 else ""
-    x_load = f'''        if j >= 1 and j + {S - 1} < ns:
-            for e in range({CH}):
-                u = tid + 128 * e
-                xv[4 * e], xv[4 * e + 1], xv[4 * e + 2], xv[4 * e + 3] = ld16(x, xsrc(tok0, u >> 4, m, nbox,
-                                                                                    b0 + j + {S - 1}, u & 15))
-''' if XIN == 1 else ""
-    db = f"desc(wsm, slot * {STAGE} + {MT * BOX})"
+    XBYTES, BAR = (XBOX if XIN == 0 else 0), BARB // 8     # x's bytes a stage's mbarrier counts; first mbarrier
+    XG, CH = 8, NB * 16 // 128         # (XIN) chunks of loads in flight in the prologue; 16-byte chunks per stage
+    XCH, XROW, FV = -(-S * NB * 16 // 128), NB * 16, 4 * XG
 
-    def stamp(k, ind="    "):
-        """(STAMPS) thread 0 writes point k of STAMP_POINTS: SM cycles, then global ns."""
-        return f"{ind}if tid == 0:\n{ind}    sm = stamp_point(stamps, blk, {2 * k})\n" if STAMPS else ""
-    # (STAMPS) stage 0 issued on its own, then its stamp (in the loop it would be copied by the unrolling)
-    fence = "        tensormap_acquire(wmap)\n" if FENCE else ""
-    st_issue0 = ("        load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0, 0, 3)\n"
-                 + stamp(2, " " * 8) if STAMPS else "")
-    st_tail = (f"    if tid == 0:\n        stamps[blk, {STAMP_WORDS - 2}], stamps[blk, {STAMP_WORDS - 1}] = int32(sm), "
-               "int32(ns)\n" if STAMPS else "")
-    src = f'''
-def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
-    c, strip, z = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-    tid = cuda.threadIdx.x
-{"    blk = (z * cuda.gridDim.y + strip) * cuda.gridDim.x + c" if STAMPS else ""}
-{stamp(0)}    wsm = cuda.shared.array(0, uint32, alignment=1024)
-    fsm = cuda.shared.array(0, float32, alignment=1024)
-    bars = cuda.shared.array(0, uint64, alignment=1024)
-    b0 = (c * nbox) // {CL}
-    ns = ((c + 1) * nbox) // {CL} - b0
-    row0 = strip * {BM}
-    tok0 = z * {NB}
-    xoff = z * nbox * {XBOX // 4}
-    live = min({MT}, (n - row0 + 63) // 64)        # weight boxes of the strip inside the matrix
-    if tid == 0:
-        for p in range({S}):
-            mbar_init(bars, {BAR} + p)
-        mbar_fence_init()
-{fence}{stamp(1, "        ")}{st_issue0}        for p in range({1 if STAMPS else 0}, min({S}, ns)):
-            load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + p, p, 3)
-{stamp(3)}{xin}    cuda.syncthreads()
-{stamp(4)}{zero}
-    for j in range(ns):
-{x_store}        slot = j % {S}
-        mbar_wait(bars, {BAR} + slot, (j // {S}) & 1)
-{"        if j == 0:" + chr(10) + stamp(5, "            ") if STAMPS else ""}        da = desc(wsm, slot * {STAGE})
-        db = {db}
-        wg_fence()
-{mma}
-        wg_commit()
-        wg_wait1()                                 # stage j - 1's wgmmas have retired
-        cuda.syncthreads()                         # (all four warps): its slot may be refilled
-        if tid == 0 and j >= 1 and j + {S} - 1 < ns:
-            load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + j + {S} - 1, (j - 1) % {S}, 3)
-{x_load}    wg_wait0()
-    cuda.syncthreads()
-{stamp(6)}    w, lane = tid >> 5, tid & 31
-    cbase = (2 * (lane & 3)) * {BMP} + 16 * w + (lane >> 2)
-{store}
-{sync}{stamp(7)}    q0 = (c * {BM // 4}) // {CL}
-    nq = ((c + 1) * {BM // 4}) // {CL} - q0
-    mz = min({NB}, m - tok0)
-    for u in range(tid, mz * nq, 128):
-        col = u // nq
-        q = q0 + u - col * nq
-        idx = col * {BMP} + 4 * q
-{fold}
-        row = row0 + 4 * q
-        if row < n:
-            out[tok0 + col, row] = v0
-        if row + 1 < n:
-            out[tok0 + col, row + 1] = v1
-        if row + 2 < n:
-            out[tok0 + col, row + 2] = v2
-        if row + 3 < n:
-            out[tok0 + col, row + 3] = v3
-{stamp(8)}{st_tail}{sync if CL > 1 else ""}'''
-
-    @cuda.jit(device=True, inline="always")
+    @device
     def load_stage(wsm, bars, wmap, xb, xoff, row0, live, box, slot, parts):
         """Thread 0: stage `box` (64 k columns) into ring slot `slot`, completing on the slot's mbarrier: parts & 1
         the expected bytes and the live weight boxes by TMA, parts & 2 the token block's x: (XIN 0) its bf16 box
@@ -311,29 +202,234 @@ def gemm_wg_k(wmap, xb, x, out, m, n, nbox{", stamps" if STAMPS else ""}):
         if parts & 2 and XIN == 0:
             bulk_load(wsm, (slot * STAGE + MT * BOX) // 4, xb, xoff + box * (XBOX // 4), XBOX, bars, BAR + slot)
 
-    @cuda.jit(device=True, inline="always")
+    @device
     def xsrc(tok0, r, m, nbox, box, qd):
         """Element index in f32 x of quad qd (4 columns) of box `box` in token row tok0 + r (past m: row m - 1)."""
         return (min(tok0 + r, m - 1) * nbox + box) * 64 + 4 * qd
 
-    @cuda.jit(device=True, inline="always")
+    @device
     def xstore(wsm, slot, r, qd, f0, f1, f2, f3):
         """A quad of f32 x (bits) as two bf16 pairs into row r of ring slot `slot`'s x box (128-byte swizzle)."""
         o = (slot * STAGE + MT * BOX) // 4 + r * 32 + (((qd >> 1) ^ (r & 7)) << 2) + 2 * (qd & 1)
         wsm[o] = pack_bf16x2(as_f32(f0), as_f32(f1))
         wsm[o + 1] = pack_bf16x2(as_f32(f2), as_f32(f3))
 
-    from numbaengine.kernels.device import stamp_point
-    ns = dict(stamp_point=stamp_point, xsrc=xsrc, xstore=xstore, cuda=cuda, float32=float32, int32=int32,
-              uint32=uint32, uint64=uint64,
-              mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait,
-              tensormap_acquire=tensormap_acquire, load_stage=load_stage,
-              wg_fence=wg_fence, wg_commit=wg_commit,
-              wg_wait0=wg_wait0, wg_wait1=wg_wait1,
-              desc=make_desc(16, 1024, 128), wg=make_wgmma(NB), cluster_sync=cluster_sync, dsmem_ld16=dsmem_ld16,
-              lds16=lds16, ld16=ld16, as_f=as_f32, pack_bf16x2=pack_bf16x2, fence_proxy_async=fence_proxy_async)
-    exec(src, ns)
-    return kernel(max_registers=255)(ns["gemm_wg_k"])
+    @device
+    def x_prologue(wsm, x, tok0, m, nbox, b0, ns, tid):
+        """(XIN) The 128 threads turn x's rows tok0 .. tok0 + NB - 1 (past m: row m - 1) into the x boxes of the
+        first S stages, 16 bytes of f32 x (one quad of a row) per chunk, XG chunks of loads in flight per thread."""
+        for i0 in range(0, XCH, XG):
+            fv = cuda.local.array(FV, uint32)
+            for e in range(XG):
+                u = tid + 128 * (i0 + e)
+                if u < min(S, ns) * XROW:
+                    p, r, qd = u // XROW, (u >> 4) % NB, u & 15
+                    fv[4 * e], fv[4 * e + 1], fv[4 * e + 2], fv[4 * e + 3] = ld16(x, xsrc(tok0, r, m, nbox, b0 + p,
+                                                                                         qd))
+            for e in range(XG):
+                u = tid + 128 * (i0 + e)
+                if u < min(S, ns) * XROW:
+                    p, r, qd = u // XROW, (u >> 4) % NB, u & 15
+                    xstore(wsm, p, r, qd, fv[4 * e], fv[4 * e + 1], fv[4 * e + 2], fv[4 * e + 3])
+        fence_proxy_async()                            # st.shared -> the wgmma proxy
+
+    @device
+    def x_store(wsm, xv, j, ns, tid):
+        """(XIN) At the top of iteration j: stage j + S - 2's x, loaded last iteration, into its slot (consumed at
+        iteration j + S - 2 >= j + 1: after this iteration's barrier)."""
+        if j >= 2 and j + S - 2 < ns:
+            for e in range(CH):
+                u = tid + 128 * e
+                xstore(wsm, (j - 2) % S, u >> 4, u & 15, xv[4 * e], xv[4 * e + 1], xv[4 * e + 2], xv[4 * e + 3])
+            fence_proxy_async()
+
+    @device
+    def x_load(x, xv, j, ns, tok0, m, nbox, b0, tid):
+        """(XIN) At iteration j, beside its weights' TMA: stage j + S - 1's x into registers."""
+        if j >= 1 and j + S - 1 < ns:
+            for e in range(CH):
+                u = tid + 128 * e
+                xv[4 * e], xv[4 * e + 1], xv[4 * e + 2], xv[4 * e + 3] = ld16(x, xsrc(tok0, u >> 4, m, nbox,
+                                                                                    b0 + j + S - 1, u & 15))
+    return load_stage, x_prologue, x_store, x_load
+
+
+def _tile_steps(MT, CL, NB):
+    """Device functions on the block's MT x NB/2 f32 accumulators (MT tuples, wgmma's fragment layout:
+    kernels/wgmma.py): mma_stage (a stage's 4 k16 steps of MT wgmmas), store_partials (into the partial tile in
+    shared memory) and fold_item (an item of 4 rows x 1 token summed over the CL k pieces)."""
+    BMP = 64 * MT + 4                          # f32 row pitch of the partial tile [NB tokens][BM rows]
+    wg = make_wgmma(NB)
+
+    @device
+    def mma_tile(t, acc, da, db, kk):
+        return wg(da + uint64(t * (BOX // 16) + kk * 2), db + uint64(kk * 2), acc, 1)
+
+    @device
+    def mma_k(kk, acc, da, db):
+        """k16 step kk of a stage: weight tiles 0 .. MT - 1, one wgmma each."""
+        return tmap(mma_tile, acc, da, db, kk)
+
+    @device
+    def mma_stage(acc, da, db):
+        return unroll(4, mma_k, acc, da, db)
+
+    @device
+    def store_acc(i, v, fsm, cbase, t):
+        # accumulator register 4j + i: row 16 w + g + 8 (i // 2), column 8 j + 2 t + i % 2 (kernels/wgmma.py)
+        fsm[(8 * (i // 4) + i % 2) * BMP + cbase + (t * 64 + 8 * ((i % 4) // 2))] = v
+
+    @device
+    def store_tile(t, acc, fsm, cbase):
+        each(store_acc, acc, fsm, cbase, t)
+
+    @device
+    def store_partials(acc, fsm, cbase):
+        each(store_tile, acc, fsm, cbase)
+
+    @device
+    def load_rank(rank, unused, wsm, idx):
+        return dsmem_ld16(wsm, idx, rank)
+
+    @device
+    def add_rank(rank, r, v):
+        if rank == 0:
+            return as_f32(r[0]), as_f32(r[1]), as_f32(r[2]), as_f32(r[3])
+        return v[0] + as_f32(r[0]), v[1] + as_f32(r[1]), v[2] + as_f32(r[2]), v[3] + as_f32(r[3])
+
+    @device
+    def fold_item(wsm, idx):
+        """The item's quad from every rank (DSMEM), all loaded first, then ranks 1 .. CL - 1 added to rank 0's in
+        rank order; without a cluster this block's own quad."""
+        if CL > 1:
+            return tfold(add_rank, tmap(load_rank, fill(CL, 0), wsm, idx), (F0, F0, F0, F0))
+        r0_0, r0_1, r0_2, r0_3 = lds16(wsm, idx)
+        return as_f32(r0_0), as_f32(r0_1), as_f32(r0_2), as_f32(r0_3)
+    return mma_stage, store_partials, fold_item
+
+
+def _build(MT, CL, S, NB, XIN, STAMPS, FENCE):
+    """The kernel of one cut, from its steps: the ring (load_stage; x_prologue, x_store, x_load with XIN), the
+    stage's wgmmas (mma_stage), the partial tile (store_partials) and the k-split fold (fold_item)."""
+    BM, XBOX = 64 * MT, NB * 128               # weight rows per block; bytes of one activation box
+    STAGE, BARB = _layout(MT, S, NB)
+    BAR, BMP = BARB // 8, BM + 4               # first mbarrier (u64 index); f32 row pitch of the partial tile
+    NACC, XV, FIRST = NB // 2, 4 * (NB * 16 // 128), 1 if STAMPS else 0
+    load_stage, x_prologue, x_store, x_load = _ring_steps(MT, S, NB, XIN)
+    mma_stage, store_partials, fold_item = _tile_steps(MT, CL, NB)
+    desc = make_desc(16, 1024, 128)
+
+    @device
+    def gemm_wg_body(wmap, xb, x, out, m, n, nbox, stamps):
+        c, strip, z = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        if STAMPS:                                 # (STAMPS) thread 0 writes point k of STAMP_POINTS at 2k
+            blk = (z * cuda.gridDim.y + strip) * cuda.gridDim.x + c
+            if tid == 0:
+                sm = stamp_point(stamps, blk, 0)
+        wsm = cuda.shared.array(0, uint32, alignment=1024)
+        fsm = cuda.shared.array(0, float32, alignment=1024)
+        bars = cuda.shared.array(0, uint64, alignment=1024)
+        b0 = (c * nbox) // CL
+        ns = ((c + 1) * nbox) // CL - b0
+        row0 = strip * BM
+        tok0 = z * NB
+        xoff = z * nbox * (XBOX // 4)
+        live = min(MT, (n - row0 + 63) // 64)        # weight boxes of the strip inside the matrix
+        if tid == 0:
+            for p in range(S):
+                mbar_init(bars, BAR + p)
+            mbar_fence_init()
+            if FENCE:
+                tensormap_acquire(wmap)
+            if STAMPS:                             # stage 0 issued on its own, then its stamp (in the loop it
+                if tid == 0:                       # would be copied by the unrolling)
+                    sm = stamp_point(stamps, blk, 2)
+                load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0, 0, 3)
+                if tid == 0:
+                    sm = stamp_point(stamps, blk, 4)
+            for p in range(FIRST, min(S, ns)):
+                load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + p, p, 3)
+        if STAMPS and tid == 0:
+            sm = stamp_point(stamps, blk, 6)
+        if XIN == 1:
+            x_prologue(wsm, x, tok0, m, nbox, b0, ns, tid)
+            xv = cuda.local.array(XV, uint32)
+        cuda.syncthreads()
+        if STAMPS and tid == 0:
+            sm = stamp_point(stamps, blk, 8)
+        acc = fill(MT, fill(NACC, F0))
+        for j in range(ns):
+            if XIN == 1:
+                x_store(wsm, xv, j, ns, tid)
+            slot = j % S
+            mbar_wait(bars, BAR + slot, (j // S) & 1)
+            if STAMPS and j == 0 and tid == 0:
+                sm = stamp_point(stamps, blk, 10)
+            da = desc(wsm, slot * STAGE)
+            db = desc(wsm, slot * STAGE + MT * BOX)
+            wg_fence()
+            acc = mma_stage(acc, da, db)
+            wg_commit()
+            wg_wait1()                                 # stage j - 1's wgmmas have retired
+            cuda.syncthreads()                         # (all four warps): its slot may be refilled
+            if tid == 0 and j >= 1 and j + S - 1 < ns:
+                load_stage(wsm, bars, wmap, xb, xoff, row0, live, b0 + j + S - 1, (j - 1) % S, 3)
+            if XIN == 1:
+                x_load(x, xv, j, ns, tok0, m, nbox, b0, tid)
+        wg_wait0()
+        cuda.syncthreads()
+        if STAMPS and tid == 0:
+            sm = stamp_point(stamps, blk, 12)
+        w, lane = tid >> 5, tid & 31
+        store_partials(acc, fsm, (2 * (lane & 3)) * BMP + 16 * w + (lane >> 2))
+        if CL > 1:
+            cluster_sync()
+        else:
+            cuda.syncthreads()
+        if STAMPS and tid == 0:
+            sm = stamp_point(stamps, blk, 14)
+        q0 = (c * (BM // 4)) // CL
+        nq = ((c + 1) * (BM // 4)) // CL - q0
+        mz = min(NB, m - tok0)
+        for u in range(tid, mz * nq, 128):
+            col = u // nq
+            q = q0 + u - col * nq
+            v0, v1, v2, v3 = fold_item(wsm, col * BMP + 4 * q)
+            row = row0 + 4 * q
+            if row < n:
+                out[tok0 + col, row] = v0
+            if row + 1 < n:
+                out[tok0 + col, row + 1] = v1
+            if row + 2 < n:
+                out[tok0 + col, row + 2] = v2
+            if row + 3 < n:
+                out[tok0 + col, row + 3] = v3
+        if STAMPS and tid == 0:
+            sm = stamp_point(stamps, blk, 16)
+        if STAMPS and tid == 0:
+            stamps[blk, STAMP_WORDS - 2], stamps[blk, STAMP_WORDS - 1] = int32(sm), int32(ns)
+        if CL > 1:
+            cluster_sync()
+
+    if STAMPS:
+        @kernel(max_registers=255)
+        def gemm_wg_k(wmap, xb, x, out, m, n, nbox, stamps):
+            """Block (k piece c, strip, token block z) of 128 threads (module docstring); grid (CL, ceil(n / BM),
+            ZB) in clusters of CL; `stamps` int32 [blocks, STAMP_WORDS] (GEMM_WG_STAMPS). Bytes: the strip's
+            weights of this k piece once, its x boxes once, the out rows of its share of the fold once."""
+            grid_dep()
+            gemm_wg_body(wmap, xb, x, out, m, n, nbox, stamps)
+        return gemm_wg_k
+
+    @kernel(max_registers=255)
+    def gemm_wg_k(wmap, xb, x, out, m, n, nbox):
+        """Block (k piece c, strip, token block z) of 128 threads (module docstring); grid (CL, ceil(n / BM), ZB) in
+        clusters of CL. Bytes: the strip's weights of this k piece once, its x boxes once, the out rows of its
+        share of the fold once."""
+        grid_dep()
+        gemm_wg_body(wmap, xb, x, out, m, n, nbox, out)
+    return gemm_wg_k
 
 
 _TMAP = {}

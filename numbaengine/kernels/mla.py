@@ -3,6 +3,8 @@
 W_kv_b viewed [h, nope + v, kv_lora]: W_UK = rows [:nope], W_UV = rows [nope:]. Decode and tree verify
 attend in the latent space: q_lat_h = q_nope_h @ W_UK_h, then o_h = o_lat_h @ W_UV_h^T.
 """
+from dataclasses import dataclass
+
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
@@ -23,6 +25,7 @@ from numbaengine.kernels.device import (
     as_u32,
     cp_commit,
     cp_wait,
+    grid_dep,
     kernel,
     ld16,
     mma_bf16,
@@ -312,38 +315,57 @@ def mla_kernel(rg, kg, stages, causal, D, r, nk=None):
     return _MLA_KERNELS[key]
 
 
-def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
-    MT, THREADS = 16 * rg, 32 * rg * kg
-    DP, D8, D32 = D + 8, D // 8, D // 32            # Q/K row stride (conflict-free ldmatrix), 16 B pieces, k32 steps
-    RGS = rg // SMW                                   # S = Q K^T: warp (wi, gj) has SMW m16 tiles of row group wi
-    KPW = -(-D32 // (kg * SMW))                       # and k32 steps [gj*KPW, ...)
-    KGS = -(-D32 // KPW)                              # warps per row group with S work (partial sums)
-    NKP = NK + 8                                      # row stride of the S partials (f32, 8 mod 32 words: float2
-    PM = 2 if rg % 2 == 0 and (r // (2 * kg)) % 16 == 0 else 1   # stores conflict-free) and of P (bf16)
-    PR = rg // PM                                     # O += P V: m16 tiles per warp, row groups of O
-    CW = r // (kg * PM)                               # O columns per warp
-    NTP = CW // 8
-    TPR = THREADS // MT                               # softmax threads per row (2*kg)
-    CPT = NK // TPR                                   # softmax columns per thread: NCH chunks of VW adjacent ones
-    VW = min(4, CPT)
-    NCH = CPT // VW
-    LOG_TPR = TPR.bit_length() - 1
-    PPT = -(-(NK * D8) // THREADS)                    # 16-byte pieces per thread and tile
-    RED = 3 * MT                                      # f32 offsets: stats (max, sum, alpha), then S partials
-    U0 = 2 * (RED + KGS * MT * NKP)                   # uint16 offsets: Q tile, P tile, cache ring
-    PO = U0 + MT * DP
-    KB = PO + MT * NKP
-    KSTAGE = NK * DP
-    OB, RS = U0 // 2, r + 8                           # f32 output tile [MT][RS] over the Q tile and the ring
-    R4 = r // 4                                       # column quads of an output row (16-byte stores)
-    D4 = D // 4                                       # 16-byte pieces of a q row (f32)
-    QPT = -(-(MT * D4) // THREADS)                    # q pieces per thread
-    QG = min(QPT, 8)                                  # q loads in flight per thread
-    ACC, SACC, AFR, QV = 4 * PM * NTP, SMW * NK // 2, max(4 * PM, 8 * SMW), 4 * QG   # local (register) arrays
-    assert VW in (2, 4) and CPT % VW == 0 and NK % 16 == 0
-    cp_wait_ring, cp_wait_all = cp_wait(stages - 2), cp_wait(0)
+@dataclass(frozen=True)
+class MlaLayout:
+    """One mma.sync kernel's compile-time sizes (mla_geometry's rg, kg, stages; NK keys per step; SMW m16 tiles per
+    warp in S): roles of the warps, shared memory offsets (f32 stats and S partials, then uint16 Q, P and the ring)
+    and the lengths of the register arrays."""
+    rg: int
+    kg: int
+    stages: int
+    D: int
+    r: int
+    NK: int
+    SMW: int
 
-    cp_piece = _make_cp_piece(D8, NK * D8)
+    MT = property(lambda k: 16 * k.rg)                  # rows of the tile
+    THREADS = property(lambda k: 32 * k.rg * k.kg)
+    DP = property(lambda k: k.D + 8)                    # Q/K row stride (conflict-free ldmatrix)
+    D8 = property(lambda k: k.D // 8)                   # 16-byte pieces of a cache row
+    RGS = property(lambda k: k.rg // k.SMW)             # S = Q K^T: warp (wi, gj) has SMW m16 tiles of row group wi
+    KPW = property(lambda k: -(-(k.D // 32) // (k.kg * k.SMW)))     # and k32 steps [gj*KPW, ...)
+    KGS = property(lambda k: -(-(k.D // 32) // k.KPW))  # warps per row group with S work (partial sums)
+    NKP = property(lambda k: k.NK + 8)                  # row stride of the S partials (f32, 8 mod 32 words: float2
+    PM = property(lambda k: 2 if k.rg % 2 == 0 and (k.r // (2 * k.kg)) % 16 == 0 else 1)   # stores conflict-free)
+    PR = property(lambda k: k.rg // k.PM)               # O += P V: m16 tiles per warp, row groups of O
+    CW = property(lambda k: k.r // (k.kg * k.PM))       # O columns per warp
+    NTP = property(lambda k: k.CW // 8)
+    TPR = property(lambda k: k.THREADS // k.MT)         # softmax threads per row (2*kg)
+    CPT = property(lambda k: k.NK // k.TPR)             # softmax columns per thread: NCH chunks of VW adjacent ones
+    VW = property(lambda k: min(4, k.CPT))
+    NCH = property(lambda k: k.CPT // k.VW)
+    PPT = property(lambda k: -(-(k.NK * k.D8) // k.THREADS))        # 16-byte pieces per thread and tile
+    RED = property(lambda k: 3 * k.MT)                  # f32 offsets: stats (max, sum, alpha), then S partials
+    U0 = property(lambda k: 2 * (k.RED + k.KGS * k.MT * k.NKP))     # uint16 offsets: Q tile, P tile, cache ring
+    PO = property(lambda k: k.U0 + k.MT * k.DP)
+    KB = property(lambda k: k.PO + k.MT * k.NKP)
+    KSTAGE = property(lambda k: k.NK * k.DP)
+    OB = property(lambda k: k.U0 // 2)                  # f32 output tile [MT][r + 8] over the Q tile and the ring
+    D4 = property(lambda k: k.D // 4)                   # 16-byte pieces of a q row (f32)
+    QPT = property(lambda k: -(-(k.MT * k.D4) // k.THREADS))        # q pieces per thread
+    QG = property(lambda k: min(k.QPT, 8))              # q loads in flight per thread
+    ACC = property(lambda k: 4 * k.PM * k.NTP)          # local (register) arrays: O, S, A fragments, q
+    SACC = property(lambda k: k.SMW * k.NK // 2)
+    AFR = property(lambda k: max(4 * k.PM, 8 * k.SMW))
+    QV = property(lambda k: 4 * k.QG)
+
+
+def _mla_prologue(k):
+    """load_tile (cp.async of a cache tile into a ring slot, rows past the split as zeros) and q_tile (q tile ->
+    bf16 pairs in shared memory, QG 16-byte loads in flight per thread; the row statistics initialized)."""
+    NK, THREADS, MT, D, D4, DP, U0, KB, KSTAGE, PPT, QPT, QG = (k.NK, k.THREADS, k.MT, k.D, k.D4, k.DP, k.U0, k.KB,
+                                                                 k.KSTAGE, k.PPT, k.QPT, k.QG)
+    cp_piece = _make_cp_piece(k.D8, NK * k.D8)
 
     @cuda.jit(device=True, inline="always")
     def load_tile(usm, cache, row0, j0, hi, stage, tid):
@@ -356,6 +378,221 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
             cp_piece(usm, slot, cache, gptr, gsafe, tid + p * THREADS, hi - j0)
         cp_commit()
 
+    @cuda.jit(device=True, inline="always")
+    def q_tile(q, fsm, wsm, qv, b, M, mt, tid):
+        for p0 in range(0, QPT, QG):                  # q tile: QG 16-byte loads in flight, then bf16 pairs
+            for p in range(QG):                       # piece idx: row idx // D4, 4 values at 4 (idx % D4); in
+                idx = uint32(tid + (p0 + p) * THREADS)    # unsigned 32 bits the division is a multiply-shift
+                qr = idx // uint32(D4)
+                m = mt * MT + qr
+                qv[4 * p], qv[4 * p + 1], qv[4 * p + 2], qv[4 * p + 3] = uint32(0), uint32(0), uint32(0), uint32(0)
+                if idx < MT * D4 and m < M:
+                    qv[4 * p], qv[4 * p + 1], qv[4 * p + 2], qv[4 * p + 3] = ld16(
+                        q, (b * M + m) * D + 4 * (idx - qr * uint32(D4)))
+            for p in range(QG):
+                idx = uint32(tid + (p0 + p) * THREADS)
+                if idx < MT * D4:
+                    qr = idx // uint32(D4)
+                    o = uint32((U0 + qr * DP + 4 * (idx - qr * uint32(D4))) // 2)
+                    wsm[o] = _bf16_pair(as_f32(qv[4 * p]), as_f32(qv[4 * p + 1]))
+                    wsm[o + uint32(1)] = _bf16_pair(as_f32(qv[4 * p + 2]), as_f32(qv[4 * p + 3]))
+        if tid < MT:
+            fsm[tid] = NEG_INF
+            fsm[MT + tid] = float32(0)
+    return load_tile, q_tile
+
+
+def _mla_scores(k):
+    """s_partials: warp (wi, gj)'s share of S = Q K^T (k32 steps [gj*KPW, ...) of SMW m16 row tiles, mma.sync bf16)
+    into the f32 S partials in shared memory (float2 stores: rows g, g+8, stride 8 mod 32 words)."""
+    NK, D, DP, MT, NKP, SMW, KPW, SACC = k.NK, k.D, k.DP, k.MT, k.NKP, k.SMW, k.KPW, k.SACC
+
+    @cuda.jit(device=True, inline="always")
+    def s_partials(usm, fsm, sacc, afr, QO, KO, RZ, wi, gj, g, tq):
+        for u in range(SACC):
+            sacc[u] = float32(0)
+        for c in range(KPW):
+            kk = 32 * (gj * KPW + c)
+            if kk >= D:
+                break
+            for mi in range(SMW):                 # Q fragments of k16 steps kk and kk+16
+                afr[8 * mi], afr[8 * mi + 1], afr[8 * mi + 2], afr[8 * mi + 3] = _frag_a(
+                    usm, QO, DP, (wi * SMW + mi) * 16, kk)
+                afr[8 * mi + 4], afr[8 * mi + 5], afr[8 * mi + 6], afr[8 * mi + 7] = _frag_a(
+                    usm, QO, DP, (wi * SMW + mi) * 16, kk + 16)
+            for nt in range(NK // 8):
+                b0, b1, b2, b3 = _frag_bn(usm, KO, DP, nt * 8, kk)
+                for mi in range(SMW):
+                    x = 4 * (mi * (NK // 8) + nt)
+                    s0, s1, s2, s3 = mma_bf16(afr[8 * mi], afr[8 * mi + 1], afr[8 * mi + 2], afr[8 * mi + 3],
+                                              b0, b1, sacc[x], sacc[x + 1], sacc[x + 2], sacc[x + 3])
+                    sacc[x], sacc[x + 1], sacc[x + 2], sacc[x + 3] = mma_bf16(
+                        afr[8 * mi + 4], afr[8 * mi + 5], afr[8 * mi + 6], afr[8 * mi + 7], b2, b3,
+                        s0, s1, s2, s3)
+        for mi in range(SMW):                     # float2 stores: rows g, g+8 (stride 8 mod 32 words)
+            so = RZ + (gj * MT + (wi * SMW + mi) * 16 + g) * NKP + 2 * tq
+            for nt in range(NK // 8):
+                x = 4 * (mi * (NK // 8) + nt)
+                _sts2f(fsm, uint32(so + nt * 8), sacc[x], sacc[x + 1])
+                _sts2f(fsm, uint32(so + 8 * NKP + nt * 8), sacc[x + 2], sacc[x + 3])
+    return s_partials
+
+
+def _mla_softmax(k, causal):
+    """softmax: the online softmax of the step, TPR threads per row (f32, base 2), P as bf16 into its tile; the
+    partials of S summed in order, the masks only where the step passes `plain`; the row's thread sc == 0 writes
+    the new max, the sum and alpha."""
+    NK, MT, NKP, KGS, VW, NCH, CPT, TPR = k.NK, k.MT, k.NKP, k.KGS, k.VW, k.NCH, k.CPT, k.TPR
+    LOG_TPR = TPR.bit_length() - 1
+
+    @cuda.jit(device=True, inline="always")
+    def softmax(fsm, wsm, sacc, mask, scale, c0, z, RZ, PZ, srow, sc, sm_, tmask, hi, L, plain, M, h, b):
+        m_old = fsm[uint32(srow + z)]             # online softmax: TPR threads per row, P as bf16
+        mx = m_old
+        for c in range(NCH):                      # columns VW*sc + VW*TPR*c + e: 128-byte rows per 8 lanes
+            col = VW * sc + VW * TPR * c
+            for e in range(VW):
+                sacc[VW * c + e] = float32(0)
+            for gg in range(KGS):
+                o = uint32(RZ + (gg * MT + srow) * NKP + col)
+                if VW == 4:
+                    x0, x1, x2, x3 = _lds4(fsm, o)
+                    sacc[VW * c] += x0
+                    sacc[VW * c + 1] += x1
+                    sacc[VW * c + 2] += x2
+                    sacc[VW * c + 3] += x3
+                else:
+                    x0, x1 = _lds2(fsm, o)
+                    sacc[VW * c] += x0
+                    sacc[VW * c + 1] += x1
+            for e in range(VW):
+                sacc[VW * c + e] *= scale
+        if c0 + NK > plain:                       # the split's end or new tokens in this step: masks
+            for c in range(NCH):
+                for e in range(VW):
+                    j = c0 + VW * sc + VW * TPR * c + e
+                    ok = j < hi and sm_ < M
+                    if ok and j >= L:
+                        jj = j - L
+                        if causal:
+                            ok = jj * h <= sm_
+                        else:
+                            ok = ((mask[b, tmask, jj >> 5] >> uint32(jj & 31)) & uint32(1)) != uint32(0)
+                    if not ok:
+                        sacc[VW * c + e] = NEG_INF
+        for c in range(CPT):
+            mx = max(mx, sacc[c])
+        for c in range(LOG_TPR):
+            mx = max(mx, shfl_xor(mx, 1 << c))
+        if m_old != NEG_INF and mx <= m_old + LAZY:   # lazy rescale: keep the old max (P <= 2^LAZY)
+            mx = m_old
+        mz = mx if mx != NEG_INF else float32(0)      # masked scores: 2^-inf = 0
+        tot = float32(0)
+        for c in range(NCH):
+            o = uint32(PZ + srow * NKP + VW * sc + VW * TPR * c) >> uint32(1)
+            w0 = _pack2(_ex2(sacc[VW * c] - mz), _ex2(sacc[VW * c + 1] - mz))
+            tot += as_f32(w0 << uint32(16)) + as_f32(w0 & uint32(0xFFFF0000))
+            if VW == 4:
+                w1 = _pack2(_ex2(sacc[VW * c + 2] - mz), _ex2(sacc[VW * c + 3] - mz))
+                tot += as_f32(w1 << uint32(16)) + as_f32(w1 & uint32(0xFFFF0000))
+                _sts2u(wsm, o, w0, w1)
+            else:
+                wsm[o] = w0
+        for c in range(LOG_TPR):
+            tot += shfl_xor(tot, 1 << c)
+        if sc == 0:
+            alpha = _ex2(m_old - mx) if mx != m_old else float32(1)
+            fsm[uint32(srow + z)] = mx
+            fsm[uint32(MT + srow + z)] = fsm[uint32(MT + srow + z)] * alpha + tot
+            fsm[uint32(2 * MT + srow + z)] = alpha
+    return softmax
+
+
+def _mla_pv(k):
+    """pv: O += P V for warp (pr, pc)'s 16*PM rows and CW columns (mma.sync bf16, f32 accumulators acc), after the
+    rescale of its rows by alpha; and out_tile: the accumulators into the f32 output tile in shared memory."""
+    NK, MT, NKP, DP, PM, NTP, CW, OB, RS, ACC = k.NK, k.MT, k.NKP, k.DP, k.PM, k.NTP, k.CW, k.OB, k.r + 8, k.ACC
+
+    @cuda.jit(device=True, inline="always")
+    def pv(usm, fsm, acc, afr, PZ, KO, z, pr, pc, g):
+        for mi in range(PM):                      # O += P V for this warp's rows and columns
+            r0 = (pr * PM + mi) * 16
+            al0, al1 = fsm[uint32(2 * MT + z + r0 + g)], fsm[uint32(2 * MT + z + r0 + g + 8)]
+            if al0 != float32(1) or al1 != float32(1):   # rare with the lazy rescale
+                for u in range(NTP):
+                    acc[4 * (mi * NTP + u)] *= al0
+                    acc[4 * (mi * NTP + u) + 1] *= al0
+                    acc[4 * (mi * NTP + u) + 2] *= al1
+                    acc[4 * (mi * NTP + u) + 3] *= al1
+        for kk in range(0, NK, 16):
+            for mi in range(PM):                  # P fragments of this warp's rows, then V pairs of n-tiles
+                afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3] = _frag_a(
+                    usm, PZ, NKP, (pr * PM + mi) * 16, kk)
+            for u in range(0, NTP, 2):
+                b0, b1, b2, b3 = _frag_bt(usm, KO, DP, kk, pc * CW + 8 * u)
+                for mi in range(PM):
+                    x = 4 * (mi * NTP + u)
+                    acc[x], acc[x + 1], acc[x + 2], acc[x + 3] = mma_bf16(
+                        afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3], b0, b1,
+                        acc[x], acc[x + 1], acc[x + 2], acc[x + 3])
+                    acc[x + 4], acc[x + 5], acc[x + 6], acc[x + 7] = mma_bf16(
+                        afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3], b2, b3,
+                        acc[x + 4], acc[x + 5], acc[x + 6], acc[x + 7])
+
+    @cuda.jit(device=True, inline="always")
+    def out_tile(fsm, acc, pr, pc, g, tq):
+        for x in range(0, ACC, 2):                # acc pairs: (m16 tile, n-tile, row g or g+8)
+            row = (pr * PM + x // (4 * NTP)) * 16 + g + 8 * ((x // 2) & 1)
+            col = pc * CW + 8 * ((x // 4) % NTP) + 2 * tq
+            fsm[OB + row * RS + col] = acc[x]
+            fsm[OB + row * RS + col + 1] = acc[x + 1]
+    return pv, out_tile
+
+
+def _mla_store(k):
+    """store_rows: coalesced rows of o_part from the output tile, 4 columns a thread (normalized, or with their
+    (max, sum) partials); rows of dead queries get 0."""
+    MT, r, R4, THREADS, OB, RS = k.MT, k.r, k.r // 4, k.THREADS, k.OB, k.r + 8
+
+    @cuda.jit(device=True, inline="always")
+    def store_rows(fsm, o_part, ml_part, b, s, M, mt, n, h, normalize, tid):
+        nlive = n * h                                 # rows m < n*h belong to live queries
+        for idx in range(tid, MT * R4, THREADS):      # coalesced rows of o_part, 4 columns a thread
+            row = idx // R4
+            col = 4 * (idx - row * R4)
+            m = mt * MT + row
+            if m < M:
+                live = m < nlive
+                den = fsm[MT + row]
+                y = cuda.local.array(4, float32)
+                for c in range(4):
+                    y[c] = fsm[OB + row * RS + col + c]
+                    if normalize:
+                        y[c] = y[c] / den if den > float32(0) and live else float32(0)
+                    elif not live:
+                        y[c] = float32(0)
+                st_quad(o_part, ((b * o_part.shape[1] + s) * M + m) * r + col, as_u32(y[0]), as_u32(y[1]),
+                        as_u32(y[2]), as_u32(y[3]))       # f32, or bf16 partials (MlaWork)
+                if not normalize and col == 0:
+                    ml_part[b, s, m, 0] = fsm[row] if live else NEG_INF
+                    ml_part[b, s, m, 1] = den if live else float32(0)
+    return store_rows
+
+
+def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
+    """The kernel of one geometry (mla_kernel's key), from its steps: load_tile, q_tile, s_partials, softmax, pv,
+    out_tile, store_rows."""
+    k = MlaLayout(rg, kg, stages, D, r, NK, SMW)
+    assert k.VW in (2, 4) and k.CPT % k.VW == 0 and NK % 16 == 0
+    MT, THREADS, QV, ACC, SACC, AFR, U0, PO, KB, RED, KSTAGE = (k.MT, k.THREADS, k.QV, k.ACC, k.SACC, k.AFR, k.U0,
+                                                                 k.PO, k.KB, k.RED, k.KSTAGE)
+    RGS, PR, TPR, KGS = k.RGS, k.PR, k.TPR, k.KGS
+    cp_wait_ring, cp_wait_all = cp_wait(stages - 2), cp_wait(0)
+    load_tile, q_tile = _mla_prologue(k)
+    s_partials, softmax = _mla_scores(k), _mla_softmax(k, causal)
+    pv, out_tile = _mla_pv(k)
+    store_rows = _mla_store(k)
+
     @kernel(max_registers=min(255, 65536 // THREADS // 8 * 8))   # the block fits the register file
     def mla_attention_kernel(q, cache, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count):
         """Block (row tile, split s, sequence b) of 32*rg*kg threads over cache rows [s*split, +split) of b:
@@ -363,9 +600,11 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
         per phase): warp (wi, gj) sums S = Q K^T over its share of the latent width on tensor cores, the partials
         meet in shared memory, an online softmax (f32, base 2: `scale` includes log2 e) leaves P as bf16, and warp
         (pr, pc) adds P V for its 16*PM rows and CW columns (mma.sync bf16, f32 accumulators). Steps wholly inside
-        the committed rows skip the masks. Bytes: each cache row of the split once per row tile (tiles of one
-        split run side by side: L2), q once, partials MT*r*4 per block. out, count: unread (kernels/mla_wg.py's
-        kernel takes the same arguments: its cluster merge's output, MLA_WG_STAMPS' buffer)."""
+        the committed rows skip the masks. Grid (ceil(M / MT), splits, B), mla_geometry's threads and shared
+        bytes. Bytes: each cache row of the split once per row tile (tiles of one split run side by side: L2), q
+        once, partials MT*r*4 per block. out, count: unread (kernels/mla_wg.py's kernel takes the same arguments:
+        its cluster merge's output, MLA_WG_STAMPS' buffer)."""
+        grid_dep()
         T, h = q.shape[1], q.shape[2]
         mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid = cuda.threadIdx.x
@@ -387,25 +626,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
         row0 = b * cache.shape[1]
         for p in range(stages - 1):                   # the ring's first tiles in flight
             load_tile(usm, cache, row0, lo + p * NK, hi, p, tid)
-        for p0 in range(0, QPT, QG):                  # q tile: QG 16-byte loads in flight, then bf16 pairs
-            for p in range(QG):                       # piece idx: row idx // D4, 4 values at 4 (idx % D4); in
-                idx = uint32(tid + (p0 + p) * THREADS)    # unsigned 32 bits the division is a multiply-shift
-                qr = idx // uint32(D4)
-                m = mt * MT + qr
-                qv[4 * p], qv[4 * p + 1], qv[4 * p + 2], qv[4 * p + 3] = uint32(0), uint32(0), uint32(0), uint32(0)
-                if idx < MT * D4 and m < M:
-                    qv[4 * p], qv[4 * p + 1], qv[4 * p + 2], qv[4 * p + 3] = ld16(
-                        q, (b * M + m) * D + 4 * (idx - qr * uint32(D4)))
-            for p in range(QG):
-                idx = uint32(tid + (p0 + p) * THREADS)
-                if idx < MT * D4:
-                    qr = idx // uint32(D4)
-                    o = uint32((U0 + qr * DP + 4 * (idx - qr * uint32(D4))) // 2)
-                    wsm[o] = _bf16_pair(as_f32(qv[4 * p]), as_f32(qv[4 * p + 1]))
-                    wsm[o + uint32(1)] = _bf16_pair(as_f32(qv[4 * p + 2]), as_f32(qv[4 * p + 3]))
-        if tid < MT:
-            fsm[tid] = NEG_INF
-            fsm[MT + tid] = float32(0)
+        q_tile(q, fsm, wsm, qv, b, M, mt, tid)
         acc = cuda.local.array(ACC, float32)
         for u in range(ACC):
             acc[u] = float32(0)
@@ -427,143 +648,16 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
             KO = KB + (i % stages) * KSTAGE + z
             QO, PZ, RZ = U0 + z, PO + z, RED + z
             if gj < KGS:                              # S partial over k32 steps [gj*KPW, ...)
-                for u in range(SACC):
-                    sacc[u] = float32(0)
-                for k in range(KPW):
-                    kk = 32 * (gj * KPW + k)
-                    if kk >= D:
-                        break
-                    for mi in range(SMW):             # Q fragments of k16 steps kk and kk+16
-                        afr[8 * mi], afr[8 * mi + 1], afr[8 * mi + 2], afr[8 * mi + 3] = _frag_a(
-                            usm, QO, DP, (wi * SMW + mi) * 16, kk)
-                        afr[8 * mi + 4], afr[8 * mi + 5], afr[8 * mi + 6], afr[8 * mi + 7] = _frag_a(
-                            usm, QO, DP, (wi * SMW + mi) * 16, kk + 16)
-                    for nt in range(NK // 8):
-                        b0, b1, b2, b3 = _frag_bn(usm, KO, DP, nt * 8, kk)
-                        for mi in range(SMW):
-                            x = 4 * (mi * (NK // 8) + nt)
-                            s0, s1, s2, s3 = mma_bf16(afr[8 * mi], afr[8 * mi + 1], afr[8 * mi + 2], afr[8 * mi + 3],
-                                                      b0, b1, sacc[x], sacc[x + 1], sacc[x + 2], sacc[x + 3])
-                            sacc[x], sacc[x + 1], sacc[x + 2], sacc[x + 3] = mma_bf16(
-                                afr[8 * mi + 4], afr[8 * mi + 5], afr[8 * mi + 6], afr[8 * mi + 7], b2, b3,
-                                s0, s1, s2, s3)
-                for mi in range(SMW):                 # float2 stores: rows g, g+8 (stride 8 mod 32 words)
-                    so = RZ + (gj * MT + (wi * SMW + mi) * 16 + g) * NKP + 2 * tq
-                    for nt in range(NK // 8):
-                        x = 4 * (mi * (NK // 8) + nt)
-                        _sts2f(fsm, uint32(so + nt * 8), sacc[x], sacc[x + 1])
-                        _sts2f(fsm, uint32(so + 8 * NKP + nt * 8), sacc[x + 2], sacc[x + 3])
+                s_partials(usm, fsm, sacc, afr, QO, KO, RZ, wi, gj, g, tq)
             cuda.syncthreads()
-            m_old = fsm[uint32(srow + z)]             # online softmax: TPR threads per row, P as bf16
-            mx = m_old
-            for k in range(NCH):                      # columns VW*sc + VW*TPR*k + e: 128-byte rows per 8 lanes
-                col = VW * sc + VW * TPR * k
-                for e in range(VW):
-                    sacc[VW * k + e] = float32(0)
-                for gg in range(KGS):
-                    o = uint32(RZ + (gg * MT + srow) * NKP + col)
-                    if VW == 4:
-                        x0, x1, x2, x3 = _lds4(fsm, o)
-                        sacc[VW * k] += x0
-                        sacc[VW * k + 1] += x1
-                        sacc[VW * k + 2] += x2
-                        sacc[VW * k + 3] += x3
-                    else:
-                        x0, x1 = _lds2(fsm, o)
-                        sacc[VW * k] += x0
-                        sacc[VW * k + 1] += x1
-                for e in range(VW):
-                    sacc[VW * k + e] *= scale
-            if c0 + NK > plain:                       # the split's end or new tokens in this step: masks
-                for k in range(NCH):
-                    for e in range(VW):
-                        j = c0 + VW * sc + VW * TPR * k + e
-                        ok = j < hi and sm_ < M
-                        if ok and j >= L:
-                            jj = j - L
-                            if causal:
-                                ok = jj * h <= sm_
-                            else:
-                                ok = ((mask[b, tmask, jj >> 5] >> uint32(jj & 31)) & uint32(1)) != uint32(0)
-                        if not ok:
-                            sacc[VW * k + e] = NEG_INF
-            for c in range(CPT):
-                mx = max(mx, sacc[c])
-            for k in range(LOG_TPR):
-                mx = max(mx, shfl_xor(mx, 1 << k))
-            if m_old != NEG_INF and mx <= m_old + LAZY:   # lazy rescale: keep the old max (P <= 2^LAZY)
-                mx = m_old
-            mz = mx if mx != NEG_INF else float32(0)      # masked scores: 2^-inf = 0
-            tot = float32(0)
-            for k in range(NCH):
-                o = uint32(PZ + srow * NKP + VW * sc + VW * TPR * k) >> uint32(1)
-                w0 = _pack2(_ex2(sacc[VW * k] - mz), _ex2(sacc[VW * k + 1] - mz))
-                tot += as_f32(w0 << uint32(16)) + as_f32(w0 & uint32(0xFFFF0000))
-                if VW == 4:
-                    w1 = _pack2(_ex2(sacc[VW * k + 2] - mz), _ex2(sacc[VW * k + 3] - mz))
-                    tot += as_f32(w1 << uint32(16)) + as_f32(w1 & uint32(0xFFFF0000))
-                    _sts2u(wsm, o, w0, w1)
-                else:
-                    wsm[o] = w0
-            for k in range(LOG_TPR):
-                tot += shfl_xor(tot, 1 << k)
-            if sc == 0:
-                alpha = _ex2(m_old - mx) if mx != m_old else float32(1)
-                fsm[uint32(srow + z)] = mx
-                fsm[uint32(MT + srow + z)] = fsm[uint32(MT + srow + z)] * alpha + tot
-                fsm[uint32(2 * MT + srow + z)] = alpha
+            softmax(fsm, wsm, sacc, mask, scale, c0, z, RZ, PZ, srow, sc, sm_, tmask, hi, L, plain, M, h, b)
             cuda.syncthreads()
-            for mi in range(PM):                      # O += P V for this warp's rows and columns
-                r0 = (pr * PM + mi) * 16
-                al0, al1 = fsm[uint32(2 * MT + z + r0 + g)], fsm[uint32(2 * MT + z + r0 + g + 8)]
-                if al0 != float32(1) or al1 != float32(1):   # rare with the lazy rescale
-                    for u in range(NTP):
-                        acc[4 * (mi * NTP + u)] *= al0
-                        acc[4 * (mi * NTP + u) + 1] *= al0
-                        acc[4 * (mi * NTP + u) + 2] *= al1
-                        acc[4 * (mi * NTP + u) + 3] *= al1
-            for kk in range(0, NK, 16):
-                for mi in range(PM):                  # P fragments of this warp's rows, then V pairs of n-tiles
-                    afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3] = _frag_a(
-                        usm, PZ, NKP, (pr * PM + mi) * 16, kk)
-                for u in range(0, NTP, 2):
-                    b0, b1, b2, b3 = _frag_bt(usm, KO, DP, kk, pc * CW + 8 * u)
-                    for mi in range(PM):
-                        x = 4 * (mi * NTP + u)
-                        acc[x], acc[x + 1], acc[x + 2], acc[x + 3] = mma_bf16(
-                            afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3], b0, b1,
-                            acc[x], acc[x + 1], acc[x + 2], acc[x + 3])
-                        acc[x + 4], acc[x + 5], acc[x + 6], acc[x + 7] = mma_bf16(
-                            afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3], b2, b3,
-                            acc[x + 4], acc[x + 5], acc[x + 6], acc[x + 7])
+            pv(usm, fsm, acc, afr, PZ, KO, z, pr, pc, g)
         cp_wait_all()
         cuda.syncthreads()                            # the Q tile and the ring become the output tile
-        for x in range(0, ACC, 2):                    # acc pairs: (m16 tile, n-tile, row g or g+8)
-            row = (pr * PM + x // (4 * NTP)) * 16 + g + 8 * ((x // 2) & 1)
-            col = pc * CW + 8 * ((x // 4) % NTP) + 2 * tq
-            fsm[OB + row * RS + col] = acc[x]
-            fsm[OB + row * RS + col + 1] = acc[x + 1]
+        out_tile(fsm, acc, pr, pc, g, tq)
         cuda.syncthreads()
-        nlive = n * h                                 # rows m < n*h belong to live queries
-        for idx in range(tid, MT * R4, THREADS):      # coalesced rows of o_part, 4 columns a thread
-            row = idx // R4
-            col = 4 * (idx - row * R4)
-            m = mt * MT + row
-            if m < M:
-                live = m < nlive
-                den = fsm[MT + row]
-                y = cuda.local.array(4, float32)
-                for k in range(4):
-                    y[k] = fsm[OB + row * RS + col + k]
-                    if normalize:
-                        y[k] = y[k] / den if den > float32(0) and live else float32(0)
-                    elif not live:
-                        y[k] = float32(0)
-                st_quad(o_part, ((b * o_part.shape[1] + s) * M + m) * r + col, as_u32(y[0]), as_u32(y[1]),
-                        as_u32(y[2]), as_u32(y[3]))       # f32, or bf16 partials (MlaWork)
-                if not normalize and col == 0:
-                    ml_part[b, s, m, 0] = fsm[row] if live else NEG_INF
-                    ml_part[b, s, m, 1] = den if live else float32(0)
+        store_rows(fsm, o_part, ml_part, b, s, M, mt, n, h, normalize, tid)
     return mla_attention_kernel
 
 

@@ -20,19 +20,27 @@ kernels.mla.cluster_pays), the split blocks merge through distributed shared mem
 other split counts leave partials for kernels.attention's merge_splits launch.
 Bytes: each cache row of the split once per tile (the tiles of one split share it through L2), q once, the
 partials 64 r 2 per block (bf16, kernels.mla MLA_PARTIALS; 64 r 4 as f32; none in a cluster: the output once).
-Same arguments and outputs as mla.py's kernel (o_part, ml_part, the merge after; out in a cluster)."""
+Same arguments and outputs as mla.py's kernel (o_part, ml_part, the merge after; out in a cluster).
+The kernel (_make_kernel) reads as its steps, each a device function made by a factory over the layout's
+compile-time sizes (WgLayout): q_prologue; the cache ring (ring_init, ring_fill, tile_landed, load_tile_tma); S and
+softmax (qk, softmax); P V (pv, rescale); the loop of each warpgroup (scores_loop, ring_loop); the epilogue
+(finish, store_out, empty_split); the cluster merge. Register tuples are unrolled by kernels/unroll.py."""
 import math
-import textwrap
+from dataclasses import dataclass, replace
 
 from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from numbaengine.kernels.attention import NEG_INF, shfl_xor
 from numbaengine.kernels.cluster import cluster_sync, dsmem_ld4, dsmem_ld16
 from numbaengine.kernels.device import (
+    F0,
+    F1,
     SIM,
     as_f32,
     as_u32,
     cp_wait,
+    device,
+    grid_dep,
     kernel,
     ld16,
     lds16,
@@ -41,7 +49,19 @@ from numbaengine.kernels.device import (
     stamp_point,
     sts8,
 )
-from numbaengine.kernels.wgmma import core_offset, sw128_mn_strides, sw128_offset
+from numbaengine.kernels.unroll import each_pair, fill, pfold, tfold, tmap, unroll
+from numbaengine.kernels.wgmma import (
+    core_offset,
+    fence_proxy_async,
+    make_desc,
+    make_wgmma,
+    sw128_mn_strides,
+    sw128_offset,
+    wg_commit,
+    wg_fence,
+    wg_wait0,
+    wg_wait1,
+)
 
 MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
 MLA_WG_NK = 32              # cache rows per step (S is m64nNK per k16 step; four tiles must fit)
@@ -122,317 +142,63 @@ def wg_clusters(nsplit):
     return [nsplit] if 2 <= nsplit <= min(MLA_WG_CLUSTER, 8) else []
 
 
-SOFTMAX_MAX = """\
-masked = c0 + {NK} > plain
-{softmax_in}
-for k in range(2):
-    mx0 = max(mx0, shfl_xor(mx0, 1 << k))
-    mx1 = max(mx1, shfl_xor(mx1, 1 << k))
-if m0 != NEG_INF and mx0 <= m0 + LAZY:     # lazy rescale: keep the old max (P <= 2^LAZY)
-    mx0 = m0
-if m1 != NEG_INF and mx1 <= m1 + LAZY:
-    mx1 = m1
-mz0 = mx0 if mx0 != NEG_INF else float32(0)
-mz1 = mx1 if mx1 != NEG_INF else float32(0)
-al0 = _ex2(m0 - mx0) if mx0 != m0 else float32(1)
-al1 = _ex2(m1 - mx1) if mx1 != m1 else float32(1)
-m0, m1 = mx0, mx1
-if t == 0:
-    fsm[sa + r0] = al0
-    fsm[sa + r1] = al1
-"""   # the online softmax's first half (kernel source, filled in by _make_kernel): the new max, alpha
-SOFTMAX_EXP = """\
-tot0, tot1 = float32(0), float32(0)
-{p_out}
-l0, l1 = l0 * al0 + tot0, l1 * al1 + tot1
-"""   # its second half: P = exp2(x - max) as bf16 into the P tile, this lane's share of the sums (its quad's four
-#       shares are added once, after the last step: QUAD_SUM)
-QUAD_SUM = """\
-    for k in range(2):
-        l0 += shfl_xor(l0, 1 << k)
-        l1 += shfl_xor(l1, 1 << k)
-"""
+def _step(fn):
+    """A step of the kernel: a device function inlined into its caller in numba's IR (as if written there)."""
+    return cuda.jit(device=True, inline="always")(fn)
 
 
-def _make_kernel(D, r, causal, NK, stages, STAGED=False, CL=0, STAMPS=False, QG=18, Q_FIRST=True):
-    from numbaengine.kernels.mla import _ex2, _pack2
-    from numbaengine.kernels.wgmma import (
-        fence_proxy_async,
-        make_desc,
-        make_wgmma,
-        wg_commit,
-        wg_fence,
-        wg_wait0,
-        wg_wait1,
+@dataclass(frozen=True)
+class WgLayout:
+    """One kernel's compile-time sizes: byte offsets into shared memory (Q tile, the ring's tiles, two P tiles, then
+    f32 statistics and the ring's mbarriers), register counts and the epilogue's staged rows."""
+    D: int
+    r: int
+    NK: int
+    stages: int
+    CL: int
+    QG: int
+
+    D8 = property(lambda k: k.D // 8)                   # 16-byte units of a q row (8 values)
+    NPV = property(lambda k: k.r // 2)                  # O columns per warpgroup
+    QBYTES = property(lambda k: 64 * k.D * 2)
+    TILE = property(lambda k: k.NK * k.D * 2)
+    PBYTES = property(lambda k: 64 * k.NK * 2)
+    PB = property(lambda k: k.QBYTES + k.stages * k.TILE)           # two P tiles (bytes), then the f32 stats
+    SF = property(lambda k: (k.PB + 2 * k.PBYTES) // 4)            # f32 index of alpha[2][64], max[64], sum[64]
+    BAR = property(lambda k: (k.PB + 2 * k.PBYTES + 4 * 64 * 4) // 8)   # u64 index of the ring's mbarriers
+    VHALF = property(lambda k: k.NPV // 64 * k.NK * 128)            # bytes into a tile of warpgroup 1's V columns
+    NS = property(lambda k: k.NK // 2)                  # accumulators per thread: S (warpgroup 0)
+    NO = property(lambda k: k.NPV // 2)                 # and O (both)
+    PITCH = property(lambda k: k.r + 8)                 # staged epilogue: f32 rows of O (8 floats of padding:
+    R4 = property(lambda k: k.r // 4)                   # st.shared.v2 without bank conflicts), 16-byte quads a row
+    ML = property(lambda k: 64 * k.PITCH)               # f32 index (cluster): this block's max, sum of 64 rows
+    FAC = property(lambda k: 64 * k.PITCH + 128)        # and the fold factors
+    QPT = property(lambda k: 64 * k.D8 // 256)          # q units (8 values: 16 bytes of the tile) per thread
+
+
+def wg_layout(D, r, NK, stages, STAGED, CL, QG):
+    """The layout of one kernel (QG: the largest divisor of the q units per thread up to QG, units in flight)."""
+    k = WgLayout(D, r, NK, stages, CL, 1)
+    if (STAGED or CL) and 4 * (k.FAC + 64 * max(CL, 1)) > k.PB:
+        raise ValueError(f"mla_wg: the staged O tile ({64 * k.PITCH * 4} bytes) does not fit below the P tiles "
+                         f"({k.PB})")
+    return replace(k, QG=max(g for g in range(1, min(QG, k.QPT) + 1) if k.QPT % g == 0))
+
+
+def _ring_steps(k):
+    """The cache ring (warpgroup 1's thread 128 issues, an mbarrier per slot): ring_init, ring_fill (tiles 0, 1, 2
+    in flight), load_tile_tma and tile_landed."""
+    from numbaengine.kernels.bulk import (
+        mbar_expect,
+        mbar_fence_init,
+        mbar_init,
+        mbar_wait,
+        tensor_load_2d,
+        tensormap_acquire,
     )
-    if SIM:
-        raise NotImplementedError("mla_wg: wgmma has no simulator twin")
-    if CL and not 2 <= CL <= 8:
-        raise ValueError(f"mla_wg: a cluster merge of {CL} splits (2..8)")
-    D8, NPV = D // 8, r // 2
-    QBYTES, TILE, PBYTES = 64 * D * 2, NK * D * 2, 64 * NK * 2
-    PB = QBYTES + stages * TILE                 # two P tiles (bytes), then the f32 stats
-    SF = (PB + 2 * PBYTES) // 4                 # f32 index of alpha[2][64], max[64], sum[64]
-    BAR = (PB + 2 * PBYTES + 4 * 64 * 4) // 8   # u64 index of the ring's mbarriers
-    VHALF = NPV // 64 * NK * 128                # bytes into a tile of warpgroup 1's V columns
-    NS, NO = NK // 2, NPV // 2                  # accumulators per thread: S (warpgroup 0), O (both)
-    PITCH, R4 = r + 8, r // 4                   # staged epilogue: f32 rows of O (8 floats of padding: st.shared.v2
-    #                                             of a warp without bank conflicts), r / 4 16-byte quads per row
-    ML, FAC = 64 * PITCH, 64 * PITCH + 128      # f32 index (cluster): this block's max, sum of 64 rows; fold factors
-    if (STAGED or CL) and 4 * (FAC + 64 * max(CL, 1)) > PB:
-        raise ValueError(f"mla_wg: the staged O tile ({64 * PITCH * 4} bytes) does not fit below the P tiles ({PB})")
-    QPT = 64 * D8 // 256                        # q units (8 values: 16 bytes of the tile) per thread
-    QG = max(g for g in range(1, min(QG, QPT) + 1) if QPT % g == 0)   # units in flight (two 16-byte loads each)
+    NK, NSLAB, STAGES, BAR, TILE, QBYTES = k.NK, k.D // 64, k.stages, k.BAR, k.TILE, k.QBYTES
 
-    def stamp(k, ind="    "):
-        """(STAMPS) thread 0 writes point k of its block's timeline: SM cycles, then global ns."""
-        if not STAMPS:
-            return ""
-        return f"{ind}if tid == 0:\n{ind}    sm = stamp_point(count, blk, {2 * k})\n"
-    stamp_tail = ("    if tid == 0:                              # (STAMPS) then its SM and steps\n"
-                  "        count[blk, 14], count[blk, 15] = int32(sm), int32(nsteps)\n") if STAMPS else ""
-    sv = [f"s{i}" for i in range(NS)]
-    ov = [f"o{i}" for i in range(NO)]
-    S, O = ", ".join(sv), ", ".join(ov)
-
-    def s_calls(indent):
-        """S = Q K^T on the tile of descriptor dk. Q and the cache tiles are 128-byte-swizzle atoms (sw128_offset):
-        k16 step ks is 32 bytes into the rows of slab ks // 4 (slabs 64 * 128 bytes apart in Q, NK * 128 in a
-        tile); descriptor units are 16 bytes."""
-        return "\n".join(f"{indent}{S} = {'wg_s0' if ks == 0 else 'wg_s'}("
-                         f"dq + uint64({((ks // 4) * 64 * 128 + (ks % 4) * 32) // 16}), "
-                         f"dk + uint64({((ks // 4) * NK * 128 + (ks % 4) * 32) // 16}), {S})" for ks in range(D // 16))
-    # O += P V: P (core matrices) columns 2ks, 2ks+1; V = the cache tile as MN-major B, k16 step = 2 atoms of 8 rows
-    def pv_calls(indent):
-        return "\n".join(f"{indent}{O} = wg_pv(dp + uint64({16 * ks}), dv + uint64({2048 * ks // 16}), {O})"
-                         for ks in range(NK // 16))
-    # softmax over S: register i is (row r0 + 8 ((i % 4) // 2), column 8 (i // 4) + 2 t + i % 2)
-    lines = []
-    for i in range(NS):
-        col = f"{8 * (i // 4) + i % 2} + 2 * t"
-        lines.append(f"x{i} = s{i} * scale")
-        lines.append(f"if masked and not key_ok(c0 + {col}, hi, L, tq, b, mask):\n"
-                     f"    x{i} = NEG_INF")
-    xs0 = [f"x{i}" for i in range(NS) if i % 4 < 2]
-    xs1 = [f"x{i}" for i in range(NS) if i % 4 >= 2]
-    lines.append(f"mx0 = max(m0, {', '.join(xs0)})")
-    lines.append(f"mx1 = max(m1, {', '.join(xs1)})")
-    softmax_in = "\n".join(lines)
-    plines = []
-    for i in range(0, NS, 2):
-        row = "r0" if i % 4 < 2 else "r1"
-        mz = "mz0" if i % 4 < 2 else "mz1"
-        tot = "tot0" if i % 4 < 2 else "tot1"
-        plines.append(f"w = _pack2(_ex2(x{i} - {mz}), _ex2(x{i + 1} - {mz}))")
-        plines.append(f"{tot} += as_f32(w << uint32(16)) + as_f32(w & uint32(0xFFFF0000))")
-        plines.append(f"wsm[(pb + core_offset({row}, {8 * (i // 4)} + 2 * t, {NK // 8})) >> 2] = w")
-    p_out = "\n".join(plines)
-    softmax_max = SOFTMAX_MAX.replace("{softmax_in}", softmax_in).replace("{NK}", str(NK))
-    softmax_exp = SOFTMAX_EXP.replace("{p_out}", p_out)
-
-    def softmax(indent):
-        """Online softmax of S (registers) for the step at key c0: P as bf16 into the P tile at byte pb, the
-        rescale factors into alpha row sa and (al0, al1)."""
-        return "\n".join(indent + ln if ln else ln for ln in (softmax_max + softmax_exp).split("\n"))
-
-    def rescale(indent):
-        return "\n".join(f"{indent}o{i} *= al{0 if i % 4 < 2 else 1}" for i in range(NO))
-    # O's stores: unsigned row / column indices (no negative-index checks; the column's constant folds into the
-    # store's address)
-    stores = [f"    ra, rb, cb = uint32(mb + r0), uint32(mb + r1), uint32(wg * {NPV} + 2 * t)"]
-    for j in range(NPV // 8):
-        for half, (a, bb) in enumerate(((4 * j, 4 * j + 1), (4 * j + 2, 4 * j + 3))):
-            row, inv = ("ra", "inv0") if half == 0 else ("rb", "inv1")
-            stores.append(f"    o_part[b, s, {row}, cb + uint32({8 * j})] = o{a} * {inv}")
-            stores.append(f"    o_part[b, s, {row}, cb + uint32({8 * j + 1})] = o{bb} * {inv}")
-    def merge_in_cluster(ind):
-        return "\n".join(ind + ln for ln in (
-            "cluster_sync()                                # every block's O rows and (max, sum) published",
-            "cluster_merge(wsm, fsm, out, b, s, mb, tid)   # this block's rows, from all",
-            "cluster_sync()                                # the others are done reading this block's memory"))
-
-    if STAGED or CL:      # O (times 1 / sum where normalized) into f32 rows of shared memory, then 16-byte stores
-        stores = [f"    ra = uint32(r0 * {PITCH} + wg * {NPV} + 2 * t)", f"    rb = ra + uint32({8 * PITCH})"]
-        for j in range(NPV // 8):
-            stores.append(f"    sts8(fsm, ra + uint32({8 * j}), o{4 * j} * inv0, o{4 * j + 1} * inv0)")
-            stores.append(f"    sts8(fsm, rb + uint32({8 * j}), o{4 * j + 2} * inv1, o{4 * j + 3} * inv1)")
-        if CL:
-            stores.append(merge_in_cluster("    "))
-        else:
-            stores.append(f'''    cuda.syncthreads()
-    ob = (b * o_part.shape[1] + s) * M + mb     # the tile's first row of o_part [B, splits, M, r]
-    for k in range({64 * R4 // 256}):           # a warp writes 512 contiguous bytes per store
-        u = uint32(tid + 256 * k)
-        row = u // uint32({R4})
-        col = uint32(4) * (u - row * uint32({R4}))
-        w0, w1, w2, w3 = lds16(wsm, row * uint32({PITCH}) + col)
-        st_quad(o_part, (ob + row) * {r} + col, w0, w1, w2, w3)   # (f32, or bf16 partials: 8-byte stores)''')
-    store_out = "\n".join(stores)
-    zero_o = "\n".join(f"    {v} = float32(0)" for v in ov)
-    zero_s = "\n".join(f"    {v} = float32(0)" for v in sv)
-
-
-    def finish(m_at, l_of):
-        """After the statistics are in shared memory (final max at row m_at, l_of(row) the sum's expression): the
-        1 / sum of rows r0, r1 (normalize) or the (max, sum) partials."""
-        return f'''    cuda.syncthreads()
-    d0, d1 = {l_of("r0")}, {l_of("r1")}
-    inv0, inv1 = float32(1), float32(1)
-    if normalize:
-        inv0 = float32(1) / d0 if d0 > float32(0) else float32(0)
-        inv1 = float32(1) / d1 if d1 > float32(0) else float32(0)
-    elif tid < 64:
-        {ml_at(0)} = fsm[{m_at} + tid]
-        {ml_at(1)} = {l_of("tid")}
-'''
-
-    def ml_at(k):
-        """Where a block's (max, sum) of row tid go: ml_part, or (cluster) its shared memory for the others."""
-        return f"fsm[{ML + 64 * k} + tid]" if CL else f"ml_part[b, s, mb + tid, {k}]"
-
-    ring_init = f'''    if tid == 128:
-        for p in range({stages}):
-            mbar_init(bars, {BAR} + p)
-        mbar_fence_init()
-        tensormap_acquire(tmap)
-    cuda.syncthreads()
-'''
-    ring_fill = f'''    if wg == 1:                                   # warpgroup 1: ring tiles 0, 1, 2 in flight
-        for p in range(3):
-            if tid == 128 and p <= nsteps:
-                load_tile_tma(wsm, bars, tmap, row0, lo + p * {NK}, hi, p)
-'''
-    main = f'''    m0, m1 = NEG_INF, NEG_INF                     # warpgroup 0: running max and sum of rows r0, r1
-    l0, l1 = float32(0), float32(0)
-    plain = min(hi, L)                            # steps ending here see no mask
-    dq = desc_k(wsm, 0)
-    if wg == 1:
-        tile_landed(wsm, bars, lo, hi, 0, tid - 128)
-    fence_proxy_async()                           # st.shared (q) -> the wgmma proxy
-    cuda.syncthreads()
-    # Warpgroup 0, step i: after the barrier (P(i) and tile i + 1 visible) it issues S(i + 1), then O += P(i) V(i),
-    # waits for S(i + 1) only and runs softmax(i + 1) beside the P V products on the tensor cores, then waits for
-    # P V (i). Warpgroup 1 keeps tiles i + 1 .. i + 3 in flight (tile i + 3 into the slot of tile i - 1, whose P V
-    # both warpgroups retired before the barrier) and adds its half of P(i) V(i). Two P tiles and two alpha rows
-    # alternate. Every accumulator is retired inside the step that issued it (S(nsteps) runs on the zero tile past
-    # the split's end), so ptxas keeps the wgmmas asynchronous.
-    if wg == 0:                                   # one loop per warpgroup: no path crosses between them
-        mbar_wait(bars, {BAR}, 0)                 # (warpgroup 1 saw it land: this wait returns at once)
-{stamp(3, "        ")}        dk = desc_k(wsm, {QBYTES})
-        wg_fence()
-{s_calls("        ")}
-        wg_commit()
-        wg_wait0()
-        c0, pb, sa = lo, {PB}, {SF}
-{softmax("        ")}
-        for i in range(nsteps):
-            fence_proxy_async()                   # P(i) -> the wgmma proxy
-            cuda.syncthreads()
-            mbar_wait(bars, {BAR} + (i + 1) % {stages}, ((i + 1) // {stages}) & 1)
-            dk = desc_k(wsm, {QBYTES} + ((i + 1) % {stages}) * {TILE})
-            wg_fence()
-{s_calls("            ")}
-            wg_commit()
-            if al0 != float32(1) or al1 != float32(1):    # rare with the lazy rescale
-{rescale("                ")}
-            dp = desc_p(wsm, {PB} + (i & 1) * {PBYTES})
-            dv = desc_v(wsm, {QBYTES} + (i % {stages}) * {TILE})
-            wg_fence()
-{pv_calls("            ")}
-            wg_commit()
-            wg_wait1()                            # S(i + 1) done; P V (i) may still run
-            c0, pb, sa = lo + (i + 1) * {NK}, {PB} + ((i + 1) & 1) * {PBYTES}, {SF} + ((i + 1) & 1) * 64
-{softmax("            ")}
-            wg_wait0()
-    else:
-        for i in range(nsteps):
-            tile_landed(wsm, bars, lo, hi, i + 1, tid - 128)
-            fence_proxy_async()
-            cuda.syncthreads()
-            if tid == 128 and i + 3 <= nsteps:
-                load_tile_tma(wsm, bars, tmap, row0, lo + (i + 3) * {NK}, hi, (i + 3) % {stages})
-            sa = {SF} + (i & 1) * 64
-            al0, al1 = fsm[sa + r0], fsm[sa + r1]
-            if al0 != float32(1) or al1 != float32(1):
-{rescale("                ")}
-            dp = desc_p(wsm, {PB} + (i & 1) * {PBYTES})
-            dv = desc_v(wsm, {QBYTES} + (i % {stages}) * {TILE} + {VHALF})
-            wg_fence()
-{pv_calls("            ")}
-            wg_commit()
-            wg_wait0()
-    wg_wait0()
-    cp_wait0()                                    # (no cp.async in flight: see usm)
-'''
-    stats = QUAD_SUM + f'''    if wg == 0 and t == 0:
-        fsm[{SF + 128} + r0], fsm[{SF + 192} + r0] = m0, l0
-        fsm[{SF + 128} + r1], fsm[{SF + 192} + r1] = m1, l1
-''' + finish(SF + 128, lambda x: f"fsm[{SF + 192} + {x}]")
-
-    # (cluster) a block with nothing to attend still joins the merge: max -inf, sum 0
-    cluster_empty = "" if not CL else f'''        if tid < 64:
-            fsm[{ML} + tid] = NEG_INF
-            fsm[{ML + 64} + tid] = float32(0)
-{merge_in_cluster("        ")}
-        return
-'''
-    fill_after_q = ("        if p0 == 0:                               # (q's first loads are out: now the ring)\n"
-                    + textwrap.indent(ring_fill, "        ")) if Q_FIRST else ""     # (see MLA_WG_Q_FIRST)
-    src = f'''
-def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count):
-    T, h = q.shape[1], q.shape[2]
-    mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
-    tid = cuda.threadIdx.x
-    wg, lane = tid >> 7, tid & 31
-    g, t = lane >> 2, lane & 3
-    r0 = 16 * ((tid >> 5) & 3) + g                # this thread's accumulator rows: r0 and r0 + 8
-    r1 = r0 + 8
-    M = T * h
-    mb = mt * 64                                  # the tile's first row (query t, head): rows mb .. mb + 63
-    tq = mb // h                                  # the query of this tile (64 of its heads)
-{'    blk = (b * cuda.gridDim.y + s) * cuda.gridDim.x + mt' if STAMPS else ''}
-{stamp(0)}    fsm = cuda.shared.array(0, float32, alignment=1024)     # swizzle atoms are 1024-aligned
-    usm = cuda.shared.array(0, uint16, alignment=1024)      # unread, as cp_wait0 below: the PTX stays the measured one
-    wsm = cuda.shared.array(0, uint32, alignment=1024)
-    bars = cuda.shared.array(0, uint64, alignment=1024)
-    L, n = lengths[b], ntok[b]
-    lo = s * split
-    hi = min(lo + split, L + n)
-    if tq >= n or lo >= hi:                       # a dead query or an empty split: nothing to attend
-{cluster_empty}        if normalize:
-            for idx in range(tid, 64 * {r}, 256):
-                o_part[b, s, mb + idx // {r}, idx % {r}] = float32(0)
-        elif tid < 64:
-            ml_part[b, s, mb + tid, 0] = NEG_INF
-            ml_part[b, s, mb + tid, 1] = float32(0)
-        return
-    row0 = b * cache.shape[1]
-    nsteps = (hi - lo + {NK - 1}) // {NK}
-{ring_init}
-{stamp(1)}{"" if Q_FIRST else ring_fill}    qv = cuda.local.array({8 * QG}, uint32)
-    for p0 in range(0, {QPT}, {QG}):              # q tile -> bf16, 128-byte swizzle: unit u is 8 values, 8 lanes
-        for p in range({QG}):                     # read 256 contiguous bytes and store to 8 bank groups
-            u = tid + (p0 + p) * 256
-            qo = (b * M + mb) * {D} + 8 * u
-            qv[8 * p], qv[8 * p + 1], qv[8 * p + 2], qv[8 * p + 3] = ld16(q, qo)
-            qv[8 * p + 4], qv[8 * p + 5], qv[8 * p + 6], qv[8 * p + 7] = ld16(q, qo + 4)
-{fill_after_q}        for p in range({QG}):
-            u = uint32(tid + (p0 + p) * 256)      # unsigned 32 bits: the division by D8 is a multiply-shift and
-            qr = u // uint32({D8})                # the word index needs no negative-index check
-            o = uint32(sw128_offset(qr, 8 * (u - qr * uint32({D8})), 64) >> 2)
-            for e in range(4):
-                wsm[o + uint32(e)] = _pack2(as_f32(qv[8 * p + 2 * e]), as_f32(qv[8 * p + 2 * e + 1]))
-{zero_o}
-{zero_s}
-{stamp(2)}{main}
-{stamp(4)}{stats}
-{stamp(5)}{store_out}
-{stamp(6)}{stamp_tail}'''
-    cp_wait0 = cp_wait(0)
-
-    NSLAB = D // 64
-
-    @cuda.jit(device=True, inline="always")
+    @_step
     def load_tile_tma(wsm, bars, tmap, row0, j0, hi, stage):
         """Thread 128: the NSLAB boxes (64 columns x NK rows, 128-byte swizzle) of cache rows j0 .. j0 + NK - 1 into
         ring slot `stage`, completing on its mbarrier; a tile wholly past the split's end (the zero tile after the
@@ -441,26 +207,83 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
             mbar_expect(bars, BAR + stage, 0)
             return
         mbar_expect(bars, BAR + stage, TILE)
-        for k in range(NSLAB):
-            tensor_load_2d(wsm, (QBYTES + stage * TILE + k * NK * 128) // 4, tmap, 64 * k, row0 + j0, bars,
+        for c in range(NSLAB):
+            tensor_load_2d(wsm, (QBYTES + stage * TILE + c * NK * 128) // 4, tmap, 64 * c, row0 + j0, bars,
                            BAR + stage)
 
-    @cuda.jit(device=True, inline="always")
+    @_step
     def tile_landed(wsm, bars, lo, hi, j, tid):
         """Warpgroup 1 (tid < 128): wait for tile j's copies, then zero the rows at or past hi of a tile that ends
         past it (unwritten rows or the next sequence's: P is 0 there but P V must not meet a NaN), 32 words of a
         row per warp's lanes, four rows at a time. The zero tile past the last step (only S reads it, masked) keeps
         whatever its slot held."""
-        stage = j % stages
-        mbar_wait(bars, BAR + stage, (j // stages) & 1)
+        stage = j % STAGES
+        mbar_wait(bars, BAR + stage, (j // STAGES) & 1)
         v = hi - (lo + j * NK)
         if v > 0 and v < NK:
             base = (QBYTES + stage * TILE) // 4 + (tid & 31)
             for rr in range(v + (tid >> 5), NK, 4):
-                for k in range(NSLAB):
-                    wsm[base + (k * NK + rr) * 32] = uint32(0)
+                for c in range(NSLAB):
+                    wsm[base + (c * NK + rr) * 32] = uint32(0)
 
-    @cuda.jit(device=True, inline="always")
+    @_step
+    def ring_init(bars, tmap, tid):
+        """Thread 128: the slots' mbarriers, made visible to the copy engine; the tensor map acquired."""
+        if tid == 128:
+            for p in range(STAGES):
+                mbar_init(bars, BAR + p)
+            mbar_fence_init()
+            tensormap_acquire(tmap)
+        cuda.syncthreads()
+
+    @_step
+    def ring_fill(wsm, bars, tmap, wg, tid, row0, lo, hi, nsteps):
+        if wg == 1:                                   # warpgroup 1: ring tiles 0, 1, 2 in flight
+            for p in range(3):
+                if tid == 128 and p <= nsteps:
+                    load_tile_tma(wsm, bars, tmap, row0, lo + p * NK, hi, p)
+    return ring_init, ring_fill, load_tile_tma, tile_landed
+
+
+def _q_prologue(k, Q_FIRST, ring_fill):
+    """q_prologue: all 256 threads load the f32 q tile, QG units at once, and store it as bf16 into its 128-byte
+    swizzle atoms; the ring's first tiles go out after the first loads (Q_FIRST, MLA_WG_Q_FIRST) or before all."""
+    from numbaengine.kernels.mla import _pack2
+    D, D8, QPT, QG, QV = k.D, k.D8, k.QPT, k.QG, 8 * k.QG
+    sw128 = cuda.jit(device=True, inline="always")(sw128_offset)
+
+    @_step
+    def q_prologue(q, wsm, bars, tmap, b, M, mb, tid, wg, row0, lo, hi, nsteps):
+        if not Q_FIRST:
+            ring_fill(wsm, bars, tmap, wg, tid, row0, lo, hi, nsteps)
+        qv = cuda.local.array(QV, uint32)
+        for p0 in range(0, QPT, QG):              # q tile -> bf16, 128-byte swizzle: unit u is 8 values, 8 lanes
+            for p in range(QG):                   # read 256 contiguous bytes and store to 8 bank groups
+                u = tid + (p0 + p) * 256
+                qo = (b * M + mb) * D + 8 * u
+                qv[8 * p], qv[8 * p + 1], qv[8 * p + 2], qv[8 * p + 3] = ld16(q, qo)
+                qv[8 * p + 4], qv[8 * p + 5], qv[8 * p + 6], qv[8 * p + 7] = ld16(q, qo + 4)
+            if Q_FIRST and p0 == 0:               # (q's first loads are out: now the ring)
+                ring_fill(wsm, bars, tmap, wg, tid, row0, lo, hi, nsteps)
+            for p in range(QG):
+                u = uint32(tid + (p0 + p) * 256)  # unsigned 32 bits: the division by D8 is a multiply-shift and
+                qr = u // uint32(D8)              # the word index needs no negative-index check
+                o = uint32(sw128(qr, 8 * (u - qr * uint32(D8)), 64) >> 2)
+                for e in range(4):
+                    wsm[o + uint32(e)] = _pack2(as_f32(qv[8 * p + 2 * e]), as_f32(qv[8 * p + 2 * e + 1]))
+    return q_prologue
+
+
+def _score_steps(k, causal):
+    """Warpgroup 0's S = Q K^T (qk: D/16 wgmma m64nNKk16 on the Q atoms and a cache tile) and its online softmax
+    (softmax: P as bf16 into a P tile, the rescale factors beside it). S register i of a thread is (row r0 + 8
+    ((i % 4) // 2), column 8 (i // 4) + 2 t + i % 2) of the step's 64 x NK scores."""
+    from numbaengine.kernels.mla import LAZY, _ex2, _pack2
+    NK, NK8, NKS = k.NK, k.NK // 8, k.D // 16
+    core = cuda.jit(device=True, inline="always")(core_offset)
+    wg_s = make_wgmma(NK)
+
+    @_step
     def key_ok(j, hi, L, tq, b, mask):
         """Cache row j is visible to query tq: before the split's end, committed, or a new token tq sees."""
         if j >= hi:
@@ -472,16 +295,183 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
             return jj <= tq
         return ((mask[b, tq, jj >> 5] >> uint32(jj & 31)) & uint32(1)) != uint32(0)
 
+    @device
+    def qk_step(ks, S, dq, dk):
+        """k16 step ks (the first overwrites S): 32 bytes into the rows of 128-byte slab ks // 4 (slabs 64 * 128
+        bytes apart in Q, NK * 128 in a tile); descriptor units are 16 bytes."""
+        return wg_s(dq + uint64(((ks // 4) * 64 * 128 + (ks % 4) * 32) // 16),
+                    dk + uint64(((ks // 4) * NK * 128 + (ks % 4) * 32) // 16), S, ks > 0)
+
+    @_step
+    def qk(dq, dk, S):
+        return unroll(NKS, qk_step, S, dq, dk)
+
+    @device
+    def score(i, s, scale, masked, c0, t, hi, L, tq, b, mask):
+        """Score i, or -inf where the step is masked and its key (column 8 (i // 4) + 2 t + i % 2) is not visible."""
+        x = s * scale
+        if masked and not key_ok(c0 + (8 * (i // 4) + i % 2) + 2 * t, hi, L, tq, b, mask):
+            x = NEG_INF
+        return x
+
+    @device
+    def row_max(i, x, mx, half):
+        """The max over row half's registers (half 0: row r0, 1: r0 + 8), as max(m, x0, x1, ...) folds them: a
+        compare and select per value (numba's two-argument max is a max.f32 instead)."""
+        if (i % 4) // 2 != half:
+            return mx
+        return x if x > mx else mx  # noqa: FURB136
+
+    @device
+    def p_pair(j, x0, x1, tot, mz0, mz1, wsm, pb, r0, r1, t):
+        """Pair j of the scores -> a bf16 pair of P into the P tile at byte pb; its share of the row's sum."""
+        tot0, tot1 = tot
+        if j % 2 == 0:
+            w = _pack2(_ex2(x0 - mz0), _ex2(x1 - mz0))
+            tot0 += as_f32(w << uint32(16)) + as_f32(w & uint32(0xFFFF0000))
+            wsm[(pb + core(r0, 8 * (j // 2) + 2 * t, NK8)) >> 2] = w
+        else:
+            w = _pack2(_ex2(x0 - mz1), _ex2(x1 - mz1))
+            tot1 += as_f32(w << uint32(16)) + as_f32(w & uint32(0xFFFF0000))
+            wsm[(pb + core(r1, 8 * (j // 2) + 2 * t, NK8)) >> 2] = w
+        return tot0, tot1
+
+    @_step
+    def softmax(S, m0, m1, l0, l1, c0, pb, sa, scale, plain, hi, L, tq, b, mask, t, r0, r1, fsm, wsm):
+        """Online softmax of S (registers) for the step at key c0 (masks where the step passes `plain`): the new
+        max (lazy rescale), alpha into alpha row sa, P as bf16 into the P tile at byte pb, this lane's share of the
+        sums (its quad's four shares are added once, after the last step) -> (m0, m1, l0, l1, al0, al1)."""
+        X = tmap(score, S, scale, c0 + NK > plain, c0, t, hi, L, tq, b, mask)     # masks where the step passes
+        mx0, mx1 = tfold(row_max, X, m0, 0), tfold(row_max, X, m1, 1)
+        for c in range(2):
+            mx0 = max(mx0, shfl_xor(mx0, 1 << c))
+            mx1 = max(mx1, shfl_xor(mx1, 1 << c))
+        if m0 != NEG_INF and mx0 <= m0 + LAZY:     # lazy rescale: keep the old max (P <= 2^LAZY)
+            mx0 = m0
+        if m1 != NEG_INF and mx1 <= m1 + LAZY:
+            mx1 = m1
+        mz0 = mx0 if mx0 != NEG_INF else F0
+        mz1 = mx1 if mx1 != NEG_INF else F0
+        al0 = _ex2(m0 - mx0) if mx0 != m0 else F1
+        al1 = _ex2(m1 - mx1) if mx1 != m1 else F1
+        if t == 0:
+            fsm[sa + r0] = al0
+            fsm[sa + r1] = al1
+        tot0, tot1 = pfold(p_pair, X, (F0, F0), mz0, mz1, wsm, pb, r0, r1, t)
+        return mx0, mx1, l0 * al0 + tot0, l1 * al1 + tot1, al0, al1
+    return qk, softmax
+
+
+def _pv_steps(k):
+    """O[:, warpgroup half] += P V (pv: NK/16 wgmma m64n(r/2)k16, P from its tile, V the cache tile as MN-major B)
+    and the rescale of O by alpha (rescale: registers 4j, 4j + 1 are row r0, 4j + 2, 4j + 3 row r0 + 8)."""
+    NKP = k.NK // 16
+    wg_pv = make_wgmma(k.NPV, trans_b=True)
+
+    @device
+    def pv_step(ks, O, dp, dv):
+        """P core matrix columns 2ks, 2ks + 1; V's k16 step = two atoms of 8 rows."""
+        return wg_pv(dp + uint64(16 * ks), dv + uint64(2048 * ks // 16), O, 1)
+
+    @_step
+    def pv(dp, dv, O):
+        return unroll(NKP, pv_step, O, dp, dv)
+
+    @device
+    def scaled(i, o, al0, al1):
+        return o * al0 if i % 4 < 2 else o * al1
+
+    @_step
+    def rescale(O, al0, al1):
+        if al0 != F1 or al1 != F1:                # rare with the lazy rescale
+            return tmap(scaled, O, al0, al1)
+        return O
+    return pv, rescale
+
+
+def _loops(k, STAMPS, steps):
+    """The main loop of each warpgroup. Warpgroup 0, step i: after the barrier (P(i) and tile i + 1 visible) it
+    issues S(i + 1), then O += P(i) V(i), waits for S(i + 1) only and runs softmax(i + 1) beside the P V products
+    on the tensor cores, then waits for P V (i). Warpgroup 1 keeps tiles i + 1 .. i + 3 in flight (tile i + 3 into
+    the slot of tile i - 1, whose P V both warpgroups retired before the barrier) and adds its half of P(i) V(i).
+    Two P tiles and two alpha rows alternate. Every accumulator is retired inside the step that issued it (S(nsteps)
+    runs on the zero tile past the split's end), so ptxas keeps the wgmmas asynchronous."""
+    qk, softmax, pv, rescale, load_tile_tma, tile_landed = steps
+    from numbaengine.kernels.bulk import mbar_wait
+    NK, STAGES, BAR, QBYTES, TILE, PB, PBYTES, SF, VHALF = (k.NK, k.stages, k.BAR, k.QBYTES, k.TILE, k.PB,
+                                                            k.PBYTES, k.SF, k.VHALF)
+    desc_k, desc_p = make_desc(16, 1024, 128), make_desc(128, 16 * NK)
+    desc_v = make_desc(*sw128_mn_strides(NK * 128, 1024), 128)
+
+    @_step
+    def scores_loop(wsm, fsm, bars, O, S, m0, m1, l0, l1, dq, lo, hi, L, plain, nsteps, tq, b, mask, scale, t, r0,
+                    r1, count, blk, tid):
+        """Warpgroup 0 -> (O, m0, m1, l0, l1)."""
+        mbar_wait(bars, BAR, 0)                   # (warpgroup 1 saw it land: this wait returns at once)
+        if STAMPS and tid == 0:
+            stamp_point(count, blk, 6)
+        dk = desc_k(wsm, QBYTES)
+        wg_fence()
+        S = qk(dq, dk, S)
+        wg_commit()
+        wg_wait0()
+        m0, m1, l0, l1, al0, al1 = softmax(S, m0, m1, l0, l1, lo, PB, SF, scale, plain, hi, L, tq, b, mask, t, r0,
+                                           r1, fsm, wsm)
+        for i in range(nsteps):
+            fence_proxy_async()                   # P(i) -> the wgmma proxy
+            cuda.syncthreads()
+            mbar_wait(bars, BAR + (i + 1) % STAGES, ((i + 1) // STAGES) & 1)
+            dk = desc_k(wsm, QBYTES + ((i + 1) % STAGES) * TILE)
+            wg_fence()
+            S = qk(dq, dk, S)
+            wg_commit()
+            O = rescale(O, al0, al1)
+            dp = desc_p(wsm, PB + (i & 1) * PBYTES)
+            dv = desc_v(wsm, QBYTES + (i % STAGES) * TILE)
+            wg_fence()
+            O = pv(dp, dv, O)
+            wg_commit()
+            wg_wait1()                            # S(i + 1) done; P V (i) may still run
+            c0, pb, sa = lo + (i + 1) * NK, PB + ((i + 1) & 1) * PBYTES, SF + ((i + 1) & 1) * 64
+            m0, m1, l0, l1, al0, al1 = softmax(S, m0, m1, l0, l1, c0, pb, sa, scale, plain, hi, L, tq, b, mask, t,
+                                               r0, r1, fsm, wsm)
+            wg_wait0()
+        return O, m0, m1, l0, l1
+
+    @_step
+    def ring_loop(wsm, fsm, bars, tmap, O, row0, lo, hi, nsteps, r0, r1, tid):
+        """Warpgroup 1 -> O."""
+        for i in range(nsteps):
+            tile_landed(wsm, bars, lo, hi, i + 1, tid - 128)
+            fence_proxy_async()
+            cuda.syncthreads()
+            if tid == 128 and i + 3 <= nsteps:
+                load_tile_tma(wsm, bars, tmap, row0, lo + (i + 3) * NK, hi, (i + 3) % STAGES)
+            sa = SF + (i & 1) * 64
+            O = rescale(O, fsm[sa + r0], fsm[sa + r1])
+            dp = desc_p(wsm, PB + (i & 1) * PBYTES)
+            dv = desc_v(wsm, QBYTES + (i % STAGES) * TILE + VHALF)
+            wg_fence()
+            O = pv(dp, dv, O)
+            wg_commit()
+            wg_wait0()
+        return O
+    return scores_loop, ring_loop
+
+
+def _cluster_merge(k):
+    """merge: the cluster of the tile's CL split blocks (gridDim.y = CL, rank s % CL) folds the staged O rows and
+    (max, sum) of every block into out (kernels/cluster.py's protocol: a barrier, DSMEM reads, a barrier)."""
+    CL, r, R4, PITCH, ML, FAC = k.CL, k.r, k.R4, k.PITCH, k.ML, k.FAC
     CLN = max(CL, 1)
-    RP = -(-64 // CLN)                          # (cluster) rows of the tile each block merges
+    RP = -(-64 // CLN)                          # rows of the tile each block merges
     MU = max(1, 8 // CLN)                       # items per round: MU x CL 16-byte loads in flight
 
-    @cuda.jit(device=True, inline="always")
+    @_step
     def cluster_merge(wsm, fsm, out, b, s, mb, tid):
-        """The cluster of the tile's CL split blocks (gridDim.y = CL, rank s % CL; after a cluster barrier): fold rows
-        rank RP .. rank RP + RP - 1 of the tile from every block's staged O and (max m_c, sum l_c), read through
-        DSMEM, into out f32[B, M, r]: out = sum_c 2^(m_c - m) O_c / sum_c 2^(m_c - m) l_c (rows no split saw get 0,
-        merge_splits' rule). 16-byte stores."""
+        """After a cluster barrier: fold rows rank RP .. rank RP + RP - 1 of the tile from every block's staged O
+        and (max m_c, sum l_c), read through DSMEM, into out f32[B, M, r]: out = sum_c 2^(m_c - m) O_c /
+        sum_c 2^(m_c - m) l_c (rows no split saw get 0, merge_splits' rule). 16-byte stores."""
         rank = s % CL
         row0 = rank * RP
         nrows = min(64, row0 + RP) - row0
@@ -528,31 +518,178 @@ def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normaliz
                     col, w0, w1, w2, w3 = 4 * (it - row * R4), as_u32(a0), as_u32(a1), as_u32(a2), as_u32(a3)
                     st16(out, (dst + row) * r + col, w0, w1, w2, w3)
 
-    from numbaengine.kernels.bulk import (
-        mbar_expect,
-        mbar_fence_init,
-        mbar_init,
-        mbar_wait,
-        tensor_load_2d,
-        tensormap_acquire,
-    )
-    from numbaengine.kernels.mla import LAZY
-    ns = dict(mbar_init=mbar_init, mbar_fence_init=mbar_fence_init, mbar_wait=mbar_wait,
-              tensormap_acquire=tensormap_acquire,
-              load_tile_tma=load_tile_tma, tile_landed=tile_landed, cuda=cuda, float32=float32, int32=int32,
-              uint16=uint16, uint32=uint32, uint64=uint64, NEG_INF=NEG_INF, LAZY=LAZY,
-              shfl_xor=shfl_xor, as_f32=as_f32, ld16=ld16, _ex2=_ex2, _pack2=_pack2,
-              sts8=sts8, lds16=lds16, st_quad=st_quad, cluster_sync=cluster_sync,
-              cluster_merge=cluster_merge, stamp_point=stamp_point,
-              core_offset=cuda.jit(device=True, inline="always")(core_offset), key_ok=key_ok,
-              sw128_offset=cuda.jit(device=True, inline="always")(sw128_offset),
-              cp_wait0=cp_wait0, fence_proxy_async=fence_proxy_async,
-              wg_fence=wg_fence, wg_commit=wg_commit, wg_wait0=wg_wait0, wg_wait1=wg_wait1,
-              desc_k=make_desc(16, 1024, 128), desc_p=make_desc(128, 16 * NK),
-              desc_v=make_desc(*sw128_mn_strides(NK * 128, 1024), 128),
-              wg_s0=make_wgmma(NK, accumulate=False), wg_s=make_wgmma(NK), wg_pv=make_wgmma(NPV, trans_b=True))
-    exec(src, ns)
-    return kernel(max_registers=255)(ns["mla_wg_attention"])
+    @_step
+    def merge(wsm, fsm, out, b, s, mb, tid):
+        cluster_sync()                                # every block's O rows and (max, sum) published
+        cluster_merge(wsm, fsm, out, b, s, mb, tid)   # this block's rows, from all
+        cluster_sync()                                # the others are done reading this block's memory
+    return merge
+
+
+def _epilogue(k, STAGED, merge):
+    """The end of a block: empty_split (a dead query or an empty split: nothing to attend), finish (the rows' sums
+    across each quad, the statistics in shared memory -> 1 / sum where normalized, else the (max, sum) partials)
+    and store_out (O times 1 / sum: into f32 rows of shared memory, then 16-byte stores of whole rows (STAGED) or
+    the cluster merge; or straight from the registers)."""
+    CL, r, NPV, R4, PITCH, ML, FM, FL = k.CL, k.r, k.NPV, k.R4, k.PITCH, k.ML, k.SF + 128, k.SF + 192
+    ROUNDS = 64 * R4 // 256                       # a warp writes 512 contiguous bytes per store
+
+    @_step
+    def empty_split(fsm, wsm, o_part, ml_part, out, b, s, mb, tid, normalize):
+        if CL:                                    # a block with nothing to attend still joins the merge
+            if tid < 64:
+                fsm[ML + tid] = NEG_INF
+                fsm[ML + 64 + tid] = F0
+            merge(wsm, fsm, out, b, s, mb, tid)
+        elif normalize:
+            for idx in range(tid, 64 * r, 256):
+                o_part[b, s, mb + idx // r, idx % r] = F0
+        elif tid < 64:
+            ml_part[b, s, mb + tid, 0] = NEG_INF
+            ml_part[b, s, mb + tid, 1] = F0
+
+    @_step
+    def finish(fsm, ml_part, m0, m1, l0, l1, normalize, b, s, mb, wg, t, r0, r1, tid):
+        for c in range(2):
+            l0 += shfl_xor(l0, 1 << c)
+            l1 += shfl_xor(l1, 1 << c)
+        if wg == 0 and t == 0:
+            fsm[FM + r0], fsm[FL + r0] = m0, l0
+            fsm[FM + r1], fsm[FL + r1] = m1, l1
+        cuda.syncthreads()
+        d0, d1 = fsm[FL + r0], fsm[FL + r1]
+        inv0, inv1 = F1, F1
+        if normalize:
+            inv0 = F1 / d0 if d0 > F0 else F0
+            inv1 = F1 / d1 if d1 > F0 else F0
+        elif tid < 64:
+            if CL:                                # (cluster) into shared memory, for the others
+                fsm[ML + tid] = fsm[FM + tid]
+                fsm[ML + 64 + tid] = fsm[FL + tid]
+            else:
+                ml_part[b, s, mb + tid, 0] = fsm[FM + tid]
+                ml_part[b, s, mb + tid, 1] = fsm[FL + tid]
+        return inv0, inv1
+
+    @device
+    def stage_pair(j, x0, x1, fsm, ra, rb, inv0, inv1):
+        if j % 2 == 0:
+            sts8(fsm, ra + uint32(8 * (j // 2)), x0 * inv0, x1 * inv0)
+        else:
+            sts8(fsm, rb + uint32(8 * (j // 2)), x0 * inv1, x1 * inv1)
+
+    @device
+    def store_pair(j, x0, x1, o_part, b, s, ra, rb, cb, inv0, inv1):
+        row, inv = (ra, inv0) if j % 2 == 0 else (rb, inv1)
+        o_part[b, s, row, cb + uint32(8 * (j // 2))] = x0 * inv
+        o_part[b, s, row, cb + uint32(8 * (j // 2) + 1)] = x1 * inv
+
+    @_step
+    def store_out(O, inv0, inv1, fsm, wsm, o_part, out, b, s, M, mb, wg, t, r0, r1, tid):
+        if STAGED or CL:
+            ra = uint32(r0 * PITCH + wg * NPV + 2 * t)
+            rb = ra + uint32(8 * PITCH)
+            each_pair(stage_pair, O, fsm, ra, rb, inv0, inv1)
+            if CL:
+                merge(wsm, fsm, out, b, s, mb, tid)
+            else:
+                cuda.syncthreads()
+                ob = (b * o_part.shape[1] + s) * M + mb     # the tile's first row of o_part [B, splits, M, r]
+                for c in range(ROUNDS):
+                    u = uint32(tid + 256 * c)
+                    row = u // uint32(R4)
+                    col = uint32(4) * (u - row * uint32(R4))
+                    w0, w1, w2, w3 = lds16(wsm, row * uint32(PITCH) + col)
+                    st_quad(o_part, (ob + row) * r + col, w0, w1, w2, w3)   # (f32, or bf16 partials: 8-byte stores)
+        else:                 # unsigned row / column indices (no negative-index checks; the column's constant
+            ra, rb, cb = uint32(mb + r0), uint32(mb + r1), uint32(wg * NPV + 2 * t)   # folds into the address)
+            each_pair(store_pair, O, o_part, b, s, ra, rb, cb, inv0, inv1)
+    return empty_split, finish, store_out
+
+
+def _make_kernel(D, r, causal, NK, stages, STAGED=False, CL=0, STAMPS=False, QG=18, Q_FIRST=True):
+    """The kernel of one configuration (mla_wg_kernel's key), from its steps."""
+    if SIM:
+        raise NotImplementedError("mla_wg: wgmma has no simulator twin")
+    if CL and not 2 <= CL <= 8:
+        raise ValueError(f"mla_wg: a cluster merge of {CL} splits (2..8)")
+    k = wg_layout(D, r, NK, stages, STAGED, CL, QG)
+    NO, NS = k.NO, k.NS
+    ring_init, ring_fill, load_tile_tma, tile_landed = _ring_steps(k)
+    q_prologue = _q_prologue(k, Q_FIRST, ring_fill)
+    qk, softmax = _score_steps(k, causal)
+    pv, rescale = _pv_steps(k)
+    scores_loop, ring_loop = _loops(k, STAMPS, (qk, softmax, pv, rescale, load_tile_tma, tile_landed))
+    empty_split, finish, store_out = _epilogue(k, STAGED, _cluster_merge(k) if CL else None)
+    desc_q, cp_wait0 = make_desc(16, 1024, 128), cp_wait(0)
+
+    @kernel(max_registers=255)
+    def mla_wg_attention(q, cache, tmap, lengths, ntok, mask, scale, split, normalize, o_part, ml_part, out, count):
+        """Block (64-row tile mt = query t's 64 heads, split s, sequence b) of 256 threads, two warpgroups (module
+        docstring); grid (M / 64, splits, B), in clusters of (1, CL, 1) when CL; dynamic shared memory wg_smem.
+        Bytes: each cache row of the split once (the tiles of one split share it through L2), q once, the
+        partials 64 r 2 (bf16) or 4 (f32) and 64 x 2 f32; in a cluster the output rows instead. Arguments as
+        kernels.mla's kernel, the tensor map of the cache (cache_tensor_map) third; out: the cluster merge's
+        output; count: MLA_WG_STAMPS' stamps."""
+        grid_dep()
+        T, h = q.shape[1], q.shape[2]
+        mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        wg, lane = tid >> 7, tid & 31
+        g, t = lane >> 2, lane & 3
+        r0 = 16 * ((tid >> 5) & 3) + g            # this thread's accumulator rows: r0 and r0 + 8
+        r1 = r0 + 8
+        M = T * h
+        mb = mt * 64                              # the tile's first row (query t, head): rows mb .. mb + 63
+        tq = mb // h                              # the query of this tile (64 of its heads)
+        blk = (b * cuda.gridDim.y + s) * cuda.gridDim.x + mt     # (STAMPS: thread 0 writes (cycles, ns) of
+        if STAMPS and tid == 0:                                  # point k of its timeline at count[blk, 2k])
+            sm = stamp_point(count, blk, 0)
+        fsm = cuda.shared.array(0, float32, alignment=1024)     # swizzle atoms are 1024-aligned
+        _usm = cuda.shared.array(0, uint16, alignment=1024)     # unread, as cp_wait0 below: the measured PTX
+        wsm = cuda.shared.array(0, uint32, alignment=1024)
+        bars = cuda.shared.array(0, uint64, alignment=1024)
+        L, n = lengths[b], ntok[b]
+        lo = s * split
+        hi = min(lo + split, L + n)
+        if tq >= n or lo >= hi:                   # a dead query or an empty split: nothing to attend
+            empty_split(fsm, wsm, o_part, ml_part, out, b, s, mb, tid, normalize)
+            return
+        row0 = b * cache.shape[1]
+        nsteps = (hi - lo + NK - 1) // NK
+        ring_init(bars, tmap, tid)
+        if STAMPS and tid == 0:
+            sm = stamp_point(count, blk, 2)
+        q_prologue(q, wsm, bars, tmap, b, M, mb, tid, wg, row0, lo, hi, nsteps)
+        O, S = fill(NO, F0), fill(NS, F0)
+        if STAMPS and tid == 0:
+            sm = stamp_point(count, blk, 4)
+        m0, m1 = NEG_INF, NEG_INF                 # warpgroup 0: running max and sum of rows r0, r1
+        l0, l1 = F0, F0
+        plain = min(hi, L)                        # steps ending here see no mask
+        dq = desc_q(wsm, 0)
+        if wg == 1:
+            tile_landed(wsm, bars, lo, hi, 0, tid - 128)
+        fence_proxy_async()                       # st.shared (q) -> the wgmma proxy
+        cuda.syncthreads()
+        if wg == 0:                               # one loop per warpgroup: no path crosses between them
+            O, m0, m1, l0, l1 = scores_loop(wsm, fsm, bars, O, S, m0, m1, l0, l1, dq, lo, hi, L, plain, nsteps, tq,
+                                            b, mask, scale, t, r0, r1, count, blk, tid)
+        else:
+            O = ring_loop(wsm, fsm, bars, tmap, O, row0, lo, hi, nsteps, r0, r1, tid)
+        wg_wait0()
+        cp_wait0()                                # (no cp.async in flight: see _usm)
+        if STAMPS and tid == 0:
+            sm = stamp_point(count, blk, 8)
+        inv0, inv1 = finish(fsm, ml_part, m0, m1, l0, l1, normalize, b, s, mb, wg, t, r0, r1, tid)
+        if STAMPS and tid == 0:
+            sm = stamp_point(count, blk, 10)
+        store_out(O, inv0, inv1, fsm, wsm, o_part, out, b, s, M, mb, wg, t, r0, r1, tid)
+        if STAMPS and tid == 0:
+            sm = stamp_point(count, blk, 12)
+        if STAMPS and tid == 0:                   # then its SM and steps
+            count[blk, 14], count[blk, 15] = int32(sm), int32(nsteps)
+    return mla_wg_attention
 
 
 def mla_wg_launch(M, D, r, causal, work, cache):

@@ -27,6 +27,7 @@ from numbaengine.kernels.device import (
     bf16_hi,
     bf16_lo,
     device,
+    grid_dep,
     kernel,
     lane_id,
     launch,
@@ -208,6 +209,7 @@ def _build_router_logits(TT):
         p = bx % ks, its gate chunks loaded once into registers, then passes of TT tokens (block row y takes
         passes y, y + ny, ...). The 8 warps of a block share x's slice through L1.
         Launch: grid (ceil(E/8) * ks, ny), block 256. Moves E*H*2 bytes of gate weights from HBM (x through L1/L2)."""
+        grid_dep()
         ks = part.shape[0]
         e = (cuda.blockIdx.x // ks) * 8 + cuda.threadIdx.x // 32
         p = cuda.blockIdx.x % ks
@@ -255,7 +257,8 @@ def _build_router_select(KS):
         """Per token (one block, one thread per expert): logit = the KS k slices of part f32[KS, n, E] added in
         order (all KS loaded first: in flight together), sigmoid, + bias for the choice, grouped top-k (group score
         = sum of its top-2 choices), lower index wins ties; weights = normalized sigmoid * scaling.
-        Launch: grid n, block >= E (multiple of 32, <= 1024)."""
+        Launch: grid n, block >= E (multiple of 32, <= 1024). Moves KS*n*E*4 bytes in, n*top_k*8 out."""
+        grid_dep()
         sh_s = cuda.shared.array(MAX_E, float32)
         sh_c = cuda.shared.array(MAX_E, float32)
         sh_g = cuda.shared.array(MAX_E, float32)
@@ -436,7 +439,9 @@ def _build_plan(perm, warp_slots):
         grouped by local expert (stable: slot order inside an expert), and work items of <= cap slots per expert,
         in expert order. Outputs sized n_max*k (fixed); n_items[0] = live items. Blocks 1..: the B operand of
         gate_up, xb = prep of x f32[n, kdim] (gemm's prep: bf16 pairs, perm=1 the INT4 column order), row
-        (b - 1) // per_row. Launch: grid 1 + n * ceil(kdim / 8 / block), block 1024 (>= n_exp)."""
+        (b - 1) // per_row. Launch: grid 1 + n * ceil(kdim / 8 / block), block 1024 (>= n_exp). Moves the
+        routing (n*k*4 bytes) in and the plan (about 4*n*k*4) out; x once (n*kdim*4) and xb once (n*kdim*2)."""
+        grid_dep()
         tid, bs = cuda.threadIdx.x, cuda.blockDim.x
         if cuda.blockIdx.x > 0:
             per_row = (kdim // 8 + bs - 1) // bs
@@ -624,6 +629,7 @@ def _build_expert_gemm(fmt, down, T, R, G, U, perm_out, PF=0, bounds=None, S=0, 
         xb u32 flat [rows, k/2]; w u32 [E, nrows*k/WDIV]; sc u16 [E, nrows*k/32] (int4);
         act16 u16 flat [slots, nrows/2] (down=0); y f32[slots, nrows] (down=1); stamps i32 [grid, STAMP_WORDS]
         (STAMPS only; else not touched). Moves the weights (and scales) of every live expert once per item."""
+        grid_dep()
         if STAMPS:
             _stamp(stamps, 0, 0)
         lane = lane_id()
@@ -717,7 +723,9 @@ def _build_combine(TK):
         """out[t, h] = sum over j (in order) of y[t*k + j, h] for the slots whose expert eidx[t, j] is held here
         (e0 <= e < e0 + n_exp) (+ shared[t, h]); k = TK (= top_k, compiled in). The TK expert ids, then the TK
         values, are loaded before any is used (two rounds of loads in flight, not a chain of 2 TK); slots of other
-        devices add nothing (selected away, so whatever their rows hold). Launch: grid ceil(n*H/256), 256."""
+        devices add nothing (selected away, so whatever their rows hold). Launch: grid ceil(n*H/256), 256.
+        Moves n*k*H*4 bytes of expert rows (those of held experts), n*H*4 of shared and of out, n*k*4 of ids."""
+        grid_dep()
         i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if i >= n * hdim:
             return

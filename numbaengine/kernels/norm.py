@@ -6,7 +6,14 @@ import math
 
 from numba import cuda, float32, int32
 
-from numbaengine.kernels.device import SIM, bf16_f32, block_sum, kernel, launch
+from numbaengine.kernels.device import (
+    SIM,
+    bf16_f32,
+    block_sum,
+    grid_dep,
+    kernel,
+    launch,
+)
 
 NORM_THREADS = 32 if SIM else 256    # the simulator runs a Python thread per CUDA thread: one warp is enough there
 
@@ -19,6 +26,7 @@ def _build(add):
         """One block per row (NORM_THREADS threads): [residual += x; (keep) res_out = residual;]
         out = v / sqrt(mean(v^2) + eps) * w. Moves n*d*4 bytes in and out (twice that with the residual, +n*d*4
         with res_out)."""
+        grid_dep()
         row = cuda.blockIdx.x
         ss = float32(0)
         for i in range(cuda.threadIdx.x, d, cuda.blockDim.x):

@@ -7,7 +7,15 @@ import math
 
 from numba import cuda, float32, int32
 
-from numbaengine.kernels.device import SIM, bf16_f32, kernel, lane_id, launch, warp_sum
+from numbaengine.kernels.device import (
+    SIM,
+    bf16_f32,
+    grid_dep,
+    kernel,
+    lane_id,
+    launch,
+    warp_sum,
+)
 
 _KERNELS = {}
 
@@ -15,7 +23,9 @@ _KERNELS = {}
 def _build(interleaved):
     @kernel()
     def rope_k(x, pos, inv_freq, out, attn_factor, n, nh, half):
-        """Thread per rotated pair (token, head, i). Launch: grid ceil(n*h*d/2/256), block 256; out may alias x."""
+        """Thread per rotated pair (token, head, i). Launch: grid ceil(n*h*d/2/256), block 256; out may alias x.
+        Moves n*h*d*4 bytes in and out."""
+        grid_dep()
         idx = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if idx >= n * nh * half:
             return
@@ -48,6 +58,7 @@ def _build_qk(interleaved):
     def qk_norm_rope_k(qk, nq, q_w, k_w, eps, pos, inv_freq, q_out, k_out, half):
         """One block per token, a warp per head (looping when heads outnumber warps), lanes over rotated pairs:
         sum of squares -> 1/rms -> weight -> rotation. Moves n*(nq+nk)*d*4 bytes in and out."""
+        grid_dep()
         tok, lane = cuda.blockIdx.x, lane_id()
         d = 2 * half
         for h in range(cuda.threadIdx.x // 32, qk.shape[1], cuda.blockDim.x // 32):

@@ -12,7 +12,15 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from numbaengine.kernels.attention import shfl_xor
-from numbaengine.kernels.device import SIM, as_f32, block_argmax, kernel, launch, ld16
+from numbaengine.kernels.device import (
+    SIM,
+    as_f32,
+    block_argmax,
+    grid_dep,
+    kernel,
+    launch,
+    ld16,
+)
 from numbaengine.kernels.topk import key_index, order_key, warp_max_u64
 
 SAMPLE_THREADS = 512            # sample_kernel: one block per row
@@ -134,6 +142,7 @@ def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec):
 def sample_kernel(logits, temperature, greedy, seed, seq, pos, vec, out):
     """Block per row, SAMPLE_THREADS threads strided over the vocabulary: argmax of logits (greedy) or of
     logits / temperature + gumbel noise; lowest index wins ties. Bytes: the logits once."""
+    grid_dep()
     i, t = cuda.blockIdx.x, cuda.threadIdx.x
     V = logits.shape[1]
     bv, bi = _scan(logits, i, 0, V, temperature, greedy, row_key(seed, seq[i], pos[i]), vec)
@@ -158,6 +167,7 @@ def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, vec, best):
     T = 1 on 17 / 65 / 256 rows of 163840: capped at 64 (this) 6.7 / 16.8, 14.6 / 43.6, 45.5 / 103.9; uncapped
     8.1 / 21.5, 17.7 / 49.1, 50.8 / 123.3; capped at 80 6.7 / 16.7, 15.4 / 44.5, 49.1 / 105.6; sampled rows on
     4-byte loads 6.3 / 17.3, 13.5 / 41.1, 46.8 / 121.3."""
+    grid_dep()
     c, i, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     lo, hi = _chunk(logits.shape[1], c, cuda.gridDim.x)
     bv, bi = _scan(logits, i, lo, hi, temperature, greedy, row_key(seed, seq[i], pos[i]), vec)
@@ -170,7 +180,9 @@ def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, vec, best):
 def sample_merge_kernel(best, chunks, vocab, out):
     """Warp per row (MERGE_ROWS rows per block): lane c reads best[i, c] (all loads at once; a thread per row
     looping over the chunks took 4.7 us for 17 rows on the H200, its loads in series), a warp max of the keys,
-    then out[i] = the winner's id (0 if no chunk had a candidate)."""
+    then out[i] = the winner's id (0 if no chunk had a candidate). Launch: grid ceil(rows / MERGE_ROWS), block
+    32*MERGE_ROWS. Moves rows*chunks*8 bytes in, rows*4 out."""
+    grid_dep()
     i = cuda.blockIdx.x * MERGE_ROWS + cuda.threadIdx.x // 32
     lane = cuda.threadIdx.x % 32
     if i < out.shape[0]:                             # the same for the whole warp

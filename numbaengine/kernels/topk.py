@@ -24,6 +24,7 @@ from numbaengine.kernels.device import (
     as_f32,
     block_argmax,
     block_scan,
+    grid_dep,
     kernel,
     launch,
     ld16,
@@ -99,6 +100,7 @@ def key_index(key):
 @kernel()
 def _argmax_k(logits, out, vocab):
     """One block per row (1024 threads): strided scan, then a block reduction. Moves n*V*4 bytes."""
+    grid_dep()
     row = cuda.blockIdx.x
     bv, bi = NEG_INF, int32(BIG)
     for i in range(cuda.threadIdx.x, vocab, cuda.blockDim.x):
@@ -127,6 +129,7 @@ def _build_topk(K):
     def topk_k(logits, idx_out, val_out, vocab):
         """One block per row (256 threads): each thread keeps its K best in registers (sorted), then K rounds of a
         block argmax over the threads' heads; the winner shifts its list. Moves n*V*4 bytes."""
+        grid_dep()
         row = cuda.blockIdx.x
         vals = cuda.local.array(K, float32)
         ids = cuda.local.array(K, int32)
@@ -503,6 +506,7 @@ def topk_part_kernel(logits, k, cand, ws):
     ws[b, d, 0:TOPK_BINS] (f32 counts, exact); the order_keys of the ids at or above t_c to cand u64[B, L, C, cap]
     (unordered). ws[b, d, TOPK_STAT + 3c + (0, 1, 2)] = max, sum, candidates (-1: more than cap, the row takes
     the slow path). Bytes: the chunk once, a few hundred atomics, ~(k + one bin) keys out."""
+    grid_dep()
     c, d, b = int32(cuda.blockIdx.x), int32(cuda.blockIdx.y), int32(cuda.blockIdx.z)
     t, nt = int32(cuda.threadIdx.x), PART_THREADS
     L, V, cap = int32(logits.shape[1]), int32(logits.shape[2]), int32(cand.shape[3])
@@ -574,6 +578,7 @@ def topk_merge_kernel(logits, cand, ws, ids, lp):
     overflowed or more than TOPK_CAP ids at or above t*): radix passes over the row's logits under t*'s prefix,
     then the same sort of the K winners.
     Bytes: the histogram (16 KB) and the chunk lists (~C * (K + bin) keys)."""
+    grid_dep()
     d, b = cuda.blockIdx.x, cuda.blockIdx.y
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     V, C, K = logits.shape[2], cand.shape[2], ids.shape[2]

@@ -17,7 +17,7 @@ import numpy as np
 from numba import cuda, float32, float64, int32, uint32, uint64
 
 from numbaengine.kernels.attention import launch_smem, shfl_xor
-from numbaengine.kernels.device import SIM, kernel, launch, syncwarp
+from numbaengine.kernels.device import SIM, grid_dep, kernel, launch, syncwarp
 from numbaengine.kernels.sample import sample_work
 from numbaengine.kernels.topk import (
     TOPK_MAX,
@@ -103,6 +103,38 @@ def _tie_break(fkey, top, live, fpar, frank, fdepth, npar, nrank):
     return be
 
 
+@cuda.jit(device=True, inline="always")
+def _write_nodes(b, t, nt, nodes, start, N, W, ids, bonus, seq_ids, npar, ndepth, nrank, tokens, parents, depths,
+                 positions, vis, sample_seq, sample_pos):
+    """build_kernel's output rows of sequence b from its node arrays (every thread of the block, rows t, t + nt,
+    ...): tokens, parents, depths, positions, the sampling keys, and the visibility bits (one walk to the root per
+    node); rows past `nodes` are padding."""
+    for i in range(t, N, nt):
+        live_i = i < nodes
+        dep = ndepth[i] if live_i else 0
+        tok = 0
+        if i == 0:
+            tok = bonus[b]
+        elif live_i:
+            tok = ids[b, dep - 1, nrank[i]]
+        tokens[b, i] = tok
+        parents[b, i] = npar[i] if live_i else -1
+        depths[b, i] = dep
+        positions[b, i] = start + dep
+        sample_seq[b * N + i] = seq_ids[b]
+        sample_pos[b * N + i] = start + dep + 1
+    words = cuda.local.array(VIS_WORDS, uint32)
+    for i in range(t, N, nt):                        # ancestor-or-self bits: one walk to the root per node
+        for w in range(W):
+            words[w] = uint32(0)
+        j = i if i < nodes else -1
+        while j >= 0:
+            words[j >> 5] |= uint32(1) << uint32(j & 31)
+            j = npar[j]
+        for w in range(W):
+            vis[b, i, w] = words[w]
+
+
 @kernel()
 def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, depths, positions, vis, ntok,
                  sample_seq, sample_pos):
@@ -113,7 +145,9 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
     (= lengths[b] + depth) i32[B, N], vis u32[B, N, W] (bit j of row i: node j is i or an ancestor),
     ntok[b] = nodes incl. the root, and per node the sampling keys sample_seq / sample_pos (= position + 1)
     i32[B*N]. Rows past ntok[b] are padding (token 0, parent -1, no visibility). Dynamic shared memory
-    (build_smem): frontier and node arrays (48 B per node) and lp[b, :, :min(K, N)]."""
+    (build_smem): frontier and node arrays (48 B per node) and lp[b, :, :min(K, N)]. Launch: grid B, block
+    BUILD_THREADS. Moves lp[b, :, :min(K, N)] (4 L min(K, N) bytes) and the N popped ids in, N*(6 + W)*4 out."""
+    grid_dep()
     b, t, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
     lane = t & 31
     L, K = ids.shape[1], ids.shape[2]
@@ -232,31 +266,8 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
             nsh[0] = nodes
     cuda.syncthreads()
     nodes = nsh[0]
-    start = lengths[b]
-    for i in range(t, N, nt):
-        live_i = i < nodes
-        dep = ndepth[i] if live_i else 0
-        tok = 0
-        if i == 0:
-            tok = bonus[b]
-        elif live_i:
-            tok = ids[b, dep - 1, nrank[i]]
-        tokens[b, i] = tok
-        parents[b, i] = npar[i] if live_i else -1
-        depths[b, i] = dep
-        positions[b, i] = start + dep
-        sample_seq[b * N + i] = seq_ids[b]
-        sample_pos[b * N + i] = start + dep + 1
-    words = cuda.local.array(VIS_WORDS, uint32)
-    for i in range(t, N, nt):                        # ancestor-or-self bits: one walk to the root per node
-        for w in range(W):
-            words[w] = uint32(0)
-        j = i if i < nodes else -1
-        while j >= 0:
-            words[j >> 5] |= uint32(1) << uint32(j & 31)
-            j = npar[j]
-        for w in range(W):
-            vis[b, i, w] = words[w]
+    _write_nodes(b, t, nt, nodes, lengths[b], N, W, ids, bonus, seq_ids, npar, ndepth, nrank, tokens, parents,
+                 depths, positions, vis, sample_seq, sample_pos)
     if t == 0:
         ntok[b] = nodes
 
@@ -266,7 +277,9 @@ def walk_kernel(tokens, parents, ntok, post, lengths, bonus, path, nacc, start_o
     """One warp per sequence: follow the children whose token equals the target's sample post[b*N + node]
     (i32[B*N]); path i32[B, P] (accepted node ids, root first), nacc[b] = m, start_out[b] = the old length
     (for commit), out_tokens i32[B, P+1] = [m, accepted drafts..., new bonus]; then lengths[b] += m and
-    bonus[b] = the new bonus. The host reads only out_tokens."""
+    bonus[b] = the new bonus. The host reads only out_tokens. Launch: grid B, block 32. Moves the walked
+    nodes' rows of tokens and parents (at most the whole tree: N*8 bytes) and their samples in, P*12 out."""
+    grid_dep()
     b, lane = cuda.blockIdx.x, cuda.threadIdx.x
     N, P = tokens.shape[1], path.shape[1]
     n = ntok[b]
@@ -306,6 +319,7 @@ def commit_kernel(cache, path, nacc, start):
     """Block per (layer, sequence): cache rows start+path[i] move to start+i (0 < i < nacc), all rows read into
     shared memory before any is written, four independent loads in flight per thread. cache u32[layers, B, cap,
     D/2] (bf16 pairs); dynamic shared memory P*D/2 words. Bytes: 2 * 2D per accepted row per layer."""
+    grid_dep()
     layer, b = cuda.blockIdx.x, cuda.blockIdx.y
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     D2 = cache.shape[3]
@@ -334,6 +348,7 @@ def gather_kernel(hidden, path, nacc, start, feats, feat_pos):
     feats[b, i] = concat_f hidden[f, b, path[b, i]] (the drafter context's new rows, target_layer_ids order)
     and feat_pos[b, i] = start[b] + i, for i < nacc[b]. hidden f32[F, B, N, H] -> feats f32[B, P, F*H].
     Bytes: 2 * 4 * F*H per accepted row."""
+    grid_dep()
     g, i, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     F, H = hidden.shape[0], hidden.shape[3]

@@ -14,7 +14,7 @@ fragments per warp: warp w of the group holds rows 16w .. 16w + 15, and register
 is (row 16w + g + 8 (i // 2), column 8j + 2t + i % 2).
 """
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, uint32, uint64
 
 from numbaengine.kernels.device import SIM
 
@@ -59,8 +59,10 @@ if SIM:
     def make_desc(lbo, sbo, swizzle=0):
         return _no_twin
 
-    def make_wgmma(N, trans_b=False, accumulate=True):
+    def make_wgmma(N, trans_b=False):
         return _no_twin
+
+    _core_offset, _sw128_offset = core_offset, sw128_offset
 else:
     from llvmlite import ir
     from numba import types
@@ -112,12 +114,11 @@ else:
 
     _WGMMA = {}
 
-    def make_wgmma(N, trans_b=False, accumulate=True):
-        """wgmma(desc_a, desc_b, *acc) -> acc': D = A @ B^T + D for A 64x16 and B Nx16 (both K-major in shared
-        memory; trans_b: B is MN-major, the tile 16xN with n contiguous), f32 accumulators (N/2 per thread, in and
-        out), bf16 inputs. accumulate=False: D = A B^T (the accumulators passed in are ignored). N % 8 == 0,
-        8 <= N <= 256."""
-        key = (N, trans_b, accumulate)
+    def make_wgmma(N, trans_b=False):
+        """wgmma(desc_a, desc_b, acc, accumulate) -> acc': D = A @ B^T (+ D where accumulate is nonzero) for A 64x16
+        and B Nx16 (both K-major in shared memory; trans_b: B is MN-major, the tile 16xN with n contiguous), f32
+        accumulators acc (a tuple of N/2 per thread, in and out), bf16 inputs. N % 8 == 0, 8 <= N <= 256."""
+        key = (N, trans_b)
         if key in _WGMMA:
             return _WGMMA[key]
         if N % 8 or not 8 <= N <= 256:
@@ -128,94 +129,89 @@ else:
         asm = (f"{{ .reg .pred p; setp.ne.b32 p, ${nacc + 2}, 0; wgmma.mma_async.sync.aligned.m64n{N}k16.f32.bf16.bf16"
                f" {{{regs}}}, ${nacc}, ${nacc + 1}, p, 1, 1, 0, {int(trans_b)}; }}")
         cons = ",".join(["=f"] * nacc + ["l", "l", "r"] + [str(i) for i in range(nacc)])
+        acc_type = types.UniTuple(types.float32, nacc)
 
-        def typer(typingctx, desc_a, desc_b, *acc):
-            if len(acc) != nacc:
+        @intrinsic
+        def wgmma(typingctx, desc_a, desc_b, acc, accumulate):
+            if acc != acc_type:
                 return None
-            sig = types.UniTuple(types.float32, nacc)(desc_a, desc_b, *acc)
+            sig = acc_type(desc_a, desc_b, acc, accumulate)
 
             def codegen(ctx, b, sig, args):
                 f32 = ir.FloatType()
-                scale_d = ir.Constant(ir.IntType(32), int(accumulate))
-                vals = [ctx.cast(b, args[i], sig.args[i], types.uint64) for i in (0, 1)] + [scale_d]
-                vals += [ctx.cast(b, v, t, types.float32) for v, t in zip(args[2:], sig.args[2:])]
+                vals = [ctx.cast(b, args[i], sig.args[i], types.uint64) for i in (0, 1)]
+                vals.append(ctx.cast(b, args[3], sig.args[3], types.int32))
+                vals += [b.extract_value(args[2], i) for i in range(nacc)]
                 fn = ir.FunctionType(ir.LiteralStructType([f32] * nacc),
                                      [ir.IntType(64)] * 2 + [ir.IntType(32)] + [f32] * nacc)
                 r = b.call(ir.InlineAsm(fn, asm, cons, side_effect=True), vals)
-                return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, i) for i in range(nacc)])
+                return ctx.make_tuple(b, acc_type, [b.extract_value(r, i) for i in range(nacc)])
             return sig, codegen
-        params = ", ".join(f"a{i}" for i in range(nacc))
-        ns = {"typer": typer}
-        exec(f"def wgmma_m64n{N}(typingctx, desc_a, desc_b, {params}):\n"
-             f"    return typer(typingctx, desc_a, desc_b, {params})", ns)
-        _WGMMA[key] = intrinsic(ns[f"wgmma_m64n{N}"])
-        return _WGMMA[key]
+        _WGMMA[key] = wgmma
+        return wgmma
+
+    _core_offset, _sw128_offset = cuda.jit(device=True)(core_offset), cuda.jit(device=True)(sw128_offset)
 
 
 def wgmma_tile_kernel(N, K=16, trans_b=False, b_strides=None, swizzle=0):
-    """Kernel: one warpgroup (128 threads) computes d f32[64, N] = a @ b^T for a u16[64, K] and b u16[N, K] (bf16
-    bits; trans_b: d = a @ b for b u16[K, N], MN-major): both tiles staged in shared memory (1024-aligned) by
-    core_offset (swizzle=0) or sw128_offset (swizzle=128), K/16 wgmmas (the first with accumulate=False), the
-    accumulators written out by the fragment layout above. b_strides: B's (LBO, SBO), default the layout's. Moves
-    (64 + N) * 2K bytes in and 256 N out."""
-    nacc, b_rows, b_cols = N // 2, (K if trans_b else N), (N if trans_b else K)
-    a_words = 64 * K // 2
+    """Kernel (a, b, d), one warpgroup (grid 1, block 128): d f32[64, N] = a @ b^T for a u16[64, K] and b u16[N, K]
+    (bf16 bits; trans_b: d = a @ b for b u16[K, N], MN-major): both tiles staged in shared memory (1024-aligned) by
+    core_offset (swizzle=0) or sw128_offset (swizzle=128), K/16 wgmmas (the first overwriting the accumulators),
+    the accumulators written out by the fragment layout above. b_strides: B's (LBO, SBO), default the layout's.
+    Moves (64 + N) * 2K bytes in and 256 N out."""
+    from numbaengine.kernels.device import F0
+    from numbaengine.kernels.unroll import fill, unroll
+    NACC, B_ROWS, B_COLS, KS, TRANS_B = N // 2, (K if trans_b else N), (N if trans_b else K), K // 16, trans_b
+    A_WORDS, SWIZZLE, KH, BH = 64 * K // 2, bool(swizzle), K // 2, (N if trans_b else K) // 2
     if swizzle:                  # 8-row atoms 1024 bytes apart; 64-wide slabs rows * 128 apart; k16 = 32 bytes
-        place_a, place_b = "sw128_offset(row, k, 64)", f"sw128_offset(row, k, {b_rows})"
         lbo_a, sbo_a = 16, 1024
         lbo_b, sbo_b = b_strides or (sw128_mn_strides(K * 128, 1024) if trans_b else (16, 1024))
-        a_step = [(ks // 4) * 64 * 128 + (ks % 4) * 32 for ks in range(K // 16)]
-        b_step = [ks * 2048 if trans_b else (ks // 4) * N * 128 + (ks % 4) * 32 for ks in range(K // 16)]
+        A_BYTES, B_BYTES = 64 * 128 * -(-K // 64), B_ROWS * 128 * -(-B_COLS // 64)   # rows of 128-byte atoms
     else:                        # core matrices: k16 = two of them along k
-        place_a, place_b = f"core_offset(row, k, {K // 8})", f"core_offset(row, k, {b_cols // 8})"
         lbo_a, sbo_a = 128, 16 * K
         lbo_b, sbo_b = b_strides or (mn_strides(16 * N, 128) if trans_b else (128, 16 * K))
-        a_step = [256 * ks for ks in range(K // 16)]
-        b_step = [(32 * N if trans_b else 256) * ks for ks in range(K // 16)]
-    acc = ", ".join(f"c{i}" for i in range(nacc))
-    calls = "\n".join(
-        f"    {acc} = {'wg0' if ks == 0 else 'wg1'}(da + uint64({a_step[ks] // 16}), db + uint64({b_step[ks] // 16}), "
-        f"{acc})" for ks in range(K // 16))
-    if swizzle:                  # rows narrower than 64 still take 128-byte atom rows
-        a_bytes, b_bytes = 64 * 128 * -(-K // 64), b_rows * 128 * -(-b_cols // 64)
-    else:
-        a_bytes, b_bytes = 64 * K * 2, b_rows * b_cols * 2
-    nwords = (a_bytes + b_bytes) // 4
-    src = f'''
-def wgmma_tile(a, b, d):
-    sm = cuda.shared.array({nwords}, uint32, alignment=1024)
-    tid = cuda.threadIdx.x
-    for i in range(tid, {a_words + b_rows * b_cols // 2}, 128):   # a bf16 pair of A (i < {a_words}) or of B
-        if i < {a_words}:
-            row, k = i // {K // 2}, 2 * (i % {K // 2})
-            o = {place_a}
-            word = uint32(a[row, k]) | (uint32(a[row, k + 1]) << uint32(16))
+        A_BYTES, B_BYTES = 64 * K * 2, B_ROWS * B_COLS * 2
+    NWORDS, AKC, BKC = (A_BYTES + B_BYTES) // 4, K // 8, B_COLS // 8
+    desc_a, desc_b = make_desc(lbo_a, sbo_a, swizzle), make_desc(lbo_b, sbo_b, swizzle)
+    wgmma = make_wgmma(N, trans_b)
+
+    @cuda.jit(device=True, forceinline=True)
+    def k_step(ks, acc, da, db):
+        """The wgmma of k16 step ks (the first one overwrites acc): A and B advanced by its bytes (16-byte units)."""
+        if SWIZZLE:
+            a_off = (ks // 4) * 64 * 128 + (ks % 4) * 32
+            b_off = ks * 2048 if TRANS_B else (ks // 4) * N * 128 + (ks % 4) * 32
         else:
-            row, k = (i - {a_words}) // {b_cols // 2}, 2 * ((i - {a_words}) % {b_cols // 2})
-            o = {a_bytes} + {place_b}
-            word = uint32(b[row, k]) | (uint32(b[row, k + 1]) << uint32(16))
-        sm[o // 4] = word
-    fence_proxy_async()
-    cuda.syncthreads()
-    {acc} = {", ".join(["float32(0)"] * nacc)}
-    da, db = desc_a(sm, 0), desc_b(sm, {a_bytes})
-    wg_fence()
-{calls}
-    wg_commit()
-    wg_wait0()
-    res = ({acc},)
-    w, lane = tid // 32, tid % 32
-    g, t = lane // 4, lane % 4
-    for i in range({nacc}):
-        d[16 * w + g + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * t + i % 2] = res[i]
-'''
-    ns = dict(cuda=cuda, uint32=uint32, uint64=uint64, float32=float32,
-              core_offset=cuda.jit(device=True)(core_offset), sw128_offset=cuda.jit(device=True)(sw128_offset),
-              fence_proxy_async=fence_proxy_async, wg_fence=wg_fence, wg_commit=wg_commit, wg_wait0=wg_wait0,
-              desc_a=make_desc(lbo_a, sbo_a, swizzle), desc_b=make_desc(lbo_b, sbo_b, swizzle),
-              wg0=make_wgmma(N, trans_b, accumulate=False), wg1=make_wgmma(N, trans_b))
-    exec(src, ns)
-    return cuda.jit(ns["wgmma_tile"])
+            a_off = 256 * ks
+            b_off = (32 * N if TRANS_B else 256) * ks
+        return wgmma(da + uint64(a_off // 16), db + uint64(b_off // 16), acc, ks > 0)
+
+    @cuda.jit
+    def wgmma_tile(a, b, d):
+        sm = cuda.shared.array(NWORDS, uint32, alignment=1024)
+        tid = cuda.threadIdx.x
+        for i in range(tid, A_WORDS + B_ROWS * B_COLS // 2, 128):   # a bf16 pair of A (i < A_WORDS) or of B
+            if i < A_WORDS:
+                row, k = i // KH, 2 * (i % KH)
+                o = _sw128_offset(row, k, 64) if SWIZZLE else _core_offset(row, k, AKC)
+                word = uint32(a[row, k]) | (uint32(a[row, k + 1]) << uint32(16))
+            else:
+                row, k = (i - A_WORDS) // BH, 2 * ((i - A_WORDS) % BH)
+                o = A_BYTES + (_sw128_offset(row, k, B_ROWS) if SWIZZLE else _core_offset(row, k, BKC))
+                word = uint32(b[row, k]) | (uint32(b[row, k + 1]) << uint32(16))
+            sm[o // 4] = word
+        fence_proxy_async()
+        cuda.syncthreads()
+        da, db = desc_a(sm, 0), desc_b(sm, A_BYTES)
+        wg_fence()
+        acc = unroll(KS, k_step, fill(NACC, F0), da, db)
+        wg_commit()
+        wg_wait0()
+        w, lane = tid // 32, tid % 32
+        g, t = lane // 4, lane % 4
+        for i in range(NACC):
+            d[16 * w + g + 8 * ((i % 4) // 2), 8 * (i // 4) + 2 * t + i % 2] = acc[i]
+    return wgmma_tile
 
 
 def wgmma_tile(a, b, N, trans_b=False, b_strides=None, swizzle=0):
