@@ -89,10 +89,10 @@ class Engine:
             return target.ops.to_host(logits)
         if self.ranks is not None:               # every rank runs it (collectives); all hold the same logits
             return self.ranks.run(lambda r: prefill(self.ranks.targets[r]))[0]
-        with self._blas():
+        with self.blas_threads():
             return prefill(self.target)
 
-    def _blas(self):
+    def blas_threads(self):
         """Decode-sized matmuls run faster on one BLAS thread: on a 2-core machine with another busy process,
         17x384 @ 384x4096 took 3.7 ms on one thread and 15 ms on OpenBLAS's default two."""
         return threadpool_limits(1, "blas") if self.backend == "numpy" else contextlib.nullcontext()
@@ -117,7 +117,7 @@ class Engine:
             return device_round.generate_batch(self.target, self.drafter, self.tokenizer, prompts, max_new_tokens,
                                                mode, budget, temperature, seed, stop, self.max_context, on_round,
                                                self.rounds_cache, ranks=self.ranks)
-        with self._blas():
+        with self.blas_threads():
             if budget == AUTO and mode == "ddtree" and cost_table is None and self.drafter is not None:
                 self.costs = self.costs or reference_costs(self.target, self.drafter, self.target.ops)
                 cost_table = self.costs

@@ -110,7 +110,7 @@ class Scheduler:
     # --- the engine thread -----------------------------------------------------------------------------------------
 
     def _loop(self):
-        with self.engine._blas():           # the BLAS threads Engine.generate decodes with
+        with self.engine.blas_threads():     # the BLAS threads Engine.generate decodes with
             while self._wait():
                 self._admit()
                 self._leave([x for x in self.live if x.req.cancelled])
