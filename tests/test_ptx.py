@@ -132,25 +132,26 @@ def test_ptx_stats_load_placement_and_cap():
 
 
 def test_pdl_mode_values():
-    """NUMBAENGINE_PDL: wait by default, trigger / 1, off / 0; a misspelt value is an error, not silently off."""
+    """NUMBAENGINE_PDL: wait by default (or 1), off / 0; a misspelt or removed value is an error, not silently off."""
     import numbaengine.kernels.device as dev
-    assert [dev.pdl_mode(v) for v in ("", "wait", "trigger", "1", "off", "0")] == ["wait", "wait", "trigger",
-                                                                                   "trigger", None, None]
+    assert [dev.pdl_mode(v) for v in ("", "wait", "1", "off", "0")] == ["wait", "wait", "wait", None, None]
+    with pytest.raises(ValueError, match="NUMBAENGINE_PDL='trigger'"):
+        dev.pdl_mode("trigger")
     with pytest.raises(ValueError, match="NUMBAENGINE_PDL='wiat'"):
         dev.pdl_mode("wiat")
 
 
 def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
     """With kernels.device.PDL (NUMBAENGINE_PDL, "wait" by default) a kernel made by kernel() that starts with
-    grid_dep() waits for the previous one before its body's first global load or store (and in "trigger" mode first
-    lets the next one launch); the launch attribute exists in this cuda.core and kernels.device.pdl sets it on this
+    grid_dep() waits for the previous one before its body's first global load or store and never lets the next one
+    launch early; the launch attribute exists in this cuda.core and kernels.device.pdl sets it on this
     thread's launches only (rank threads launch concurrently), and only inside the context;
     kernels.device.cooperative likewise its flag."""
     import numba.cuda.dispatcher as D
     from numba import cuda
 
     import numbaengine.kernels.device as dev
-    for mode in ("trigger", "wait"):
+    for mode in ("wait",):
         monkeypatch.setattr(dev, "PDL", mode)
 
         @dev.kernel()
@@ -165,7 +166,7 @@ def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
         first_mem = min(body.index(op) for op in ("ld.global", "st.global") if op in body)
         assert body.index("griddepcontrol.wait") < first_mem, mode
         trigger = body.find("griddepcontrol.launch_dependents")
-        assert (0 <= trigger < body.index("griddepcontrol.wait")) if mode == "trigger" else trigger < 0, mode
+        assert trigger < 0, mode
     import threading
     other = []                    # what another thread's launch gets while this one is inside pdl()
     with dev.pdl():

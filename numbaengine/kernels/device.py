@@ -125,17 +125,16 @@ INT4_OFFSET2 = uint32(0xC308C308)      # bf16 pair (-136.0, -136.0): 128 + u - 1
 # grid_dep() and launch() gives it the PDL launch attribute: with no explicit trigger a kernel's blocks trigger as they
 # exit, so the next kernel is launched as this one's last blocks end (ahead of its completion being signalled), and
 # its blocks first wait (griddepcontrol.wait) until this kernel has finished and its writes are visible.
-# NUMBAENGINE_PDL (read at import): "wait" (default), "trigger" (or "1": each kernel also lets the next launch at its
-# start), "off" (or "0": plain launches). "wait" against "off", H200, K2.6-shaped 2 layers (`python -m tools.bench
-# --synth-k2 2 --modes ar,ddtree --budgets 16 --batches 1 --new-tokens 32`): AR step 1.249 against 1.273 ms of GPU
-# time (-1.8%). "trigger" made that step slower (1.405 against 1.297 ms).
-PDL_MODES = {"": "wait", "wait": "wait", "1": "trigger", "trigger": "trigger", "0": None, "off": None}
+# NUMBAENGINE_PDL (read at import): "wait" (default) or "off" (or "0": plain launches). H200, K2.6-shaped 2 layers
+# (`python -m tools.bench --synth-k2 2 --modes ar,ddtree --budgets 16 --batches 1 --new-tokens 32`): AR step 1.249
+# against 1.273 ms of GPU time with it off (-1.8%).
+PDL_MODES = {"": "wait", "wait": "wait", "1": "wait", "0": None, "off": None}
 
 
 def pdl_mode(value):
-    """NUMBAENGINE_PDL's value -> "wait", "trigger" or None (off); anything else is an error."""
+    """NUMBAENGINE_PDL's value -> "wait" or None (off); anything else is an error."""
     if value not in PDL_MODES:
-        raise ValueError(f"NUMBAENGINE_PDL={value!r}: use one of wait (default), trigger, off")
+        raise ValueError(f"NUMBAENGINE_PDL={value!r}: use one of wait (default), off")
     return PDL_MODES[value]
 
 
@@ -144,8 +143,8 @@ PDL = pdl_mode(os.environ.get("NUMBAENGINE_PDL", "").strip().lower())
 
 def kernel(**opts):
     """`cuda.jit` for kernels; drops the options the simulator does not know. A kernel's first statement is
-    grid_dep(): with PDL the next kernel may launch (griddepcontrol.launch_dependents; not in PDL "wait" mode) and
-    this one waits until the previous kernel has finished and its writes are visible (griddepcontrol.wait); nothing
+    grid_dep(): with PDL this one waits until the previous kernel has finished and its writes are visible
+    (griddepcontrol.wait; the next kernel launches as this one's blocks exit); nothing
     of the body (no read, no write) runs before the wait, so every ordering of a plain launch holds. launch() gives
     the PDL attribute only to kernels whose code calls grid_dep (tests/test_structure.py checks that every kernel of
     the package starts with it). Compiled kernels are kept on disk (kernels/cache.py)."""
@@ -603,13 +602,10 @@ else:
 
     @intrinsic
     def grid_dep(typingctx):
-        """A kernel's first statement (kernel()): by PDL's mode when the kernel is compiled, "trigger": the next
-        kernel may launch, then (both modes) wait for the previous one; nothing with PDL off. No-ops without the
-        launch attribute."""
+        """A kernel's first statement (kernel()): with PDL on when the kernel is compiled, wait for the previous
+        kernel to finish and its writes to be visible; nothing with PDL off. A no-op without the launch attribute."""
         def codegen(ctx, b, sig, args):
-            steps = (["griddepcontrol.launch_dependents;"] if PDL == "trigger" else []) + (
-                ["griddepcontrol.wait;"] if PDL else [])
-            for asm in steps:
+            for asm in ["griddepcontrol.wait;"] if PDL else []:
                 b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), asm, "~{memory}", side_effect=True), [])
         return types.void(), codegen
 
