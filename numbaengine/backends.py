@@ -16,89 +16,31 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from numbaengine.env import simulator
 from numbaengine.reference import (
+    InOrder,
     add_rmsnorm_ref,
+    all_reduce_ref,
     attention_ref,
+    cache_read_ref,
+    cache_write_ref,
+    copy_ref,
+    embed_ref,
     gemm_ref,
     head_gemm_ref,
     kv_attention_ref,
-    moe_ref,
+    latent_attention_ref,
+    moe_shared_ref,
     qk_norm_rope_ref,
     rmsnorm_ref,
     rope_ref,
     router_ref,
     sample_ref,
     silu_mul_ref,
+    visibility_ref,
 )
-from numbaengine.weights.dtypes import bf16_to_f32, f32_to_bf16
 
 BACKENDS = ("numpy", "sim", "cuda", "auto")
-
-
-def embed_ref(table, tokens, out):
-    """tokens i32[n] -> out f32[n, H] = bf16 rows of table u16[V, H]."""
-    out[:] = bf16_to_f32(table[np.asarray(tokens)])
-    return out
-
-
-def cache_write_ref(rows, visible, latent):
-    """Latent rows f32[T, D] of new tokens -> cache rows start..start+T-1 (rounded to bf16 in a bf16 cache), where
-    visible bool[T, start+T] is what visibility_ref gave for them."""
-    start = visible.shape[1] - len(latent)
-    rows[start:start + len(latent)] = f32_to_bf16(latent) if rows.dtype == np.uint16 else latent
-
-
-def cache_read_ref(rows, end, out):
-    """Cache rows [0, end) -> out f32[end, D]."""
-    out[:] = bf16_to_f32(rows[:end]) if rows.dtype == np.uint16 else rows[:end]
-    return out
-
-
-def visibility_ref(start, T, tree_mask, form=None):
-    """bool[T, start+T]: every committed row, then the new rows the mask allows (causal when mask is None).
-    The reference attention ops take it in both MLA forms."""
-    vis = np.ones((T, start + T), bool)
-    vis[:, start:] = np.tril(np.ones((T, T), bool)) if tree_mask is None else np.asarray(tree_mask, bool)
-    return vis
-
-
-def latent_attention_ref(q, rows, visible, scale, out):
-    """Absorbed MLA: q f32[T, h, r+rope] ([q_lat | q_pe]) against cache rows [0, S) (S = visible's width) as MQA,
-    keys = whole latent rows, values = their c_kv part -> out f32[T, h, r]."""
-    latent = cache_read_ref(rows, visible.shape[1], np.empty((visible.shape[1], rows.shape[1]), np.float32))
-    return attention_ref(q, latent[:, None, :], latent[:, None, :out.shape[-1]], visible, scale, out)
-
-
-def all_reduce_ref(parts):
-    """Sum of the shards' partial outputs (what NCCL computes across GPUs)."""
-    return parts[0] if len(parts) == 1 else np.sum(parts, axis=0, dtype=np.float32)
-
-
-def moe_shared_ref(x, idx, wts, experts, out, shared=None, after=None):
-    """Routed experts (moe_ref), plus the shared expert's output when given (after: the branch that computed it,
-    joined before it is read; nothing to wait for here)."""
-    moe_ref(x, idx, wts, experts, out)
-    if shared is not None:
-        out += shared
-    return out
-
-
-def copy_ref(src, dst):
-    dst[...] = src
-    return dst
-
-
-class InOrder:
-    """branch() of a table that runs every op in order (the reference, the simulator): nothing to join."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def join(self):
-        pass
 
 
 NUMPY = SimpleNamespace(
@@ -117,8 +59,7 @@ NUMPY = SimpleNamespace(
 
 def gpu_ready() -> bool:
     """A GPU that the cuda backend can drive: CuPy imports, numba sees a device, and the simulator is off."""
-    import os
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    if simulator():
         return False
     try:
         import cupy

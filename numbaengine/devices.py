@@ -18,6 +18,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from numbaengine.reference import all_gather_cols
+
 
 class NcclComm:
     """One rank's collectives over cupy.cuda.nccl, issued on CuPy's current stream (a captured round records them).
@@ -92,20 +94,6 @@ class ThreadComm:
 def _check_flat(a, what):
     if a.dtype != np.float32 or not a.flags.c_contiguous:
         raise ValueError(f"{what}: needs a C-contiguous float32 buffer, got {a.dtype} strides {a.strides}")
-
-
-def all_gather_cols(comm, part, out, buf):
-    """Vocabulary-parallel gather: every rank's part f32[m, v] side by side -> out f32[m, size * v]
-    (buf f32[size, m, v] is the collective's buffer)."""
-    m, v = part.shape
-    if not out.flags.c_contiguous:      # a reshape of a strided view would be a copy: the result would be lost
-        raise ValueError(f"all_gather: out must be C-contiguous, got strides {out.strides}")
-    if out.shape != (m, comm.size * v) or buf.shape != (comm.size, m, v):
-        raise ValueError(f"all_gather: part {part.shape}, out {out.shape}, buffer {buf.shape} do not fit "
-                         f"{comm.size} ranks")
-    comm.all_gather(part, buf)
-    out.reshape(m, comm.size, v)[...] = buf.transpose(1, 0, 2)
-    return out
 
 
 class Ranks:

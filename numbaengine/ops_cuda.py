@@ -17,29 +17,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
 from numba import cuda, int32, uint16, uint32
 
-from numbaengine.backends import InOrder, visibility_ref
+from numbaengine import env
 from numbaengine.kernels.act import silu_mul
 from numbaengine.kernels.attention import attention, kv_attention, kv_attention_work
-from numbaengine.kernels.device import (
-    F0,
-    SIM,
-    bf16_f32,
-    grid_dep,
-    kernel,
-    launch,
-    pack_bf16x2,
-)
+from numbaengine.kernels.device import F0, SIM, bf16_f32, grid_dep, pack_bf16x2
 from numbaengine.kernels.gemm import (
     TILES_MAX,
     GemmWorkspace,
-    contiguous,
     gemm,
     gemm_config,
     gemm_sync_words,
@@ -47,6 +37,7 @@ from numbaengine.kernels.gemm import (
     head_gemm,
     head_gemm_workspace_words,
 )
+from numbaengine.kernels.launch import contiguous, kernel, launch
 from numbaengine.kernels.mla import mla_attention, mla_work
 from numbaengine.kernels.moe import (
     MAX_SLOTS,
@@ -62,7 +53,7 @@ from numbaengine.kernels.moe import (
 from numbaengine.kernels.norm import add_rmsnorm, rmsnorm
 from numbaengine.kernels.rope import qk_norm_rope, rope
 from numbaengine.kernels.sample import sample
-from numbaengine.reference import Experts
+from numbaengine.reference import Experts, InOrder, all_gather_cols, visibility_ref
 
 GEMM_ROWS = 8 * TILES_MAX    # token rows of one GEMM block; taller x runs as several row blocks of one launch
 TALL_PART_BYTES = 64 << 20   # k-split partials a tall GEMM may use (else a launch per row block, partials reused)
@@ -169,7 +160,7 @@ class KernelOps:
         self.branches = xp is not np   # False: branch() runs in order (tools/profile_round.py times one launch at
         self._side = None              # a time); the second stream and its fork/join events, made on first use
 
-    def fresh(self) -> "KernelOps":
+    def fresh(self) -> KernelOps:
         """A table over the same device with its own scratch (a captured graph owns the buffers it points at)."""
         table = KernelOps(self.name, self.xp, self.poison, self.trim_warps, self.comm)
         table.branches = self.branches
@@ -277,7 +268,6 @@ class KernelOps:
 
     def all_gather(self, part, out):
         """Every rank's part f32[m, v] side by side -> out f32[m, ranks * v] (vocabulary-parallel lm_head)."""
-        from numbaengine.devices import all_gather_cols
         return all_gather_cols(self.comm, part, out, self.scratch("gather", (self.comm.size,) + part.shape))
 
     # -- math ops (reference signatures) -------------------------------------------------------------------------
@@ -481,4 +471,4 @@ def cuda_ops(comm=None) -> KernelOps:
         raise ImportError(f"backend 'cuda' needs CuPy (pip install 'numbaengine[cuda]'): {e}") from None
     if not cuda.is_available():
         raise ValueError("backend 'cuda': numba finds no usable GPU")
-    return KernelOps("cuda", cupy, poison=os.environ.get("NUMBAENGINE_POISON", "") == "1", comm=comm)
+    return KernelOps("cuda", cupy, poison=env.poison(), comm=comm)

@@ -14,6 +14,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+from numbaengine import env
+
 PHASES = ("load", "compile", "capture", "prefill", "decode")
 
 _TOTALS: dict[str, float] = {}
@@ -47,7 +49,7 @@ def record(name: str, **fields):
 
 
 def _write(line):
-    path = os.environ.get("NUMBAENGINE_PHASES")
+    path = env.phases_file()
     if path:
         _append(path, line)
 

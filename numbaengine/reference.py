@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from numbaengine.weights.dtypes import bf16_to_f32
+from numbaengine.weights.dtypes import bf16_to_f32, f32_to_bf16
 from numbaengine.weights.int4 import dequant_int4
 
 # --- weight decode memo: bf16 and INT4 decodes are exact in float32, so decoding once changes no result -------------
@@ -308,3 +308,85 @@ def topk_ref(logits, k, idx_out, val_out):
     idx_out[:] = order
     val_out[:] = np.take_along_axis(logits, order, axis=-1)
     return idx_out, val_out
+
+
+
+# --- the op table's host-side ops (numbaengine/backends.py NUMPY) ---------------------------------------------------
+def embed_ref(table, tokens, out):
+    """tokens i32[n] -> out f32[n, H] = bf16 rows of table u16[V, H]."""
+    out[:] = bf16_to_f32(table[np.asarray(tokens)])
+    return out
+
+
+def cache_write_ref(rows, visible, latent):
+    """Latent rows f32[T, D] of new tokens -> cache rows start..start+T-1 (rounded to bf16 in a bf16 cache), where
+    visible bool[T, start+T] is what visibility_ref gave for them."""
+    start = visible.shape[1] - len(latent)
+    rows[start:start + len(latent)] = f32_to_bf16(latent) if rows.dtype == np.uint16 else latent
+
+
+def cache_read_ref(rows, end, out):
+    """Cache rows [0, end) -> out f32[end, D]."""
+    out[:] = bf16_to_f32(rows[:end]) if rows.dtype == np.uint16 else rows[:end]
+    return out
+
+
+def visibility_ref(start, T, tree_mask, form=None):
+    """bool[T, start+T]: every committed row, then the new rows the mask allows (causal when mask is None).
+    The reference attention ops take it in both MLA forms."""
+    vis = np.ones((T, start + T), bool)
+    vis[:, start:] = np.tril(np.ones((T, T), bool)) if tree_mask is None else np.asarray(tree_mask, bool)
+    return vis
+
+
+def latent_attention_ref(q, rows, visible, scale, out):
+    """Absorbed MLA: q f32[T, h, r+rope] ([q_lat | q_pe]) against cache rows [0, S) (S = visible's width) as MQA,
+    keys = whole latent rows, values = their c_kv part -> out f32[T, h, r]."""
+    latent = cache_read_ref(rows, visible.shape[1], np.empty((visible.shape[1], rows.shape[1]), np.float32))
+    return attention_ref(q, latent[:, None, :], latent[:, None, :out.shape[-1]], visible, scale, out)
+
+
+def all_reduce_ref(parts):
+    """Sum of the shards' partial outputs (what NCCL computes across GPUs)."""
+    return parts[0] if len(parts) == 1 else np.sum(parts, axis=0, dtype=np.float32)
+
+
+def moe_shared_ref(x, idx, wts, experts, out, shared=None, after=None):
+    """Routed experts (moe_ref), plus the shared expert's output when given (after: the branch that computed it,
+    joined before it is read; nothing to wait for here)."""
+    moe_ref(x, idx, wts, experts, out)
+    if shared is not None:
+        out += shared
+    return out
+
+
+def copy_ref(src, dst):
+    dst[...] = src
+    return dst
+
+
+class InOrder:
+    """branch() of a table that runs every op in order (the reference, the simulator): nothing to join."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def join(self):
+        pass
+
+
+def all_gather_cols(comm, part, out, buf):
+    """Vocabulary-parallel gather: every rank's part f32[m, v] side by side -> out f32[m, size * v]
+    (buf f32[size, m, v] is the collective's buffer)."""
+    m, v = part.shape
+    if not out.flags.c_contiguous:      # a reshape of a strided view would be a copy: the result would be lost
+        raise ValueError(f"all_gather: out must be C-contiguous, got strides {out.strides}")
+    if out.shape != (m, comm.size * v) or buf.shape != (comm.size, m, v):
+        raise ValueError(f"all_gather: part {part.shape}, out {out.shape}, buffer {buf.shape} do not fit "
+                         f"{comm.size} ranks")
+    comm.all_gather(part, buf)
+    out.reshape(m, comm.size, v)[...] = buf.transpose(1, 0, 2)
+    return out

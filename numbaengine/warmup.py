@@ -47,7 +47,7 @@ def precompile(run_once, workers=None, progress=True) -> Precompiled:
                 pass
         failed = _collect(jobs, progress)
     if failed:
-        cache._warn(f"{len(failed)} of {len(jobs)} kernels left to compile on first use (first: {failed[0]})")
+        cache.warn(f"{len(failed)} of {len(jobs)} kernels left to compile on first use (first: {failed[0]})")
     return Precompiled(len(jobs), len(jobs) - len(failed), tuple(failed), round(time.perf_counter() - t0, 3))
 
 
@@ -59,7 +59,7 @@ def _submit(pool, jobs, key, kernel_cache, argtypes) -> Future:
         from numba.cuda import cloudpickle
     try:
         parts = cache.key_parts(kernel_cache.py_func, argtypes, kernel_cache.targetoptions,
-                                cache.toolchain(cache._current_cc()))
+                                cache.toolchain(cache.current_cc()))
         blob = cloudpickle.dumps((kernel_cache.py_func, kernel_cache.targetoptions, argtypes, key, parts))
         future = pool.submit(compile_job, blob)
     except Exception as e:  # cannot be pickled: a future that says so
@@ -100,7 +100,7 @@ def compile_job(blob: bytes):
 def _differs(parts, py_func, argtypes, options) -> str:
     """Which parts of a kernel's key differ here from the parent's, or why it is uncacheable here."""
     try:
-        here = cache.key_parts(py_func, argtypes, options, cache.toolchain(cache._current_cc()))
+        here = cache.key_parts(py_func, argtypes, options, cache.toolchain(cache.current_cc()))
     except cache.Uncacheable as e:
         return f"uncacheable here ({e})"
     names = ("function and what it reads", "argument types", "options", "toolchain")

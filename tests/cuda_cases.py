@@ -56,7 +56,8 @@ def check_gemm(env, m, n, k, xs, cfg=None, seed=0):
 def check_shared_arrays(env, threads=64):
     """Every thread of a block gets the same static shared array per source line, two lines get two arrays (on the
     simulator this needs kernels.device's lock around numba-cuda's allocation table)."""
-    from numbaengine.kernels.device import SIM, launch
+    from numbaengine.kernels.device import SIM
+    from numbaengine.kernels.launch import launch
     if SIM:
         from numba.cuda.simulator.kernelapi import FakeCUDAShared
         assert getattr(FakeCUDAShared.array, "locked", False), "the simulator's shared arrays are not locked"

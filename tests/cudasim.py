@@ -48,7 +48,7 @@ def run_cases(cases: dict) -> dict:
     """In the child: run every case on the simulator; name -> ["" (passed) or the traceback, CPU seconds]."""
     import time
 
-    from numbaengine.kernels.device import sleeping_block_manager
+    from numbaengine.kernels.sim import sleeping_block_manager
     sleeping_block_manager()                     # (kernels.device installs it on import; a case may import none)
     env, out = Env(gpu=False), {}
     for name, check in cases.items():

@@ -57,8 +57,7 @@ def check_ops_gemm_tall(env, m=73, n=16, k=64):
 def check_prep_wg_boxes(env):
     """prep_b tiled=3 (kernels/gemm_wg.py's B boxes): every bf16 of x at its swizzled place in its token block,
     rows past m repeating row m - 1, for one block (33 rows -> 40) and two (70 -> 2 x 40)."""
-    from numbaengine.kernels.gemm import prep_b
-    from numbaengine.kernels.gemm_wg import token_blocks, xb_words
+    from numbaengine.kernels.prep import prep_b, token_blocks, xb_words
     rng = np.random.default_rng(5)
     for m, k in ((33, 128), (70, 192)):
         x = rng.standard_normal((m, k)).astype(np.float32)

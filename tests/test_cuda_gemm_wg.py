@@ -18,10 +18,10 @@ def test_wg_cut_from_n_k_only():
         WG_SMEM_BLOCK,
         WG_TARGET,
         WG_XIN_ROWS,
-        token_blocks,
         wg_cut,
         wg_smem,
     )
+    from numbaengine.kernels.prep import token_blocks
     for n, k in list(K2.values()) + [(163840, 7168), (200, 192), (64, 64), (1000, 640)]:
         cuts = [wg_cut(m, n, k) for m in (1, 7, 8, 9, 33, 64, 65, 130, 1000)]
         assert len({(c.MT, c.CL) for c in cuts}) == 1, (n, k, cuts)
@@ -53,7 +53,8 @@ def check(m, n, k, cut=None, seed=None, strided=False):
     array, whose other columns must keep their poison); returns the output."""
     from numba import cuda
 
-    from numbaengine.kernels.gemm_wg import gemm_wg, xb_words
+    from numbaengine.kernels.gemm_wg import gemm_wg
+    from numbaengine.kernels.prep import xb_words
     from numbaengine.reference import gemm_ref
     env = Env(gpu=True)
     rng = np.random.default_rng(seed)
@@ -121,7 +122,8 @@ def test_gpu_gemm_wg_batch_invariant(name):
     every sum come from n, k: only the token block's width changes)."""
     from numba import cuda
 
-    from numbaengine.kernels.gemm_wg import gemm_wg, xb_words
+    from numbaengine.kernels.gemm_wg import gemm_wg
+    from numbaengine.kernels.prep import xb_words
     n, k = K2[name]
     rng = np.random.default_rng()
     x = rng.standard_normal((130, k)).astype(np.float32)

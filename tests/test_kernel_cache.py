@@ -19,6 +19,7 @@ from numba import cuda
 from numba import types as ty
 
 import numbaengine.kernels.device as dev
+import numbaengine.kernels.launch as kl
 from numbaengine import phases
 from numbaengine.kernels import cache
 
@@ -144,8 +145,8 @@ def test_real_kernel_key_same_in_fresh_processes(tmp_path):
         import pickle, sys
         from numba import types as ty
         from numbaengine.kernels import cache
-        from numbaengine.kernels.gemm import _build_prep
-        k = _build_prep(2, 1)
+        from numbaengine.kernels.prep import build_prep
+        k = build_prep(2, 1)
         sig = (ty.float32[:, :], ty.uint32[::1], ty.int32, ty.int32)
         keys = [cache.kernel_key(k.py_func, sig, k.targetoptions, ((9, 0), "toolchain"))]
         for fn, sig, options in pickle.load(open(sys.argv[1], "rb")):
@@ -235,7 +236,7 @@ def test_racing_writer_processes_leave_one_valid_entry(tmp_path, capsys):
 
 # -------------------------------------------------------------------------------------------- the dispatcher hook
 def make_kernel(c):
-    @dev.kernel()
+    @kl.kernel()
     def scale_k(x):
         i = cuda.grid(1)
         if i < x.shape[0]:
@@ -306,7 +307,7 @@ def test_dry_run_records_missing_kernels_and_launches_nothing(as_sm90, kernel_di
     x = np.ones(4, np.float32)
     with cache.recording() as found:
         for k in (make_kernel(7.5), missing, missing):
-            dev.launch(k, 1, 32, x)
+            kl.launch(k, 1, 32, x)
     assert [(kc.py_func, argtypes) for kc, argtypes, _ in found.values()] == [(missing.py_func, SIG)]
     assert not missing.overloads                                 # not compiled
     assert not cache.dry_run() and (x == 1).all()
@@ -327,7 +328,7 @@ dispatcher._Kernel.bind = lambda self: None
 
 import numbaengine.kernels.device as dev
 from numbaengine.kernels import cache
-from numbaengine.kernels.device import kernel, launch
+from numbaengine.kernels.launch import kernel, launch
 from numbaengine.warmup import precompile
 
 def make(c):
@@ -420,7 +421,7 @@ import json, sys
 import numpy as np
 from numba import cuda
 from numbaengine.kernels import cache
-from numbaengine.kernels.device import kernel, launch
+from numbaengine.kernels.launch import kernel, launch
 
 def make(c):
     @kernel()

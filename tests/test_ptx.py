@@ -15,8 +15,8 @@ A1, A2, A3 = (lambda t: t[::1]), (lambda t: t[:, :]), (lambda t: t[:, :, :])
 @pytest.fixture(autouse=True, scope="module")
 def cpu_compute_capability():
     """Device functions are compiled for the current device's compute capability; without a GPU, say sm_90."""
-    import numba.cuda.dispatcher as dispatcher
     from numba import cuda
+    from numba.cuda import dispatcher
     if cuda.is_available():
         yield
         return
@@ -30,13 +30,14 @@ def cpu_compute_capability():
 
 
 def _gemm():
-    from numbaengine.kernels.gemm import _build_gemm, _build_prep, _build_reduce
+    from numbaengine.kernels.gemm import _build_gemm, _build_reduce
+    from numbaengine.kernels.prep import build_prep
     sig = (A1(u32), A1(u32), A2(f32), A3(f32)) + (i32,) * 5
     cases = {f"gemm_T{T}_R{R}_XS{XS}_PF{PF}_BF{BF}": (_build_gemm(T, R, XS, 2, PF, BF), sig, True)
              for T, R, XS, PF, BF in [(1, 2, 2, 0, 0), (1, 2, 2, 1, 1), (3, 2, 2, 0, 1), (5, 1, 1, 0, 1),
                                       (9, 1, 2, 1, 0)]}
-    cases["prep_int4_order"] = (_build_prep(1, 1), (A2(f32), A1(u32), i32, i32), True)
-    cases["prep_bf16"] = (_build_prep(1, 0), (A2(f32), A1(u32), i32, i32), True)
+    cases["prep_int4_order"] = (build_prep(1, 1), (A2(f32), A1(u32), i32, i32), True)
+    cases["prep_bf16"] = (build_prep(1, 0), (A2(f32), A1(u32), i32, i32), True)
     cases["gemm_reduce"] = (_build_reduce(), (A3(f32), A2(f32), i32, i32, i32), False)
     return cases
 
@@ -133,12 +134,12 @@ def test_ptx_stats_load_placement_and_cap():
 
 def test_pdl_mode_values():
     """NUMBAENGINE_PDL: wait by default (or 1), off / 0; a misspelt or removed value is an error, not silently off."""
-    import numbaengine.kernels.device as dev
-    assert [dev.pdl_mode(v) for v in ("", "wait", "1", "off", "0")] == ["wait", "wait", "wait", None, None]
+    from numbaengine.env import pdl_mode
+    assert [pdl_mode(v) for v in ("", "wait", "1", "off", "0")] == ["wait", "wait", "wait", None, None]
     with pytest.raises(ValueError, match="NUMBAENGINE_PDL='trigger'"):
-        dev.pdl_mode("trigger")
+        pdl_mode("trigger")
     with pytest.raises(ValueError, match="NUMBAENGINE_PDL='wiat'"):
-        dev.pdl_mode("wiat")
+        pdl_mode("wiat")
 
 
 def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
@@ -151,10 +152,11 @@ def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
     from numba import cuda
 
     import numbaengine.kernels.device as dev
+    import numbaengine.kernels.launch as kl
     for mode in ("wait",):
         monkeypatch.setattr(dev, "PDL", mode)
 
-        @dev.kernel()
+        @kl.kernel()
         def axpy(x, y):
             dev.grid_dep()
             i = cuda.grid(1)
@@ -169,7 +171,7 @@ def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
         assert trigger < 0, mode
     import threading
     other = []                    # what another thread's launch gets while this one is inside pdl()
-    with dev.pdl():
+    with kl.pdl():
         cfg = D.LaunchConfig(grid=1, block=32)
         t = threading.Thread(target=lambda: other.append(D.LaunchConfig(grid=1, block=32)))
         t.start()
@@ -178,8 +180,8 @@ def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
     assert not getattr(other[0], "programmatic_stream_serialization", False)
     assert not getattr(D.LaunchConfig(grid=1, block=32), "programmatic_stream_serialization", False)
     seen = []                     # (cuda.core checks a cooperative config against the device: record its arguments)
-    monkeypatch.setattr(dev._launch_config, "orig", lambda *a, **k: seen.append(k.get("is_cooperative", False)))
-    with dev.cooperative():
+    monkeypatch.setattr(kl._launch_config, "orig", lambda *a, **k: seen.append(k.get("is_cooperative", False)))
+    with kl.cooperative():
         D.LaunchConfig(grid=4, block=32)
     D.LaunchConfig(grid=4, block=32)
     assert seen == [True, False]

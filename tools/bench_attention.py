@@ -211,7 +211,8 @@ def mma_peak_tflops(chains=8, steps=4096):
     import cupy as cp
     from numba import cuda, float32, uint32
 
-    from numbaengine.kernels.device import launch, mma_bf16
+    from numbaengine.kernels.device import mma_bf16
+    from numbaengine.kernels.launch import launch
     NACC = 4 * chains
 
     @cuda.jit
@@ -285,7 +286,7 @@ def wgmma_loop_kernel(N=256, per_wait=8):
 def wgmma_peak_tflops(N=256, steps=2048, per_wait=8):
     """The warpgroup-MMA roof (sm_90a): wgmma_loop_kernel on 3 blocks per SM (154 registers x 128 threads each, by
     ptxas: 3 fit). Throughput only: the tiles hold zeros (the layout's correctness is tests/test_wgmma.py's)."""
-    from numbaengine.kernels.device import launch
+    from numbaengine.kernels.launch import launch
     kern, blocks = wgmma_loop_kernel(N, per_wait), 3 * _sm_count()
     out = _nb(_cp().zeros(blocks * 128, np.float32))
     us, _ = gpu_us(lambda: launch(kern, blocks, 128, out, steps), reps=3)

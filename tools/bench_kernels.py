@@ -425,7 +425,7 @@ def bench_read_floor(cp, cuda, results, copy_bw):
     """The yardstick of one streaming kernel: a pure read (16-byte loads, 4 in flight per thread, every SM full) of
     the same bytes in the same chain as the GEMMs (distinct copies, more than L2 holds): what launch, ramp-up and
     tail cost a kernel of that size with no arithmetic at all."""
-    from numbaengine.kernels.device import launch
+    from numbaengine.kernels.launch import launch
     read_k = read_kernel()
 
     sms = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"]

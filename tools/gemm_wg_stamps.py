@@ -46,8 +46,8 @@ def run_case(name, m):
     from numba import cuda
 
     import numbaengine.kernels.gemm_wg as kw
-    from numbaengine.kernels.device import launch
-    from numbaengine.kernels.gemm import prep_b
+    from numbaengine.kernels.launch import launch
+    from numbaengine.kernels.prep import prep_b, xb_words
     from tools.bench_attention import gpu_us
     from tools.bench_kernels import (
         K2_GEMMS,
@@ -61,7 +61,7 @@ def run_case(name, m):
     w = rand_bf16(cp, (n, k), 0.02)
     x = cp.random.standard_normal((m, k), dtype=cp.float32)
     out = cp.zeros((m, n), cp.float32)
-    xb = cp.zeros(kw.xb_words(m, k), cp.uint32)
+    xb = cp.zeros(xb_words(m, k), cp.uint32)
     sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
     cut = kw.wg_cut(m, n, k, sms)
     blocks = cut.CL * -(-n // (64 * cut.MT)) * cut.ZB

@@ -43,7 +43,7 @@ def step_kernel():
 
 def pdl_launch(kern, grid, block, *args):
     """The launch with the PDL attribute (kernels.device.pdl), whether or not the kernel waits."""
-    from numbaengine.kernels.device import current_stream, pdl
+    from numbaengine.kernels.launch import current_stream, pdl
     with pdl():
         kern[grid, block, current_stream(), 0](*args)
 
@@ -52,8 +52,8 @@ def gemm_chain(cp, cuda, copy_bw, res, name="q_kv_a", m=1):
     """The dense GEMM (with NUMBAENGINE_PDL=off: no griddepcontrol in it) chained over distinct weight copies,
     plain and with the PDL attribute on every launch. Without a wait in the kernel PDL does not order its reads
     after the previous kernel's writes: a timing bound only (these GEMMs read only their own x and weights)."""
-    from numbaengine.kernels.device import pdl
     from numbaengine.kernels.gemm import GemmWorkspace, gemm
+    from numbaengine.kernels.launch import pdl
     from tools.bench_kernels import K2_GEMMS, chain_copies, chained_ms, rand_bf16
     n, k = K2_GEMMS[name]
     dv = cuda.as_cuda_array
@@ -109,7 +109,7 @@ def main():
     import numba.cuda.dispatcher as D
     from numba import cuda
 
-    from numbaengine.kernels.device import launch
+    from numbaengine.kernels.launch import launch
     from tools.bench_kernels import (
         chain_copies,
         chained_ms,

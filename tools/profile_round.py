@@ -43,7 +43,7 @@ def profile(cp, dev) -> tuple:
     [(phase, kernel, grid, block, ms)] in launch order)."""
     from numba.cuda.dispatcher import _LaunchConfiguration
 
-    from numbaengine.kernels.device import current_stream
+    from numbaengine.kernels.launch import current_stream
     records, phase, hold, host = [], ["-"], _hold_kernel(), [0.0]
     launch = _LaunchConfiguration.__call__
 
@@ -119,7 +119,7 @@ def main(argv=None):
     for ph, name, n, ms in rows:
         print(f"{ph:7s} {name:32s} x{n:<4d} {ms * 1e3:9.1f} us  {100 * ms / total:5.1f}%")
     for ph, name, grid, block, ms in each if args.each else ():
-        print(f"  {ph:7s} {name:32s} grid {str(grid):14s} block {str(block):12s} {ms * 1e3:7.1f} us")
+        print(f"  {ph:7s} {name:32s} grid {grid!s:14s} block {block!s:12s} {ms * 1e3:7.1f} us")
     name = f"synthetic K2.6 x{args.synth_k2}" if args.synth_k2 else str(model)
     out = dict(mode=args.mode, budget=args.budget, batch=args.batch, model=name, total_ms=total,
                by_phase=dict(by_phase), rows=[dict(phase=p, kernel=k, launches=n, ms=ms) for p, k, n, ms in rows],

@@ -3,7 +3,8 @@ import math
 
 from numba import cuda, float32, int32
 
-from numbaengine.kernels.device import grid_dep, kernel, launch
+from numbaengine.kernels.device import grid_dep
+from numbaengine.kernels.launch import kernel, launch
 
 
 @kernel()

@@ -11,32 +11,39 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
-from numbaengine.kernels.device import (  # noqa: F401
+from numbaengine.kernels.device import (
+    LOG2E,
+    NEG_INF,
     SIM,
     as_f32,
-    as_u32,
     device,
     grid_dep,
-    kernel,
-    launch,
     ld4,
     ld16,
     ld_quad,
     mma_bf16,
 )
+from numbaengine.kernels.launch import (
+    data_ptr,
+    elem_strides,
+    kernel,
+    launch,
+    launch_smem,
+    placeholder,
+    strided,
+)
+from numbaengine.kernels.mma import frag_a, frag_bn, frag_bt, to_bf16
 
 # Flash-decoding: a block per (kv head, tile of query rows, split of the keys) writes an unnormalized partial
 # (o, max, sum); merge_splits combines the splits. With one split the block writes the normalized rows directly.
 
 if SIM:
-    from numbaengine.kernels.device import shfl_xor  # noqa: F401
+    from numbaengine.kernels.device import shfl_xor
 else:
     @cuda.jit(device=True, inline="always")
     def shfl_xor(value, mask):
         """device.shfl_xor inlined in numba IR (compile_ptx of NVVM-inlined device functions needs a GPU)."""
         return cuda.shfl_xor_sync(0xFFFFFFFF, value, mask)
-NEG_INF = float32(-math.inf)
-LOG2E = float32(1 / math.log(2))   # split maxes are stored in log2 units (merge_splits uses exp2)
 ATT_THREADS = 128          # threads per block
 ATT_ROWS = 8               # query rows (query, head) per block
 ATT_KEYS = 16              # keys staged in shared memory per step: ATT_ROWS * ATT_KEYS == ATT_THREADS
@@ -303,34 +310,6 @@ def kv_attention_work(zeros, B, n, h, dv, max_keys, target_blocks=264, tensor_co
     return AttnWork(zeros, n, h, dv, max_keys, split, B)
 
 
-_PLACEHOLDERS = {}
-
-
-def placeholder(like, shape, dtype):
-    """A small array standing in for an unused kernel argument, made once per (array kind, shape, dtype)."""
-    key = (isinstance(like, np.ndarray), shape, np.dtype(dtype).str)
-    if key not in _PLACEHOLDERS:
-        a = np.zeros(shape, dtype)
-        _PLACEHOLDERS[key] = a if key[0] else cuda.to_device(a)
-    return _PLACEHOLDERS[key]
-
-
-def strided(a, shape, strides):
-    """A view of a with the given shape and element strides (no copy): NumPy, CuPy or numba device arrays."""
-    nbytes = tuple(int(x) * a.dtype.itemsize for x in strides)
-    if isinstance(a, np.ndarray):
-        return np.lib.stride_tricks.as_strided(a, shape, nbytes)
-    if hasattr(a, "gpu_data"):                                  # numba device array
-        from numba.cuda.cudadrv.devicearray import DeviceNDArray
-        return DeviceNDArray(shape, nbytes, a.dtype, gpu_data=a.gpu_data)
-    import cupy
-    return cupy.lib.stride_tricks.as_strided(a, shape, nbytes)
-
-
-def elem_strides(a):
-    return tuple(x // a.dtype.itemsize for x in a.strides)
-
-
 def rows_view(out, splits=None):
     """out f32[B, n, h, dv] with contiguous [n, h, dv] per sequence -> a view [B, n*h, dv], or
     [B, splits, n*h, dv] (splits = 1: the single-split kernel writes the output in place)."""
@@ -410,16 +389,10 @@ def kv_attention(q, k, v, kv_len, scale, out, work=None, tensor_cores=True):
     return launch_attention(q, k, v, kv_len, None, scale, out, work)
 
 
-def _address(a):
-    if isinstance(a, np.ndarray):
-        return a.ctypes.data
-    return a.__cuda_array_interface__["data"][0]
-
-
 def tc_fits(k, v):
     """The tensor-core kernel's requirements: head dims, 16-byte loads of unit-stride rows."""
     d, dv = k.shape[3], v.shape[3]
-    rows_ok = all(a.strides[3] == 4 and all(x % 16 == 0 for x in a.strides[:3]) and _address(a) % 16 == 0
+    rows_ok = all(a.strides[3] == 4 and all(x % 16 == 0 for x in a.strides[:3]) and data_ptr(a) % 16 == 0
                   for a in (k, v))
     return d % 32 == 0 and dv % 16 == 0 and d <= ATT_DMAX and dv <= ATT_DMAX and rows_ok
 
@@ -444,33 +417,6 @@ def launch_kv_tc(q, k, v, kv_len, scale, out, work):
     if work is not None:
         merge_splits(work.o, work.ml, rows_view(out))
     return out
-
-
-_SMEM_CF = {}       # (kernel, argument types, shared bytes, device) -> its compiled function, limit raised
-
-
-def raise_smem_limit(kern, args, smem):
-    """Raise `kern`'s dynamic shared memory limit to `smem` bytes where above 48 KB (once per compiled overload;
-    numba has no API for the attribute) -> the compiled function (GPU), None under the simulator."""
-    if SIM:
-        return None
-    types_ = tuple(kern.typeof_pyval(a) for a in args)
-    key = (id(kern), types_, smem, cuda.get_current_device().id)      # (the attribute is set per device)
-    if key not in _SMEM_CF:
-        cf = kern.compile(types_)._codelibrary.get_cufunc()
-        if smem > 48 * 1024:
-            from numba.cuda.cudadrv.driver import binding, driver
-            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            driver.cuKernelSetAttribute(attr, smem, cf.handle, cf.device.id)
-        _SMEM_CF[key] = cf
-    return _SMEM_CF[key]
-
-
-def launch_smem(kern, grid, threads, smem, args, cluster=None):
-    """device.launch with `smem` bytes of dynamic shared memory (raise_smem_limit first), thread-block clusters of
-    `cluster` blocks."""
-    raise_smem_limit(kern, args, smem)
-    launch(kern, grid, threads, *args, shmem=smem, cluster=cluster)
 
 
 # --- tensor-core kernel for kv_attention (f32 K/V rounded to bf16 in shared memory) ----------------------------------
@@ -503,15 +449,15 @@ def kv_kernel(wm, wn, pf, d, dv):
 
 
 if SIM:
-    from numbaengine.kernels.device import pack_bf16x2 as bf16_pair  # noqa: E402
+    from numbaengine.kernels.device import pack_bf16x2 as bf16_pair
 else:
-    from numbaengine.kernels.device import _cvt_pair  # noqa: E402
+    from numbaengine.kernels.device import cvt_pair
 
     @cuda.jit(device=True, inline="always")
     def bf16_pair(lo, hi):
         """Two float32 -> one word of two bf16 (one cvt.rn.bf16x2), lo in the low half (numba-IR inlined, so
         compile_ptx works without a GPU; device.pack_bf16x2 is NVVM-inlined)."""
-        return _cvt_pair(hi, lo)
+        return cvt_pair(hi, lo)
 
 
 @dataclass(frozen=True)
@@ -543,18 +489,9 @@ class KvLayout:
     PV = property(lambda k: -(-k.nk * k.CV // k.THREADS))
 
 
-def _kv_frags():
-    """mla.py's ldmatrix fragments, and its bf16 rounding (imported here: mla imports this module)."""
-    from numbaengine.kernels.mla import _frag_a, _frag_bn, _frag_bt, _to_bf16
-    if SIM:                  # as device functions, so that the simulator gives them its cuda module (threadIdx)
-        _frag_a, _frag_bn, _frag_bt = (cuda.jit(device=True)(f) for f in (_frag_a, _frag_bn, _frag_bt))
-    return _frag_a, _frag_bn, _frag_bt, _to_bf16
-
-
 def _kv_loads(kl):
     """fetch (a step's K then V rows, f32, into registers: 16-byte loads, zeros past hi), q_tile (q rows -> bf16 in
     shared memory; the row stats initialized) and stage_kv (the fetched registers -> bf16 K and V tiles)."""
-    _to_bf16 = _kv_frags()[3]
     nk, MT, D, THREADS, ST, U0, DP, VP, KO, VO, C4, CV, PK, PV = (kl.nk, kl.MT, kl.D, kl.THREADS, kl.ST, kl.U0, kl.DP,
                                                                    kl.VP, kl.KO, kl.VO, kl.C4, kl.CV, kl.PK, kl.PV)
 
@@ -584,8 +521,8 @@ def _kv_loads(kl):
             if m < M:
                 x0 = q[b, m // g, j * g + m % g, c]
                 x1 = q[b, m // g, j * g + m % g, c + 1]
-            usm[U0 + i * DP + c] = _to_bf16(x0)
-            usm[U0 + i * DP + c + 1] = _to_bf16(x1)
+            usm[U0 + i * DP + c] = to_bf16(x0)
+            usm[U0 + i * DP + c + 1] = to_bf16(x1)
         if tid < MT:
             fsm[ST + tid] = NEG_INF
             fsm[ST + MT + tid] = float32(0)
@@ -608,7 +545,6 @@ def _kv_loads(kl):
 def _kv_math(kl):
     """scores (S = Q K^T of the step, scaled, -inf past hi, into f32 rows), softmax_rows (the online softmax, 4
     threads per row; P as bf16) and pv (O += P V for a warp's columns after the rescale by alpha)."""
-    _frag_a, _frag_bn, _frag_bt, _ = _kv_frags()
     nk, D, MT, THREADS, ST, U0, DP, VP, KO, VO, PO, NKP, NTP, wn, cw = (
         kl.nk, kl.D, kl.MT, kl.THREADS, kl.ST, kl.U0, kl.DP, kl.VP, kl.KO, kl.VO, kl.PO, kl.NKP, kl.NTP, kl.wn, kl.CW)
     CPT = nk // 4                                    # softmax: 4 threads per row, CPT columns each
@@ -619,10 +555,10 @@ def _kv_math(kl):
             s0, s1, s2, s3 = float32(0), float32(0), float32(0), float32(0)
             t0, t1, t2, t3 = float32(0), float32(0), float32(0), float32(0)   # second chain: half the latency
             for kk in range(0, D, 32):
-                b0, b1, b2, b3 = _frag_bn(usm, KO, DP, nt * 8, kk)
-                a0, a1, a2, a3 = _frag_a(usm, U0, DP, wi * 16, kk)
+                b0, b1, b2, b3 = frag_bn(usm, KO, DP, nt * 8, kk)
+                a0, a1, a2, a3 = frag_a(usm, U0, DP, wi * 16, kk)
                 s0, s1, s2, s3 = mma_bf16(a0, a1, a2, a3, b0, b1, s0, s1, s2, s3)
-                a0, a1, a2, a3 = _frag_a(usm, U0, DP, wi * 16, kk + 16)
+                a0, a1, a2, a3 = frag_a(usm, U0, DP, wi * 16, kk + 16)
                 t0, t1, t2, t3 = mma_bf16(a0, a1, a2, a3, b2, b3, t0, t1, t2, t3)
             s0, s1, s2, s3 = s0 + t0, s1 + t1, s2 + t2, s3 + t3
             for e in range(4):
@@ -665,9 +601,9 @@ def _kv_math(kl):
             acc[4 * u + 2] *= al1
             acc[4 * u + 3] *= al1
         for kk in range(0, nk, 16):              # O += P V for this warp's columns
-            a0, a1, a2, a3 = _frag_a(usm, PO, NKP, wi * 16, kk)
+            a0, a1, a2, a3 = frag_a(usm, PO, NKP, wi * 16, kk)
             for u in range(0, NTP, 2):
-                b0, b1, b2, b3 = _frag_bt(usm, VO, VP, kk, wj * cw + 8 * u)
+                b0, b1, b2, b3 = frag_bt(usm, VO, VP, kk, wj * cw + 8 * u)
                 acc[4 * u], acc[4 * u + 1], acc[4 * u + 2], acc[4 * u + 3] = mma_bf16(
                     a0, a1, a2, a3, b0, b1, acc[4 * u], acc[4 * u + 1], acc[4 * u + 2], acc[4 * u + 3])
                 acc[4 * u + 4], acc[4 * u + 5], acc[4 * u + 6], acc[4 * u + 7] = mma_bf16(

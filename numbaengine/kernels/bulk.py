@@ -76,7 +76,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from numbaengine.kernels.device import _address, _smem_addr
+    from numbaengine.kernels.device import element_address, shared_address
 
     def _bar_op(name, asm, nargs, ret=False):
         """An intrinsic on mbarrier bars[i] (a shared uint64 array) with nargs more u32 operands ($1.. in asm)."""
@@ -87,7 +87,7 @@ else:
 
             def codegen(ctx, b, sig, args):
                 i32 = ir.IntType(32)
-                addr = _smem_addr(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
+                addr = shared_address(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
                 vals = [addr] + [ctx.cast(b, b.extract_value(args[2], k), ty, types.uint32)
                                  for k, ty in enumerate(sig.args[2])]
                 fn = ir.FunctionType(i32 if ret else ir.VoidType(), [i32] * len(vals))
@@ -118,10 +118,10 @@ else:
 
         def codegen(ctx, b, sig, args):
             i32, i64 = ir.IntType(32), ir.IntType(64)
-            d = _smem_addr(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
-            g = _address(ctx, b, sig.args[2], args[2], args[3], sig.args[3])
+            d = shared_address(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
+            g = element_address(ctx, b, sig.args[2], args[2], args[3], sig.args[3])
             n = ctx.cast(b, args[4], sig.args[4], types.uint32)
-            m = _smem_addr(ctx, b, sig.args[5], args[5], sig.args[6], args[6])
+            m = shared_address(ctx, b, sig.args[5], args[5], sig.args[6], args[6])
             asm = ("{ .reg .u64 ga; cvta.to.global.u64 ga, $1; "
                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [ga], $2, [$3]; }")
             b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i64, i32, i32]), asm, "r,l,r,r,~{memory}",
@@ -137,11 +137,11 @@ else:
 
         def codegen(ctx, b, sig, args):
             i32, i64 = ir.IntType(32), ir.IntType(64)
-            dd = _smem_addr(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
-            g = _address(ctx, b, sig.args[2], args[2], ir.Constant(i32, 0), types.int32)
+            dd = shared_address(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
+            g = element_address(ctx, b, sig.args[2], args[2], ir.Constant(i32, 0), types.int32)
             xv = ctx.cast(b, args[3], sig.args[3], types.int32)
             yv = ctx.cast(b, args[4], sig.args[4], types.int32)
-            m = _smem_addr(ctx, b, sig.args[5], args[5], sig.args[6], args[6])
+            m = shared_address(ctx, b, sig.args[5], args[5], sig.args[6], args[6])
             asm = ("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
                    "[$0], [$1, {$2, $3}], [$4];")
             b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i64, i32, i32, i32]), asm, "r,l,r,r,r,~{memory}",
@@ -153,7 +153,7 @@ else:
         """Order this thread's later tensor copies after the host's write of the tensor map in global memory (no
         stale copy of an earlier map at that address in the descriptor cache)."""
         def codegen(ctx, b, sig, args):
-            g = _address(ctx, b, sig.args[0], args[0], ir.Constant(ir.IntType(32), 0), types.int32)
+            g = element_address(ctx, b, sig.args[0], args[0], ir.Constant(ir.IntType(32), 0), types.int32)
             b.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ir.IntType(64)]),
                                 "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;", "l,~{memory}",
                                 side_effect=True), [g])

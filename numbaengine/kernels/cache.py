@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from numbaengine import phases
+from numbaengine import env, phases
 
 FORMAT = 1
 MAGIC = b"NBEKRNL\n"
@@ -302,12 +302,12 @@ def read_entry(directory, key) -> bytes | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        _warn(f"cannot read {path} ({e.strerror}): compiling the kernel")
+        warn(f"cannot read {path} ({e.strerror}): compiling the kernel")
         return None
     problem = _damage(data, key)
     if problem:
         _COUNTS.damaged += 1
-        _warn(f"{path} {problem}: compiling the kernel again")
+        warn(f"{path} {problem}: compiling the kernel again")
         return None
     return data[_HEADER.size:]
 
@@ -365,7 +365,7 @@ def unpack(payload: bytes):
 _WARNED = set()
 
 
-def _warn(message):
+def warn(message):
     """One line on stderr, once per message."""
     if message not in _WARNED:
         _WARNED.add(message)
@@ -405,14 +405,11 @@ def configure(directory=None, enabled=True):
 def cache_dir() -> Path:
     if _SETTINGS.directory is not None:
         return _SETTINGS.directory
-    if os.environ.get("NUMBAENGINE_CACHE_DIR"):
-        return Path(os.environ["NUMBAENGINE_CACHE_DIR"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "numbaengine" / "kernels"
+    return env.cache_dir()
 
 
 def enabled() -> bool:
-    off = os.environ.get("NUMBAENGINE_KERNEL_CACHE", "").strip().lower() in ("0", "off", "false", "no")
-    return _SETTINGS.enabled and not off and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1"
+    return _SETTINGS.enabled and not env.cache_off() and not env.simulator()
 
 
 def stats() -> dict:
@@ -437,7 +434,7 @@ def _argtypes(sig) -> tuple:
     return tuple(sigutils.normalize_signature(sig)[0])
 
 
-def _current_cc() -> tuple:
+def current_cc() -> tuple:
     from numba.cuda import dispatcher
     return tuple(dispatcher.get_current_device().compute_capability)
 
@@ -458,7 +455,7 @@ class KernelCache:
         """The entry's key for these argument types on the current GPU; None when uncacheable (the reason is kept
         for stats())."""
         try:
-            return kernel_key(self.py_func, argtypes, self.targetoptions, toolchain(_current_cc()))
+            return kernel_key(self.py_func, argtypes, self.targetoptions, toolchain(current_cc()))
         except Uncacheable as e:
             with _LOCK:
                 _UNCACHEABLE[self.py_func.__qualname__] = str(e)
@@ -481,7 +478,7 @@ class KernelCache:
             kern.bind()                         # loaded into the context as compile() does (carveout included)
             self._loaded[argtypes] = kern
         except Exception as e:  # an entry numba cannot rebuild: compile instead (and overwrite it)
-            _warn(f"{entry_path(cache_dir(), key)} cannot be loaded ({type(e).__name__}): compiling the kernel")
+            warn(f"{entry_path(cache_dir(), key)} cannot be loaded ({type(e).__name__}): compiling the kernel")
             return False
         _count(hits=1, load_s=time.perf_counter() - t0)
         return True
@@ -509,9 +506,9 @@ class KernelCache:
         try:
             write_entry(cache_dir(), key, pack(kernel))
         except OSError as e:
-            _warn(f"cannot write to {cache_dir()} ({e.strerror}): kernels are not cached")
+            warn(f"cannot write to {cache_dir()} ({e.strerror}): kernels are not cached")
         except Exception as e:  # numba cannot serialize this kernel (linked files, device arrays): not cached
-            _warn(f"{self.py_func.__qualname__} is not cached ({type(e).__name__}: {e})")
+            warn(f"{self.py_func.__qualname__} is not cached ({type(e).__name__}: {e})")
 
     def enable(self):
         pass

@@ -58,9 +58,9 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from numbaengine.kernels.device import _barrier_op, _smem_addr
+    from numbaengine.kernels.device import barrier_op, shared_address
 
-    cluster_sync = _barrier_op("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;")
+    cluster_sync = barrier_op("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;")
 
     def _dsmem_load(words):
         regs = ", ".join(f"${k}" for k in range(words))
@@ -78,7 +78,7 @@ else:
 
             def codegen(ctx, b, sig, args):
                 i32 = ir.IntType(32)
-                addr = _smem_addr(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
+                addr = shared_address(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
                 rk = ctx.cast(b, args[2], sig.args[2], types.uint32)
                 lty = ir.LiteralStructType([i32] * words) if words > 1 else i32
                 r = b.call(ir.InlineAsm(ir.FunctionType(lty, [i32, i32]), asm, cons, side_effect=True), [addr, rk])

@@ -7,213 +7,38 @@ warp through a per-warp barrier. Kernels call the helpers only, so one kernel so
 
 bf16 values travel as raw bits: `uint16` arrays, or `uint32` words holding a pair (element 0 in the low half).
 """
-import contextlib
-import os
+import math
 import threading
 import time
-import weakref
 
 import numpy as np
+from numba import cuda, float32, int32, uint32
 
-SIM = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-
-from numba import cuda, float32, int32, uint32  # noqa: E402  (SIM must be decided before numba is imported)
-
-
-def _lock_sim_shared():
-    """numba-cuda's simulator makes a block's static shared array when the first thread asks for it (one per source
-    line), checking and filling its table without a lock: two threads arriving together could each get their own
-    array (seen as a rare failure of the MoE routing plan, whose shared arrays every thread asks for at once). The
-    same lookup, under a lock."""
-    import sys
-
-    from numba import types
-    from numba.cuda.simulator.kernelapi import FakeCUDAShared
-    from numba.np import numpy_support
-    if getattr(FakeCUDAShared.array, "locked", False):
-        return
-    lock, unlocked = threading.Lock(), FakeCUDAShared.array
-
-    def array(self, shape, dtype, alignment=None):
-        if shape == 0 or alignment is not None:     # dynamic shared memory (one buffer), or the simulator's error
-            return unlocked(self, shape, dtype, alignment)
-        if isinstance(dtype, types.Type):
-            dtype = numpy_support.as_dtype(dtype)
-        frame = sys._getframe(1)
-        caller = (frame.f_code.co_filename, frame.f_lineno)
-        with lock:
-            res = self._allocations.get(caller)
-            if res is None:
-                res = self._allocations[caller] = np.empty(shape, dtype)
-        return res
-    array.locked = True
-    FakeCUDAShared.array = array
-
-
-def sleeping_block_manager():
-    """Make numba-cuda's simulator wait for its block's threads instead of polling them: its BlockManager spins in
-    the launching thread holding the GIL, so each wake-up of a simulated thread waits for the interpreter's switch
-    interval (measured: one 32-lane shuffle 14 ms with the spinning manager, 1.3 ms with this one). Here the threads
-    notify a condition when they block in syncthreads() or end, and the manager sleeps on it; a 10 ms timeout
-    rechecks anyway. The same rules as numba's loop: an exception aborts every thread of the block and is
-    re-raised; when every live thread is blocked, all are released."""
-    from numba.cuda.simulator import kernel as K
-    if getattr(K.BlockManager, "sleeping", False):
-        return
-    import inspect
-    known = inspect.getsource(K.BlockThread) + inspect.getsource(K.BlockManager)
-    if not all(name in known for name in ("syncthreads_blocked", "syncthreads_event", "abort", "exception",
-                                          "_manager", "_block_dim", "_debug", "self._f")):
-        return                 # a numba-cuda whose simulator differs from 0.30: keep its own (slower) manager
-    changed = threading.Condition()
-
-    class Thread(K.BlockThread):
-        def run(self):
-            try:
-                super().run()
-            finally:
-                with changed:
-                    self.done = True
-                    changed.notify_all()
-
-        def syncthreads(self):
-            with changed:
-                self.syncthreads_blocked = True          # set again by numba's syncthreads: the manager sees it now
-                changed.notify_all()
-            super().syncthreads()
-
-    def run(self, grid_point, *args):
-        threads = [Thread(lambda: self._f(*args), self, grid_point, p, self._debug)
-                   for p in np.ndindex(*self._block_dim)]
-        for t in threads:
-            t.done = False
-            t.start()
-        with changed:
-            while True:
-                failed = next((t for t in threads if t.exception), None)
-                if failed is not None:
-                    for t in threads:
-                        t.abort, t.syncthreads_blocked = True, False
-                        t.syncthreads_event.set()
-                    raise failed.exception[0].with_traceback(failed.exception[1])
-                live = [t for t in threads if not t.done]
-                if not live:
-                    break
-                if all(t.syncthreads_blocked for t in live):
-                    for t in live:
-                        t.syncthreads_blocked = False
-                        t.syncthreads_event.set()
-                changed.wait(0.01)
-        for t in threads:
-            t.join()
-
-    K.BlockManager.run, K.BlockManager.sleeping = run, True
-
-
-if SIM:
-    _lock_sim_shared()
-    sleeping_block_manager()
+from numbaengine.env import PDL, SIM
+from numbaengine.kernels.sim import (
+    bf16_rne,
+    bits_f32,
+    collective,
+    f32_bits,
+    flat,
+    pair_f32,
+)
 
 FULL = 0xFFFFFFFF
 F0, F1 = float32(0.0), float32(1.0)
 BF16_ONE2 = uint32(0x3F803F80)         # bf16 pair (1.0, 1.0)
 INT4_MAGIC = uint32(0x43004300)        # bf16 pair (128.0, 128.0): OR a nibble u into the mantissa -> 128 + u
 INT4_OFFSET2 = uint32(0xC308C308)      # bf16 pair (-136.0, -136.0): 128 + u - 136 = u - 8, exact
+NEG_INF = float32(-math.inf)
+LOG2E = float32(1 / math.log(2))       # split maxes are stored in log2 units (merge_splits uses exp2)
 
-
-# Programmatic dependent launch (PDL), ON ("wait" mode) by default: every kernel made by kernel() starts with
+# Programmatic dependent launch (PDL), ON ("wait" mode) by default: every kernel made by launch.kernel() starts with
 # grid_dep() and launch() gives it the PDL launch attribute: with no explicit trigger a kernel's blocks trigger as they
 # exit, so the next kernel is launched as this one's last blocks end (ahead of its completion being signalled), and
 # its blocks first wait (griddepcontrol.wait) until this kernel has finished and its writes are visible.
-# NUMBAENGINE_PDL (read at import): "wait" (default) or "off" (or "0": plain launches). H200, K2.6-shaped 2 layers
+# NUMBAENGINE_PDL (numbaengine/env.py): "wait" (default) or "off". H200, K2.6-shaped 2 layers
 # (`python -m tools.bench --synth-k2 2 --modes ar,ddtree --budgets 16 --batches 1 --new-tokens 32`): AR step 1.249
-# against 1.273 ms of GPU time with it off (-1.8%).
-PDL_MODES = {"": "wait", "wait": "wait", "1": "wait", "0": None, "off": None}
-
-
-def pdl_mode(value):
-    """NUMBAENGINE_PDL's value -> "wait" or None (off); anything else is an error."""
-    if value not in PDL_MODES:
-        raise ValueError(f"NUMBAENGINE_PDL={value!r}: use one of wait (default), off")
-    return PDL_MODES[value]
-
-
-PDL = pdl_mode(os.environ.get("NUMBAENGINE_PDL", "").strip().lower())
-
-
-def kernel(**opts):
-    """`cuda.jit` for kernels; drops the options the simulator does not know. A kernel's first statement is
-    grid_dep(): with PDL this one waits until the previous kernel has finished and its writes are visible
-    (griddepcontrol.wait; the next kernel launches as this one's blocks exit); nothing
-    of the body (no read, no write) runs before the wait, so every ordering of a plain launch holds. launch() gives
-    the PDL attribute only to kernels whose code calls grid_dep (tests/test_structure.py checks that every kernel of
-    the package starts with it). Compiled kernels are kept on disk (kernels/cache.py)."""
-    from numbaengine.kernels import cache as kernel_cache
-    if SIM:
-        return cuda.jit
-
-    def deco(fn):
-        k = kernel_cache.install(cuda.jit(**opts)(fn))
-        code = fn.__code__                             # launch() gives the PDL attribute where it calls grid_dep
-        k.grid_dep = bool(PDL) and "grid_dep" in code.co_names + code.co_freevars
-        return k
-    return deco
-
-
-_PDL_THREAD = threading.local()       # this thread's launch settings: .on (PDL, inside pdl()), .cluster, .coop
-
-
-def _launch_config(*args, **kwargs):
-    """numba.cuda.dispatcher's LaunchConfig, with programmatic_stream_serialization while this thread is in pdl(),
-    a thread-block cluster shape while it is in clusters() (cuda.core then counts the grid in clusters), and the
-    cooperative flag while it is in cooperative()."""
-    if getattr(_PDL_THREAD, "on", False):
-        kwargs["programmatic_stream_serialization"] = True
-    if getattr(_PDL_THREAD, "coop", None):
-        kwargs["is_cooperative"] = True
-    dims = getattr(_PDL_THREAD, "cluster", None)
-    if dims is not None:
-        kwargs["grid"] = tuple(g // c for g, c in zip(kwargs["grid"], dims))
-        kwargs["cluster"] = dims
-    return _launch_config.orig(*args, **kwargs)
-
-
-def _patch_launch_config():
-    import numba.cuda.dispatcher as D
-    if D.LaunchConfig is not _launch_config:
-        _launch_config.orig, D.LaunchConfig = D.LaunchConfig, _launch_config
-
-
-@contextlib.contextmanager
-def _launch_flag(name, value):
-    """Context: this thread's numba launches carry `value` as _launch_config's thread-local `name`."""
-    _patch_launch_config()
-    was = getattr(_PDL_THREAD, name, None)
-    setattr(_PDL_THREAD, name, value)
-    try:
-        yield
-    finally:
-        setattr(_PDL_THREAD, name, was)
-
-
-def pdl():
-    """Context: numba's launches from this thread carry the PDL attribute. numba builds a cuda.core LaunchConfig per
-    launch in numba.cuda.dispatcher; that name is replaced once by `_launch_config`, which adds the attribute while
-    a thread-local flag is set, so ranks launching from several threads (numbaengine.devices) do not see each
-    other's setting."""
-    return _launch_flag("on", True)
-
-
-def clusters(dims):
-    """Context: numba's launches from this thread run as thread-block clusters of dims = (x, y, z) blocks (each
-    grid dimension a multiple of its cluster dimension; blockIdx and gridDim still count blocks)."""
-    return _launch_flag("cluster", tuple(dims))
-
-
-def cooperative():
-    """Context: numba's launches from this thread are cooperative: all their blocks resident at once (the driver
-    refuses a grid larger than the GPU holds), so blocks may wait for each other (kernels/cluster.py group_barrier)."""
-    return _launch_flag("coop", True)
+# against 1.273 ms of GPU time with it off (-1.8%). PDL is this module's copy (tests flip it).
 
 
 def device(fn):
@@ -223,95 +48,20 @@ def device(fn):
     return cuda.jit(device=True, forceinline=True)(fn)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Simulator twins: warp exchange through a barrier per (block, warp)
-# ---------------------------------------------------------------------------------------------------------------
-_WARPS = weakref.WeakKeyDictionary()   # BlockManager -> {warp id: (barrier, slots)}
-_WARPS_LOCK = threading.Lock()
-
-
-def _warp_state():
-    t = threading.current_thread()                      # the simulator's BlockThread
-    nthreads = int(np.prod(t._manager._block_dim))
-    warp, lane = divmod(t.thread_id, 32)
-    with _WARPS_LOCK:
-        per_block = _WARPS.setdefault(t._manager, {})
-        if warp not in per_block:
-            n = min(32, nthreads - 32 * warp)
-            per_block[warp] = (threading.Barrier(n, timeout=300), ([None] * 32, [None] * 32), [(-1, None)] * 2,
-                               [0] * 32, threading.Lock())
-    return per_block[warp], lane
-
-
-def _collective(value, fn):
-    """Warp-collective step (simulator only): the first lane past the barrier applies fn to all lanes' values;
-    every lane gets (result, lane). One barrier per call: calls alternate between two sets of slots, and a lane can
-    only write a set again two calls later, after every lane has passed the barrier between (so has read it)."""
-    (barrier, slots, result, calls, lock), lane = _warp_state()
-    call = calls[lane]
-    calls[lane] = call + 1
-    k = call & 1
-    slots[k][lane] = value
-    barrier.wait()
-    with lock:
-        if result[k][0] != call:
-            result[k] = (call, fn(list(slots[k])))
-    return result[k][1], lane
-
-
-def _unwrap(arr):
-    """The NumPy array behind a simulator kernel argument."""
-    item = getattr(arr, "_item", arr)
-    return getattr(item, "_ary", item)
-
-
-def _flat(arr):
-    """Elements from a kernel argument's first one on, as the GPU's pointer arithmetic sees them: a view of the
-    memory the array spans (a strided view's element offsets, computed from its strides, index it as on the GPU;
-    reshape(-1) would copy it and index the copy)."""
-    a = _unwrap(arr)
-    if a.flags.c_contiguous or a.size == 0:
-        return a.reshape(-1)
-    if min(a.strides) < 0:
-        raise ValueError("simulator loads: negative strides are not supported")
-    span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.strides)) // a.itemsize
-    return np.lib.stride_tricks.as_strided(a, shape=(span,), strides=(a.itemsize,))
-
-
-def _bits_f32(u):
-    return np.array(u, dtype=np.uint32).view(np.float32)[()]
-
-
-def _f32_bits(f):
-    return np.array(f, dtype=np.float32).view(np.uint32)[()]
-
-
-def _bf16_rne(f):
-    u = int(_f32_bits(f))
-    if np.isnan(f):
-        return (u >> 16) | 0x40
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-
-
-def _pair_f32(u):
-    u = int(u)
-    return np.float32(_bits_f32(u << 16 & 0xFFFFFFFF)), np.float32(_bits_f32(u & 0xFFFF0000))
-
-
 if SIM:
     def ld16(arr, i):
-        """Four uint32 words from element i of an array (16 bytes, 16-byte aligned; see _flat for views)."""
-        a = _flat(arr)
+        """Four uint32 words from element i of an array (16 bytes, 16-byte aligned; see flat for views)."""
+        a = flat(arr)
         w = a[i:i + 16 // a.itemsize].view(np.uint32)
         return w[0], w[1], w[2], w[3]
 
     def ld8(arr, i):
-        a = _flat(arr)
+        a = flat(arr)
         w = a[i:i + 8 // a.itemsize].view(np.uint32)
         return w[0], w[1]
 
     def ld4(arr, i):
-        a = _flat(arr)
+        a = flat(arr)
         return a[i:i + 4 // a.itemsize].view(np.uint32)[0]
 
     ld16_pf = ld16
@@ -325,11 +75,11 @@ if SIM:
 
     def st16(arr, i, w0, w1, w2, w3):
         """Four uint32 words -> element i of an array (16 bytes, 16-byte aligned)."""
-        a = _flat(arr)
+        a = flat(arr)
         a[i:i + 16 // a.itemsize].view(np.uint32)[:] = (w0, w1, w2, w3)
 
     def _quad_load(arr, i):
-        a = _flat(arr)
+        a = flat(arr)
         if a.dtype == np.uint16:                  # bf16 bits -> the f32 bit patterns
             return tuple(np.uint32(int(x) << 16) for x in a[i:i + 4])
         return ld16(arr, i)
@@ -339,9 +89,9 @@ if SIM:
     def st_quad(arr, i, w0, w1, w2, w3):
         """Four float32 (bit patterns) -> elements i .. i + 3 of a float32 array, or of a bf16 (uint16) one rounded
         to nearest even (16 / 8 bytes, aligned)."""
-        a = _flat(arr)
+        a = flat(arr)
         if a.dtype == np.uint16:
-            a[i:i + 4] = [_bf16_rne(_bits_f32(w)) for w in (w0, w1, w2, w3)]
+            a[i:i + 4] = [bf16_rne(bits_f32(w)) for w in (w0, w1, w2, w3)]
         else:
             st16(arr, i, w0, w1, w2, w3)
 
@@ -351,17 +101,17 @@ if SIM:
         return t, t, np.uint32(0)
 
     def as_f32(u):
-        return np.float32(_bits_f32(u))
+        return np.float32(bits_f32(u))
 
     def as_u32(f):
-        return np.uint32(_f32_bits(f))
+        return np.uint32(f32_bits(f))
 
     def pack_bf16x2(lo, hi):
-        return np.uint32(_bf16_rne(np.float32(lo)) | (_bf16_rne(np.float32(hi)) << 16))
+        return np.uint32(bf16_rne(np.float32(lo)) | (bf16_rne(np.float32(hi)) << 16))
 
     def fma_bf16x2(a, b, c):
         """Lane-wise bf16 a*b+c, rounded once (the operands used here make it exact)."""
-        (a0, a1), (b0, b1), (c0, c1) = _pair_f32(a), _pair_f32(b), _pair_f32(c)
+        (a0, a1), (b0, b1), (c0, c1) = pair_f32(a), pair_f32(b), pair_f32(c)
         r0 = np.float32(np.float64(a0) * b0 + c0)
         r1 = np.float32(np.float64(a1) * b1 + c1)
         return pack_bf16x2(r0, r1)
@@ -388,17 +138,17 @@ if SIM:
 
     def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """D = A @ B + C for one m16n8k16 tile held by the warp (fragment layout of the PTX ISA)."""
-        d, lane = _collective((a0, a1, a2, a3, b0, b1), _mma_tile)
+        d, lane = collective((a0, a1, a2, a3, b0, b1), _mma_tile)
         g, t = divmod(lane, 4)
         return (np.float32(d[g, 2 * t] + c0), np.float32(d[g, 2 * t + 1] + c1),
                 np.float32(d[g + 8, 2 * t] + c2), np.float32(d[g + 8, 2 * t + 1] + c3))
 
     def shfl_xor(value, mask):
-        values, lane = _collective(value, list)
+        values, lane = collective(value, list)
         return values[lane ^ mask]
 
     def shfl_idx(value, src):
-        values, lane = _collective(value, list)
+        values, _ = collective(value, list)
         return values[src]
 
     def lane_id():
@@ -406,7 +156,7 @@ if SIM:
 
     def syncwarp():
         """The simulator's warp exchange is a barrier of the warp (and its shared memory is one array)."""
-        _collective(0, list)
+        collective(0, list)
 
     def cp_commit():
         """Simulator: cp.async copies land at once, so groups and waits are no-ops."""
@@ -422,7 +172,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    def _address(ctx, b, aty, arr, idx, idxty):
+    def element_address(ctx, b, aty, arr, idx, idxty):
         """Byte address of flat element `idx` of a contiguous array."""
         a = ctx.make_array(aty)(ctx, b, arr)
         i64 = ir.IntType(64)
@@ -431,7 +181,7 @@ else:
         size = ctx.get_abi_sizeof(ctx.get_data_type(aty.dtype))
         return b.add(b.ptrtoint(a.data, i64), b.mul(idx, ir.Constant(i64, size)))
 
-    def _smem_addr(context, builder, aryty, ary, idxty, idx):
+    def shared_address(context, builder, aryty, ary, idxty, idx):
         """32-bit shared-window address of element idx of a 1-D shared array (32-bit math: fewer registers)."""
         arr = context.make_array(aryty)(context, builder, value=ary)
         i64, i32 = ir.IntType(64), ir.IntType(32)
@@ -457,7 +207,7 @@ else:
             sig = ret(arr, idx)
 
             def codegen(ctx, b, sig, args):
-                addr = _address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+                addr = element_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
                 i32 = ir.IntType(32)
                 if words == 1:
                     fn = ir.FunctionType(i32, [ir.IntType(64)])
@@ -491,7 +241,7 @@ else:
             asm = f"ld.global{space}.v{words}.u32 {{{regs}}}, [${words}];"
 
             def codegen(ctx, b, sig, args):
-                addr = _address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+                addr = element_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
                 i32 = ir.IntType(32)
                 fn = ir.FunctionType(ir.LiteralStructType([i32] * words), [ir.IntType(64)])
                 r = b.call(ir.InlineAsm(fn, asm, ",".join(["=r"] * words) + ",l", side_effect=space != ".nc"),
@@ -519,7 +269,7 @@ else:
                "st.global.v2.u32 [$0], {p, q}; }" if bf else "st.global.v4.u32 [$0], {$1, $2, $3, $4};")
 
         def codegen(ctx, b, sig, args):
-            addr = _address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+            addr = element_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
             words = [ctx.cast(b, v, ty, types.uint32) for v, ty in zip(args[2:], sig.args[2:])]
             vty = ir.FloatType() if bf else ir.IntType(32)
             vals = [b.bitcast(w, vty) for w in words]
@@ -534,7 +284,7 @@ else:
         sig = types.void(arr, idx, w0, w1, w2, w3)
 
         def codegen(ctx, b, sig, args):
-            addr = _address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+            addr = element_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
             words = [ctx.cast(b, v, ty, types.uint32) for v, ty in zip(args[2:], sig.args[2:])]
             fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] + [ir.IntType(32)] * 4)
             b.call(ir.InlineAsm(fn, "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}",
@@ -552,7 +302,7 @@ else:
             sig = types.UniTuple(types.uint32, 4)(arr, idx)
 
             def codegen(ctx, b, sig, args):
-                addr = _smem_addr(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
+                addr = shared_address(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
                 i32 = ir.IntType(32)
                 fn = ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32])
                 r = b.call(ir.InlineAsm(fn, asm, cons, side_effect=True), [addr])
@@ -569,7 +319,7 @@ else:
         sig = types.void(arr, idx, v0, v1)
 
         def codegen(ctx, b, sig, args):
-            addr = _smem_addr(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
+            addr = shared_address(ctx, b, sig.args[0], args[0], sig.args[1], args[1])
             vals = [ctx.cast(b, v, ty, types.float32) for v, ty in zip(args[2:], sig.args[2:])]
             fn = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.FloatType(), ir.FloatType()])
             b.call(ir.InlineAsm(fn, "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f,~{memory}", side_effect=True),
@@ -582,12 +332,12 @@ else:
         sig = types.void(arr, idx)
 
         def codegen(ctx, b, sig, args):
-            addr = _address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+            addr = element_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
             fn = ir.FunctionType(ir.VoidType(), [ir.IntType(64)])
             b.call(ir.InlineAsm(fn, "prefetch.global.L2 [$0];", "l", side_effect=True), [addr])
         return sig, codegen
 
-    def _barrier_op(asm):
+    def barrier_op(asm):
         """A no-argument PTX statement that orders memory (side effect, memory clobber)."""
         @intrinsic
         def op(typingctx):
@@ -596,9 +346,9 @@ else:
             return types.void(), codegen
         return op
 
-    cp_commit = _barrier_op("cp.async.commit_group;")
-    _launch_dependents = _barrier_op("griddepcontrol.launch_dependents;")
-    _wait_previous = _barrier_op("griddepcontrol.wait;")
+    cp_commit = barrier_op("cp.async.commit_group;")
+    _launch_dependents = barrier_op("griddepcontrol.launch_dependents;")
+    _wait_previous = barrier_op("griddepcontrol.wait;")
 
     @intrinsic
     def grid_dep(typingctx):
@@ -611,7 +361,7 @@ else:
 
     def cp_wait(n):
         """cp.async.wait_group n: all but this thread's n most recent groups have landed."""
-        return _barrier_op(f"cp.async.wait_group {n};")
+        return barrier_op(f"cp.async.wait_group {n};")
 
     @intrinsic
     def timer_regs(typingctx):
@@ -628,7 +378,7 @@ else:
             return ctx.make_tuple(b, sig.return_type, [b.extract_value(r, k) for k in range(3)])
         return sig, codegen
 
-    def _asm_op(name, asm, cons, argtys, retty):
+    def asm_op(name, asm, cons, argtys, retty):
         """An intrinsic around one inline-PTX instruction; arguments are cast to `argtys` first."""
         def op(typingctx, *args):
             if len(args) != len(argtys):
@@ -652,15 +402,15 @@ else:
         return intrinsic(op)
 
     _u32, _f32 = types.uint32, types.float32
-    as_f32 = _asm_op("as_f32", "mov.b32 $0, $1;", "=f,r", [_u32], _f32)
-    as_u32 = _asm_op("as_u32", "mov.b32 $0, $1;", "=r,f", [_f32], _u32)
+    as_f32 = asm_op("as_f32", "mov.b32 $0, $1;", "=f,r", [_u32], _f32)
+    as_u32 = asm_op("as_u32", "mov.b32 $0, $1;", "=r,f", [_f32], _u32)
     # cvt packs its first source into the upper half: pass (hi, lo) to get lo in the low half
-    _cvt_pair = _asm_op("cvt_pair", "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [_f32, _f32], _u32)
-    fma_bf16x2 = _asm_op("fma_bf16x2", "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [_u32] * 3, _u32)
+    cvt_pair = asm_op("cvt_pair", "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f", [_f32, _f32], _u32)
+    fma_bf16x2 = asm_op("fma_bf16x2", "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [_u32] * 3, _u32)
     # (a & b) | c in one LOP3: written as `&` then `|`, ptxas emits two LOP3s when b and c are both constants
     # (one immediate per LOP3); here c is a register operand.
-    lop3_and_or = _asm_op("lop3_and_or", "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r", [_u32] * 3, _u32)
-    mma_bf16 = _asm_op(
+    lop3_and_or = asm_op("lop3_and_or", "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r", [_u32] * 3, _u32)
+    mma_bf16 = asm_op(
         "mma_bf16",
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
@@ -669,7 +419,7 @@ else:
     @cuda.jit(device=True, forceinline=True)
     def pack_bf16x2(lo, hi):
         """Two float32 -> one word of two bf16 (round to nearest even), lo in the low half."""
-        return _cvt_pair(hi, lo)
+        return cvt_pair(hi, lo)
 
     @cuda.jit(device=True, forceinline=True)
     def shfl_xor(value, mask):
@@ -819,49 +569,3 @@ def block_argmax(v, i):
     return bv, bi
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Launching
-# ---------------------------------------------------------------------------------------------------------------
-_STREAMS = {}
-
-
-def current_stream():
-    """numba's view of CuPy's current stream (so launches order with CuPy work and can be graph-captured);
-    stream 0 under the simulator or without CuPy."""
-    if SIM:
-        return 0
-    try:
-        import cupy
-    except ImportError:
-        return 0
-    ptr = cupy.cuda.get_current_stream().ptr
-    if ptr not in _STREAMS:
-        _STREAMS[ptr] = cuda.external_stream(ptr) if ptr else cuda.default_stream()
-    return _STREAMS[ptr]
-
-
-def launch(kern, grid, block, *args, shmem=0, cluster=None, coop=False):
-    """Launch `kern` on the current stream (cluster: thread-block cluster dims; coop: a cooperative launch; both GPU
-    only). Arguments: numba device arrays (NumPy arrays under the simulator, used in place: no copies, so views with
-    any strides and aliased outputs behave as on the GPU)."""
-    if SIM:
-        if cluster is not None or coop:
-            raise NotImplementedError("launch: thread-block clusters and cooperative launches have no simulator twin")
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-        args = [FakeCUDAArray(a) if isinstance(a, np.ndarray) and a.ndim > 0 else a for a in args]
-        kern[grid, block, current_stream(), shmem](*args)
-        return
-    from numbaengine.kernels import cache as kernel_cache
-    if kernel_cache.record_launch(kern, args):         # precompile's dry run: recorded, nothing runs
-        return
-    if coop:
-        with cooperative():
-            launch(kern, grid, block, *args, shmem=shmem, cluster=cluster)
-    elif cluster is not None:
-        with clusters(cluster):
-            launch(kern, grid, block, *args, shmem=shmem)
-    elif PDL and getattr(kern, "grid_dep", False):
-        with pdl():
-            kern[grid, block, current_stream(), shmem](*args)
-    else:
-        kern[grid, block, current_stream(), shmem](*args)

@@ -25,10 +25,8 @@ on grid z and 8T-token chunks on grid y: one launch instead of one GEMM per head
 import math
 from dataclasses import dataclass, replace
 
-import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from numbaengine.kernels.attention import launch_smem
 from numbaengine.kernels.device import (
     F0,
     SIM,
@@ -40,9 +38,7 @@ from numbaengine.kernels.device import (
     device,
     grid_dep,
     int4_pair,
-    kernel,
     lane_id,
-    launch,
     ld4,
     ld4_l2,
     ld8,
@@ -52,13 +48,22 @@ from numbaengine.kernels.device import (
     pack_bf16x2,
     split_bf16x2,
 )
-from numbaengine.kernels.gemm_wg import (
-    WG_NB_MAX,
-    gemm_wg,
-    gemm_wg_applies,
-    token_blocks,
+from numbaengine.kernels.gemm_wg import gemm_wg, gemm_wg_applies
+from numbaengine.kernels.launch import (
+    cached,
+    contiguous,
+    data_ptr,
+    flat_span,
+    kernel,
+    launch,
+    launch_smem,
+    u32_words,
 )
-from numbaengine.kernels.gemm_wg import xb_words as wg_xb_words
+from numbaengine.kernels.prep import (
+    RING_CHUNK,
+    prep_b,
+)
+from numbaengine.kernels.prep import xb_words as wg_xb_words
 
 # ------------------------------------------------------------------------------- cp.async ring (weights -> shared)
 if SIM:
@@ -73,7 +78,7 @@ else:
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from numbaengine.kernels.device import _address as _elem_address
+    from numbaengine.kernels.device import element_address
 
     _SHARED32 = "{ .reg .u64 sa64; .reg .u32 sa; cvta.to.shared.u64 sa64, $%d; cvt.u32.u64 sa, sa64; "
 
@@ -84,8 +89,8 @@ else:
         sig = types.void(ring, ri, w, wi)
 
         def codegen(ctx, b, sig, args):
-            sa = _elem_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
-            ga = _elem_address(ctx, b, sig.args[2], args[2], args[3], sig.args[3])
+            sa = element_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+            ga = element_address(ctx, b, sig.args[2], args[2], args[3], sig.args[3])
             i64 = ir.IntType(64)
             asm = (_SHARED32 % 0 + ".reg .u64 ga; cvta.to.global.u64 ga, $1; "
                    "cp.async.cg.shared.global.L2::256B [sa], [ga], 16; }")
@@ -99,7 +104,7 @@ else:
         sig = types.UniTuple(types.uint32, 4)(ring, ri)
 
         def codegen(ctx, b, sig, args):
-            sa = _elem_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
+            sa = element_address(ctx, b, sig.args[0], args[0], args[1], sig.args[1])
             i32 = ir.IntType(32)
             fn = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ir.IntType(64)])
             asm = _SHARED32 % 4 + "ld.shared.v4.u32 {$0,$1,$2,$3}, [sa]; }"
@@ -116,82 +121,9 @@ SMALL_XS = 2        # small weights (launch-bound, gemm_config) keep hi + lo par
 #   there, and with bf16 activations the tiny test pair's prefill logits moved 1.1e-2 of their max from the float32
 #   reference (H200, tests/test_backend_sim.py; the tolerance is 1e-2, hi + lo measured 1e-3 .. 3e-3)
 HEAD_XS = 2         # head_gemm (MLA's W_UK / W_UV products): hi + lo parts (bf16 activations not measured there)
-RING_CHUNK = 128    # u32 words of one warp-wide 16-byte-per-lane chunk (a ring slot row, a tiled B fragment)
-_CACHE = {}
-
-
-def _cached(builder, *key):
-    """One compiled kernel per (builder, compile-time parameters)."""
-    k = (builder.__name__,) + key
-    if k not in _CACHE:
-        _CACHE[k] = builder(*key)
-    return _CACHE[k]
 
 
 # ---------------------------------------------------------------------------------------------------------- B prep
-def _build_prep_unit(xs, perm, tiled):
-    @device
-    def prep_unit(x, xb, m, kdim, row, blk):
-        """Columns 8 blk .. 8 blk + 7 of row `row` of the B operand (see `_build_prep`)."""
-        if blk >= kdim // 8:
-            return
-        half = kdim // 2
-        base, pstride = row * xs * half + blk * 4, half
-        if tiled == 1:
-            base = ((blk // 4 * ((m + 7) // 8) + row // 8) * xs) * RING_CHUNK + (4 * (row % 8) + blk % 4) * 4
-            pstride = RING_CHUNK
-        elif tiled == 3:       # wgmma B boxes (kernels/gemm_wg.py): [token block][k/64 box][NB rows][128 bytes],
-            zb = (m + WG_NB_MAX - 1) // WG_NB_MAX    # chunk c of row r at chunk c ^ (r % 8) (128-byte swizzle)
-            nb = ((m + zb - 1) // zb + 7) // 8 * 8
-            z, r = row // nb, row % nb
-            base = ((z * (kdim // 64) + blk // 8) * nb + r) * 32 + ((blk % 8) ^ (r % 8)) * 4
-        if tiled:
-            row = min(row, m - 1)
-        k0 = blk * 8
-        for q in range(4):
-            if perm:
-                e0, e1 = k0 + q, k0 + q + 4
-            else:
-                e0, e1 = k0 + 2 * q, k0 + 2 * q + 1
-            v0, v1 = x[row, e0], x[row, e1]
-            if xs == 2:
-                hi, lo = split_bf16x2(v0, v1)
-                xb[base + q] = hi
-                xb[base + pstride + q] = lo
-            else:
-                xb[base + q] = pack_bf16x2(v0, v1)
-    return prep_unit
-
-
-def _build_prep(xs, perm, tiled=0):
-    prep_unit = _cached(_build_prep_unit, xs, perm, tiled)
-
-    @kernel()
-    def prep(x, xb, m, kdim):
-        """x f32[m, k] (any strides) -> xb u32 flat [m, xs, k/2] (bf16 pairs; perm=1: INT4 column order), or
-        (tiled=1) the mma B fragments in warp order: word ((s*ceil(m/8) + row//8)*xs + p)*128 + 4*lane + q with
-        lane = 4*(row%8) + t holds part p of columns 32s + 8t + 2q, +1 (rows past m repeat row m-1), or
-        (tiled=3, xs=1) kernels/gemm_wg.py's wgmma B boxes: token block z of NB rows, 64-column box b, row r:
-        words ((z*k/64 + b)*NB + r)*32 + 4*(c ^ r%8) + q hold columns 64b + 8c + 2q, +1.
-        Launch: grid (ceil(k/8/256), m, or the rows rounded up to 8 (tiled=1) or ZB*NB (3)), block
-        256; moves m*k*4 bytes in, m*k*2*xs out."""
-        grid_dep()
-        prep_unit(x, xb, m, kdim, cuda.blockIdx.y, cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
-    return prep
-
-
-def prep_b(x, xb, xs=XS_DEFAULT, perm=0, tiled=0):
-    """x f32[m, k] -> xb (uint32 flat, >= m*xs*k/2 words; tiled=1: ceil(m/8)*8*xs*k/2, tiled=3:
-    kernels.gemm_wg.xb_words): the B operand of the mma GEMMs (tiled=3: of the wgmma GEMM)."""
-    m, k = x.shape
-    if tiled == 3 and (xs != 1 or perm):
-        raise ValueError(f"prep_b: the tiled={tiled} layout is for bf16 activations in natural column order")
-    if tiled == 3:
-        nb, zb = token_blocks(m)
-        rows = nb * zb
-    else:
-        rows = math.ceil(m / 8) * 8 if tiled else m
-    launch(_cached(_build_prep, xs, perm, tiled), (math.ceil(k / 8 / 256), rows), 256, x, xb, int32(m), int32(k))
 
 
 # ------------------------------------------------------------------------------------------------ the warp step
@@ -237,7 +169,7 @@ def _build_bf16_mma(T, R, XS, BF):
     return mma_step
 
 
-def _build_int4_mma(T, R, XS, G):
+def build_int4_mma(T, R, XS, G):
     """Device function: the tensor-core work of one INT4 k-step (32*G columns) of one warp: qa u32[2R*G] the lane's
     weight words (index h*G + j: row half h = 2r (row g) / 2r+1 (row g+8) of row tile r, scale group j), sa f32[2R*G]
     their group scales; B from xb at boff[tt] as in `_build_step`. Shared by the register path and moe.py's bulk
@@ -285,7 +217,7 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
     NQ, NQ4 = 8 * R, 2 * R * G
     lda = ld16_pf if PF else ld16
     if fmt == BF16:
-        mma_step = _cached(_build_bf16_mma, T, R, XS, BF)
+        mma_step = cached(_build_bf16_mma, T, R, XS, BF)
 
         @device
         def step(w, sc, xb, s, t, half, aoff, soff, boff, acc):
@@ -295,7 +227,7 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
             mma_step(qa, xb, s, t, half, boff, acc)
         return step
 
-    int4_mma = _cached(_build_int4_mma, T, R, XS, G)
+    int4_mma = cached(build_int4_mma, T, R, XS, G)
 
     @device
     def step(w, sc, xb, s, t, half, aoff, soff, boff, acc):
@@ -320,9 +252,9 @@ def _build_step(fmt, T, R, XS, G, PF=0, BF=0):
     return step
 
 
-def _build_mainloop(fmt, T, R, XS, G, U, PF=0, BF=0):
+def build_mainloop(fmt, T, R, XS, G, U, PF=0, BF=0):
     """Device function: steps [s0, s1) of one warp, U steps per iteration (their loads can be in flight together)."""
-    step = _cached(_build_step, fmt, T, R, XS, G, PF, BF)
+    step = cached(_build_step, fmt, T, R, XS, G, PF, BF)
 
     @device
     def mainloop(w, sc, xb, s0, s1, t, half, aoff, soff, boff, acc):
@@ -347,8 +279,8 @@ def _build_ring_mainloop(T, R, XS, S, BF=0, RB=0):
     shared memory: the weights of the next S-1 steps are in flight while the tensor cores work on this one. Each lane
     copies and later reads its own 16-byte chunks (no barrier); warp w owns words [w, w+1) * S*NCH*RING_CHUNK.
     RB=1 (B tiled, BF=2): the step's T*XS B fragments ride in the same ring slot after the 2R weight chunks (every
-    global load of a step is then issued S-1 steps ahead). Same signature and arithmetic as `_build_mainloop`."""
-    mma_step = _cached(_build_bf16_mma, T, R, XS, 3 if RB else BF)
+    global load of a step is then issued S-1 steps ahead). Same signature and arithmetic as `build_mainloop`."""
+    mma_step = cached(_build_bf16_mma, T, R, XS, 3 if RB else BF)
     NA, NQ, NB = 2 * R, 8 * R, T * XS * RB
     NCH, SSTR = NA + NB, T * XS * RING_CHUNK
     wait_ring = cp_wait(S - 1)
@@ -392,7 +324,7 @@ def _build_ring_mainloop(T, R, XS, S, BF=0, RB=0):
 
 # --------------------------------------------------------------------------------------------------- kernels
 @device
-def _split_range(piece, pieces, steps):
+def split_range(piece, pieces, steps):
     """Steps [lo, hi) of `piece` when `steps` are cut into `pieces` near-equal parts."""
     return (piece * steps) // pieces, ((piece + 1) * steps) // pieces
 
@@ -400,7 +332,7 @@ def _split_range(piece, pieces, steps):
 MAX_WARPS = 8          # warps per block of the mma kernels (the in-block k-split reduction is sized for it)
 
 
-def _build_block_reduce(R, T, DYN=0):
+def build_block_reduce(R, T, DYN=0):
     """Device function: the wk warps of a block that share row tiles add their acc in order wk = 0..nwk-1; the
     total ends in the wk == 0 warp. All threads of the block must call it. DYN=1: the exchange goes through the
     dynamic shared memory (red_bytes; it may alias the cp.async rings: a barrier first)."""
@@ -430,14 +362,14 @@ def _build_block_reduce(R, T, DYN=0):
 
 
 def red_bytes(R, T, WR, WK):
-    """Shared bytes of the in-block k-split exchange of `_build_block_reduce`."""
+    """Shared bytes of the in-block k-split exchange of `build_block_reduce`."""
     return 4 * (WK - 1) * WR * R * T * 4 * 32
 
 
 def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
-    mainloop = (_cached(_build_ring_mainloop, T, R, XS, S, BF, RB) if S
-                else _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, BF))
-    block_reduce = _cached(_build_block_reduce, R, T, 1)
+    mainloop = (cached(_build_ring_mainloop, T, R, XS, S, BF, RB) if S
+                else cached(build_mainloop, BF16, T, R, XS, 1, U, PF, BF))
+    block_reduce = cached(build_block_reduce, R, T, 1)
     NACC, NA = R * T * 4, 2 * R
 
     @device
@@ -460,7 +392,7 @@ def _build_gemm(T, R, XS, U, PF=0, BF=0, FR=0, bounds=None, S=0, RB=0):
         mb = min(m - r0, 8 * T)
         sb, nsb = cuda.blockIdx.y, cuda.gridDim.y
         half = kdim // 2
-        s0, s1 = _split_range(sb * nwk + wk, nsb * nwk, kdim // 32)
+        s0, s1 = split_range(sb * nwk + wk, nsb * nwk, kdim // 32)
         aoff = cuda.local.array(NA, int32)
         boff = cuda.local.array(T, int32)
         acc = cuda.local.array(NACC, float32)
@@ -731,12 +663,12 @@ def gemm(x, w, out, ws, xs=None, cfg=None):
         raise ValueError(f"gemm: {cfg} has more than {MAX_WARPS} warps per block")
     threads = 32 * cfg.WR * cfg.WK
     rb = int(bool(cfg.S and cfg.RB and not fused))
-    kern = _cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, 1 if fused else 2, int(nsync > 0),
+    kern = cached(_build_gemm, T, cfg.R, xs, cfg.U, cfg.PF, 1 if fused else 2, int(nsync > 0),
                    (threads, cfg.MB) if cfg.MB else None, cfg.S, rb)
     grid = (math.ceil(n / 16 / (cfg.WR * cfg.R)), cfg.SB, zb)
     part = ws.part[:npart].reshape(cfg.SB, m, n) if npart else ws.part[:1].reshape(1, 1, 1)
     sync = (ws.sync[:nsync],) if nsync else ()
-    args = (xb, _words(w), out, part, *sync, int32(m), int32(n), int32(k), int32(cfg.WR), int32(cfg.WK))
+    args = (xb, u32_words(w), out, part, *sync, int32(m), int32(n), int32(k), int32(cfg.WR), int32(cfg.WK))
     smem = gemm_smem(T, cfg, xs * T * rb)
     if smem > SMEM_MAX:
         raise ValueError(f"gemm: {cfg} needs {smem} bytes of shared memory (> {SMEM_MAX})")
@@ -745,19 +677,8 @@ def gemm(x, w, out, ws, xs=None, cfg=None):
     else:
         launch(kern, grid, threads, *args, shmem=smem)
     if cfg.SB > 1 and not nsync:
-        launch(_cached(_build_reduce), math.ceil(m * n / 256), 256, part, out, int32(cfg.SB), int32(m), int32(n))
+        launch(cached(_build_reduce), math.ceil(m * n / 256), 256, part, out, int32(cfg.SB), int32(m), int32(n))
     return out
-
-
-def contiguous(a):
-    """C-contiguous (numpy or numba device array)."""
-    flags = getattr(a, "flags", None)
-    return bool(flags["C_CONTIGUOUS"]) if flags is not None else a.is_c_contiguous()
-
-
-def _words(a):
-    """Contiguous array -> flat uint32 view (numpy or numba device array)."""
-    return a.reshape(a.size).view(np.uint32)
 
 
 # ------------------------------------------------------------------------------------------------ per-head GEMM
@@ -788,8 +709,8 @@ def head_gemm_workspace_words(n, h, b, a, cfg=None):
 
 
 def _build_head_gemm(T, R, XS, U, PF):
-    mainloop = _cached(_build_mainloop, BF16, T, R, XS, 1, U, PF, 1)
-    block_reduce = _cached(_build_block_reduce, R, T)
+    mainloop = cached(build_mainloop, BF16, T, R, XS, 1, U, PF, 1)
+    block_reduce = cached(build_block_reduce, R, T)
     NACC, NA = R * T * 4, 2 * R
 
     @kernel()
@@ -807,7 +728,7 @@ def _build_head_gemm(T, R, XS, U, PF):
         tile0 = (cuda.blockIdx.x * nwr + wr) * R
         tok0 = cuda.blockIdx.y * 8 * T
         half = a // 2
-        s0, s1 = _split_range(wk, nwk, a // 32)
+        s0, s1 = split_range(wk, nwk, a // 32)
         aoff = cuda.local.array(NA, int32)
         boff = cuda.local.array(T, int32)
         acc = cuda.local.array(NACC, float32)
@@ -841,7 +762,7 @@ def head_gemm(x, w, out, ws, cfg=None):
     if w.shape != (h, b, a) or out.shape != (n, h, b):
         raise ValueError(f"head_gemm: x {x.shape}, w {w.shape}, out {out.shape} do not fit per-head x @ w^T")
     sx = [s // 4 for s in x.strides]
-    if a % 32 or sx[2] != 1 or sx[0] % 4 or sx[1] % 4 or _address(x) % 16:
+    if a % 32 or sx[2] != 1 or sx[0] % 4 or sx[1] % 4 or data_ptr(x) % 16:
         raise ValueError(f"head_gemm: x rows must be 16-byte aligned with unit stride and a % 32 == 0 "
                          f"(a={a}, strides {x.strides})")
     cfg = cfg or head_gemm_config(n, h, b, a)
@@ -850,20 +771,10 @@ def head_gemm(x, w, out, ws, cfg=None):
         raise ValueError(f"head_gemm: workspace too small ({ws.xb.size}/{ws.part.size} < {nxb}/{npart})")
     if cfg.WR * cfg.WK > MAX_WARPS:
         raise ValueError(f"head_gemm: {cfg} has more than {MAX_WARPS} warps per block")
-    kern = _cached(_build_head_gemm, cfg.T, cfg.R, HEAD_XS, cfg.U, cfg.PF)
+    kern = cached(_build_head_gemm, cfg.T, cfg.R, HEAD_XS, cfg.U, cfg.PF)
     grid = (math.ceil(b / 16 / (cfg.WR * cfg.R)), math.ceil(n / (8 * cfg.T)), h)
-    launch(kern, grid, 32 * cfg.WR * cfg.WK, _flat_span(x) if SIM else x, _words(w), out, int32(n), int32(b),
+    launch(kern, grid, 32 * cfg.WR * cfg.WK, flat_span(x) if SIM else x, u32_words(w), out, int32(n), int32(b),
            int32(a), int32(sx[0]), int32(sx[1]), int32(cfg.WR), int32(cfg.WK))
     return out
 
 
-def _address(a):
-    """Data pointer of a NumPy, CuPy or numba array."""
-    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
-    return iface["data"][0]
-
-
-def _flat_span(a):
-    """Simulator: the memory from a[0, ...] to its last element as a flat array (kernels address it by strides)."""
-    span = sum((d - 1) * s for d, s in zip(a.shape, a.strides)) // a.itemsize + 1
-    return np.lib.stride_tricks.as_strided(a, (span,), (a.itemsize,))

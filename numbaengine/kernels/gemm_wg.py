@@ -20,12 +20,12 @@ Bytes: the weights once per token block (n k 2), x once per strip (NB k 2 per bl
 No simulator twin (TMA, wgmma, clusters): `gemm_wg_applies` is False there and kernels.gemm takes its mma path.
 """
 import math
-import os
 from dataclasses import dataclass, replace
 
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
+from numbaengine import env
 from numbaengine.kernels.bulk import (
     bulk_load,
     mbar_expect,
@@ -42,12 +42,13 @@ from numbaengine.kernels.device import (
     as_f32,
     device,
     grid_dep,
-    kernel,
     ld16,
     lds16,
     pack_bf16x2,
     stamp_point,
 )
+from numbaengine.kernels.launch import kernel
+from numbaengine.kernels.prep import prep_b, token_blocks, xb_words
 from numbaengine.kernels.unroll import each, fill, tfold, tmap, unroll
 from numbaengine.kernels.wgmma import (
     fence_proxy_async,
@@ -59,9 +60,8 @@ from numbaengine.kernels.wgmma import (
     wg_wait1,
 )
 
-GEMM_WG = os.environ.get("NUMBAENGINE_GEMM_WG", "1") != "0"   # kernels.gemm.gemm_config takes this path where it
+GEMM_WG = env.GEMM_WG     # kernels.gemm.gemm_config takes this path where it
 #                           applies (gemm_wg_applies); NUMBAENGINE_GEMM_WG=0: the mma path everywhere
-WG_NB_MAX = 64            # token rows per block (wgmma N); taller x runs as token blocks on grid z
 WG_TARGET = 1.8           # blocks per SM the k split aims at, at most: all resident at once (one wave) with room
 #                           for the clusters' packing into GPCs (a cluster's blocks share one GPC)
 WG_CL_MAX = 4             # k pieces per strip (cluster size), 1 .. 8. H200, chained % of copy at m = 17: q_kv_a 46.4
@@ -104,13 +104,6 @@ class WgCut:
     NB: int
     ZB: int
     XIN: int = 0
-
-
-def token_blocks(m):
-    """(NB, ZB): token blocks of at most WG_NB_MAX rows, NB a multiple of 8."""
-    zb = -(-m // WG_NB_MAX)
-    per = -(-m // zb)
-    return 8 * -(-per // 8), zb
 
 
 def wg_cut(m, n, k, sms=132, mt=None, cl=None, stages=None, xin=None):
@@ -160,12 +153,6 @@ def _sm90():
 def gemm_wg_applies(m, n, k):
     """Whether this path runs the GEMM: sm_90, k a multiple of 64 (one swizzle span per box) and GEMM_WG on."""
     return GEMM_WG and k % 64 == 0 and n >= 64 and _sm90()
-
-
-def xb_words(m, k):
-    """u32 words of x in the tiled=3 layout of prep_b: ZB token blocks x k/64 boxes x NB rows x 32 words."""
-    nb, zb = token_blocks(m)
-    return zb * nb * k // 2
 
 
 _KERNELS = {}
@@ -440,9 +427,9 @@ def tensor_map(a, box_rows):
     in device memory. Made on the first call for this address, shape and box and kept (never freed: no map is ever
     rewritten), outside graph capture: engines run a round eagerly before they capture it."""
     from numbaengine.kernels.bulk import tensor_map_2d
-    from numbaengine.kernels.gemm import _address
+    from numbaengine.kernels.launch import data_ptr
     rows, cols = a.shape
-    key = (_address(a), rows, cols, box_rows)
+    key = (data_ptr(a), rows, cols, box_rows)
     if key not in _TMAP:
         _TMAP[key] = cuda.to_device(tensor_map_2d(key[0], rows, cols, box_rows, 64))
     return _TMAP[key]
@@ -453,8 +440,7 @@ def gemm_wg(x, w, out, xb, cut=None, stamps=None):
     after x -> bf16 boxes in xb (u32, >= xb_words(m, k)) unless the blocks convert x themselves (cut.XIN 1, x
     contiguous; else the cut falls back to XIN 0). w contiguous (its tensor map); out may be a strided view (a
     vocabulary shard's columns). stamps: int32 [>= blocks, STAMP_WORDS] with GEMM_WG_STAMPS on."""
-    from numbaengine.kernels.attention import launch_smem
-    from numbaengine.kernels.gemm import contiguous, prep_b
+    from numbaengine.kernels.launch import contiguous, launch_smem
     m, k = x.shape
     n = w.shape[0]
     if not gemm_wg_applies(m, n, k) or not contiguous(w) or out.shape != (m, n):

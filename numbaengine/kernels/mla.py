@@ -9,27 +9,26 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 import numbaengine.kernels.mla_wg as _wg
-from numbaengine.kernels.attention import (
-    LOG2E,
-    NEG_INF,
-    launch_smem,
-    merge_splits,
-    placeholder,
-    raise_smem_limit,
-    shfl_xor,
-)
+from numbaengine.kernels.attention import merge_splits
 from numbaengine.kernels.cluster import max_clusters
 from numbaengine.kernels.device import (
-    SIM,
+    LOG2E,
+    NEG_INF,
     as_f32,
     as_u32,
     cp_commit,
     cp_wait,
     grid_dep,
-    kernel,
     ld16,
     mma_bf16,
+    shfl_xor,
     st_quad,
+)
+from numbaengine.kernels.launch import (
+    kernel,
+    launch_smem,
+    placeholder,
+    raise_smem_limit,
 )
 from numbaengine.kernels.mla_wg import (
     mla_wg_applies,
@@ -37,215 +36,23 @@ from numbaengine.kernels.mla_wg import (
     mla_wg_launch,
     wg_clusters,
 )
-from numbaengine.weights.dtypes import f32_to_bf16
-
-if not SIM:
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda import libdevice
-    from numba.cuda.extending import intrinsic
-
-    from numbaengine.kernels.device import (
-        _address,
-        _asm_op,
-        _cvt_pair,
-        _smem_addr,
-        smem_load4,
-    )
-
-    def _make_ldsm(trans):
-        """ldmatrix .x4 (optionally .trans): this lane passes the address of its row (uint16 element idx)."""
-        return smem_load4("ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "") + ".shared.b16", clobber=False)
-
-    @intrinsic
-    def _slot_addr(typingctx, sary, sidx):
-        """32-bit shared-window address of uint16 element sidx of a 1-D shared array (a ring slot's start)."""
-        sig = types.uint32(sary, sidx)
-
-        def codegen(context, builder, sig, args):
-            return _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-        return sig, codegen
-
-    @intrinsic
-    def _row_addr(typingctx, gary, gidx):
-        """Generic byte address of flat element gidx of a contiguous global array."""
-        sig = types.uint64(gary, gidx)
-
-        def codegen(context, builder, sig, args):
-            return _address(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        return sig, codegen
-
-    def _make_cp_piece(d8, npieces):
-        """cp.async of 16-byte piece idx (< npieces) of a tile of rows of d8 pieces: global gptr + 16*idx -> shared
-        slot + 16*(idx + idx // d8) (rows padded by 16 bytes). Rows idx // d8 >= nvalid read nothing (zeros) from
-        gsafe. All 32-bit index math in one PTX block."""
-        asm = ("{ .reg .u32 kr, so, sz, c, t; .reg .u64 ga, off; .reg .pred ok, in;"
-               f" div.u32 kr, $2, {d8}; setp.lt.u32 in, $2, {npieces}; setp.lt.s32 ok, kr, $3;"
-               " add.u32 so, $2, kr; shl.b32 so, so, 4; add.u32 so, so, $0;"
-               " mul.wide.u32 off, $2, 16; add.u64 ga, $1, off; selp.b64 ga, ga, $4, ok; selp.u32 sz, 16, 0, ok;"
-               " cvta.to.global.u64 ga, ga; @in cp.async.cg.shared.global [so], [ga], 16, sz; }")
-
-        @intrinsic
-        def cp_piece(typingctx, sary, slot, gary, gptr, gsafe, idx, nvalid):
-            sig = types.void(sary, slot, gary, gptr, gsafe, idx, nvalid)
-
-            def codegen(context, builder, sig, args):
-                i32, i64 = ir.IntType(32), ir.IntType(64)
-                vals = [context.cast(builder, args[1], sig.args[1], types.uint32),
-                        context.cast(builder, args[3], sig.args[3], types.uint64),
-                        context.cast(builder, args[5], sig.args[5], types.uint32),
-                        context.cast(builder, args[6], sig.args[6], types.int32),
-                        context.cast(builder, args[4], sig.args[4], types.uint64)]
-                fn = ir.FunctionType(ir.VoidType(), [i32, i64, i32, i32, i64])
-                builder.call(ir.InlineAsm(fn, asm, "r,l,r,r,l,~{memory}", side_effect=True), vals)
-            return sig, codegen
-        return cp_piece
-
-    @intrinsic
-    def _opaque0(typingctx):
-        """int32 0 the compiler cannot see through: offsets derived from it are recomputed where they are used
-        instead of being hoisted out of the step loop into registers (one per address: spills)."""
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            return builder.call(ir.InlineAsm(ir.FunctionType(i32, []), "mov.u32 $0, 0;", "=r", side_effect=True), [])
-        return types.int32(), codegen
-
-    _ldsm, _ldsm_t = _make_ldsm(False), _make_ldsm(True)
-
-    def _make_lds(n):
-        """ld.shared.v{n}.f32 at element idx of a 1-D float32 shared array (idx * 4 aligned to 4n bytes)."""
-        asm = f"ld.shared.v{n}.f32 {{{','.join(f'${k}' for k in range(n))}}}, [${n}];"
-
-        @intrinsic
-        def lds(typingctx, ary, idx):
-            sig = types.UniTuple(types.float32, n)(ary, idx)
-
-            def codegen(context, builder, sig, args):
-                a = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-                fn = ir.FunctionType(ir.LiteralStructType([ir.FloatType()] * n), [ir.IntType(32)])
-                rr = builder.call(ir.InlineAsm(fn, asm, ",".join(["=f"] * n) + ",r", side_effect=True), [a])
-                return context.make_tuple(builder, sig.return_type, [builder.extract_value(rr, k) for k in range(n)])
-            return sig, codegen
-        return lds
-
-    def _make_sts2(kind):
-        """st.shared.v2.{kind} of (x, y) at element idx of a 1-D shared array (8-byte aligned)."""
-        ty = types.float32 if kind == "f32" else types.uint32
-        asm = f"st.shared.v2.{kind} [$0], {{$1, $2}};"
-
-        @intrinsic
-        def sts2(typingctx, ary, idx, x, y):
-            sig = types.void(ary, idx, x, y)
-
-            def codegen(context, builder, sig, args):
-                a = _smem_addr(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-                v = [context.cast(builder, args[k], sig.args[k], ty) for k in (2, 3)]
-                lt = context.get_value_type(ty)
-                fn = ir.FunctionType(ir.VoidType(), [ir.IntType(32), lt, lt])
-                cons = "r," + ("f,f" if kind == "f32" else "r,r") + ",~{memory}"
-                builder.call(ir.InlineAsm(fn, asm, cons, side_effect=True), [a] + v)
-            return sig, codegen
-        return sts2
-
-    _lds2, _lds4 = _make_lds(2), _make_lds(4)
-    _sts2f, _sts2u = _make_sts2("f32"), _make_sts2("u32")
-    _ex2 = _asm_op("ex2", "ex2.approx.ftz.f32 $0, $1;", "=f,f", [types.float32], types.float32)
-
-    @cuda.jit(device=True, inline="always")
-    def _to_bf16(x):
-        """float32 -> bf16 bits, round to nearest even."""
-        u = uint32(libdevice.float_as_int(x))
-        return uint16((u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16))
-
-    @cuda.jit(device=True, inline="always")
-    def _pack2(lo, hi):
-        """Two float32 -> bf16 pair (round to nearest even, one cvt), lo in the low half."""
-        return _cvt_pair(hi, lo)
-
-    @cuda.jit(device=True, inline="always")
-    def _frag_a(sm, base, stride, r0, c0):
-        """A fragment of the 16x16 tile at (r0, c0) of a row-major tile sm[base + r*stride + c] (one ldmatrix.x4)."""
-        lane = cuda.threadIdx.x & 31
-        return _ldsm(sm, base + (r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + c0 + (lane >> 4) * 8)
-
-    @cuda.jit(device=True, inline="always")
-    def _frag_bt(sm, base, stride, k0, n0):
-        """B fragments of n-tiles n0 and n0+8, k rows k0..k0+15 of a row-major [k][n] tile (ldmatrix.x4.trans)."""
-        lane = cuda.threadIdx.x & 31
-        return _ldsm_t(sm, base + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + n0 + (lane >> 4) * 8)
-
-    @cuda.jit(device=True, inline="always")
-    def _frag_bn(sm, base, stride, n0, k0):
-        """B fragments of k-steps k0 and k0+16 for rows n0..n0+7 of a row-major [n][k] tile (ldmatrix.x4)."""
-        lane = cuda.threadIdx.x & 31
-        return _ldsm(sm, base + (n0 + (lane & 7)) * stride + k0 + (lane >> 3) * 8)
-else:
-    # Simulator twins: each lane reads exactly the registers ldmatrix would hand it; cp.async copies at once.
-    def _to_bf16(x):
-        return f32_to_bf16(np.array([x], np.float32))[0]
-
-    def _pack2(lo, hi):
-        return np.uint32(int(_to_bf16(np.float32(lo))) | (int(_to_bf16(np.float32(hi))) << 16))
-
-    def _pair(sm, i, j):
-        return np.uint32(int(sm[i]) | (int(sm[j]) << 16))
-
-    def _frag_a(sm, base, stride, r0, c0):
-        lane = cuda.threadIdx.x & 31
-        g, t = lane >> 2, lane & 3
-        at = [base + (r0 + g + 8 * (k & 1)) * stride + c0 + 2 * t + 8 * (k >> 1) for k in range(4)]
-        return tuple(_pair(sm, a, a + 1) for a in at)
-
-    def _frag_bt(sm, base, stride, k0, n0):
-        lane = cuda.threadIdx.x & 31
-        g, t = lane >> 2, lane & 3
-        at = [base + (k0 + 2 * t + 8 * (k & 1)) * stride + n0 + g + 8 * (k >> 1) for k in range(4)]
-        return tuple(_pair(sm, a, a + stride) for a in at)
-
-    def _frag_bn(sm, base, stride, n0, k0):
-        lane = cuda.threadIdx.x & 31
-        g, t = lane >> 2, lane & 3
-        at = [base + (n0 + g) * stride + k0 + 2 * t + 8 * k for k in range(4)]
-        return tuple(_pair(sm, a, a + 1) for a in at)
-
-    def _lds2(sm, i):
-        return np.float32(sm[i]), np.float32(sm[i + 1])
-
-    def _lds4(sm, i):
-        return np.float32(sm[i]), np.float32(sm[i + 1]), np.float32(sm[i + 2]), np.float32(sm[i + 3])
-
-    def _sts2f(sm, i, x, y):
-        sm[i], sm[i + 1] = x, y
-
-    _sts2u = _sts2f
-
-    def _ex2(x):
-        return np.float32(np.exp2(np.float32(x)))
-
-    def _slot_addr(sm, sidx):
-        return sidx
-
-    def _row_addr(arr, gidx):
-        return gidx
-
-    def _make_cp_piece(d8, npieces):
-        def cp_piece(sm, slot, arr, gptr, gsafe, idx, nvalid):
-            if idx < npieces:
-                kr = idx // d8
-                o = slot + 8 * (idx + kr)
-                sm[o:o + 8] = np.array(ld16(arr, gptr + 8 * idx) if kr < nvalid else (0, 0, 0, 0),
-                                       np.uint32).view(np.uint16)
-        return cp_piece
-
-    def _opaque0():
-        return 0
-
-
-@cuda.jit(device=True, inline="always")
-def _bf16_pair(lo, hi):
-    """Two float32 -> one word of two bf16 (round to nearest even), lo in the low half."""
-    return uint32(_to_bf16(lo)) | (uint32(_to_bf16(hi)) << uint32(16))
-
+from numbaengine.kernels.mma import (
+    LAZY,
+    bf16_pair,
+    ex2,
+    frag_a,
+    frag_bn,
+    frag_bt,
+    lds2,
+    lds4,
+    make_cp_piece,
+    opaque0,
+    pack2,
+    row_addr,
+    slot_addr,
+    sts2f,
+    sts2u,
+)
 
 MLA_NK = 64                 # cache rows (keys) per pipeline step where two ring slots fit, else 32 (H200, 8 heads,
 #                             context 4K, batch 64: 63.3% of copy with 32, 72.3% with 64: half the barriers per byte)
@@ -254,8 +61,6 @@ MLA_MAX_STAGES = 4          # most cache tiles in the ring (fewer: smaller block
 MLA_WIDE_KG = 4             # warps per 16 rows in row tiles of 48 or 64 rows
 MLA_S_TILES = 1             # m16 tiles per warp in S = Q K^T (2: each K fragment feeds two row tiles)
 MLA_SMEM = 227 * 1024       # shared memory per block on sm_90
-LAZY = float32(8)           # online softmax (log2 units): the running max moves only when a row's max grows by more
-#                             than this (P <= 2^LAZY)
 MLA_MIN_SPLIT = 64          # fewest keys per flash-decoding split (H200, 8 heads, 4K x batch 1 decode: 13.94 us
 #                             against 15.16 / 20.37 at 128 / 256)
 MLA_PTX_SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32[:,:,::1], float32, int32, "
@@ -365,15 +170,15 @@ def _mla_prologue(k):
     bf16 pairs in shared memory, QG 16-byte loads in flight per thread; the row statistics initialized)."""
     NK, THREADS, MT, D, D4, DP, U0, KB, KSTAGE, PPT, QPT, QG = (k.NK, k.THREADS, k.MT, k.D, k.D4, k.DP, k.U0, k.KB,
                                                                  k.KSTAGE, k.PPT, k.QPT, k.QG)
-    cp_piece = _make_cp_piece(k.D8, NK * k.D8)
+    cp_piece = make_cp_piece(k.D8, NK * k.D8)
 
     @cuda.jit(device=True, inline="always")
     def load_tile(usm, cache, row0, j0, hi, stage, tid):
         """cp.async of cache rows j0..j0+NK-1 (flat row row0 + j of the cache) into ring slot `stage`, rows >= hi
         as zeros: pieces tid + p*THREADS of the tile (flat 16-byte pieces, 32-bit index math in PTX)."""
-        slot = _slot_addr(usm, KB + stage * KSTAGE)
-        gptr = _row_addr(cache, (row0 + j0) * D)
-        gsafe = _row_addr(cache, row0 * D)
+        slot = slot_addr(usm, KB + stage * KSTAGE)
+        gptr = row_addr(cache, (row0 + j0) * D)
+        gsafe = row_addr(cache, row0 * D)
         for p in range(PPT):
             cp_piece(usm, slot, cache, gptr, gsafe, tid + p * THREADS, hi - j0)
         cp_commit()
@@ -394,8 +199,8 @@ def _mla_prologue(k):
                 if idx < MT * D4:
                     qr = idx // uint32(D4)
                     o = uint32((U0 + qr * DP + 4 * (idx - qr * uint32(D4))) // 2)
-                    wsm[o] = _bf16_pair(as_f32(qv[4 * p]), as_f32(qv[4 * p + 1]))
-                    wsm[o + uint32(1)] = _bf16_pair(as_f32(qv[4 * p + 2]), as_f32(qv[4 * p + 3]))
+                    wsm[o] = bf16_pair(as_f32(qv[4 * p]), as_f32(qv[4 * p + 1]))
+                    wsm[o + uint32(1)] = bf16_pair(as_f32(qv[4 * p + 2]), as_f32(qv[4 * p + 3]))
         if tid < MT:
             fsm[tid] = NEG_INF
             fsm[MT + tid] = float32(0)
@@ -416,12 +221,12 @@ def _mla_scores(k):
             if kk >= D:
                 break
             for mi in range(SMW):                 # Q fragments of k16 steps kk and kk+16
-                afr[8 * mi], afr[8 * mi + 1], afr[8 * mi + 2], afr[8 * mi + 3] = _frag_a(
+                afr[8 * mi], afr[8 * mi + 1], afr[8 * mi + 2], afr[8 * mi + 3] = frag_a(
                     usm, QO, DP, (wi * SMW + mi) * 16, kk)
-                afr[8 * mi + 4], afr[8 * mi + 5], afr[8 * mi + 6], afr[8 * mi + 7] = _frag_a(
+                afr[8 * mi + 4], afr[8 * mi + 5], afr[8 * mi + 6], afr[8 * mi + 7] = frag_a(
                     usm, QO, DP, (wi * SMW + mi) * 16, kk + 16)
             for nt in range(NK // 8):
-                b0, b1, b2, b3 = _frag_bn(usm, KO, DP, nt * 8, kk)
+                b0, b1, b2, b3 = frag_bn(usm, KO, DP, nt * 8, kk)
                 for mi in range(SMW):
                     x = 4 * (mi * (NK // 8) + nt)
                     s0, s1, s2, s3 = mma_bf16(afr[8 * mi], afr[8 * mi + 1], afr[8 * mi + 2], afr[8 * mi + 3],
@@ -433,8 +238,8 @@ def _mla_scores(k):
             so = RZ + (gj * MT + (wi * SMW + mi) * 16 + g) * NKP + 2 * tq
             for nt in range(NK // 8):
                 x = 4 * (mi * (NK // 8) + nt)
-                _sts2f(fsm, uint32(so + nt * 8), sacc[x], sacc[x + 1])
-                _sts2f(fsm, uint32(so + 8 * NKP + nt * 8), sacc[x + 2], sacc[x + 3])
+                sts2f(fsm, uint32(so + nt * 8), sacc[x], sacc[x + 1])
+                sts2f(fsm, uint32(so + 8 * NKP + nt * 8), sacc[x + 2], sacc[x + 3])
     return s_partials
 
 
@@ -456,13 +261,13 @@ def _mla_softmax(k, causal):
             for gg in range(KGS):
                 o = uint32(RZ + (gg * MT + srow) * NKP + col)
                 if VW == 4:
-                    x0, x1, x2, x3 = _lds4(fsm, o)
+                    x0, x1, x2, x3 = lds4(fsm, o)
                     sacc[VW * c] += x0
                     sacc[VW * c + 1] += x1
                     sacc[VW * c + 2] += x2
                     sacc[VW * c + 3] += x3
                 else:
-                    x0, x1 = _lds2(fsm, o)
+                    x0, x1 = lds2(fsm, o)
                     sacc[VW * c] += x0
                     sacc[VW * c + 1] += x1
             for e in range(VW):
@@ -490,18 +295,18 @@ def _mla_softmax(k, causal):
         tot = float32(0)
         for c in range(NCH):
             o = uint32(PZ + srow * NKP + VW * sc + VW * TPR * c) >> uint32(1)
-            w0 = _pack2(_ex2(sacc[VW * c] - mz), _ex2(sacc[VW * c + 1] - mz))
+            w0 = pack2(ex2(sacc[VW * c] - mz), ex2(sacc[VW * c + 1] - mz))
             tot += as_f32(w0 << uint32(16)) + as_f32(w0 & uint32(0xFFFF0000))
             if VW == 4:
-                w1 = _pack2(_ex2(sacc[VW * c + 2] - mz), _ex2(sacc[VW * c + 3] - mz))
+                w1 = pack2(ex2(sacc[VW * c + 2] - mz), ex2(sacc[VW * c + 3] - mz))
                 tot += as_f32(w1 << uint32(16)) + as_f32(w1 & uint32(0xFFFF0000))
-                _sts2u(wsm, o, w0, w1)
+                sts2u(wsm, o, w0, w1)
             else:
                 wsm[o] = w0
         for c in range(LOG_TPR):
             tot += shfl_xor(tot, 1 << c)
         if sc == 0:
-            alpha = _ex2(m_old - mx) if mx != m_old else float32(1)
+            alpha = ex2(m_old - mx) if mx != m_old else float32(1)
             fsm[uint32(srow + z)] = mx
             fsm[uint32(MT + srow + z)] = fsm[uint32(MT + srow + z)] * alpha + tot
             fsm[uint32(2 * MT + srow + z)] = alpha
@@ -526,10 +331,10 @@ def _mla_pv(k):
                     acc[4 * (mi * NTP + u) + 3] *= al1
         for kk in range(0, NK, 16):
             for mi in range(PM):                  # P fragments of this warp's rows, then V pairs of n-tiles
-                afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3] = _frag_a(
+                afr[4 * mi], afr[4 * mi + 1], afr[4 * mi + 2], afr[4 * mi + 3] = frag_a(
                     usm, PZ, NKP, (pr * PM + mi) * 16, kk)
             for u in range(0, NTP, 2):
-                b0, b1, b2, b3 = _frag_bt(usm, KO, DP, kk, pc * CW + 8 * u)
+                b0, b1, b2, b3 = frag_bt(usm, KO, DP, kk, pc * CW + 8 * u)
                 for mi in range(PM):
                     x = 4 * (mi * NTP + u)
                     acc[x], acc[x + 1], acc[x + 2], acc[x + 3] = mma_bf16(
@@ -641,7 +446,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
         nsteps = (hi - lo + NK - 1) // NK
         for i in range(nsteps):
             c0 = lo + i * NK
-            z = _opaque0()                            # addresses below: base + z + constant, made in the loop
+            z = opaque0()                            # addresses below: base + z + constant, made in the loop
             cp_wait_ring()
             cuda.syncthreads()                        # tile i landed; step i-1 done with its slot
             load_tile(usm, cache, row0, c0 + (stages - 1) * NK, hi, (i + stages - 1) % stages, tid)

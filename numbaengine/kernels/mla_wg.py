@@ -30,25 +30,26 @@ from dataclasses import dataclass, replace
 
 from numba import cuda, float32, int32, uint16, uint32, uint64
 
-from numbaengine.kernels.attention import NEG_INF, shfl_xor
 from numbaengine.kernels.cluster import cluster_sync, dsmem_ld4, dsmem_ld16
 from numbaengine.kernels.device import (
     F0,
     F1,
+    NEG_INF,
     SIM,
     as_f32,
     as_u32,
     cp_wait,
     device,
     grid_dep,
-    kernel,
     ld16,
     lds16,
+    shfl_xor,
     st16,
     st_quad,
     stamp_point,
     sts8,
 )
+from numbaengine.kernels.launch import kernel
 from numbaengine.kernels.unroll import each_pair, fill, pfold, tfold, tmap, unroll
 from numbaengine.kernels.wgmma import (
     core_offset,
@@ -248,7 +249,7 @@ def _ring_steps(k):
 def _q_prologue(k, Q_FIRST, ring_fill):
     """q_prologue: all 256 threads load the f32 q tile, QG units at once, and store it as bf16 into its 128-byte
     swizzle atoms; the ring's first tiles go out after the first loads (Q_FIRST, MLA_WG_Q_FIRST) or before all."""
-    from numbaengine.kernels.mla import _pack2
+    from numbaengine.kernels.mma import pack2
     D, D8, QPT, QG, QV = k.D, k.D8, k.QPT, k.QG, 8 * k.QG
     sw128 = cuda.jit(device=True, inline="always")(sw128_offset)
 
@@ -270,7 +271,7 @@ def _q_prologue(k, Q_FIRST, ring_fill):
                 qr = u // uint32(D8)              # the word index needs no negative-index check
                 o = uint32(sw128(qr, 8 * (u - qr * uint32(D8)), 64) >> 2)
                 for e in range(4):
-                    wsm[o + uint32(e)] = _pack2(as_f32(qv[8 * p + 2 * e]), as_f32(qv[8 * p + 2 * e + 1]))
+                    wsm[o + uint32(e)] = pack2(as_f32(qv[8 * p + 2 * e]), as_f32(qv[8 * p + 2 * e + 1]))
     return q_prologue
 
 
@@ -278,7 +279,7 @@ def _score_steps(k, causal):
     """Warpgroup 0's S = Q K^T (qk: D/16 wgmma m64nNKk16 on the Q atoms and a cache tile) and its online softmax
     (softmax: P as bf16 into a P tile, the rescale factors beside it). S register i of a thread is (row r0 + 8
     ((i % 4) // 2), column 8 (i // 4) + 2 t + i % 2) of the step's 64 x NK scores."""
-    from numbaengine.kernels.mla import LAZY, _ex2, _pack2
+    from numbaengine.kernels.mma import LAZY, ex2, pack2
     NK, NK8, NKS = k.NK, k.NK // 8, k.D // 16
     core = cuda.jit(device=True, inline="always")(core_offset)
     wg_s = make_wgmma(NK)
@@ -327,11 +328,11 @@ def _score_steps(k, causal):
         """Pair j of the scores -> a bf16 pair of P into the P tile at byte pb; its share of the row's sum."""
         tot0, tot1 = tot
         if j % 2 == 0:
-            w = _pack2(_ex2(x0 - mz0), _ex2(x1 - mz0))
+            w = pack2(ex2(x0 - mz0), ex2(x1 - mz0))
             tot0 += as_f32(w << uint32(16)) + as_f32(w & uint32(0xFFFF0000))
             wsm[(pb + core(r0, 8 * (j // 2) + 2 * t, NK8)) >> 2] = w
         else:
-            w = _pack2(_ex2(x0 - mz1), _ex2(x1 - mz1))
+            w = pack2(ex2(x0 - mz1), ex2(x1 - mz1))
             tot1 += as_f32(w << uint32(16)) + as_f32(w & uint32(0xFFFF0000))
             wsm[(pb + core(r1, 8 * (j // 2) + 2 * t, NK8)) >> 2] = w
         return tot0, tot1
@@ -352,8 +353,8 @@ def _score_steps(k, causal):
             mx1 = m1
         mz0 = mx0 if mx0 != NEG_INF else F0
         mz1 = mx1 if mx1 != NEG_INF else F0
-        al0 = _ex2(m0 - mx0) if mx0 != m0 else F1
-        al1 = _ex2(m1 - mx1) if mx1 != m1 else F1
+        al0 = ex2(m0 - mx0) if mx0 != m0 else F1
+        al1 = ex2(m1 - mx1) if mx1 != m1 else F1
         if t == 0:
             fsm[sa + r0] = al0
             fsm[sa + r1] = al1
@@ -710,9 +711,9 @@ def cache_tensor_map(cache):
     """The TMA tensor map of a bf16 latent cache [B, cap, D] seen as [B cap, D] rows, in device memory (made on the
     first call for this cache, outside graph capture: engines warm up before they capture)."""
     from numbaengine.kernels.bulk import tensor_map_2d
-    from numbaengine.kernels.gemm import _address
+    from numbaengine.kernels.launch import data_ptr
     B, cap, D = cache.shape
-    key = (_address(cache), B * cap, D, MLA_WG_NK)
+    key = (data_ptr(cache), B * cap, D, MLA_WG_NK)
     if key not in _TMAP_DEV:
         _TMAP_DEV[key] = cuda.to_device(tensor_map_2d(key[0], B * cap, D, MLA_WG_NK, 64))
     return _TMAP_DEV[key]

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
-from numbaengine.kernels.attention import launch_smem
 from numbaengine.kernels.bulk import (
     bulk_load,
     mbar_expect,
@@ -28,9 +27,7 @@ from numbaengine.kernels.device import (
     bf16_lo,
     device,
     grid_dep,
-    kernel,
     lane_id,
-    launch,
     ld16,
     pack_bf16x2,
     shfl_idx,
@@ -44,15 +41,14 @@ from numbaengine.kernels.gemm import (
     BF16,
     INT4,
     MAX_WARPS,
-    _build_block_reduce,
-    _build_int4_mma,
-    _build_mainloop,
-    _build_prep_unit,
-    _cached,
-    _split_range,
-    _words,
+    build_block_reduce,
+    build_int4_mma,
+    build_mainloop,
     lds16,
+    split_range,
 )
+from numbaengine.kernels.launch import cached, kernel, launch, launch_smem, u32_words
+from numbaengine.kernels.prep import build_prep_unit
 from numbaengine.reference import Experts
 
 MAX_E = 1024          # experts per layer the router/plan kernels handle (one thread each)
@@ -132,12 +128,14 @@ def device_experts(experts: Experts, to_device, tiled=None, xp=None) -> DeviceEx
     """Host Experts -> DeviceExperts (INT4 words re-laid by int4_tiles; with tiled = R > 0 gate_up by
     int4_bulk_tiles; default MOE_TILED where the shapes allow it; `to_device` copies a NumPy array). xp: the array
     module of to_device's results, to make the bulk layout there (CuPy: on the GPU; on the host it took ~3 s per K2
-    MoE layer on the H200 machine's CPU)."""
+    MoE layer on the H200 machine's CPU); experts already in xp's memory are re-laid there (to_device: a no-op or a
+    contiguous copy)."""
     if not experts.int4:
         return DeviceExperts(to_device(experts.gate_up), to_device(experts.down), offset=experts.offset)
     if experts.group != 32:
         raise ValueError(f"device_experts: group size {experts.group} is not 32")
-    gu, dn = int4_tiles(experts.gate_up).view(np.uint32), int4_tiles(experts.down).view(np.uint32)
+    here = xp if xp is not None and isinstance(experts.gate_up, xp.ndarray) else np
+    gu, dn = (int4_tiles(w, here).view(np.uint32) for w in (experts.gate_up, experts.down))
     if tiled is None:
         tiled = MOE_TILED if bulk_fits(gu.shape[2] * 8, gu.shape[1] // 2, MOE_TILED) else 0
     if tiled:
@@ -366,9 +364,9 @@ def router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_
         passes, eblocks = math.ceil(n / tt), math.ceil(e / 8) * ks
         if token_blocks is None:
             token_blocks = min(passes, max(1, 2 * _sm_count() // eblocks))
-        launch(_cached(_build_router_logits, tt), (eblocks, max(1, token_blocks)), 256,
-               x.reshape(n * h), _words(w_gate), part, int32(n), int32(h), int32(e))
-    launch(_cached(_build_router_select, ks), n, 32 * math.ceil(e / 32), part, bias, idx_out, w_out, int32(e),
+        launch(cached(_build_router_logits, tt), (eblocks, max(1, token_blocks)), 256,
+               x.reshape(n * h), u32_words(w_gate), part, int32(n), int32(h), int32(e))
+    launch(cached(_build_router_select, ks), n, 32 * math.ceil(e / 32), part, bias, idx_out, w_out, int32(e),
            int32(top_k), int32(n_group), int32(topk_group), int32(bool(norm_topk)), float32(scaling))
     return idx_out, w_out
 
@@ -431,7 +429,7 @@ def _plan_warp(idx, ns, top_k, e0, n_exp, cap, sorted_slot, item_e, item_start, 
 
 def _build_plan(perm, warp_slots):
     """The plan kernel; routings of <= warp_slots slots take _plan_warp (PLAN_WARP_SLOTS)."""
-    prep_unit = _cached(_build_prep_unit, 1, perm, 0)
+    prep_unit = cached(build_prep_unit, 1, perm, 0)
 
     @kernel(max_registers=64)                     # 1024-thread blocks
     def plan(idx, n, top_k, e0, n_exp, cap, sorted_slot, item_e, item_start, item_len, n_items, x, xb, kdim):
@@ -509,9 +507,9 @@ def _build_bulk_ring(T, R, S, U):
     on the slot's mbarrier (kernels/bulk.py). The ring runs over the block's whole sequence of units (stage f =
     the (f % nst)-th of the warp's nst stages of the block's (f // nst)-th unit): all S slots stay in flight, also
     across a unit's end, so the next unit's first weights arrive while this one finishes. No register holds a
-    load in flight. The lanes read back the register path's words and scales and run the same `_build_int4_mma`:
+    load in flight. The lanes read back the register path's words and scales and run the same `build_int4_mma`:
     the same bits. geo: i32 local [GEO], indexed by the G_* names."""
-    int4_mma = _cached(_build_int4_mma, T, R, 1, 4)
+    int4_mma = cached(build_int4_mma, T, R, 1, 4)
     CH = R * BULK_WORDS                  # words per k-step
     SLOT, NQ = U * CH, 8 * R
 
@@ -614,10 +612,10 @@ def _build_expert_gemm(fmt, down, T, R, G, U, perm_out, PF=0, bounds=None, S=0, 
     down=1: rows in order, output * routing weight written per slot (y). S > 0: INT4 weights in the bulk layout
     through S-slot bulk-copy rings (`_build_bulk_ring`; w is then u32 [E, words of one expert]).
     STAMPS (measurement, MOE_STAMPS): thread 0 writes its block's timeline into stamps (`_stamp`)."""
-    mainloop = _cached(_build_mainloop, fmt, T, R, 1, G, U, PF)
-    ring_start, ring_consume = _cached(_build_bulk_ring, T, R, S, U) if S else (None, None)
+    mainloop = cached(build_mainloop, fmt, T, R, 1, G, U, PF)
+    ring_start, ring_consume = cached(_build_bulk_ring, T, R, S, U) if S else (None, None)
     NBAR = MAX_WARPS * max(S, 1)
-    block_reduce = _cached(_build_block_reduce, R, T)
+    block_reduce = cached(build_block_reduce, R, T)
     NACC, NA = R * T * 4, 2 * R
     KSTEP = 32 * G if fmt == INT4 else 32
     WDIV = 8 if fmt == INT4 else 2
@@ -639,7 +637,7 @@ def _build_expert_gemm(fmt, down, T, R, G, U, perm_out, PF=0, bounds=None, S=0, 
         half = kdim // 2
         ntiles = nrows // 16
         rblocks = (ntiles + nwr * R - 1) // (nwr * R)
-        s0, s1 = _split_range(wk, nwk, kdim // KSTEP)
+        s0, s1 = split_range(wk, nwk, kdim // KSTEP)
         aoff = cuda.local.array(NA, int32)
         soff = cuda.local.array(NA, int32)
         boff = cuda.local.array(T, int32)
@@ -837,7 +835,7 @@ def moe_plan(x, idx, experts, ws, cfg_gate_up=None, cfg_down=None):
         raise ValueError(f"moe: configs {cfg_gate_up}, {cfg_down}: same T, <= {MAX_WARPS} warps per block")
     plan_threads = 32 * math.ceil(n_exp / 32) if SIM else 1024   # simulator: a Python thread per CUDA thread
     grid = 1 + n * math.ceil(h / 8 / plan_threads)
-    plan = _cached(_build_plan, int(fmt == INT4), min(PLAN_WARP_SLOTS, 32))     # a warp holds 32 slots
+    plan = cached(_build_plan, int(fmt == INT4), min(PLAN_WARP_SLOTS, 32))     # a warp holds 32 slots
     launch(plan, grid, plan_threads, idx, int32(n), int32(k), int32(experts.offset), int32(n_exp),
            int32(8 * cfg_gate_up.T), ws.sorted_slot, ws.item_e, ws.item_start, ws.item_len, ws.n_items, x, ws.xb,
            int32(h))
@@ -857,14 +855,14 @@ def moe_stage(down, experts, wts, ws, cfg=None):
         raise ValueError(f"moe: wts {wts.shape} is not [n <= {ws.n_max}, {ws.top_k}]")
     g = int4_group_block(kdim) if fmt == INT4 else 1
     bounds = (32 * cfg.WR * cfg.WK, cfg.min_blocks) if cfg.min_blocks else None
-    kern = _cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, g, cfg.U, int(fmt == INT4), cfg.PF, bounds,
+    kern = cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, g, cfg.U, int(fmt == INT4), cfg.PF, bounds,
                    cfg.S, MOE_STAMPS)
     rblocks = math.ceil(nrows / 16 / (cfg.WR * cfg.R))
     grid = min(ws.n_max * ws.top_k * rblocks, _sm_count() * cfg.blocks_per_sm)
     if MOE_STAMPS and (ws.stamps is None or ws.stamps.shape[0] < grid or ws.stamps.shape[1] < STAMP_WORDS):
         raise ValueError(f"moe: MOE_STAMPS needs ws.stamps of [>= {grid} blocks, >= {STAMP_WORDS}] int32, not "
                          f"{None if ws.stamps is None else ws.stamps.shape} (tools/moe_stamps.py)")
-    words = _words(w)
+    words = u32_words(w)
     e_words = words.reshape(n_exp, words.size // n_exp)
     e_sc = sc.reshape(n_exp, sc.size // n_exp) if sc is not None else e_words
     launch_smem(kern, grid, 32 * cfg.WR * cfg.WK, bulk_ring_bytes(cfg) if cfg.S else 0,
@@ -880,6 +878,6 @@ def moe_combine(out, shared, ws, idx, experts):
         raise ValueError(f"moe: out {out.shape} / shared {None if shared is None else shared.shape} not [{n}, {h}]")
     if idx.shape[1] != ws.top_k:
         raise ValueError(f"moe: idx {idx.shape} is not [n, {ws.top_k}] (the workspace's top_k)")
-    launch(_cached(_build_combine, ws.top_k), math.ceil(n * h / 256), 256, ws.y,
+    launch(cached(_build_combine, ws.top_k), math.ceil(n * h / 256), 256, ws.y,
            shared if shared is not None else out, out, idx, int32(experts.offset), int32(moe_dims(experts)[1]),
            int32(n), int32(h), int32(shared is not None))

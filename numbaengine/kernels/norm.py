@@ -6,14 +6,8 @@ import math
 
 from numba import cuda, float32, int32
 
-from numbaengine.kernels.device import (
-    SIM,
-    bf16_f32,
-    block_sum,
-    grid_dep,
-    kernel,
-    launch,
-)
+from numbaengine.kernels.device import SIM, bf16_f32, block_sum, grid_dep
+from numbaengine.kernels.launch import kernel, launch
 
 NORM_THREADS = 32 if SIM else 256    # the simulator runs a Python thread per CUDA thread: one warp is enough there
 

@@ -7,15 +7,8 @@ import math
 
 from numba import cuda, float32, int32
 
-from numbaengine.kernels.device import (
-    SIM,
-    bf16_f32,
-    grid_dep,
-    kernel,
-    lane_id,
-    launch,
-    warp_sum,
-)
+from numbaengine.kernels.device import SIM, bf16_f32, grid_dep, lane_id, warp_sum
+from numbaengine.kernels.launch import kernel, launch
 
 _KERNELS = {}
 

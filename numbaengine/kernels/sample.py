@@ -10,17 +10,15 @@ import math
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
-
-from numbaengine.kernels.attention import shfl_xor
 from numbaengine.kernels.device import (
     SIM,
     as_f32,
     block_argmax,
     grid_dep,
-    kernel,
-    launch,
     ld16,
+    shfl_xor,
 )
+from numbaengine.kernels.launch import kernel, launch
 from numbaengine.kernels.topk import key_index, order_key, warp_max_u64
 
 SAMPLE_THREADS = 512            # sample_kernel: one block per row
@@ -204,9 +202,8 @@ def sample_chunks(n, V):
 
 def _rows_16b(logits):
     """Rows of logits can be read with 16-byte loads: C-contiguous, V % 4 == 0, 16-byte aligned."""
-    from numbaengine.kernels.attention import _address
-    from numbaengine.kernels.gemm import contiguous
-    return logits.shape[1] % 4 == 0 and contiguous(logits) and _address(logits) % 16 == 0
+    from numbaengine.kernels.launch import contiguous, data_ptr
+    return logits.shape[1] % 4 == 0 and contiguous(logits) and data_ptr(logits) % 16 == 0
 
 
 def sample(logits, temperature, seed, seq, pos, out, work=None):

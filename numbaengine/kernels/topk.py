@@ -14,22 +14,18 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from numbaengine.kernels.attention import (
-    LOG2E,
-    launch_smem,
-    shfl_xor,  # noqa: F401 (re-exported)
-)
 from numbaengine.kernels.device import (
+    LOG2E,
     SIM,
     as_f32,
     block_argmax,
     block_scan,
     grid_dep,
-    kernel,
-    launch,
     ld16,
+    shfl_xor,  # noqa: F401 (re-exported)
 )
-from numbaengine.kernels.mla import _ex2
+from numbaengine.kernels.launch import kernel, launch, launch_smem
+from numbaengine.kernels.mma import ex2
 
 TOPK_THREADS = 64 if SIM else 512       # topk_merge_kernel's block (H200, top-K at K = 16: 25.6 us; merge blocks of
 #                                         256 / 1024 threads 25.9 / 29.9)
@@ -386,12 +382,12 @@ GATHER_UNROLL = 8               # chunk-list keys per thread per round of topk_m
 
 
 if SIM:
-    from numbaengine.kernels.device import _collective
+    from numbaengine.kernels.sim import collective
     shfl_xor64 = shfl_xor
 
     def warp_max_u64(k):
         """Simulator twin of warp_max_u64: one warp exchange instead of five (each is two simulator barriers)."""
-        return _collective(k, max)[0]
+        return collective(k, max)[0]
 else:
     @cuda.jit(device=True, inline="always")
     def shfl_xor64(x, j):
@@ -541,7 +537,7 @@ def topk_part_kernel(logits, k, cand, ws):
     mz = m if m > NEG_INF else float32(0)         # exp(-inf - mz) = 0, also in a row of -inf
     sx = float32(0)
     for j in range(PART_IDS):                     # ex2.approx (2 instructions; math.exp is libdevice's expf)
-        sx += _ex2((xs[j] - mz) * LOG2E)
+        sx += ex2((xs[j] - mz) * LOG2E)
     sx = _block_reduce(red, sx, False, PART_THREADS // 32)   # barriers: the pad count is out
     tc, above, inside = _threshold_bin(hist, min(k, nv + 4 * t), wsum, ctl, _PART_PER)
     for j in range(_PART_PER):

@@ -15,10 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32, float64, int32, uint32, uint64
-
-from numbaengine.kernels.attention import launch_smem, shfl_xor
-from numbaengine.kernels.device import SIM, grid_dep, kernel, launch, syncwarp
-from numbaengine.kernels.sample import sample_work
+from numbaengine.kernels.device import SIM, grid_dep, shfl_xor, syncwarp
+from numbaengine.kernels.launch import kernel, launch, launch_smem
 from numbaengine.kernels.topk import (
     TOPK_MAX,
     TOPK_STAT,
@@ -28,6 +26,8 @@ from numbaengine.kernels.topk import (
     topk_chunks,
     topk_launch,
 )
+
+from numbaengine.kernels.sample import sample_work
 
 NODE_MAX = 1025                 # largest tree: MAX_BUDGET 1024 drafted nodes + the root
 DEPTH_MAX = 64                  # largest L (drafter block size - 1)
@@ -47,10 +47,10 @@ else:
 
 
 if SIM:
-    from numbaengine.kernels.device import _collective
+    from numbaengine.kernels.sim import collective
 
     def _ballot(pred):
-        bits, _ = _collective(bool(pred), lambda preds: sum(1 << i for i, p in enumerate(preds) if p))
+        bits, _ = collective(bool(pred), lambda preds: sum(1 << i for i, p in enumerate(preds) if p))
         return np.uint32(bits)
 else:
     @cuda.jit(device=True, inline="always")

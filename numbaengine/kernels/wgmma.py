@@ -69,7 +69,7 @@ else:
     from numba.cuda.extending import intrinsic
 
     from numbaengine.kernels.device import (
-        _barrier_op as _statement,  # a PTX statement that orders memory
+        barrier_op as _statement,  # a PTX statement that orders memory
     )
 
     wg_fence = _statement("wgmma.fence.sync.aligned;")
