@@ -283,7 +283,7 @@ class Drafter:
         nq, nkv = heads.shape[1] - 2 * c.num_key_value_heads, c.num_key_value_heads
         q = ops.scratch("d.q", (n, nq, d)) if nq else None
         ops.qk_norm_rope(heads[:, :nq + nkv], nq, layer.q_norm, layer.k_norm, c.rms_norm_eps, positions, self.inv_freq,
-                         False, q, heads[:, nq:nq + nkv])
+                         q, heads[:, nq:nq + nkv], interleaved=False)
         return q, heads[:, nq:]
 
     def _mlp(self, x, layer):

@@ -133,7 +133,8 @@ class Target:
         kv = qkv[:, ql:]                                                       # kv becomes the latent row
         with ops.branch() as latent_done:                                      # beside the query path
             ops.rmsnorm(kv[:, :r], w.kv_a_norm, LATENT_NORM_EPS, kv[:, :r])
-            ops.rope(kv[:, None, r:], pos, self.inv_freq, kv[:, None, r:], True, self.rope_factor)
+            ops.rope(kv[:, None, r:], pos, self.inv_freq, kv[:, None, r:], interleaved=True,
+                     attn_factor=self.rope_factor)
             ops.cache_write(rows, visible, kv)                                 # same values from every shard
         cq = ops.rmsnorm(qkv[:, :ql], w.q_a_norm, LATENT_NORM_EPS, ops.scratch("q_a", (T, ql)))  # contiguous:
         # the q_b GEMM reads it in place (a strided x above one row costs the GEMM a packing launch)
@@ -147,7 +148,7 @@ class Target:
         once the branch writing the new rows (latent_done) has joined."""
         cfg, ops, (T, nh, _), S = self.cfg, self.ops, q.shape, visible.shape[1]
         nope, rope, v, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        ops.rope(q[:, :, nope:], pos, self.inv_freq, q[:, :, nope:], True, self.rope_factor)
+        ops.rope(q[:, :, nope:], pos, self.inv_freq, q[:, :, nope:], interleaved=True, attn_factor=self.rope_factor)
         latent_done.join()
         latent = ops.cache_read(rows, S, ops.scratch("latent", (S, r + rope)))
         kvb = ops.gemm(latent[:, :r], w.kv_b, ops.scratch("kvb", (S, nh * (nope + v)))).reshape(S, nh, nope + v)
@@ -165,7 +166,7 @@ class Target:
         nope, v, r = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         q_abs = ops.scratch("q_abs", (T, nh, cfg.latent_dim))
         ops.head_gemm(q[:, :, :nope], w.w_uk, q_abs[:, :, :r])
-        ops.rope(q[:, :, nope:], pos, self.inv_freq, q_abs[:, :, r:], True, self.rope_factor)
+        ops.rope(q[:, :, nope:], pos, self.inv_freq, q_abs[:, :, r:], interleaved=True, attn_factor=self.rope_factor)
         latent_done.join()
         o_lat = ops.latent_attention(q_abs, rows, visible, cfg.softmax_scale, ops.scratch("o_lat", (T, nh, r)))
         return ops.head_gemm(o_lat, w.w_uv, ops.scratch("o", (T, nh, v)))

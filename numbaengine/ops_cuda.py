@@ -318,11 +318,11 @@ class KernelOps:
     def attention(q, k, v, visible, scale, out):
         return attention(q, k, v, visible, scale, out)
 
-    def latent_attention(self, q, rows, vis: LatentVis, scale, out):
-        """Absorbed MLA over the bf16 latent cache for B = len(vis.lengths) blocks of query rows: q f32[B*T, h, D]
+    def latent_attention(self, q, rows, visible: LatentVis, scale, out):
+        """Absorbed MLA over the bf16 latent cache for B = len(visible.lengths) blocks of query rows: q f32[B*T, h, D]
         ([q_lat | q_pe]), rows u16[(B,) cap, D] -> out f32[B*T, h, r]. On the GPU long caches are split across
         blocks (flash-decoding scratch made once per shape); the simulator runs one split per sequence."""
-        B, (n, h, D), r = len(vis.lengths), q.shape, out.shape[-1]
+        B, (n, h, D), r = len(visible.lengths), q.shape, out.shape[-1]
         cache = rows.reshape(B, -1, D)
         work = None
         if self.xp is not np and cache.shape[1] > MLA_ONE_SPLIT and n // B <= MLA_SPLIT_ROWS:
@@ -330,7 +330,7 @@ class KernelOps:
             if key not in self._work:
                 self._work[key] = mla_work(self.zeros, B, n // B, h, r, cache.shape[1], D=D)
             work = self._work[key]
-        mla_attention(q.reshape(B, n // B, h, D), cache, vis.lengths, vis.ntok, vis.mask, scale,
+        mla_attention(q.reshape(B, n // B, h, D), cache, visible.lengths, visible.ntok, visible.mask, scale,
                       out.reshape(B, n // B, h, r), work)
         return out
 

@@ -84,7 +84,7 @@ def rope_inv_freq(dim, theta, yarn=None):
     return inv.astype(np.float32), factor
 
 
-def rope_ref(x, pos, inv_freq, out, interleaved, attn_factor=1.0):
+def rope_ref(x, pos, inv_freq, out, *, interleaved, attn_factor=1.0):
     """x f32[n, h, d], pos i32[n] -> out f32[n, h, d] (out may alias x)."""
     ang = pos.astype(np.float32)[:, None] * inv_freq[None, :]          # [n, d/2]
     cos = (np.cos(ang) * np.float32(attn_factor))[:, None, :]
@@ -99,7 +99,7 @@ def rope_ref(x, pos, inv_freq, out, interleaved, attn_factor=1.0):
     return out
 
 
-def qk_norm_rope_ref(qk, nq, q_w, k_w, eps, pos, inv_freq, interleaved, q_out, k_out):
+def qk_norm_rope_ref(qk, nq, q_w, k_w, eps, pos, inv_freq, q_out, k_out, *, interleaved):
     """Per-head RMSNorm then RoPE of the query and key heads of one stacked projection (Qwen3 q_norm/k_norm, the
     DFlash drafter): qk f32[n, nq + nk, d] (any strides), heads < nq normalized with q_w u16[d], the others with
     k_w, all roped at pos i32[n] -> q_out f32[n, nq, d], k_out f32[n, nk, d]."""
@@ -107,7 +107,7 @@ def qk_norm_rope_ref(qk, nq, q_w, k_w, eps, pos, inv_freq, interleaved, q_out, k
     for heads, w, out in ((qk[:, :nq], q_w, q_out), (qk[:, nq:], k_w, k_out)):
         if heads.shape[1]:
             normed = rmsnorm_ref(heads.reshape(-1, d), w, eps, np.empty((heads.size // d, d), np.float32))
-            rope_ref(normed.reshape(heads.shape), pos, inv_freq, out, interleaved)
+            rope_ref(normed.reshape(heads.shape), pos, inv_freq, out, interleaved=interleaved)
     return q_out, k_out
 
 
@@ -119,7 +119,7 @@ def gemm_ref(x, w, out):
     return out
 
 
-def head_gemm_ref(x, w, out, transpose_w):
+def head_gemm_ref(x, w, out, *, transpose_w):
     """Per-head GEMM. x f32[n, h, a]; w u16[h, a, b] (transpose_w=False) or u16[h, b, a] (True) -> out f32[n, h, b]."""
     np.einsum("nha,hba->nhb" if transpose_w else "nha,hab->nhb", x, memo_f32(w, lambda: bf16_to_f32(w)), out=out)
     return out

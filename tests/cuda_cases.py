@@ -134,9 +134,9 @@ def check_rope(env, n, heads, nope, rope_dim, interleaved, seed=0):
     pos = rng.integers(0, 200_000, n).astype(np.int32)
     inv, _ = rope_inv_freq(rope_dim, 50000.0)
     dq = env.dev(q)
-    rope(dq[:, :, nope:], env.dev(pos), env.dev(inv), dq[:, :, nope:], interleaved, 1.25)
+    rope(dq[:, :, nope:], env.dev(pos), env.dev(inv), dq[:, :, nope:], interleaved=interleaved, attn_factor=1.25)
     ref = q.copy()
-    rope_ref(ref[:, :, nope:], pos, inv, ref[:, :, nope:], interleaved, 1.25)
+    rope_ref(ref[:, :, nope:], pos, inv, ref[:, :, nope:], interleaved=interleaved, attn_factor=1.25)
     assert_close(f"rope n={n} interleaved={interleaved}", env.host(dq), ref, 2e-5)
 
 
@@ -152,10 +152,10 @@ def check_qk_norm_rope(env, n, nq, nk, d, interleaved, seed=0):
     q_out = poisoned(env, (n, nq, d), np.float32) if nq else None
     k_out = poisoned(env, (n, nk, d), np.float32)
     dqkv = env.dev(qkv)
-    qk_norm_rope(dqkv[:, :nq + nk], nq, env.dev(q_w), env.dev(k_w), 1e-6, env.dev(pos), env.dev(inv), interleaved,
-                 q_out, k_out)
+    qk_norm_rope(dqkv[:, :nq + nk], nq, env.dev(q_w), env.dev(k_w), 1e-6, env.dev(pos), env.dev(inv),
+                 q_out, k_out, interleaved=interleaved)
     rq, rk = np.empty((n, nq, d), np.float32), np.empty((n, nk, d), np.float32)
-    qk_norm_rope_ref(qkv[:, :nq + nk], nq, q_w, k_w, 1e-6, pos, inv, interleaved, rq, rk)
+    qk_norm_rope_ref(qkv[:, :nq + nk], nq, q_w, k_w, 1e-6, pos, inv, rq, rk, interleaved=interleaved)
     if nq:
         assert_close(f"qk_norm_rope q nq={nq}", env.host(q_out), rq, 2e-5)
     assert_close(f"qk_norm_rope k nq={nq} nk={nk}", env.host(k_out), rk, 2e-5)

@@ -29,7 +29,7 @@ def check_head_gemm(env, n, h, b, a, cfg=None, pad_x=32, pad_out=16, seed=0):
     head_gemm(env.dev(q)[:, :, :a], env.dev(w), o[:, :, :b], ws, cfg)
     got = env.host(o)
     if n * h * b * a <= 1 << 26:
-        ref = head_gemm_ref(q[:, :, :a], w, np.empty((n, h, b), np.float32), True)
+        ref = head_gemm_ref(q[:, :, :a], w, np.empty((n, h, b), np.float32), transpose_w=True)
     else:    # the same product through batched BLAS (einsum takes seconds at n = 1040)
         ref = np.matmul(q[:, :, :a].transpose(1, 0, 2), bf16_to_f32(w).transpose(0, 2, 1)).transpose(1, 0, 2)
     scale = np.matmul(np.abs(q[:, :, :a]).transpose(1, 0, 2), np.abs(bf16_to_f32(w)).transpose(0, 2, 1)).max()

@@ -33,7 +33,7 @@ def _build(interleaved):
     return rope_k
 
 
-def rope(x, pos, inv_freq, out, interleaved, attn_factor=1.0):
+def rope(x, pos, inv_freq, out, *, interleaved, attn_factor=1.0):
     """GPU rope_ref: x f32[n, h, d] (any strides, e.g. the rope part of q), pos i32[n] -> out (may alias x)."""
     n, nh, d = x.shape
     if d % 2 or inv_freq.shape != (d // 2,) or out.shape != x.shape or pos.shape != (n,):
@@ -78,7 +78,7 @@ def _build_qk(interleaved):
     return qk_norm_rope_k
 
 
-def qk_norm_rope(qk, nq, q_w, k_w, eps, pos, inv_freq, interleaved, q_out, k_out):
+def qk_norm_rope(qk, nq, q_w, k_w, eps, pos, inv_freq, q_out, k_out, *, interleaved):
     """GPU qk_norm_rope_ref in one launch (not two norms and two ropes): qk f32[n, nq + nk, d] (any strides, e.g.
     the q|k heads of a stacked q|k|v projection) -> q_out f32[n, nq, d], k_out f32[n, nk, d] (q_out may be None
     when nq is 0). Launch: grid n, block a warp per head (<= 8 warps; one under the simulator)."""
