@@ -5,6 +5,11 @@ and the norms replicated), routed experts by expert id, the router replicated, d
 by their intermediate columns, and lm_head by vocabulary. Each device then holds a partial sum after attention and
 after the MLP/MoE block: one all-reduce each per layer. The embedding is replicated (every device embeds its
 own copy of the tokens).
+
+A DFlash drafter splits the same way when asked (DRAFT_SPLITS: query and key/value heads by rows, o_proj by
+columns, gate/up by rows, down by columns; fc and the norms replicated); numbaengine/rank_shard.py builds one
+rank's split drafter. Running split drafters on several ranks needs the drafter's two all-reduces per layer,
+which numbaengine/drafter.py does not issue yet: today the engine replicates its drafter.
 """
 from __future__ import annotations
 
@@ -21,9 +26,18 @@ SPLITS = [  # (pattern on the unprefixed tensor name, how it splits: axis, "expe
 ]
 
 
-def split_rule(name: str):
+DRAFT_SPLITS = [  # the drafter's tensors (weights.layout.draft_tensors names), as SPLITS
+    (r"\.self_attn\.(q_proj|k_proj|v_proj)\.weight$", 0),
+    (r"\.self_attn\.o_proj\.weight$", 1),
+    (r"\.mlp\.(gate|up)_proj\.weight$", 0),
+    (r"\.mlp\.down_proj\.weight$", 1),
+    (r"", None),
+]
+
+
+def split_rule(name: str, splits=SPLITS):
     """How tensor `name` (unprefixed) is laid out: an axis to split, "expert", or None (replicated)."""
-    return next(rule for pattern, rule in SPLITS if re.search(pattern, name))
+    return next(rule for pattern, rule in splits if re.search(pattern, name))
 
 
 def expert_range(cfg, rank: int, n: int) -> range:
@@ -42,6 +56,33 @@ def local_slice(name: str, shape, cfg, rank: int, n: int):
         part = shape[rule] // n
         index[rule] = slice(rank * part, (rank + 1) * part)
     return tuple(index)
+
+
+def draft_local_slice(name: str, shape, rank: int, n: int) -> tuple:
+    """The index of device `rank`'s part of drafter tensor `name` when the drafter is split n ways."""
+    index = [slice(None)] * len(shape)
+    rule = split_rule(name, DRAFT_SPLITS)
+    if rule is not None:
+        part = shape[rule] // n
+        index[rule] = slice(rank * part, (rank + 1) * part)
+    return tuple(index)
+
+
+def check_rank(rank: int, n: int) -> None:
+    """Raise a one-line error unless `rank` names a device of an n-device layout."""
+    if n < 1:
+        raise ValueError(f"devices: need at least one device, got {n}")
+    if not 0 <= rank < n:
+        raise ValueError(f"rank: {rank} is not a device of the {n}-device layout (0..{n - 1})")
+
+
+def check_draft_divisible(dcfg, n: int) -> None:
+    """Raise a one-line error when a drafter (drafter.DraftConfig) cannot be split n ways."""
+    sizes = dict(num_attention_heads=dcfg.num_attention_heads, num_key_value_heads=dcfg.num_key_value_heads,
+                 intermediate_size=dcfg.intermediate_size)
+    for field, size in sizes.items():
+        if size % n:
+            raise ValueError(f"drafter {field}: {size} is not divisible by the {n} devices")
 
 
 def check_divisible(cfg, n: int) -> None:

@@ -72,24 +72,26 @@ def test_fp8_config(tmp_path):
     assert ck.shape("model.layers.1.mlp.experts.0.down_proj.weight_scale_inv") == (2, 1)
 
 
-def test_values_independent_of_sharding_and_deterministic(tmp_path):
+@pytest.mark.parametrize("scheme", ["stream", "counter"])
+def test_values_independent_of_sharding_and_deterministic(tmp_path, scheme):
     raw = synth_config("tiny", layers=2)
-    a = Checkpoint(write_target(tmp_path / "a", raw, seed=7))
-    b = Checkpoint(write_target(tmp_path / "b", raw, seed=7, shard_mb=0.25))
-    c = Checkpoint(write_target(tmp_path / "c", raw, seed=8))
+    a = Checkpoint(write_target(tmp_path / "a", raw, seed=7, scheme=scheme))
+    b = Checkpoint(write_target(tmp_path / "b", raw, seed=7, shard_mb=0.25, scheme=scheme))
+    c = Checkpoint(write_target(tmp_path / "c", raw, seed=8, scheme=scheme))
     assert (tmp_path / "b" / INDEX).exists() and len(list((tmp_path / "b").glob("*.safetensors"))) > 2
     assert all(np.array_equal(a.get(n), b.get(n)) for n in a.names())
     assert not np.array_equal(a.get("lm_head.weight"), c.get("lm_head.weight"))
 
 
-def test_k25_wrapper(tmp_path):
+@pytest.mark.parametrize("scheme", ["stream", "counter"])
+def test_k25_wrapper(tmp_path, scheme):
     raw = synth_config("tiny", layers=2, wrapper="k25")
     assert raw["model_type"] == "kimi_k25" and raw["text_config"]["num_hidden_layers"] == 2
     assert raw["architectures"] == ["KimiK25ForConditionalGeneration"]
-    cfg, ck = assert_matches_layout(write_target(tmp_path / "k25", raw, seed=1))
+    cfg, ck = assert_matches_layout(write_target(tmp_path / "k25", raw, seed=1, scheme=scheme))
     assert cfg.prefix == "language_model." and cfg.quant.method == "int4"
     assert all(n.startswith("language_model.") for n in ck.names())
-    plain = Checkpoint(write_target(tmp_path / "plain", synth_config("tiny", layers=2), seed=1))
+    plain = Checkpoint(write_target(tmp_path / "plain", synth_config("tiny", layers=2), seed=1, scheme=scheme))
     for n in ("lm_head.weight", "model.layers.1.mlp.experts.3.up_proj.weight_packed"):
         assert np.array_equal(ck.get("language_model." + n), plain.get(n))
 
@@ -144,6 +146,10 @@ def test_cli(tmp_path):
     assert_matches_layout(tmp_path / "t")
     run("--draft", "--target", str(tmp_path / "t"), "--out", str(tmp_path / "d"), "--block-size", "4")
     assert json.loads((tmp_path / "d" / "config.json").read_text())["dflash_config"]["block_size"] == 4
+    run("--preset", "tiny", "--layers", "2", "--out", str(tmp_path / "c"), "--scheme", "counter")
+    assert_matches_layout(tmp_path / "c")
+    assert "--scheme" in subprocess.run([sys.executable, "-m", "numbaengine.weights.synth", "--scheme", "hash",
+                                         "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True).stderr
 
 
 def test_transformers_reads_tiny_int4(tmp_path):

@@ -4,6 +4,7 @@ phase, and each round's HBM byte floor against the copy bandwidth measured in th
     python -m tools.bench --out bench.json                              (the shipped pair)
     python -m tools.bench --synth-k2 2 --modes ar,ddtree --budgets 16   (a K2.6-shaped checkpoint made here)
     python -m numbaengine.profile --out DIR -- python -m tools.bench --synth-k2 2 --modes ar --hold-seconds 10
+    python -m tools.bench --synth-k2 61 --rank-of 8 --modes ar,ddtree   (one GPU's share of the 8-GPU layout)
 
 The shipped pair decodes its 8 held-out prompts (tools/train/heldout.json) per case, in consecutive batches, so
 tau is pooled over them (tokens committed over rounds, all prompts together; `tau_prompt_mean` keeps the mean of
@@ -17,6 +18,17 @@ checkpoints route about uniformly; a trained one does not) + latent cache and dr
 floor bytes / copy bandwidth / gpu time; the % after a phase's time is that phase's own floor (`phase_floors`:
 e.g. commit = fc + the drafter's k|v rows) over its GPU time and the copy bandwidth. The 61-layer, 8-GPU line is a
 PROJECTION from per-layer times measured here, not a measurement.
+
+--contexts C1,C2 times each case's captured rounds at C committed rows per sequence (run_context_case: short
+prompts, then the lengths set to C) instead of decoding prompts.
+
+--rank-of N (with --synth-k2) benches instead what one GPU of an N-GPU layout holds and computes: rank --rank's
+shard of the synthetic target (numbaengine/rank_shard.py: made in GPU memory, no checkpoint files) and the drafter
+at the published Kimi-K2.5-DFlash shape, replicated and/or split like the target (--drafter-layout; each ddtree or
+dflash case runs once per layout). The rank runs alone: its all-reduces are stood in (--all-reduce none: local
+work only; copy: one device copy of the same bytes), its vocabulary gathers copy its own slice; the JSON says which
+(`rank_shard.stand_in`). Byte floors are the rank's. --allreduce-us adds the N-GPU ESTIMATE: the measured round plus
+the collectives it stood in, each at that latency.
 """
 from __future__ import annotations
 
@@ -32,9 +44,11 @@ import numpy as np
 from numbaengine.budget import AUTO, LADDER
 from numbaengine.kernels import cache as kernel_cache
 from numbaengine.phases import record, span
+from numbaengine.rank_shard import ALL_REDUCE_STAND_INS, set_drafter
 from numbaengine.tokenizer import IdTokenizer
-from numbaengine.warmup import precompile_shapes
+from numbaengine.warmup import RoundLimit, precompile, precompile_shapes
 from numbaengine.weights import SHIPPED_PAIR
+from numbaengine.weights.synth import K25_DFLASH
 from tools.acceptance import DEFAULT_PROMPTS, load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,11 +109,9 @@ def round_floor(engine, dev, n_rows, mean_len) -> dict:
     shared = sum(nbytes(layer.moe.shared) + nbytes(layer.moe.gate) for layer in w.layers if layer.moe is not None)
     experts = 0
     for layer in w.layers:
-        if layer.moe is not None:
-            e = layer.moe.experts
-            per_expert = nbytes(e) / cfg.n_routed_experts
+        if layer.moe is not None:     # each expert held (all E, or a shard's range) is touched with this chance
             k, E = cfg.num_experts_per_tok, cfg.n_routed_experts
-            experts += per_expert * E * (1 - (1 - k / E) ** n_rows)
+            experts += nbytes(layer.moe.experts) * (1 - (1 - k / E) ** n_rows)
     B = dev.shape.batch
     parts = {"attention": attn, "dense mlp": dense, "shared+router": shared, "experts (expected)": experts,
              "lm_head": nbytes(w.lm_head),
@@ -190,30 +202,73 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp, hold_s=0.0):
     new = sum(len(r.tokens) for r in res)
     record("decode", tokens=new)
     mean_len = int(np.mean([r.stats["prompt_tokens"] + len(r.tokens) / 2 for r in res]))
-    floor = round_floor(engine, dev, batch * (dev.tb.tokens.shape[1]), mean_len)
+    row = dict(mode=mode, budget=budget, batch=batch, prompts=len(res), new_tokens=new, wall_s=wall,
+               tokens_per_s=new / decode_s,
+               tau=float(sum(r.stats["tau_mean"] * r.stats["rounds"] for r in res)
+                         / max(1, sum(r.stats["rounds"] for r in res))),
+               tau_prompt_mean=float(np.mean([r.stats["tau_mean"] for r in res])),
+               **round_columns(engine, dev, rounds, round_ms, gpu_ms, mean_len, copy_bw, cp),
+               gpu_ms_per_device=[(d.gpu_s - g) / rounds * 1e3 for d, g in zip(devs, gpu0)])
+    print_row(row)
+    return row
+
+
+def round_columns(engine, dev, rounds, round_ms, gpu_ms, mean_len, copy_bw, cp) -> dict:
+    """The columns of every case row: rounds, round and GPU ms, host share, the byte floor at mean_len committed
+    rows per sequence (by part, GB/s, % of copy bandwidth), phase times and their floors, graph nodes and depth."""
+    devs = getattr(dev, "devs", [dev])                                       # one DeviceRounds per GPU
+    floor = round_floor(engine, dev, dev.shape.batch * (dev.tb.tokens.shape[1]), mean_len)
     floor_b = sum(floor.values())
     with span("phase_times"):
         phases = (dev.ranks.run(lambda r: phase_times(cp, devs[r]))[0] if len(devs) > 1
                   else phase_times(cp, devs[0]))
     phase_b = phase_floors(floor, dev)
     phase_pct = {k: 100 * phase_b[k] / (ms / 1e3) / 1e9 / copy_bw if ms > 0 else 0.0 for k, ms in phases.items()}
-    row = dict(mode=mode, budget=budget, batch=batch, prompts=len(res), new_tokens=new, wall_s=wall,
-               tokens_per_s=new / decode_s,
-               tau=float(sum(r.stats["tau_mean"] * r.stats["rounds"] for r in res)
-                         / max(1, sum(r.stats["rounds"] for r in res))),
-               tau_prompt_mean=float(np.mean([r.stats["tau_mean"] for r in res])),
-               rounds=rounds, round_ms=round_ms, gpu_ms=gpu_ms, host_pct=100 * (1 - gpu_ms / round_ms),
-               floor_mb=floor_b / 1e6, floor_parts_mb={k: v / 1e6 for k, v in floor.items()},
-               floor_gbs=floor_b / (gpu_ms / 1e3) / 1e9,
-               floor_pct=100 * floor_b / (gpu_ms / 1e3) / 1e9 / copy_bw,
-               phase_ms=phases, phase_floor_mb={k: v / 1e6 for k, v in phase_b.items()}, phase_pct=phase_pct,
-               graph_kernels=len(dev.kernel_nodes()), graph_depth=dev.graph_depth(),
-               gpu_ms_per_device=[(d.gpu_s - g) / rounds * 1e3 for d, g in zip(devs, gpu0)])
-    print(f"{mode:7s} B{budget!s:<4} x{batch:<4d} p{len(res):<4d} {row['tokens_per_s']:9.1f} tok/s  "
-          f"tau {row['tau']:5.2f}  round {round_ms:7.3f} ms  gpu {gpu_ms:7.3f} ms  host {row['host_pct']:5.1f}%  floor "
-          f"{row['floor_mb']:8.1f} MB = {row['floor_pct']:5.1f}% of copy  nodes {row['graph_kernels']} "
-          f"depth {row['graph_depth']}  " + " ".join(f"{k} {v:.3f}" + (f" ({phase_pct[k]:.0f}%)" if phase_b[k] else "")
-                                                     for k, v in phases.items()), flush=True)
+    return dict(rounds=rounds, round_ms=round_ms, gpu_ms=gpu_ms, host_pct=100 * (1 - gpu_ms / round_ms),
+                mean_len=mean_len, floor_mb=floor_b / 1e6, floor_parts_mb={k: v / 1e6 for k, v in floor.items()},
+                floor_gbs=floor_b / (gpu_ms / 1e3) / 1e9,
+                floor_pct=100 * floor_b / (gpu_ms / 1e3) / 1e9 / copy_bw,
+                phase_ms=phases, phase_floor_mb={k: v / 1e6 for k, v in phase_b.items()}, phase_pct=phase_pct,
+                graph_kernels=len(dev.kernel_nodes()), graph_depth=dev.graph_depth())
+
+
+def print_row(row):
+    phases, pct, floors = row["phase_ms"], row["phase_pct"], row["phase_floor_mb"]
+    where = f"p{row['prompts']:<4}" if "prompts" in row else f"c{row['context']:<5}"
+    print(f"{row['mode']:7s} B{row['budget']!s:<4} x{row['batch']:<4d} {where} {row['tokens_per_s']:9.1f} tok/s  "
+          f"tau {row['tau']:5.2f}  round {row['round_ms']:7.3f} ms  gpu {row['gpu_ms']:7.3f} ms  host "
+          f"{row['host_pct']:5.1f}%  floor {row['floor_mb']:8.1f} MB = {row['floor_pct']:5.1f}% of copy  nodes "
+          f"{row['graph_kernels']} depth {row['graph_depth']}  "
+          + " ".join(f"{k} {v:.3f}" + (f" ({pct[k]:.0f}%)" if floors[k] else "") for k, v in phases.items()),
+          flush=True)
+
+
+def run_context_case(engine, mode, budget, batch, context, rounds, copy_bw, cp, hold_s=0.0):
+    """One (mode, budget, batch) row at `context` committed rows per sequence: each slot prefills a short prompt,
+    then its length is set to `context` (the rows past the prompt stay zero: attention reads them all the same, so
+    the round costs what it costs at that context), and `rounds` captured rounds are replayed and timed (again from
+    `context` until hold_s seconds have passed). tau is the synthetic pair's (~1)."""
+    prompt = list(range(1, 9))
+    kw = dict(mode=mode, budget=budget, stop=[])
+    engine.generate_batch([prompt] * batch, 8, **kw)                         # compile, size buffers, capture
+    dev = next(iter(engine.rounds_cache.values()))
+    for b in range(batch):                                                   # slots live again, budgets set
+        dev.prefill(b, prompt, b)
+    taus, step_s, gpu0, t_end = [], 0.0, dev.gpu_s, time.perf_counter() + hold_s
+    with span("decode"):
+        while not taus or time.perf_counter() < t_end:
+            with dev.stream:                                                 # ordered before the rounds
+                dev.lengths.fill(context)
+            t1 = time.perf_counter()
+            for _ in range(rounds):
+                taus.append(dev.step()[:, 0].copy())
+            step_s += time.perf_counter() - t1
+    n, tau = len(taus), float(np.mean(taus))
+    round_ms, gpu_ms = step_s / n * 1e3, (dev.gpu_s - gpu0) / n * 1e3
+    row = dict(mode=mode, budget=budget, batch=batch, context=context, new_tokens=int(np.sum(taus)), wall_s=step_s,
+               tokens_per_s=batch * tau / round_ms * 1e3, tau=tau,
+               **round_columns(engine, dev, n, round_ms, gpu_ms, context + int(rounds * tau / 2), copy_bw, cp))
+    print_row(row)
     return row
 
 
@@ -278,6 +333,121 @@ def projection(rows, layers_measured, cfg) -> list:
     return out
 
 
+# ------------------------------------------------------------------------- one rank of several GPUs (--rank-of)
+PUBLISHED_TAU = 5.3      # Kimi-K2.5-DFlash's published acceptance at block 8 on coding (spec/DDTREE.md section 5)
+LAYOUTS = ("replicated", "split")
+
+
+def check_rank_args(args) -> list:
+    """The drafter layouts to run ([None] without --rank-of); a one-line ValueError for arguments that do not fit
+    together or a layout the model cannot take."""
+    if args.rank_of is None:
+        return [None]
+    if not args.synth_k2:
+        raise ValueError("--rank-of needs --synth-k2 LAYERS (the shard is made of the synthetic K2.6 model)")
+    if args.devices or args.synth_dir:
+        raise ValueError("--rank-of makes its shard in GPU memory on one GPU: drop --devices and --synth-dir")
+    from numbaengine.config import load_config
+    from numbaengine.drafter import parse_draft_config
+    from numbaengine.parallel import check_divisible, check_rank
+    from numbaengine.rank_shard import local_draft_config
+    from numbaengine.weights.synth import k25_dflash_config, synth_config
+    check_rank(args.rank, args.rank_of)
+    raw = synth_config("k2", layers=args.synth_k2, quant="int4")
+    check_divisible(load_config(raw), args.rank_of)
+    layouts = args.drafter_layout.split(",")
+    if not layouts or any(lay not in LAYOUTS for lay in layouts):
+        raise ValueError(f"--drafter-layout: {args.drafter_layout!r} is not a list of {', '.join(LAYOUTS)}")
+    if "split" in layouts:
+        local_draft_config(parse_draft_config(k25_dflash_config(raw)), args.rank_of)
+    return layouts
+
+
+def rank_setup(args, cases, layouts, max_context, cp):
+    """The memory plan checked against the free GPU memory (MemoryError, one line), then rank --rank of --rank-of's
+    shard made on the GPU -> (RankEngine, drafter config dict, plan)."""
+    from numbaengine.config import load_config
+    from numbaengine.rank_shard import check_fits, memory_plan, rank_engine
+    from numbaengine.weights.synth import k25_dflash_config, synth_config
+    raw = synth_config("k2", layers=args.synth_k2, quant="int4")
+    cfg, draft_cfg = load_config(raw), k25_dflash_config(raw)
+    plan = memory_plan(cfg, draft_cfg, args.rank, args.rank_of, [lay == "split" for lay in layouts], cases,
+                       max_context)
+    cp.get_default_memory_pool().free_all_blocks()
+    check_fits(plan, cp.cuda.runtime.memGetInfo()[0],
+               f"rank {args.rank} of {args.rank_of} ({args.synth_k2} layers, context {max_context})")
+    with span("shard"):
+        shard = rank_engine(cfg, args.seed, args.rank, args.rank_of, "cuda", max_context, args.all_reduce)
+    print(f"rank {args.rank} of {args.rank_of}: {nbytes(shard.engine.target.w) / 1e9:.1f} GB of target weights made "
+          f"on the GPU; {shard.comm.describe()}", flush=True)
+    return shard, draft_cfg, plan
+
+
+def precompile_cases(engine, cases):
+    """precompile_shapes, with token-id prompts for a model without a tokenizer (its PROMPT is text)."""
+    if not isinstance(engine.tokenizer, IdTokenizer):
+        return precompile_shapes(engine, cases)
+
+    def dry_run():
+        for mode, batch, budget in cases:
+            try:
+                engine.generate_batch([list(range(1, 17))] * batch, 16, mode, budget, stop=(), on_round=RoundLimit(3))
+            except Exception:  # garbage results of a dry run (or the round limit); the next shape still records
+                pass
+    done = precompile(dry_run)
+    engine.rounds_cache.clear()
+    return done
+
+
+def check_eager(engine, cases, new_tokens=16) -> list:
+    """For each (mode, budget) of `cases` at its smallest batch: do captured rounds commit the tokens of eager
+    rounds (greedy)? -> [{mode, budget, batch, same}]."""
+    from numbaengine import device_round
+    out, prompt = [], list(range(1, 9))
+    for mode, budget in dict.fromkeys((m, b) for m, _, b in cases):
+        if budget == AUTO:
+            continue
+        batch = min(b for m, b, bud in cases if (m, bud) == (mode, budget))
+        runs = []
+        for graphs in (True, False):
+            engine.rounds_cache.clear()
+            res = device_round.generate_batch(engine.target, engine.drafter, engine.tokenizer, [prompt] * batch,
+                                              new_tokens, mode, budget, stop=[], max_context=engine.max_context,
+                                              rounds_cache=engine.rounds_cache, graphs=graphs)
+            runs.append([r.tokens for r in res])
+        engine.rounds_cache.clear()
+        out.append(dict(mode=mode, budget=budget, batch=batch, same=runs[0] == runs[1]))
+        print(f"graph replay == eager: {mode} B{budget} x{batch}: {runs[0] == runs[1]}", flush=True)
+    return out
+
+
+def collectives(mode, layers, draft_layers, split) -> int:
+    """Collectives per round on each GPU: 2 all-reduces per target layer and the verify logits' vocabulary gather;
+    drafted modes add the draft logits' gather and, split, 2 all-reduces per drafter layer."""
+    n = 2 * layers + 1
+    if mode != "ar":
+        n += 1 + (2 * draft_layers if split else 0)
+    return n
+
+
+def estimate(rows, layers, draft_layers, us, source, n_gpus) -> list:
+    """The n-GPU ESTIMATE of each measured rank row: its round time plus collectives() x `us` microseconds;
+    tokens/s at the measured tau and, for drafted modes, at PUBLISHED_TAU."""
+    out = []
+    for r in rows:
+        c = collectives(r["mode"], layers, draft_layers, r.get("drafter_layout") == "split")
+        ms = r["round_ms"] + c * us / 1e3
+        taus = {"measured tau": r["tau"]} if r["mode"] != "ar" else {"ar": 1.0}
+        if r["mode"] != "ar":
+            taus[f"published tau {PUBLISHED_TAU}"] = PUBLISHED_TAU
+        out.append(dict(mode=r["mode"], budget=r["budget"], batch=r["batch"], context=r.get("context"),
+                        drafter_layout=r.get("drafter_layout"), collectives=c, round_ms=ms,
+                        tokens_per_s={k: r["batch"] * t / ms * 1e3 for k, t in taus.items()},
+                        note=f"ESTIMATE for {n_gpus} GPUs: one rank's round measured alone + {c} collectives x "
+                             f"{us} us ({source})"))
+    return out
+
+
 def budget_list(text) -> list:
     """--budgets: comma-separated integers and 'auto' (the size chosen each round; numbaengine/budget.py)."""
     return [AUTO if b.strip() == AUTO else int(b) for b in text.split(",")]
@@ -306,51 +476,106 @@ def main(argv=None):
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--prefill", type=int, default=0, metavar="TOKENS", help="also time a prompt forward this long")
     ap.add_argument("--devices", help="comma-separated GPU ids: one rank per GPU over NCCL (default: GPU 0 alone)")
+    ap.add_argument("--contexts", help="comma-separated committed rows per sequence: time each case's rounds at each "
+                    "context (run_context_case) instead of decoding prompts")
+    ap.add_argument("--context-rounds", type=int, default=32, help="with --contexts: rounds timed per case")
+    ap.add_argument("--rank-of", type=int, metavar="N", help="with --synth-k2: bench the shard one GPU of an N-GPU "
+                    "layout holds, made in GPU memory, its collectives stood in (see the module docstring)")
+    ap.add_argument("--rank", type=int, default=0, help="with --rank-of: which rank's shard (default 0)")
+    ap.add_argument("--drafter-layout", default="replicated,split", help="with --rank-of: the drafter replicated, "
+                    "split like the target, or both in turn (default)")
+    ap.add_argument("--all-reduce", choices=ALL_REDUCE_STAND_INS, default="none",
+                    help="with --rank-of: the all-reduce stand-in (none: local work only; copy: a copy of its bytes)")
+    ap.add_argument("--seed", type=int, default=0, help="with --rank-of: the synthetic weights' seed")
+    ap.add_argument("--check-eager", action="store_true", help="also decode each (mode, budget) at the smallest "
+                    "batch eagerly and record whether the graph replays give the same tokens")
+    ap.add_argument("--allreduce-us", type=float, help="with --rank-of: add the N-GPU ESTIMATE, the measured round "
+                    "plus every stood-in collective at this latency (microseconds)")
+    ap.add_argument("--allreduce-source", default="not stated", help="where --allreduce-us comes from")
     ap.add_argument("--no-precompile", action="store_true", help="compile kernels as the cases meet them instead of "
                     "in parallel workers first (default: precompile what the kernel cache lacks)")
     ap.add_argument("--out", default="bench.json")
     args = ap.parse_args(argv)
+    try:
+        layouts = check_rank_args(args)
+    except ValueError as e:
+        ap.exit(2, f"bench: {e}\n")
     t_main = time.perf_counter()         # first_case_done_s: from here to the end of the first timed case
     import cupy as cp
 
     from numbaengine import Engine
     copy_bw = copy_bandwidth(cp)
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
-    model, draft = Path(args.model), Path(args.draft)
-    tmp = None
-    if args.synth_k2:
-        if args.synth_dir:
-            Path(args.synth_dir).mkdir(parents=True, exist_ok=True)
-        else:
-            tmp = tempfile.TemporaryDirectory(prefix="k2_")
-        model, draft = synth_k2(args.synth_k2, Path(args.synth_dir or tmp.name))
-    t0 = time.perf_counter()
-    devices = [int(d) for d in args.devices.split(",")] if args.devices else None
-    engine = Engine.load(model, draft, backend="cuda", max_context=args.max_context, devices=devices)
-    print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     cases = [(mode, batch, budget) for mode in args.modes.split(",")
              for budget in (args.budgets if mode == "ddtree" else [0])
              for batch in [int(b) for b in args.batches.split(",")] if verify_rows(batch, budget) <= args.max_rows]
-    if not args.no_precompile:
-        done = precompile_shapes(engine, [c for c in cases if c[2] != "auto"])
-        print(f"precompiled {done.compiled} of {done.found} missing kernels in {done.seconds:.1f} s", flush=True)
-    rows, first_round_s = [], None
-    for mode, batch, budget in cases:
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else [None]
+    max_context = args.max_context if not args.contexts else max(args.max_context,   # room for the timed rounds
+                                                                  max(contexts) + 16 * args.context_rounds + 64)
+    t0, devices, shard, tmp = time.perf_counter(), None, None, None
+    if args.rank_of:
         try:
-            row = run_case(engine, mode, budget, batch, args.new_tokens, copy_bw, cp, args.hold_seconds)
-        except (MemoryError, NotImplementedError) as e:
-            print(f"{mode} {budget} x{batch}: {e}", flush=True)
+            shard, draft_cfg, plan = rank_setup(args, cases, layouts, max_context, cp)
+        except MemoryError as e:
+            ap.exit(2, f"bench: {e}\n")
+        engine = shard.engine
+    else:
+        model, draft = Path(args.model), Path(args.draft)
+        if args.synth_k2:
+            if args.synth_dir:
+                Path(args.synth_dir).mkdir(parents=True, exist_ok=True)
+            else:
+                tmp = tempfile.TemporaryDirectory(prefix="k2_")
+            model, draft = synth_k2(args.synth_k2, Path(args.synth_dir or tmp.name))
+        devices = [int(d) for d in args.devices.split(",")] if args.devices else None
+        engine = Engine.load(model, draft, backend="cuda", max_context=max_context, devices=devices)
+    print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows, checks, first_round_s = [], [], None
+    for i, layout in enumerate(layouts):
+        todo = [c for c in cases if i == 0 or c[0] != "ar"]             # ar (no drafter): with the first layout
+        if not todo:
             continue
-        first_round_s = first_round_s or round(time.perf_counter() - t_main, 3)
-        row["copy_gbs"] = copy_bw
-        rows.append(row)
+        if layout is not None and any(c[0] != "ar" for c in todo):
+            set_drafter(shard, draft_cfg, layout == "split")
+            print(f"drafter {layout}: {nbytes(engine.drafter.layers, engine.drafter.fc) / 1e9:.2f} GB", flush=True)
+        if not args.no_precompile:
+            done = precompile_cases(engine, [c for c in todo if c[2] != "auto"])
+            print(f"precompiled {done.compiled} of {done.found} missing kernels in {done.seconds:.1f} s", flush=True)
+        if args.check_eager:
+            checks += [dict(c, drafter_layout=layout) for c in check_eager(engine, todo)]
+        for (mode, batch, budget), context in ((c, x) for c in todo for x in contexts):
+            try:
+                row = (run_case(engine, mode, budget, batch, args.new_tokens, copy_bw, cp, args.hold_seconds)
+                       if context is None else
+                       run_context_case(engine, mode, budget, batch, context, args.context_rounds, copy_bw, cp,
+                                        args.hold_seconds))
+            except (MemoryError, NotImplementedError) as e:
+                print(f"{mode} {budget} x{batch}: {e}", flush=True)
+                continue
+            first_round_s = first_round_s or round(time.perf_counter() - t_main, 3)
+            row["copy_gbs"] = copy_bw
+            if layout is not None and mode != "ar":
+                row["drafter_layout"] = layout
+            rows.append(row)
     prefill = prefill_times(engine, args.prefill, cp) if args.prefill else {}
     name = f"synthetic K2.6 x{args.synth_k2}" if args.synth_k2 else str(args.model)
     result = dict(copy_gbs=copy_bw, prefill=prefill, model=name, first_case_done_s=first_round_s,
-                  kernels=kernel_cache.stats(),
+                  kernels=kernel_cache.stats(), eager_checks=checks,
                   layers=engine.cfg.num_hidden_layers, rows=rows, date=time.strftime("%Y-%m-%d"), devices=devices,
                   gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode())
-    if args.synth_k2:
+    if shard is not None:
+        result["model"] = f"{name}, rank {shard.rank} of {shard.of}"
+        result["rank_shard"] = dict(rank=shard.rank, of=shard.of, seed=shard.seed, stand_in=shard.comm.describe(),
+                                    target_gb=nbytes(engine.target.w) / 1e9, drafter=K25_DFLASH,
+                                    memory_plan_gb={k: v / 1e9 for k, v in plan.items()},
+                                    note=f"MEASURED: one GPU's share of the {shard.of}-GPU layout run alone; its "
+                                         "collectives are stood in, so the time excludes the all-reduces")
+        if args.allreduce_us is not None:
+            result["estimate_n_gpus"] = estimate(rows, engine.cfg.num_hidden_layers, K25_DFLASH["layers"],
+                                                 args.allreduce_us, args.allreduce_source, shard.of)
+            for e in result["estimate_n_gpus"]:
+                print("ESTIMATE", e, flush=True)
+    elif args.synth_k2:
         result["projection_61_layers_8_gpus"] = projection(rows, engine.cfg.num_hidden_layers, engine.cfg)
         for p in result["projection_61_layers_8_gpus"]:
             print("PROJECTION", p, flush=True)
