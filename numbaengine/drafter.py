@@ -151,6 +151,7 @@ class Drafter:
             raise ConfigError(f"dflash_config.target_layer_ids: {list(cfg.target_layer_ids)} names a layer the "
                               f"target lacks ({tcfg.num_hidden_layers} layers)")
         self.cfg, self.ops, self.target = cfg, ops, target
+        self.split = False           # heads and MLP columns split over the ranks (rank_shard): layer outputs summed
         self.vocab = tcfg.vocab_size
         self.inv_freq = ops.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta)[0])
         self._load(checkpoint)
@@ -268,8 +269,10 @@ class Drafter:
         for i, layer in enumerate(self.layers):
             o = attend(i, *self._qkv(x, layer, layer.qkv, positions))
             a = ops.gemm(o.reshape(n, -1), layer.o, ops.scratch("d.attn", h.shape))
+            a = ops.all_reduce([a]) if self.split else a
             ops.add_rmsnorm(a, h, layer.ln2, c.rms_norm_eps, x)                        # h += a; x = norm(h)
             m = self._mlp(x, layer)
+            m = ops.all_reduce([m]) if self.split else m
             nxt = self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.norm
             ops.add_rmsnorm(m, h, nxt, c.rms_norm_eps, x)              # h += m; next layer's x or the final norm
         return x

@@ -148,13 +148,16 @@ def local_draft_config(dcfg, n: int):
 
 def rank_drafter(draft_cfg: dict, seed: int, rank: int, n: int, ops, target) -> Drafter:
     """Rank `rank`'s part of the counter-scheme synthetic drafter of config dict `draft_cfg` (synth.draft_config),
-    split n ways (n = 1: replicated, the whole drafter), bound to `target`. A split drafter on one rank computes
-    its heads' and MLP columns' partial sums (the all-reduces it would need are not issued: parallel.py)."""
+    split n ways (n = 1: replicated, the whole drafter), bound to `target`. A split drafter computes its heads' and
+    MLP columns' partial sums and all-reduces each layer's attention and MLP output (ops.all_reduce: NCCL across
+    ranks, the stand-in on one rank alone)."""
     check_rank(rank, n)
     local = local_draft_config(parse_draft_config(draft_cfg), n)
     source = SynthSource(draft_specs(draft_cfg), seed, xp=getattr(ops, "xp", np),
                          slicer=lambda name, shape: draft_local_slice(name, shape, rank, n))
-    return Drafter(local, source, ops, target)
+    drafter = Drafter(local, source, ops, target)
+    drafter.split = n > 1
+    return drafter
 
 
 def shard_bytes(cfg, rank: int, n: int, kv_b_copies: bool = True) -> dict:

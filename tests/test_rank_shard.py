@@ -312,3 +312,35 @@ def test_gpu_bench_rank_of_8_runs(tmp_path):
     assert {r.get("drafter_layout") for r in res["rows"]} == {None, "replicated", "split"}
     assert all(r["context"] == 512 and r["graph_kernels"] > 0 for r in res["rows"])
     assert all(c["same"] for c in res["eager_checks"]) and len(res["estimate_n_gpus"]) == len(res["rows"])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_split_drafter_on_ranks_equals_the_whole_drafter(pair, n):
+    """The drafter split n ways (heads, key/value heads and MLP columns per rank, each layer's attention and MLP
+    output all-reduced) gives the whole drafter's block output on every rank (ThreadComm all-reduces; attention of
+    the block over its own keys, per head)."""
+    from numbaengine.reference import attention_ref
+    cfg, dcfg = load_config(pair[0]), draft_config(pair[0], **DRAFT)
+    rng = np.random.default_rng(SEED)
+    rows = 5
+    h0 = rng.standard_normal((rows, cfg.hidden_size)).astype(np.float32)
+    positions = np.arange(7, 7 + rows, dtype=np.int32)
+
+    def block(drafter):
+        def attend(i, q, kv):
+            nkv = kv.shape[1] // 2
+            out = np.empty(q.shape[:2] + (kv.shape[2],), np.float32)
+            return attention_ref(q, kv[:, :nkv], kv[:, nkv:], np.ones((rows, rows), bool), drafter.scale, out)
+        return drafter.block(h0.copy(), positions, attend).copy()
+
+    whole_target = rank_target(cfg, SEED, 0, 1, NUMPY)
+    whole_drafter = rank_drafter(dcfg, SEED + 1, 0, 1, NUMPY, whole_target)
+    whole = block(whole_drafter)
+    comms = ThreadComm.make(n)
+    ops = [rank_ops("numpy", comms[r]) for r in range(n)]
+    drafters = [rank_drafter(dcfg, SEED + 1, r, n, ops[r], rank_target(cfg, SEED, r, n, ops[r])) for r in range(n)]
+    assert all(d.split for d in drafters) and not whole_drafter.split
+    got = Ranks(range(n), comms, use_device=False).run(lambda r: block(drafters[r]))
+    for r, g in enumerate(got):
+        err = np.abs(g - whole).max() / np.abs(whole).max()
+        assert err < 1e-5, f"rank {r} of {n}: block output {err:.1e} from the whole drafter's (seed {SEED})"
