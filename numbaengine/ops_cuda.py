@@ -38,7 +38,7 @@ from numbaengine.kernels.gemm import (
     head_gemm_workspace_words,
 )
 from numbaengine.kernels.launch import contiguous, kernel, launch
-from numbaengine.kernels.mla import mla_attention, mla_work
+from numbaengine.kernels.mla import MLA_DEFAULT, mla_attention, mla_work
 from numbaengine.kernels.moe import (
     MAX_SLOTS,
     ROUTER_XS,
@@ -149,8 +149,9 @@ class KernelOps:
                                  # pair naive 59.2 ms vs absorbed 26.9 ms (0.03% of its byte floor: launch-bound),
                                  # K2.6 x 2 layers 144 vs 111 ms (2.6% of its floor)
 
-    def __init__(self, name, xp, poison=False, trim_warps=False, comm=None):
+    def __init__(self, name, xp, poison=False, trim_warps=False, comm=None, mla=MLA_DEFAULT):
         self.name, self.xp, self.poison, self.trim_warps = name, xp, poison, trim_warps
+        self.mla = mla               # absorbed MLA's kernel choices (kernels.mla.MlaConfig)
         self.comm = comm         # this rank's collectives (devices.NcclComm / ThreadComm) or None: one device
         self._flat = {}          # (role, dtype) -> flat buffer grown to the largest request
         self._moe_ws = {}        # (top_k, H, I, E) -> MoeWorkspace grown by n_max
@@ -162,7 +163,7 @@ class KernelOps:
 
     def fresh(self) -> KernelOps:
         """A table over the same device with its own scratch (a captured graph owns the buffers it points at)."""
-        table = KernelOps(self.name, self.xp, self.poison, self.trim_warps, self.comm)
+        table = KernelOps(self.name, self.xp, self.poison, self.trim_warps, self.comm, self.mla)
         table.branches = self.branches
         return table
 
@@ -328,10 +329,10 @@ class KernelOps:
         if self.xp is not np and cache.shape[1] > MLA_ONE_SPLIT and n // B <= MLA_SPLIT_ROWS:
             key = ("mla", B, n // B, h, r, cache.shape[1], D)
             if key not in self._work:
-                self._work[key] = mla_work(self.zeros, B, n // B, h, r, cache.shape[1], D=D)
+                self._work[key] = mla_work(self.zeros, B, n // B, h, r, cache.shape[1], D=D, cfg=self.mla)
             work = self._work[key]
         mla_attention(q.reshape(B, n // B, h, D), cache, visible.lengths, visible.ntok, visible.mask, scale,
-                      out.reshape(B, n // B, h, r), work)
+                      out.reshape(B, n // B, h, r), work, cfg=self.mla)
         return out
 
     def kv_attention(self, q, k, v, kv_len, scale, out):

@@ -10,18 +10,26 @@ from test_cuda_attention import BF16_NAN, pack_vis, random_tree_vis
 from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
 
 from numbaengine.kernels.mla import MLA_PTX_SIG as SIG
+from numbaengine.kernels.mla import MlaConfig
+from numbaengine.kernels.mla_wg import MlaWgConfig
 from numbaengine.weights.dtypes import bf16_to_f32, f32_to_bf16
 
 
 def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="none", causal=False, sms=132,
-          scale=None, seed=0, calls=1, margin=7, partials=None):
+          scale=None, seed=0, calls=1, margin=7, partials=None, cfg=None):
     """mla_attention against mla_attention_ref. work: "none" (one normalized split), an int (keys per split)
     or "auto" (mla_work's sizing for `sms` SMs); with splits the work's count (the kernels' unread argument) must
     still be zero after each call; calls > 1: again on the same work, output re-poisoned. margin: cache rows past the longest sequence (0: the cache ends at its last row, as the engine's
     verify of a short prompt has it). partials: the split partials' type ("f32", "bf16", "auto"; None: mla_work's
     default), poisoned before the first call."""
-    from numbaengine.kernels.mla import PARTIAL_DTYPES, mla_attention, mla_work
+    from numbaengine.kernels.mla import (
+        MLA_DEFAULT,
+        PARTIAL_DTYPES,
+        mla_attention,
+        mla_work,
+    )
     from numbaengine.kernels.mla_wg import mla_wg_applies
+    cfg = cfg or MLA_DEFAULT
     from numbaengine.reference import mla_attention_ref
     rng = np.random.default_rng(seed)
     lengths, ntok = np.array(lengths, np.int32), np.array(ntok, np.int32)
@@ -35,16 +43,16 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
     want = mla_attention_ref(q, cache, lengths, ntok, mask, scale, np.empty((B, T, h, r), np.float32))
     out = env.dev(np.full((B, T, h, r), np.nan, np.float32))
     wk = None if work == "none" else mla_work(env.zeros, B, T, h, r, cap, None if work == "auto" else work,
-                                               D=D, sms=sms, partials=partials)
+                                               D=D, sms=sms, partials=partials, cfg=cfg)
     if wk is not None:
-        auto = "bf16" if mla_wg_applies(h, D, r) else "f32"
+        auto = "bf16" if mla_wg_applies(h, D, r, cfg.wg) else "f32"
         assert wk.o.dtype == PARTIAL_DTYPES[{"auto": auto, None: auto}.get(partials, partials)], wk.o.dtype
         wk.o = env.dev(np.full(wk.o.shape, 0x7FC0 if wk.o.dtype == np.uint16 else np.nan, wk.o.dtype))  # NaN
     args = (env.dev(q), env.dev(cache), env.dev(lengths), env.dev(ntok), None if causal else env.dev(mask), scale)
     for call in range(calls):
         if call:
             out = env.dev(np.full((B, T, h, r), np.nan, np.float32))
-        mla_attention(*args, out, wk)
+        mla_attention(*args, out, wk, cfg=cfg)
         got = env.host(out)
         assert np.isfinite(got).all(), f"call {call}: non-finite output"
         assert np.abs(got - want).max() <= 8e-3 * max(1.0, np.abs(want).max()), worst(got, want)
@@ -53,9 +61,8 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
     return wk
 
 
-def check_knobs(env, knobs, module="numbaengine.kernels.mla", **kw):
-    """check with `module`'s settings changed (e.g. kernels.mla's MLA_NK = 32: one column chunk per softmax
-    thread), restored afterwards."""
+def check_knobs(env, knobs, module="numbaengine.kernels.attention", **kw):
+    """check with `module`'s settings changed (kernels.attention's MERGE_* merge settings), restored afterwards."""
     import importlib
     km = importlib.import_module(module)
     saved = {k: getattr(km, k) for k in knobs}
@@ -69,24 +76,24 @@ def check_knobs(env, knobs, module="numbaengine.kernels.mla", **kw):
 
 
 def check_split_sizing(env):
-    from numbaengine.kernels.mla import MLA_MIN_SPLIT, mla_work
+    from numbaengine.kernels.mla import MLA_DEFAULT, mla_work
     one = mla_work(np.zeros, 1, 1, 64, 512, 4097)                    # batch 1: every SM gets a split
-    assert one.o.shape[1] == -(-4097 // MLA_MIN_SPLIT), one.o.shape
+    assert one.o.shape[1] == -(-4097 // MLA_DEFAULT.min_split), one.o.shape
     many = mla_work(np.zeros, 64, 1, 64, 512, 4097)                  # batch 64: about one wave
     assert 64 * many.o.shape[1] <= 132 and many.o.shape[1] >= 2, many.o.shape
     for B, T, keys in ((4, 17, 65553), (8, 17, 65553), (16, 17, 16401)):  # 68 / 136 / 272 tiles of 64 rows
         ns = mla_work(np.zeros, B, T, 64, 512, keys).o.shape[1]          # fill the waves with many splits
         waves = -(-B * T * ns // 132)
         assert ns > 1 and B * T * ns >= 0.85 * 132 * waves and waves <= 8, (B, T, ns)
-    for B in (1, 9, 64, 1000):                                           # splits always >= MLA_MIN_SPLIT keys
+    for B in (1, 9, 64, 1000):                                           # splits always >= min_split keys
         w = mla_work(np.zeros, B, 1, 64, 512, 3000)
-        assert 1 <= w.o.shape[1] <= -(-3000 // MLA_MIN_SPLIT) and w.split * (w.o.shape[1] - 1) < 3000, w.split
+        assert 1 <= w.o.shape[1] <= -(-3000 // MLA_DEFAULT.min_split) and w.split * (w.o.shape[1] - 1) < 3000, w.split
 
 
 SIM_CASES = {
     "ring_one_split": lambda env: check(env, seed=1),                                      # 5 steps > 4 stages
     "ring_splits_merge": lambda env: check(env, work=32, seed=2),                  # 5 splits of 64: 5 split groups
-    # bf16 split partials (the 64-head kernel's default: kernels.mla MLA_PARTIALS) through the 8-head kernel
+    # bf16 split partials (the 64-head kernel's default: MlaConfig.partials) through the 8-head kernel
     "ring_splits_merge_bf16": lambda env: check(env, work=32, seed=16, partials="bf16"),
     "merge_ten_groups_bf16": lambda env: check(env, lengths=(600, 90), work=32, seed=18, partials="bf16"),
     "dead_rows_empty_seq_bf16": lambda env: check(env, B=3, T=3, h=4, lengths=(45, 0, 64), ntok=(2, 0, 3), work=32,
@@ -114,12 +121,12 @@ SIM_CASES = {
                                               sms=4, seed=8),
     "sharp_scores_rescale": lambda env: check(env, B=1, lengths=(200,), ntok=(1,), scale=1.5, work=96, seed=9),
     "split_sizing": check_split_sizing,
-    "nk32_splits_tree": lambda env: check_knobs(env, dict(MLA_NK=32), B=1, T=3, h=4, lengths=(150,), ntok=(3,),
-                                                work=96, seed=10),
+    "nk32_splits_tree": lambda env: check(env, B=1, T=3, h=4, lengths=(150,), ntok=(3,), work=96, seed=10,
+                                          cfg=MlaConfig(nk=32)),
     "merge_four_rows_past_m": lambda env: check(env, B=2, T=3, h=3, lengths=(50, 20), ntok=(3, 2), work=32,
                                                 seed=12),       # 2 splits: 4-row merge blocks, M = 9 rows
-    "two_s_tiles_kg2": lambda env: check_knobs(env, dict(MLA_S_TILES=2, MLA_WIDE_KG=2), B=1, T=13, h=4,
-                                               lengths=(70,), ntok=(13,), work=64, seed=11),
+    "two_s_tiles_kg2": lambda env: check(env, B=1, T=13, h=4, lengths=(70,), ntok=(13,), work=64, seed=11,
+                                         cfg=MlaConfig(s_tiles=2, wide_kg=2)),
 }
 
 
@@ -149,7 +156,7 @@ GPU_CASES = {
     "tree4_h64_cap6": dict(B=1, T=4, h=64, lengths=(2,), ntok=(4,), work="none", margin=0),
     "tree4_h8_cap6": dict(B=1, T=4, h=8, lengths=(2,), ntok=(4,), work="none", margin=0),
     "tree5_h64_b2_cap_exact": dict(B=2, T=5, h=64, lengths=(60, 3), ntok=(5, 4), work="none", margin=0),
-    # the other partials' type (kernels.mla MLA_PARTIALS "auto": bf16 for the 64-head kernel, f32 for the 8-head)
+    # the other partials' type (MlaConfig.partials "auto": bf16 for the 64-head kernel, f32 for the 8-head)
     "decode_h64_b9_auto_f32": dict(B=9, h=64, lengths=(3000, 17, 900, 4000, 1, 2500, 64, 65, 3333), ntok=(1,) * 9,
                                    work="auto", partials="f32"),
     "decode_h8_b5_auto_bf16": dict(B=5, h=8, lengths=(4100, 33, 0, 2000, 777), ntok=(1, 1, 1, 0, 1), work="auto",
@@ -167,13 +174,8 @@ def test_gpu(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", WG_CASES)
 def test_gpu_mma_sync_path(case):
-    """The 64-head cases on mla.py's mma.sync kernel too (kernels.mla_wg.MLA_WG off)."""
-    import numbaengine.kernels.mla_wg as kw
-    kw.MLA_WG = False
-    try:
-        check(Env(gpu=True), **K2, **GPU_CASES[case])
-    finally:
-        kw.MLA_WG = True
+    """The 64-head cases on mla.py's mma.sync kernel too (MlaWgConfig.on off)."""
+    check(Env(gpu=True), **K2, **GPU_CASES[case], cfg=MlaConfig(wg=MlaWgConfig(on=False)))
 
 
 @pytest.mark.gpu
@@ -184,7 +186,7 @@ def test_gpu_wgmma_loads(case):
     check(Env(gpu=True), **K2, **GPU_CASES[case], calls=2)
 
 
-# splits of a row tile merged in thread-block clusters (kernels.mla_wg.MLA_WG_CLUSTER): (splits, cluster size) =
+# splits of a row tile merged in thread-block clusters (MlaWgConfig.cluster): (splits, cluster size) =
 # (2, 2), (3, 3) (rows 22 / 22 / 20) with dead queries, (4, 4) (two row tiles per query), (8, 8) (splits past the
 # sequence's end: blocks with no partial); 12 and 9 splits: more than a cluster holds, merge_splits. Values: shape,
 # cluster size (grids this small always fit as clusters).
@@ -201,18 +203,16 @@ CLUSTER_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("epilogue", ["direct", "staged", "cluster"])
 @pytest.mark.parametrize("case", sorted(CLUSTER_CASES))
-def test_gpu_wgmma_epilogue(case, epilogue, monkeypatch):
+def test_gpu_wgmma_epilogue(case, epilogue):
     """The 64-head kernel's ways out: O stored from the accumulators (direct, f32 partials only) or through shared
     memory (staged), both with the partials merged by merge_splits, or merged in the kernel across a cluster of the
     split blocks (cluster), the cluster sizes of CLUSTER_CASES checked to be what ran."""
-    import numbaengine.kernels.mla_wg as kw
-    monkeypatch.setattr(kw, "MLA_WG_STAGED", epilogue != "direct")
-    monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 8 if epilogue == "cluster" else 0)
+    cfg = MlaConfig(wg=MlaWgConfig(staged=epilogue != "direct", cluster=8 if epilogue == "cluster" else 0))
     shape, plain = CLUSTER_CASES[case]
     if epilogue == "direct":                  # (its register stores write f32 only: bf16 partials are refused)
-        with pytest.raises(ValueError, match="bf16 partials need kernels.mla_wg.MLA_WG_STAGED"):
-            check(Env(gpu=True), **K2, **shape, partials="bf16")
-    wk = check(Env(gpu=True), **K2, **shape, calls=2, partials="f32" if epilogue == "direct" else None)
+        with pytest.raises(ValueError, match="bf16 partials need MlaWgConfig.staged"):
+            check(Env(gpu=True), **K2, **shape, partials="bf16", cfg=cfg)
+    wk = check(Env(gpu=True), **K2, **shape, calls=2, partials="f32" if epilogue == "direct" else None, cfg=cfg)
     assert wk.cluster == (plain if epilogue == "cluster" else 0)
 
 
@@ -253,22 +253,19 @@ def test_stamp_phases():
 
 
 def test_ptx_stamps():
-    """MLA_WG_STAMPS compiles thread 0's seven (clock, global timer, SM) reads into the split kernel; the default
+    """MlaWgConfig.stamps compiles thread 0's seven (clock, global timer, SM) reads into the split kernel; the default
     kernel has none; the cluster kernels are not stamped (the same compiled objects)."""
     import numbaengine.kernels.mla_wg as kw
     plain = ptx_or_skip(kw.mla_wg_kernel(192, 128, False).py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
     unstamped = [kw.mla_wg_kernel(192, 128, False, cluster=2)]
-    try:
-        kw.MLA_WG_STAMPS = True
-        stamped = ptx_or_skip(kw.mla_wg_kernel(192, 128, False).py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
-        assert unstamped == [kw.mla_wg_kernel(192, 128, False, cluster=2)]    # the cluster kernels stay as they are
-    finally:
-        kw.MLA_WG_STAMPS = False
+    on = kw.MlaWgConfig(stamps=True)
+    stamped = ptx_or_skip(kw.mla_wg_kernel(192, 128, False, cfg=on).py_func, kw.MLA_WG_PTX_SIG, cc=(9, 0, "a"))
+    assert unstamped == [kw.mla_wg_kernel(192, 128, False, cluster=2, cfg=on)]   # the cluster kernels stay as they are
     assert "%globaltimer" not in plain and stamped.count("%globaltimer") == 7 and stamped.count("%clock64") == 7
 
 
 @pytest.mark.gpu
-def test_gpu_stamps(monkeypatch):
+def test_gpu_stamps():
     """tools/mla_stamps.py on the GPU: every split block of a 2-sequence 8K decode stamps all its points, in order
     (phases >= 0), a block inside the kernel's span, and its main-loop steps (4 per block, 65 splits) no faster
     than all blocks' 36 KB tiles at 5 TB/s (above the H200's 4.8 TB/s peak); mla_attention refuses stamps without
@@ -277,7 +274,7 @@ def test_gpu_stamps(monkeypatch):
     from tools.mla_stamps import PHASES, run_case
     if not kw.mla_wg_applies(64, 576, 512):
         pytest.skip("the 64-head wgmma kernel runs on sm_90 only")
-    row = run_case(8192, 2, {"MLA_WG_CLUSTER": 0})
+    row = run_case(8192, 2, {"wg": {"cluster": 0}})
     assert row["blocks"] == 2 * row["splits"], row
     assert all(row[p]["min"] >= 0 for p in PHASES), row
     assert row["block"] <= row["span us"] + 1.0 and row["main loop per step"] > 36864 * row["blocks"] / 5e6, row
@@ -291,11 +288,10 @@ def test_gpu_stamps(monkeypatch):
     q, cache, out = dz((2, 1, 64, 576), np.float32), dz((2, 4100, 576), np.uint16), dz((2, 1, 64, 512), np.float32)
     lengths, ntok = cuda.to_device(np.full(2, 4096, np.int32)), cuda.to_device(np.ones(2, np.int32))
     work = mla_work(dz, 2, 1, 64, 512, 4100)
-    monkeypatch.setattr(kw, "MLA_WG_STAMPS", True)
-    monkeypatch.setattr(kw, "MLA_WG_CLUSTER", 0)
+    cfg = MlaConfig(wg=MlaWgConfig(stamps=True, cluster=0))
     for w in (work, None):
-        with pytest.raises(ValueError, match="MLA_WG_STAMPS"):
-            mla_attention(q, cache, lengths, ntok, None, 0.04, out, w)
+        with pytest.raises(ValueError, match="MlaWgConfig.stamps"):
+            mla_attention(q, cache, lengths, ntok, None, 0.04, out, w, cfg=cfg)
 
 
 @pytest.mark.parametrize("blocks,size,fits,slots,pays", [(128, 2, 66, 132, True), (128, 8, 16, 132, True),
@@ -346,7 +342,7 @@ def test_ptx_wgmma_kernel(D, r, cl):   # K2's (576, 512): 4x the time
     # (an empty split's block and a working one) and the partials read through DSMEM
     assert "st.shared.v2.f32" in ptx and "st.global.v4.u32" in ptx
     assert ptx.count("barrier.cluster.wait") == (4 if cl else 0) and ("mapa.shared::cluster" in ptx) == bool(cl)
-    MLA_WG_NK = kw.MLA_WG_NK
+    MLA_WG_NK = kw.WG_DEFAULT.nk
     tensor = re.findall(r"cp\.async\.bulk\.tensor\.2d", ptx)
     assert len(tensor) % (D // 64) == 0 and tensor, len(tensor)   # a copy per 64-column box
     assert "cp.async.cg" not in ptx
@@ -402,7 +398,7 @@ def test_partials_type(monkeypatch):
     for name, dtype in (("f32", np.float32), ("bf16", np.uint16)):
         assert mla_work(np.zeros, 2, 1, 64, 512, 4097, partials=name).o.dtype == dtype
     for wg in (False, True):
-        monkeypatch.setattr(km, "mla_wg_applies", lambda h, D, r: wg and h % 64 == 0)
+        monkeypatch.setattr(km, "mla_wg_applies", lambda h, D, r, cfg=None: wg and h % 64 == 0)
         assert mla_work(np.zeros, 2, 1, 64, 512, 4097).o.dtype == (np.uint16 if wg else np.float32)
         assert mla_work(np.zeros, 2, 1, 8, 512, 4097, partials="auto").o.dtype == np.float32
     with pytest.raises(ValueError, match=r"^mla_work: partials 'fp8' is not one of \['auto', 'bf16', 'f32'\]$"):

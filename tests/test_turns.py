@@ -81,18 +81,18 @@ def test_parallel_mla_merges_the_children(tmp_path, monkeypatch):
         return [0] * len(cmds)
 
     monkeypatch.setattr(turns, "run_children", fake)
-    monkeypatch.setattr(ba, "MLA_VARIANTS", [{}, {"MLA_WG_CLUSTER": 0}])
+    monkeypatch.setattr(ba, "MLA_VARIANTS", [{}, {"wg": {"cluster": 0}}])
     args = types.SimpleNamespace(quick=False, mla_shapes='{"ctx": [4096]}', mla_parts=True)
     res = ba.parallel_mla(args, str(tmp_path))["attention"]
     assert res["copy_bw_gbs"] == [4000.0, 4001.0]
     assert res["mla"] == [{"ctx": 4096, "us": 10.0, "variant": {}},
-                          {"ctx": 4096, "us": 11.0, "variant": {"MLA_WG_CLUSTER": 0}}]
-    assert [json.loads(c[c.index("--mla-variant") + 1]) for c in seen] == [{}, {"MLA_WG_CLUSTER": 0}]
+                          {"ctx": 4096, "us": 11.0, "variant": {"wg": {"cluster": 0}}}]
+    assert [json.loads(c[c.index("--mla-variant") + 1]) for c in seen] == [{}, {"wg": {"cluster": 0}}]
     assert all(c[c.index("--turn") + 1].endswith(f":{k}:2") and '{"ctx": [4096]}' in c and "--mla-parts" in c
                for k, c in enumerate(seen))
 
     monkeypatch.setattr(turns, "run_children", lambda cmds, folder: [0, 1])      # variant 0's file is still there
-    with pytest.raises(SystemExit, match="variant {'MLA_WG_CLUSTER': 0} exited with 1"):
+    with pytest.raises(SystemExit, match="variant {'wg': {'cluster': 0}} exited with 1"):
         ba.parallel_mla(args, str(tmp_path))
     with pytest.raises(SystemExit, match="exited with 0 and wrote no"):
         ba.parallel_mla(args, str(tmp_path / "elsewhere"))

@@ -5,11 +5,11 @@ the per-round tree work (top-K, build, sampling, walk, commit, feature gather) i
 Every timing replays a CUDA graph of `reps` launches (numba launches captured on a CuPy stream), so Python launch
 overhead is not measured. `run(results, copy_bw_gbs)` is called by tools/bench_kernels.py; alone:
     python -m tools.bench_attention [--out bench.json] [--quick] [--only mla|tree|prefill|drafter|splits]
-    python -m tools.bench_attention --only mla --mla-variant '{"MLA_NK": 64}'     # a kernels.mla setting
+    python -m tools.bench_attention --only mla --mla-variant '{"nk": 32}'     # a kernels.mla.MlaConfig
     python -m tools.bench_attention --only mla --quick --mla-max-batch 1 --mla-variant '[{}, {"MERGE_GROUPS": 8}]'
     python -m tools.bench_attention --only mla --mla-shapes '{"ctx": [4096], "heads": [64], "queries": [1]}'
     ncu -k regex:mla python -m tools.bench_attention --profile-mla 64:1:4096:64  # heads:queries:context:batch
-    python -m tools.bench_attention --only mla --parallel --out v.json --mla-variant '[{}, {"MLA_WG_CLUSTER": 0}]'
+    python -m tools.bench_attention --only mla --parallel --out v.json --mla-variant '[{}, {"wg": {"cluster": 0}}]'
 (--parallel: a process per variant; all compile at once, then each times alone: tools/turns.py)
 """
 import argparse
@@ -110,38 +110,48 @@ def bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch=256 * 1024, q_
               variant=None):
     """MLA decode/verify: B sequences of `ctx` committed rows + T tree tokens (all-visible masks), at batch 1 and
     min(max_batch, tokens_per_batch / ctx). GB/s counts the cache rows read once; tflops the S and P V products.
-    variant: kernels.mla settings to try (e.g. {"MLA_NK": 64, "MLA_MAX_STAGES": 2}), restored afterwards."""
+    variant: the settings to try (mla_settings: e.g. {"nk": 32, "max_stages": 2, "wg": {"cluster": 0}})."""
     from numbaengine.kernels.mla import (
         mla_attention,
         mla_geometry,
         mla_step_keys,
         mla_work,
     )
-    with mla_settings(variant):
+    with mla_settings(variant) as cfg:
         return _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap, max_batch,
-                          mla_attention, mla_geometry, mla_step_keys, mla_work)
+                          mla_attention, mla_geometry, mla_step_keys, mla_work, cfg)
 
 
 @contextlib.contextmanager
 def mla_settings(variant):
-    """kernels.mla (or kernels.mla_wg for MLA_WG* names, kernels.attention for the merge's MERGE_*) module settings
-    set inside the block, restored after."""
+    """The kernels.mla.MlaConfig a variant names, yielded: {"nk": 32, "wg": {"cluster": 0}} sets fields of MlaConfig
+    and of its wg (MlaWgConfig); MERGE_* names set kernels.attention's merge settings inside the block, restored
+    after. An unknown name is a one-line error."""
+    import dataclasses
+
     import numbaengine.kernels.attention as ka
-    import numbaengine.kernels.mla as km
-    import numbaengine.kernels.mla_wg as kw
-    mod = {k: kw if k.startswith("MLA_WG") else ka if k.startswith("MERGE_") else km for k in (variant or {})}
-    saved = {k: getattr(mod[k], k) for k in (variant or {})}
+    from numbaengine.kernels.mla import MlaConfig
+    from numbaengine.kernels.mla_wg import MlaWgConfig
+    variant = dict(variant or {})
+    merge = {k: variant.pop(k) for k in list(variant) if k.startswith("MERGE_")}
+    wg = dict(variant.pop("wg", {}))
+    names, wg_names = {f.name for f in dataclasses.fields(MlaConfig)}, {f.name for f in dataclasses.fields(MlaWgConfig)}
+    bad = sorted(set(variant) - names) + [f"wg.{k}" for k in sorted(set(wg) - wg_names)] + \
+        [k for k in merge if not hasattr(ka, k)]
+    if bad:
+        raise SystemExit(f"mla variant: unknown settings {bad} (MlaConfig fields, wg: MlaWgConfig fields, MERGE_*)")
+    saved = {k: getattr(ka, k) for k in merge}
     try:
-        for k, v in (variant or {}).items():
-            setattr(mod[k], k, v)
-        yield
+        for k, v in merge.items():
+            setattr(ka, k, v)
+        yield MlaConfig(**variant, wg=MlaWgConfig(**wg))
     finally:
         for k, v in saved.items():
-            setattr(mod[k], k, v)
+            setattr(ka, k, v)
 
 
 def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap, max_batch, mla_attention,
-               mla_geometry, mla_step_keys, mla_work):
+               mla_geometry, mla_step_keys, mla_work, cfg):
     import numbaengine.kernels.mla_wg as kw
     rows = []
     for ctx in contexts:
@@ -157,8 +167,8 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
                     words = -(-T // 32)
                     mask = keep.arr(_cp().full((B, T, words), 0xFFFFFFFF, np.uint32))    # cost does not depend on it
                     out = keep.zeros((B, T, h, K2_R), np.float32)
-                    work = mla_work(keep.zeros, B, T, h, K2_R, ctx + T)
-                    call = lambda: mla_attention(q, cache, lengths, ntok, mask, 0.04, out, work)  # noqa: E731
+                    work = mla_work(keep.zeros, B, T, h, K2_R, ctx + T, cfg=cfg)
+                    call = lambda: mla_attention(q, cache, lengths, ntok, mask, 0.04, out, work, cfg=cfg)  # noqa: E731
                     us, how = gpu_us(call)
                     if WARM[0]:                 # compiled, nothing timed: no row
                         continue
@@ -167,13 +177,13 @@ def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap,
                     flops = 2.0 * B * (ctx + T) * T * h * (K2_D + K2_R)
                     gbs = nbytes / us / 1e3
                     cluster = 0
-                    if kw.mla_wg_applies(h, K2_D, K2_R):
-                        kern, nk, stages = "wgmma", kw.MLA_WG_NK, kw.wg_stages(K2_D)
+                    if kw.mla_wg_applies(h, K2_D, K2_R, cfg.wg):
+                        kern, nk, stages = "wgmma", cfg.wg.nk, kw.wg_stages(K2_D, cfg.wg.nk)
                         cluster = work.cluster      # how the call's splits merged
                         smem = kw.wg_smem(K2_D, nk, stages)
                     else:
-                        rg, kg, stages, _, smem = mla_geometry(T * h, K2_D, K2_R)
-                        kern, nk = "mma.sync", mla_step_keys(rg, kg, K2_D, K2_R)
+                        rg, kg, stages, _, smem = mla_geometry(T * h, K2_D, K2_R, cfg)
+                        kern, nk = "mma.sync", mla_step_keys(rg, kg, K2_D, K2_R, cfg)
                     rows.append(dict(ctx=ctx, heads=h, queries=T, batch=B, split=work.split, splits=work.o.shape[1],
                                      partials="bf16" if work.o.dtype == np.uint16 else "f32",
                                      cluster=cluster, kernel=kern, nk=nk, stages=stages,
@@ -302,10 +312,10 @@ def profile_mla(case):
     lengths, ntok = keep.arr(_cp().full(B, ctx, np.int32)), keep.arr(_cp().full(B, T, np.int32))
     mask = keep.arr(_cp().full((B, T, -(-T // 32)), 0xFFFFFFFF, np.uint32))
     out = keep.zeros((B, T, h, K2_R), np.float32)
-    work = mla_work(keep.zeros, B, T, h, K2_R, ctx + T)
-    with mla_settings(MLA_VARIANTS[0]):
+    with mla_settings(MLA_VARIANTS[0]) as cfg:
+        work = mla_work(keep.zeros, B, T, h, K2_R, ctx + T, cfg=cfg)
         for _ in range(3):
-            mla_attention(q, cache, lengths, ntok, mask, 0.04, out, work)
+            mla_attention(q, cache, lengths, ntok, mask, 0.04, out, work, cfg=cfg)
     _cp().cuda.runtime.deviceSynchronize()
 
 
@@ -634,7 +644,7 @@ def main():
     ap.add_argument("--only", choices=["mla", "tree", "prefill", "drafter", "splits"], default=None)
     ap.add_argument("--profile-mla", metavar="H:T:CTX:B", help="run one MLA case three times for a profiler, exit")
     ap.add_argument("--mla-variant", metavar="JSON",
-                    help='kernels.mla settings for the mla table, e.g. {"MLA_NK": 64}, or a list (a table each)')
+                    help='MlaConfig settings for the mla table, e.g. {"nk": 32, "wg": {"cluster": 0}}, or a list (a table each)')
     ap.add_argument("--mla-max-batch", type=int, default=64, metavar="B",
                     help="the mla table's largest batch (1: the batch-1 rows only)")
     ap.add_argument("--mla-shapes", metavar="JSON",

@@ -1,4 +1,4 @@
-"""Where a 64-head MLA split block's time goes (issue 6): kernels/mla_wg.py compiled with MLA_WG_STAMPS has thread 0
+"""Where a 64-head MLA split block's time goes (issue 6): kernels/mla_wg.py compiled with MlaWgConfig.stamps has thread 0
 of every block write (SM cycles, global ns) at seven points of its timeline; one eager call per case, then the
 phases' medians over the blocks in microseconds, the blocks' start spread and the kernel's span. Cycles are turned
 into time by each block's own clock (its cycles over its global-ns span), so the 1 us ticks of %globaltimer on some
@@ -71,7 +71,8 @@ def run_case(ctx, B, variant=None):
     from numbaengine.kernels.mla import mla_attention, mla_work
     from tools.bench_attention import K2_D, K2_R, Keep, gpu_us, mla_settings
     h, T = 64, 1
-    with mla_settings(dict(variant or {}, MLA_WG_STAMPS=True)):
+    variant = dict(variant or {})
+    with mla_settings(dict(variant, wg=dict(variant.get("wg", {}), stamps=True))) as cfg:
         keep = Keep()
         q = keep.normal((B, T, h, K2_D))
         cache = keep.bf16((B, ctx + T, K2_D))
@@ -79,15 +80,15 @@ def run_case(ctx, B, variant=None):
         ntok = keep.arr(cp.full(B, T, np.int32))
         mask = keep.arr(cp.full((B, T, 1), 0xFFFFFFFF, np.uint32))
         out = keep.zeros((B, T, h, K2_R), np.float32)
-        work = mla_work(keep.zeros, B, T, h, K2_R, ctx + T)
+        work = mla_work(keep.zeros, B, T, h, K2_R, ctx + T, cfg=cfg)
         nsplit = work.o.shape[1]
         stamps_cp = cp.zeros((B * nsplit * (T * h // 64), kw.STAMP_WORDS), np.int32)
         work.count = keep.arr(stamps_cp)
-        call = lambda: mla_attention(q, cache, lengths, ntok, mask, 0.04, out, work)  # noqa: E731
+        call = lambda: mla_attention(q, cache, lengths, ntok, mask, 0.04, out, work, cfg=cfg)  # noqa: E731
         us, how = gpu_us(call)
         if work.cluster:
             raise ValueError(f"mla_stamps: {ctx} x {B} ran a cluster merge, which the stamps leave out; "
-                             f"pass --variant '{{\"MLA_WG_CLUSTER\": 0}}'")
+                             f"pass --variant '{{\"wg\": {{\"cluster\": 0}}}}'")
         stamps_cp[:] = 0
         call()
         cp.cuda.runtime.deviceSynchronize()
@@ -99,7 +100,7 @@ def run_case(ctx, B, variant=None):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="16384:16,65536:4,16384:1,65536:1", help="ctx:batch,...")
-    ap.add_argument("--variant", default="{}", help="kernels.mla / mla_wg settings (JSON), e.g. MLA_WG_CLUSTER 0")
+    ap.add_argument("--variant", default="{}", help='MlaConfig settings (JSON), e.g. {"wg": {"cluster": 0}}')
     ap.add_argument("--out", help="write the rows as JSON")
     a = ap.parse_args(argv)
     try:

@@ -366,7 +366,7 @@ else:
     @intrinsic
     def timer_regs(typingctx):
         """(SM cycles, global ns, SM id) as u32 (the low halves of %clock64 and %globaltimer): phase stamps of a
-        block (kernels/mla_wg.py MLA_WG_STAMPS); volatile, so not moved across the code it brackets."""
+        block (kernels/mla_wg.py MlaWgConfig.stamps); volatile, so not moved across the code it brackets."""
         sig = types.UniTuple(types.uint32, 3)()
 
         def codegen(ctx, b, sig, args):
@@ -445,7 +445,7 @@ else:
 @device
 def stamp_point(arr, row, word):
     """Timeline stamp of a block: now's (SM cycles, global ns) at arr[row, word], arr[row, word + 1] (int32 bits of
-    the low halves) -> the SM id. Used by kernels/mla_wg.py MLA_WG_STAMPS and kernels/moe.py MOE_STAMPS."""
+    the low halves) -> the SM id. Used by kernels/mla_wg.py MlaWgConfig.stamps and kernels/moe.py MOE_STAMPS."""
     cyc, ns, sm = timer_regs()
     arr[row, word], arr[row, word + 1] = int32(cyc), int32(ns)
     return sm

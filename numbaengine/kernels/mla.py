@@ -31,6 +31,8 @@ from numbaengine.kernels.launch import (
     raise_smem_limit,
 )
 from numbaengine.kernels.mla_wg import (
+    WG_DEFAULT,
+    MlaWgConfig,
     mla_wg_applies,
     mla_wg_kernel,
     mla_wg_launch,
@@ -54,67 +56,78 @@ from numbaengine.kernels.mma import (
     sts2u,
 )
 
-MLA_NK = 64                 # cache rows (keys) per pipeline step where two ring slots fit, else 32 (H200, 8 heads,
-#                             context 4K, batch 64: 63.3% of copy with 32, 72.3% with 64: half the barriers per byte)
-MLA_MAX_STAGES = 4          # most cache tiles in the ring (fewer: smaller blocks, several per SM); 2 stages: 56.9% of
-#                             copy against 72.3% (H200, 8 heads, context 4K, batch 64)
-MLA_WIDE_KG = 4             # warps per 16 rows in row tiles of 48 or 64 rows
-MLA_S_TILES = 1             # m16 tiles per warp in S = Q K^T (2: each K fragment feeds two row tiles)
 MLA_SMEM = 227 * 1024       # shared memory per block on sm_90
-MLA_MIN_SPLIT = 64          # fewest keys per flash-decoding split (H200, 8 heads, 4K x batch 1 decode: 13.94 us
-#                             against 15.16 / 20.37 at 128 / 256)
 MLA_PTX_SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], int32[::1], int32[::1], uint32[:,:,::1], float32, int32, "
                "int32, float32[:,:,:,::1], float32[:,:,:,::1], float32[:,:,::1], int32[:,::1])")
 # ^ the MLA kernels' argument types (both kernels take the same), for compile_ptx in tests and tools
-MLA_SPLIT_COST = 128        # a split's fixed cost in cache rows for the split rule (q prologue, partial write, merge
-#                             share): ~8 us of a 64-head block at ~2.1 us per 32 rows (H200)
-MLA_PARTIALS = "auto"       # the split partials O (mla_work): "bf16" (half the bytes of the store and the merge's
-#                             loads; each partial rounded once, as P already is), "f32", or "auto": bf16 where the
-#                             64-head wgmma kernel runs (mla_wg_applies), else f32. H200, decode, 64 heads, 16K x
-#                             batch 16: 96.33 us bf16 against 99.30 f32 (73.8 / 71.5% of copy); 8 heads (mma.sync)
-#                             0.4-0.7 us slower with bf16 (16K x 16: 93.61 against 93.22 us)
 PARTIAL_DTYPES = {"f32": np.float32, "bf16": np.uint16}
-MLA_MAX_WAVES = 8           # the split rule adds splits up to this many waves of blocks (bounds the partials' memory)
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Absorbed MLA's choices (this module's mma.sync kernel, the split rule, and the 64-head kernel's in `wg`): the
+    defaults are what the engine runs, each with the measurement behind it. The op table holds one (KernelOps.mla);
+    tools and tests pass others. Compiled kernels are keyed by the fields they read."""
+    nk: int = 64             # cache rows (keys) per pipeline step where two ring slots fit, else 32 (H200, 8 heads,
+    #                          context 4K, batch 64: 63.3% of copy with 32, 72.3% with 64: half the barriers per byte)
+    max_stages: int = 4      # most cache tiles in the ring (fewer: smaller blocks, several per SM); 2 stages: 56.9% of
+    #                          copy against 72.3% (H200, 8 heads, context 4K, batch 64)
+    wide_kg: int = 4         # warps per 16 rows in row tiles of 48 or 64 rows (not measured)
+    s_tiles: int = 1         # m16 tiles per warp in S = Q K^T (2: each K fragment feeds two row tiles; not measured)
+    min_split: int = 64      # fewest keys per flash-decoding split (H200, 8 heads, 4K x batch 1 decode: 13.94 us
+    #                          against 15.16 / 20.37 at 128 / 256)
+    split_cost: int = 128    # a split's fixed cost in cache rows for the split rule (q prologue, partial write, merge
+    #                          share): ~8 us of a 64-head block at ~2.1 us per 32 rows (H200)
+    partials: str = "auto"   # the split partials O (mla_work): "bf16" (half the bytes of the store and the merge's
+    #                          loads; each partial rounded once, as P already is), "f32", or "auto": bf16 where the
+    #                          64-head wgmma kernel runs (mla_wg_applies), else f32. H200, decode, 64 heads, 16K x
+    #                          batch 16: 96.33 us bf16 against 99.30 f32 (73.8 / 71.5% of copy); 8 heads (mma.sync)
+    #                          0.4-0.7 us slower with bf16 (16K x 16: 93.61 against 93.22 us)
+    max_waves: int = 8       # the split rule adds splits up to this many waves of blocks (bounds the partials' memory)
+    wg: MlaWgConfig = WG_DEFAULT     # the 64-head wgmma kernel (kernels/mla_wg.py)
+
+
+MLA_DEFAULT = MlaConfig()
 _MLA_KERNELS = {}
 
 
-def _s_tiles(rg):
-    return MLA_S_TILES if rg % MLA_S_TILES == 0 else 1
+def _s_tiles(rg, cfg):
+    return cfg.s_tiles if rg % cfg.s_tiles == 0 else 1
 
 
-def _smem_bytes(rg, kg, stages, D, r, nk):
+def _smem_bytes(rg, kg, stages, D, r, nk, smw):
     """Stats and S partials (f32), then Q, P and the cache ring (bf16); the f32 output tile reuses Q and the ring."""
     mt, dp, nkp = 16 * rg, D + 8, nk + 8
-    lg = kg * _s_tiles(rg)
+    lg = kg * smw
     kgs = -(-(D // 32) // -(-(D // 32) // lg))
     head = 4 * (3 * mt + kgs * mt * nkp)
     return max(head + 2 * (mt * dp + mt * nkp + stages * nk * dp), head + 4 * mt * (r + 8))
 
 
-def mla_step_keys(rg, kg, D, r):
-    """Keys per step: MLA_NK, or 32 where MLA_NK keys leave no room for two ring slots."""
-    return MLA_NK if _smem_bytes(rg, kg, 2, D, r, MLA_NK) <= MLA_SMEM else 32
+def mla_step_keys(rg, kg, D, r, cfg=MLA_DEFAULT):
+    """Keys per step: cfg.nk, or 32 where cfg.nk keys leave no room for two ring slots."""
+    return cfg.nk if _smem_bytes(rg, kg, 2, D, r, cfg.nk, _s_tiles(rg, cfg)) <= MLA_SMEM else 32
 
 
-def mla_geometry(M, D, r):
+def mla_geometry(M, D, r, cfg=MLA_DEFAULT):
     """(rg, kg, stages, threads, smem bytes) for M query rows (ntok*h), latent width D and output width r. A block
     holds a row tile of 16*rg rows (rg <= 4: the fewest padded rows, then the fewest tiles) and 32*rg*kg threads:
     kg warps per 16 rows split the latent width for S = Q K^T and the r output columns for O += P V; `stages`
-    cache tiles of mla_step_keys rows in flight (cp.async ring, at most MLA_MAX_STAGES)."""
+    cache tiles of mla_step_keys rows in flight (cp.async ring, at most cfg.max_stages)."""
     rg = min(range(4, 0, -1), key=lambda g: (-(-M // (16 * g)) * g, -(-M // (16 * g))))
-    kg = (8 if r % 128 == 0 else 4) if rg <= 2 else MLA_WIDE_KG
-    nk = mla_step_keys(rg, kg, D, r)
-    stages = max([st for st in range(2, max(2, MLA_MAX_STAGES) + 1)
-                  if _smem_bytes(rg, kg, st, D, r, nk) <= MLA_SMEM], default=0)
+    kg = (8 if r % 128 == 0 else 4) if rg <= 2 else cfg.wide_kg
+    nk, smw = mla_step_keys(rg, kg, D, r, cfg), _s_tiles(rg, cfg)
+    stages = max([st for st in range(2, max(2, cfg.max_stages) + 1)
+                  if _smem_bytes(rg, kg, st, D, r, nk, smw) <= MLA_SMEM], default=0)
     if not stages:
         raise ValueError(f"mla_attention: D = {D}, r = {r} too large for shared memory")
-    return rg, kg, stages, 32 * rg * kg, _smem_bytes(rg, kg, stages, D, r, nk)
+    return rg, kg, stages, 32 * rg * kg, _smem_bytes(rg, kg, stages, D, r, nk, smw)
 
 
-def mla_kernel(rg, kg, stages, causal, D, r, nk=None):
+def mla_kernel(rg, kg, stages, causal, D, r, nk=None, cfg=MLA_DEFAULT):
     """The absorbed-attention kernel for one geometry (mla_geometry), latent width D, output width r, nk keys per
     step (None: mla_step_keys; compiled once per key)."""
-    key = (rg, kg, stages, causal, D, r, mla_step_keys(rg, kg, D, r) if nk is None else nk, _s_tiles(rg))
+    key = (rg, kg, stages, causal, D, r, mla_step_keys(rg, kg, D, r, cfg) if nk is None else nk, _s_tiles(rg, cfg))
     if key not in _MLA_KERNELS:
         _MLA_KERNELS[key] = _make_mla_kernel(*key)
     return _MLA_KERNELS[key]
@@ -408,7 +421,7 @@ def _make_mla_kernel(rg, kg, stages, causal, D, r, NK, SMW):
         the committed rows skip the masks. Grid (ceil(M / MT), splits, B), mla_geometry's threads and shared
         bytes. Bytes: each cache row of the split once per row tile (tiles of one split run side by side: L2), q
         once, partials MT*r*4 per block. out, count: unread (kernels/mla_wg.py's kernel takes the same arguments:
-        its cluster merge's output, MLA_WG_STAMPS' buffer)."""
+        its cluster merge's output, MlaWgConfig.stamps' buffer)."""
         grid_dep()
         T, h = q.shape[1], q.shape[2]
         mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
@@ -478,32 +491,32 @@ class MlaWork:
         self.o = zeros((B, nsplit, M, r), PARTIAL_DTYPES[partials])
         self.ml = zeros((B, nsplit, M, 2), np.float32)
         self.count = zeros((1, 1), np.int32)     # the kernels' count argument, unread (tools/mla_stamps.py puts
-        #                                          MLA_WG_STAMPS' buffer here)
+        #                                          MlaWgConfig.stamps' buffer here)
         self.cluster = 0                         # the cluster size of the last mla_attention call (0: none)
 
 
-def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132, partials=None):
+def mla_work(zeros, B, T, h, r, max_keys, split=None, D=576, sms=132, partials=None, cfg=MLA_DEFAULT):
     """Scratch for up to max_keys cache rows per sequence (committed + new); zeros = np.zeros or cupy.zeros;
-    partials "f32", "bf16" or "auto" (bf16 for the 64-head wgmma kernel; None: MLA_PARTIALS).
-    split=None: the split count (at least MLA_MIN_SPLIT keys each, at most MLA_MAX_WAVES waves of blocks) that
-    minimizes waves x (keys per split + MLA_SPLIT_COST). Within one wave that is as many splits as fit beside
+    partials "f32", "bf16" or "auto" (bf16 for the 64-head wgmma kernel; None: cfg.partials).
+    split=None: the split count (at least cfg.min_split keys each, at most cfg.max_waves waves of blocks) that
+    minimizes waves x (keys per split + cfg.split_cost). Within one wave that is as many splits as fit beside
     the row tiles; it also takes more waves of many splits where one split per
     tile would leave SMs idle (tiles just above half a wave, or just above a whole one: 68 tiles of a
     4-sequence 17-node tree on 132 SMs ran 1 split at 209 TFLOP/s against 339 at 7 splits for 17 tiles)."""
-    rg, kg, _, _, smem = mla_geometry(T * h, D, r)
-    nk = mla_step_keys(rg, kg, D, r)
+    rg, kg, _, _, smem = mla_geometry(T * h, D, r, cfg)
+    nk = mla_step_keys(rg, kg, D, r, cfg)
     if split is None:
         tiles = B * -(-T * h // (16 * rg))
         slots = sms * max(1, MLA_SMEM // smem)
-        most = min(-(-max_keys // MLA_MIN_SPLIT), max(1, MLA_MAX_WAVES * slots // tiles))
+        most = min(-(-max_keys // cfg.min_split), max(1, cfg.max_waves * slots // tiles))
         nsplit = min(range(1, most + 1),                                 # the fewest splits among equals
-                     key=lambda ns: -(-tiles * ns // slots) * (-(-max_keys // ns) + MLA_SPLIT_COST))
+                     key=lambda ns: -(-tiles * ns // slots) * (-(-max_keys // ns) + cfg.split_cost))
         split = -(-max_keys // nsplit)
-    step = np.lcm(nk, _wg.MLA_WG_NK)              # whole steps of either kernel (mla_wg's for 64-head tiles)
+    step = np.lcm(nk, cfg.wg.nk)                  # whole steps of either kernel (mla_wg's for 64-head tiles)
     split = -(-split // step) * step
-    partials = partials or MLA_PARTIALS
+    partials = partials or cfg.partials
     if partials == "auto":
-        partials = "bf16" if mla_wg_applies(h, D, r) else "f32"
+        partials = "bf16" if mla_wg_applies(h, D, r, cfg.wg) else "f32"
     return MlaWork(zeros, B, T * h, r, max_keys, int(split), partials)
 
 
@@ -531,13 +544,13 @@ def pick_cluster(sizes, kernel_args, threads, smem, blocks, tag):
     return _MERGE_PICK[key]
 
 
-def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
+def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None, cfg=MLA_DEFAULT):
     """mla_attention_ref on the GPU or the simulator (same arguments). work=None: one split per sequence,
     normalized in place (no scratch); else an MlaWork (splits; read lengths/ntok on the device), merged by
     merge_splits (or, 64-head tiles, inside the kernel by thread-block clusters of the split blocks where they fit:
     kernels/mla_wg.py cluster_merge, cluster_pays).
     Launch: grid (row tiles, splits, B) of mla_geometry's threads and shared memory, or kernels/mla_wg.py's
-    (mla_wg_launch) for 64-head tiles on sm_90."""
+    (mla_wg_launch) for 64-head tiles on sm_90. cfg: the kernels' choices (MlaConfig)."""
     B, T, h, D = q.shape
     r = out.shape[-1]
     if cache.shape[0] != B or cache.shape[2] != D or out.shape != (B, T, h, r) or D % 32 or r % 64:
@@ -551,18 +564,18 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
         raise ValueError(f"mla_attention: out {out.shape} must be C-contiguous (written through a [B, T h, r] view)")
     M = T * h
     nsplit = 1 if work is None else work.o.shape[1]
-    tmap, sizes, wg = (), [], mla_wg_applies(h, D, r)     # the wgmma kernel's tensor map, after the cache
+    tmap, sizes, wg = (), [], mla_wg_applies(h, D, r, cfg.wg)     # the wgmma kernel's tensor map, after the cache
     if wg:                                        # 64-head tiles on an sm_90 GPU: both products on wgmma
-        sizes = wg_clusters(nsplit)               # splits merged in the kernel through distributed shared memory
-        kern, tiles, threads, smem, tm = mla_wg_launch(M, D, r, mask is None, work, cache)
+        sizes = wg_clusters(nsplit, cfg.wg)       # splits merged in the kernel through distributed shared memory
+        kern, tiles, threads, smem, tm = mla_wg_launch(M, D, r, mask is None, work, cache, cfg.wg)
         tmap = (tm,)
     else:
-        rg, kg, stages, threads, smem = mla_geometry(M, D, r)
-        kern, tiles = mla_kernel(rg, kg, stages, mask is None, D, r), -(-M // (16 * rg))
-    if wg and work is not None and work.o.dtype != np.float32 and not _wg.MLA_WG_STAGED:
-        raise ValueError("mla_attention: bf16 partials need kernels.mla_wg.MLA_WG_STAGED (its register stores are f32)")
+        rg, kg, stages, threads, smem = mla_geometry(M, D, r, cfg)
+        kern, tiles = mla_kernel(rg, kg, stages, mask is None, D, r, cfg=cfg), -(-M // (16 * rg))
+    if wg and work is not None and work.o.dtype != np.float32 and not cfg.wg.staged:
+        raise ValueError("mla_attention: bf16 partials need MlaWgConfig.staged (its register stores are f32)")
     maskarg = mask if mask is not None else placeholder(q, (1, 1, 1), np.uint32)
-    if wg and _wg.wg_stamps():                    # (stamp mode: every 64-head call brings the stamps' buffer)
+    if wg and _wg.wg_stamps(0, cfg.wg):           # (stamp mode: every 64-head call brings the stamps' buffer)
         _wg.check_stamps(None if work is None else work.count, tiles * nsplit * B)
     if work is None:                              # out is o_part (out, count: unread)
         args = (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E),
@@ -575,10 +588,10 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None):
     args = (q, cache, *tmap, lengths, ntok, maskarg, float32(scale * LOG2E), int32(work.split), 0,
             work.o, work.ml, out3, work.count)
     cluster = pick_cluster(
-        sizes, lambda c: (mla_wg_kernel(D, r, mask is None, cluster=c), args), threads, smem,
+        sizes, lambda c: (mla_wg_kernel(D, r, mask is None, cluster=c, cfg=cfg.wg), args), threads, smem,
         tiles * nsplit * B, (D, r, mask is None)) if sizes else 0
     if cluster:                                   # all the splits of a tile in one cluster: it writes out
-        kern = mla_wg_kernel(D, r, mask is None, cluster=cluster)
+        kern = mla_wg_kernel(D, r, mask is None, cluster=cluster, cfg=cfg.wg)
     work.cluster = cluster                        # (what ran: benchmarks report it)
     launch_smem(kern, (tiles, nsplit, B), threads, smem, args, cluster=(1, cluster, 1) if cluster else None)
     if nsplit != cluster:

@@ -3,23 +3,23 @@ heads (h % 64 == 0: the 64 heads of K2 on one GPU), with both products on wgmma 
 mma.sync. 64 heads need 139 kFLOP per 1152-byte cache row: at 70% of copy bandwidth that is 58% of the mma.sync
 roof but 38% of the wgmma one (docs/PERFORMANCE.md, "Kernels").
 
-Block (64-row tile = query t, split s, sequence b), two warpgroups; Q and a ring of 4 tiles of MLA_WG_NK cache
+Block (64-row tile = query t, split s, sequence b), two warpgroups; Q and a ring of 4 tiles of nk (MlaWgConfig) cache
 rows in 128-byte-swizzle atoms (the same bytes are the K-major B of S = Q K^T and the MN-major B of O += P V):
-  prologue:    all 256 threads load the f32 q tile, every unit at once (MLA_WG_QG), then the ring's first three
-               tiles go out (MLA_WG_Q_FIRST) while q is stored as bf16 into its atoms;
+  prologue:    all 256 threads load the f32 q tile, every unit at once (MlaWgConfig.qg), then the ring's first three
+               tiles go out (q_first) while q is stored as bf16 into its atoms;
   warpgroup 0: S = Q K^T over the D latent + rope columns (D/16 wgmma m64nNKk16), the online softmax in its
                registers, P as bf16 into shared memory (two P tiles alternate), the rescale factors beside it;
   warpgroup 1: the ring's loads (three tiles ahead): TMA tensor copies (kernels/bulk.py tensor_load_2d: one box
-               of 64 columns x MLA_WG_NK rows per 128-byte slab, issued by its first thread, an mbarrier per slot;
+               of 64 columns x nk rows per 128-byte slab, issued by its first thread, an mbarrier per slot;
                it zeroes the rows of a tile past the split's end);
   both:        O[:, wg half] = alpha O + P V[:, wg half] (NK/16 wgmma m64n(r/2)k16; 64 x r/2 f32 per warpgroup),
                issued after S of the next step so the softmax runs beside them; at the end O leaves through f32
-               rows of shared memory in 16-byte stores (MLA_WG_STAGED).
-Launched as thread-block clusters of a tile's 2..8 splits (MLA_WG_CLUSTER, where they fit as well as plain blocks:
+               rows of shared memory in 16-byte stores (staged).
+Launched as thread-block clusters of a tile's 2..8 splits (MlaWgConfig.cluster, where they fit as well as plain blocks:
 kernels.mla.cluster_pays), the split blocks merge through distributed shared memory (cluster_merge) and write out;
 other split counts leave partials for kernels.attention's merge_splits launch.
 Bytes: each cache row of the split once per tile (the tiles of one split share it through L2), q once, the
-partials 64 r 2 per block (bf16, kernels.mla MLA_PARTIALS; 64 r 4 as f32; none in a cluster: the output once).
+partials 64 r 2 per block (bf16, kernels.mla MlaConfig.partials; 64 r 4 as f32; none in a cluster: the output once).
 Same arguments and outputs as mla.py's kernel (o_part, ml_part, the merge after; out in a cluster).
 The kernel (_make_kernel) reads as its steps, each a device function made by a factory over the layout's
 compile-time sizes (WgLayout): q_prologue; the cache ring (ring_init, ring_fill, tile_landed, load_tile_tma); S and
@@ -64,27 +64,35 @@ from numbaengine.kernels.wgmma import (
     wg_wait1,
 )
 
-MLA_WG = True               # use this kernel where it applies (mla_wg_applies)
-MLA_WG_NK = 32              # cache rows per step (S is m64nNK per k16 step; four tiles must fit)
-MLA_WG_STAGED = True        # O leaves through shared memory in 16-byte stores (a warp writes 512 contiguous bytes),
-#                             not as 4-byte stores from the accumulator registers. H200, decode 4K x batch 64: 108.39
-#                             us against 117.07 (65.3 / 60.4% of copy)
-MLA_WG_CLUSTER = 8          # 2 .. this many splits of a row tile run as one thread-block cluster and merge through
-#                             distributed shared memory (kernels/cluster.py): no partials, no merge launch; 0: off,
-#                             at most 8 (the portable cluster size). H200, decode 4K x batch 64 (2 splits): 99.81 us
-#                             against 108.39 with the merge launch (70.9 / 65.3% of copy)
-MLA_WG_QG = 18              # q prologue: 8-value units of the q tile each thread has in flight (two 16-byte loads
-#                             each; the largest divisor of the units per thread up to this: all 18 at K2's widths).
-#                             H200, 64-head decode, 4K x batch 64: 97.01 us at 18 against 98.52 at 3 (73.3 / 72.2% of
-#                             copy); the prologue of a 16K x 16 block 6.4 us against 7.3 (tools/mla_stamps.py)
-MLA_WG_Q_FIRST = True       # the q prologue's loads go out before the ring's first three tiles, which are
-#                             issued between them and q's conversion (the tiles are not needed until the main loop).
-#                             H200, 64-head decode, on / off: 16K x 16 100.17 / 100.79 us (70.9 / 70.5% of copy);
-#                             batch 1 mixed. All four ring tiles before the prologue: slower (its q loads queue
-#                             behind the tiles: prologue 8.8 us against 6.4)
-MLA_WG_STAMPS = False       # measurement only: thread 0 of every block writes (SM cycles, global ns) at 7 points of
-#                             its timeline into `count` [blocks, STAMP_WORDS] (int32 bits), then its SM and steps;
-#                             tools/mla_stamps.py reads them (where a block's fixed work goes). Default PTX unchanged
+
+@dataclass(frozen=True)
+class MlaWgConfig:
+    """The 64-head kernel's choices: the defaults are what the engine runs, each with the measurement behind it.
+    Compiled kernels are keyed by the fields they read; tools and tests pass other configs (mla.MlaConfig.wg)."""
+    on: bool = True          # use this kernel where it applies (mla_wg_applies)
+    nk: int = 32             # cache rows per step (S is m64nNK per k16 step; four tiles must fit)
+    staged: bool = True      # O leaves through shared memory in 16-byte stores (a warp writes 512 contiguous bytes),
+    #                          not as 4-byte stores from the accumulator registers. H200, decode 4K x batch 64: 108.39
+    #                          us against 117.07 (65.3 / 60.4% of copy)
+    cluster: int = 8         # 2 .. this many splits of a row tile run as one thread-block cluster and merge through
+    #                          distributed shared memory (kernels/cluster.py): no partials, no merge launch; 0: off,
+    #                          at most 8 (the portable cluster size). H200, decode 4K x batch 64 (2 splits): 99.81 us
+    #                          against 108.39 with the merge launch (70.9 / 65.3% of copy)
+    qg: int = 18             # q prologue: 8-value units of the q tile each thread has in flight (two 16-byte loads
+    #                          each; the largest divisor of the units per thread up to this: all 18 at K2's widths).
+    #                          H200, 64-head decode, 4K x batch 64: 97.01 us at 18 against 98.52 at 3 (73.3 / 72.2% of
+    #                          copy); the prologue of a 16K x 16 block 6.4 us against 7.3 (tools/mla_stamps.py)
+    q_first: bool = True     # the q prologue's loads go out before the ring's first three tiles, which are
+    #                          issued between them and q's conversion (the tiles are not needed until the main loop).
+    #                          H200, 64-head decode, on / off: 16K x 16 100.17 / 100.79 us (70.9 / 70.5% of copy);
+    #                          batch 1 mixed. All four ring tiles before the prologue: slower (its q loads queue
+    #                          behind the tiles: prologue 8.8 us against 6.4)
+    stamps: bool = False     # measurement only: thread 0 of every block writes (SM cycles, global ns) at 7 points of
+    #                          its timeline into `count` [blocks, STAMP_WORDS] (int32 bits), then its SM and steps;
+    #                          tools/mla_stamps.py reads them (where a block's fixed work goes). Default PTX unchanged
+
+
+WG_DEFAULT = MlaWgConfig()
 STAMP_WORDS = 16
 MLA_WG_SMEM = 227 * 1024
 MLA_WG_PTX_SIG = ("void(float32[:,:,:,::1], uint16[:,:,::1], uint64[::1], int32[::1], int32[::1], uint32[:,:,::1], "
@@ -99,48 +107,47 @@ def wg_smem(D, nk, stages):
     return 64 * D * 2 + stages * nk * D * 2 + 2 * 64 * nk * 2 + 4 * 64 * 4 + 8 * stages
 
 
-def wg_stages(D, nk=None):
+def wg_stages(D, nk):
     """4 (tiles i - 1 .. i + 2 of the pipeline) if they fit, else 0."""
-    return 4 if wg_smem(D, nk or MLA_WG_NK, 4) <= MLA_WG_SMEM else 0
+    return 4 if wg_smem(D, nk, 4) <= MLA_WG_SMEM else 0
 
 
-def mla_wg_applies(h, D, r):
+def mla_wg_applies(h, D, r, cfg=WG_DEFAULT):
     """This kernel runs on sm_90 GPUs for 64-head row tiles of widths it can hold (r / 2 <= 256 columns of O per
     warpgroup in registers; r <= D: V is the first r latent columns of a cache row)."""
-    if SIM or not MLA_WG or h % 64 or D % 64 or r % 128 or r // 2 > 256 or r > D or not wg_stages(D):
+    if SIM or not cfg.on or h % 64 or D % 64 or r % 128 or r // 2 > 256 or r > D or not wg_stages(D, cfg.nk):
         return False
     return cuda.is_available() and cuda.get_current_device().compute_capability == (9, 0)
 
 
-def mla_wg_kernel(D, r, causal, nk=None, cluster=0):
+def mla_wg_kernel(D, r, causal, cluster=0, cfg=WG_DEFAULT):
     """The kernel for latent width D, output width r; cluster: the merge of that many splits through distributed
     shared memory compiled in (0: none)."""
-    nk = nk or MLA_WG_NK
-    stamps = wg_stamps(cluster)
-    key = (D, r, causal, nk, MLA_WG_STAGED, cluster, stamps, MLA_WG_QG, MLA_WG_Q_FIRST)
+    stamps = wg_stamps(cluster, cfg)
+    key = (D, r, causal, cfg.nk, cfg.staged, cluster, stamps, cfg.qg, cfg.q_first)
     if key not in _KERNELS:
-        _KERNELS[key] = _make_kernel(D, r, causal, nk, wg_stages(D, nk), MLA_WG_STAGED, cluster, stamps, MLA_WG_QG,
-                                     MLA_WG_Q_FIRST)
+        _KERNELS[key] = _make_kernel(D, r, causal, cfg.nk, wg_stages(D, cfg.nk), cfg.staged, cluster, stamps, cfg.qg,
+                                     cfg.q_first)
     return _KERNELS[key]
 
 
-def wg_stamps(cluster=0):
-    """Whether MLA_WG_STAMPS is compiled into the kernel: not into the cluster kernels."""
-    return MLA_WG_STAMPS and not cluster
+def wg_stamps(cluster=0, cfg=WG_DEFAULT):
+    """Whether cfg.stamps is compiled into the kernel: not into the cluster kernels."""
+    return cfg.stamps and not cluster
 
 
 def check_stamps(count, blocks):
     """The stamps of `blocks` blocks need count int32 [>= blocks, >= STAMP_WORDS] (tools/mla_stamps.py makes it);
     an ordinary work's [B, M] counters (or none) would be written past."""
     if count is None or count.shape[0] < blocks or count.shape[1] < STAMP_WORDS:
-        raise ValueError(f"mla_attention: MLA_WG_STAMPS needs work.count of [>= {blocks} blocks, >= {STAMP_WORDS}]"
+        raise ValueError(f"mla_attention: MlaWgConfig.stamps needs work.count of [>= {blocks} blocks, >= {STAMP_WORDS}]"
                          f" int32, not {None if count is None else count.shape} (tools/mla_stamps.py)")
 
 
-def wg_clusters(nsplit):
+def wg_clusters(nsplit, cfg=WG_DEFAULT):
     """Cluster sizes to try for `nsplit` splits of a row tile: all of them (merged into the output in the kernel)
-    where 2 <= nsplit <= MLA_WG_CLUSTER (<= 8, the portable size), else none."""
-    return [nsplit] if 2 <= nsplit <= min(MLA_WG_CLUSTER, 8) else []
+    where 2 <= nsplit <= cfg.cluster (<= 8, the portable size), else none."""
+    return [nsplit] if 2 <= nsplit <= min(cfg.cluster, 8) else []
 
 
 def _step(fn):
@@ -248,7 +255,7 @@ def _ring_steps(k):
 
 def _q_prologue(k, Q_FIRST, ring_fill):
     """q_prologue: all 256 threads load the f32 q tile, QG units at once, and store it as bf16 into its 128-byte
-    swizzle atoms; the ring's first tiles go out after the first loads (Q_FIRST, MLA_WG_Q_FIRST) or before all."""
+    swizzle atoms; the ring's first tiles go out after the first loads (Q_FIRST, MlaWgConfig.q_first) or before all."""
     from numbaengine.kernels.mma import pack2
     D, D8, QPT, QG, QV = k.D, k.D8, k.QPT, k.QG, 8 * k.QG
     sw128 = cuda.jit(device=True, inline="always")(sw128_offset)
@@ -631,7 +638,7 @@ def _make_kernel(D, r, causal, NK, stages, STAGED=False, CL=0, STAMPS=False, QG=
         Bytes: each cache row of the split once (the tiles of one split share it through L2), q once, the
         partials 64 r 2 (bf16) or 4 (f32) and 64 x 2 f32; in a cluster the output rows instead. Arguments as
         kernels.mla's kernel, the tensor map of the cache (cache_tensor_map) third; out: the cluster merge's
-        output; count: MLA_WG_STAMPS' stamps."""
+        output; count: MlaWgConfig.stamps' stamps."""
         grid_dep()
         T, h = q.shape[1], q.shape[2]
         mt, s, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
@@ -693,27 +700,27 @@ def _make_kernel(D, r, causal, NK, stages, STAGED=False, CL=0, STAMPS=False, QG=
     return mla_wg_attention
 
 
-def mla_wg_launch(M, D, r, causal, work, cache):
+def mla_wg_launch(M, D, r, causal, work, cache, cfg=WG_DEFAULT):
     """(kernel, row tiles, threads, shared bytes, tensor map) for mla.mla_attention's launch: M = T h query rows in
     tiles of 64 (one query's heads), 256 threads; `work` splits must be whole steps. The tensor map (a device u64
     array, made once per cache) is the kernel's third argument. Its cluster variants (mla_wg_kernel(..., cluster=c),
     launched in clusters of (1, c, 1) blocks, c = all the splits) write out."""
-    if work is not None and work.split % MLA_WG_NK:
-        raise ValueError(f"mla_attention: split {work.split} is not a multiple of {MLA_WG_NK} keys")
-    smem = wg_smem(D, MLA_WG_NK, wg_stages(D))
-    return mla_wg_kernel(D, r, causal), M // 64, 256, smem, cache_tensor_map(cache)
+    if work is not None and work.split % cfg.nk:
+        raise ValueError(f"mla_attention: split {work.split} is not a multiple of {cfg.nk} keys")
+    smem = wg_smem(D, cfg.nk, wg_stages(D, cfg.nk))
+    return mla_wg_kernel(D, r, causal, cfg=cfg), M // 64, 256, smem, cache_tensor_map(cache, cfg.nk)
 
 
 _TMAP_DEV = {}
 
 
-def cache_tensor_map(cache):
+def cache_tensor_map(cache, nk):
     """The TMA tensor map of a bf16 latent cache [B, cap, D] seen as [B cap, D] rows, in device memory (made on the
     first call for this cache, outside graph capture: engines warm up before they capture)."""
     from numbaengine.kernels.bulk import tensor_map_2d
     from numbaengine.kernels.launch import data_ptr
     B, cap, D = cache.shape
-    key = (data_ptr(cache), B * cap, D, MLA_WG_NK)
+    key = (data_ptr(cache), B * cap, D, nk)
     if key not in _TMAP_DEV:
-        _TMAP_DEV[key] = cuda.to_device(tensor_map_2d(key[0], B * cap, D, MLA_WG_NK, 64))
+        _TMAP_DEV[key] = cuda.to_device(tensor_map_2d(key[0], B * cap, D, nk, 64))
     return _TMAP_DEV[key]
