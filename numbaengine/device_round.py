@@ -10,8 +10,10 @@ over static device buffers, so that one round is one graph launch and the host r
   commit  accepted latent rows moved into place; their features -> the drafter context (fc, k/v per layer)
 
 DFlash is the same round with one candidate per depth, autoregressive decoding the tree with the root alone.
-Prefill stays eager (naive MLA, one sequence at a time). Rounds of one shape share buffers; the first round runs
-eagerly (it compiles kernels and sizes scratch), the next is captured, later ones replay the graph.
+Each slot keeps its own sampling temperature and seed (device arrays read by the sampling kernel per row) and its
+own budget (at most the shape's), so sequences with any settings of one mode share the rounds. Prefill stays
+eager (one sequence at a time, whole or in chunks between rounds). Rounds of one shape share buffers; the first
+round runs eagerly (it compiles kernels and sizes scratch), the next is captured, later ones replay the graph.
 """
 from __future__ import annotations
 
@@ -37,21 +39,24 @@ from numbaengine.phases import span
 
 @dataclass(frozen=True)
 class Shape:
-    """What a set of buffers and a captured graph are made for."""
+    """What a set of buffers and a captured graph are made for (sampling settings and smaller budgets are per slot)."""
     batch: int               # sequences decoded together (B)
     mode: str                # ddtree | dflash | ar
-    budget: int              # drafted nodes per tree (ddtree), chain length (dflash), 0 (ar)
+    budget: int              # drafted nodes per tree (ddtree: the most a slot may ask), chain length (dflash), 0 (ar)
     max_len: int             # committed rows a sequence may reach (its context)
-    temperature: float
-    seed: int
 
 
 class DeviceRounds:
     """Static device state of `batch` sequences and the round over it.
 
     Device state per sequence b: latent cache rows (one array u16[layers, B, cap, D]), lengths[b] = committed
-    rows = position of the bonus token, bonus[b], budgets[b], and with a drafter its context K|V per layer
-    f32[B, cap, 2 nkv, d] (key heads, then value heads). cap = max_len + room for one round's uncommitted rows."""
+    rows = position of the bonus token, bonus[b], budgets[b], seq_ids[b] (its noise stream), temps[b] (0: greedy)
+    and seeds[b], and with a drafter its context K|V per layer f32[B, cap, 2 nkv, d] (key heads, then value
+    heads). cap = max_len + room for one round's uncommitted rows.
+
+    Slots start parked: a parked slot runs in the round with budget 0 at park_at[b] (0 when empty; a slot being
+    prefilled in chunks parks at its prompt rows so far, where its round's scribbles land on rows the next chunk
+    or its decoding rewrites before reading) and its output is ignored."""
 
     def __init__(self, target, drafter, shape: Shape, graphs=True):
         if shape.mode not in MODES:
@@ -74,6 +79,7 @@ class DeviceRounds:
             self.cache = ops.zeros((cfg.num_hidden_layers, B, self.cap, cfg.latent_dim), np.uint16)
             self.rows = [self.cache[i] for i in range(cfg.num_hidden_layers)]
             self.lengths, self.bonus, self.budgets, self.seq_ids = (ops.zeros(B, np.int32) for _ in range(4))
+            self.temps, self.seeds = ops.zeros(B, np.float32), ops.zeros(B, np.uint64)
             self.tb = tree_buffers(ops.zeros, B, L, K, N, V)
             self.logits = ops.zeros((B * N, V), np.float32)
             self.hidden = ops.zeros((F, B * N, H), np.float32)
@@ -94,34 +100,58 @@ class DeviceRounds:
         self.graph = None
         self.rounds = 0
         self.gpu_s = 0.0                             # device time of the rounds (CUDA events around each)
-        self.parked, self._parked_idx, self._uploaded = set(), None, frozenset()  # finished slots (see retire)
+        self.parked, self.park_at = set(range(B)), np.zeros(B, np.int32)   # host: parked slots and their rows
+        self._parked, self._uploaded = None, False     # device (slots i32[k], rows i32[k]); whether it is current
         self._events = (ops.xp.cuda.Event(), ops.xp.cuda.Event()) if self.stream is not None else None
 
     # --- prefill (eager, one sequence) -----------------------------------------------------------------------------
 
-    def prefill(self, b, ids, seq_index) -> int:
+    def prefill(self, b, ids, seq_index, temperature=0.0, seed=0, budget=None, start=0) -> int:
         """Prompt ids of slot b through the target (MLA in ops.prefill_form) into its cache rows, its features into the
-        drafter context; the first token is sampled at the last position. Returns it (one host read)."""
+        drafter context, rows start.. (those before were written by prefill_part); the first token is sampled at
+        the last position with the slot's temperature and seed (noise stream seq_index). The slot decodes from the
+        next round with `budget` nodes per tree (default and at most the shape's). Returns the token (one host
+        read)."""
+        budget = self.shape.budget if budget is None else int(budget)
+        if not 0 <= budget <= self.shape.budget:
+            raise ValueError(f"budget: {budget} is not in 0..{self.shape.budget} (the rounds' tree size)")
         ops, T = self.base_target.ops, len(ids)
-        self.parked.discard(b)
-        self.retire([])
-        tokens, positions = np.asarray(ids, np.int32), np.arange(T, dtype=np.int32)
+        if not 0 <= start < T:
+            raise ValueError(f"prefill: start {start} is not in 0..{T - 1} (the prompt's rows not yet written)")
         with self._on_stream():
-            self._after_null_stream()
-            cache = LatentCache([rows[b] for rows in self.rows], 0)
-            logits, hidden = self.base_target.forward(tokens, positions, cache, None, self.layer_ids,
-                                                      form=ops.prefill_form)
-            start = ops.asarray(np.zeros(1, np.int32))
-            if self.drafter is not None:
-                feats = ops.asarray(hidden.transpose(1, 0, 2).reshape(1, T, -1))     # [1, T, F*H]
-                self._append(self.base_drafter, feats, ops.asarray(positions), start, slice(b, b + 1))
-            seq = ops.asarray(np.array([seq_index], np.int32))
-            sample(logits[-1:], self.shape.temperature, self.shape.seed, seq, ops.asarray(np.array([T], np.int32)),
-                   self.bonus[b:b + 1])
-            self.lengths[b:b + 1] = ops.asarray(np.array([T], np.int32))
-            self.budgets[b:b + 1] = ops.asarray(np.array([self.shape.budget], np.int32))
-            self.seq_ids[b:b + 1] = seq
+            logits = self._prompt_rows(b, ids, start, T)
+            for arr, value in ((self.temps, temperature), (self.seeds, seed), (self.seq_ids, seq_index),
+                               (self.lengths, T), (self.budgets, budget)):
+                arr[b:b + 1] = ops.asarray(np.array([value], arr.dtype))
+            sample(logits[-1:], float(temperature), int(seed), self.seq_ids[b:b + 1],
+                   ops.asarray(np.array([T], np.int32)), self.bonus[b:b + 1])
+            self._set_parked(b, None)
             return int(ops.to_host(self.bonus[b:b + 1])[0])
+
+    def prefill_part(self, b, ids, start, end):
+        """Prompt rows [start, end) of slot b (the earlier ones written already) into its cache and drafter context,
+        nothing sampled: a long prompt goes in chunks between rounds, the last one by prefill(start=...). The slot
+        stays parked at `end` meanwhile."""
+        if not 0 <= start < end < len(ids):
+            raise ValueError(f"prefill_part: rows [{start}, {end}) are not a piece before the last of {len(ids)}")
+        with self._on_stream():
+            self._prompt_rows(b, ids, start, end)
+        self._set_parked(b, end)
+
+    def _prompt_rows(self, b, ids, start, end):
+        """Target forward over ids[start:end] at positions start.. after the slot's rows [0, start) -> logits
+        f32[end - start, V]; latent rows and drafter context rows start..end - 1 of slot b written."""
+        ops = self.base_target.ops
+        tokens, positions = np.asarray(ids[start:end], np.int32), np.arange(start, end, dtype=np.int32)
+        self._after_null_stream()
+        cache = LatentCache([rows[b] for rows in self.rows], start)
+        logits, hidden = self.base_target.forward(tokens, positions, cache, None, self.layer_ids,
+                                                  form=ops.prefill_form)
+        if self.drafter is not None:
+            feats = ops.asarray(hidden.transpose(1, 0, 2).reshape(1, end - start, -1))   # [1, T, F*H]
+            first = ops.asarray(np.array([start], np.int32))
+            self._append(self.base_drafter, feats, ops.asarray(positions), first, slice(b, b + 1))
+        return logits
 
     def _after_null_stream(self):
         """The rounds' stream waits for what the null stream holds (weights and other uploads made outside it: a
@@ -132,25 +162,43 @@ class DeviceRounds:
             self.stream.wait_event(done)
 
     def retire(self, slots):
-        """Finished slots keep running inside the graph: they are parked at an empty context before every round
-        so they never outgrow their rows (their output is ignored)."""
-        self.parked.update(slots)
-        if self.parked == self._uploaded:            # unchanged (most rounds): no upload
+        """Finished (or empty) slots keep running inside the graph: they are parked at an empty context before every
+        round so they never outgrow their rows (their output is ignored)."""
+        for b in slots:
+            self._set_parked(b, 0)
+
+    def _set_parked(self, b, rows):
+        """Park slot b at `rows` committed rows, or (None) let it decode."""
+        if rows is None:
+            self.parked.discard(b)
+        else:
+            self.parked.add(b)
+            self.park_at[b] = rows
+        self._uploaded = False
+
+    def _upload_parked(self):
+        """The parked slots and their rows to the device when they changed (most rounds: no upload). The copy goes on
+        the rounds' (non-blocking) stream: on the null stream a pageable copy may still be in flight when _park
+        reads it (stale slot ids)."""
+        if self._uploaded:
             return
-        self._uploaded = frozenset(self.parked)
-        with self._on_stream():     # the copy must be ordered before _park's kernel on this (non-blocking) stream:
-            # on the null stream a pageable copy may still be in flight when _park reads it (stale slot ids)
-            self._parked_idx = self.ops.asarray(np.array(sorted(self.parked), np.int32)) if self.parked else None
+        self._uploaded = True
+        slots = sorted(self.parked)
+        with self._on_stream():
+            self._parked = (self.ops.asarray(np.array(slots, np.int32)),
+                            self.ops.asarray(self.park_at[slots])) if slots else None
 
     def _park(self):
-        if self._parked_idx is not None:
-            self.lengths[self._parked_idx] = 0
-            self.budgets[self._parked_idx] = 0
+        if self._parked is not None:
+            slots, rows = self._parked
+            self.lengths[slots] = rows
+            self.budgets[slots] = 0
 
     # --- one round ---------------------------------------------------------------------------------------------------
 
     def step(self) -> np.ndarray:
         """One round for every slot; returns out_tokens i32[B, L+2] (row b: tau, then the tau new tokens)."""
+        self._upload_parked()
         with self._on_stream():
             self._park()
             if self.graphs and self.graph is None and self.rounds >= 1:
@@ -185,8 +233,7 @@ class DeviceRounds:
         self.target.forward_into(tb.tokens.reshape(-1), tb.positions.reshape(-1), self.rows,
                                  LatentVis(self.lengths, tb.ntok, tb.vis), self.logits, self.hidden, self.layer_ids)
         mark("walk")
-        sample(self.logits, self.shape.temperature, self.shape.seed, tb.sample_seq, tb.sample_pos, tb.post,
-               tb.sample_work)
+        sample(self.logits, self.temps, self.seeds, tb.sample_seq, tb.sample_pos, tb.post, tb.sample_work, tb.ntok)
         tree_walk(tb, self.lengths, self.bonus)                      # lengths += tau, bonus = the next token
         mark("commit")
         if self.drafter is None:
@@ -286,8 +333,12 @@ class Replicated:
         self.ranks = ranks
         self.devs = ranks.run(lambda r: DeviceRounds(ranks.targets[r], ranks.drafters[r], shape, graphs))
 
-    def prefill(self, b, ids, seq_index) -> int:
-        return self._agree(self.ranks.run(lambda r: self.devs[r].prefill(b, ids, seq_index)), "prefill")
+    def prefill(self, b, ids, seq_index, temperature=0.0, seed=0, budget=None, start=0) -> int:
+        return self._agree(self.ranks.run(lambda r: self.devs[r].prefill(b, ids, seq_index, temperature, seed, budget,
+                                                                         start)), "prefill")
+
+    def prefill_part(self, b, ids, start, end):
+        self.ranks.run(lambda r: self.devs[r].prefill_part(b, ids, start, end))
 
     def step(self) -> np.ndarray:
         return self._agree(self.ranks.run(lambda r: self.devs[r].step()), "round")
@@ -345,7 +396,7 @@ def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="dd
     ids = [gen.prompt_ids(p, tokenizer, target.cfg.vocab_size, max_context) for p in prompts]
     stop = set(target.cfg.eos_ids if stop is None else (int(t) for t in stop))
     width = gen.tree_width(mode, budget, drafter)
-    shape = Shape(len(ids), mode, width, max_context, float(temperature), int(seed))   # reused across requests
+    shape = Shape(len(ids), mode, width, max_context)   # reused across requests (and sampling settings)
     rounds_cache = {} if rounds_cache is None else rounds_cache
     if shape not in rounds_cache:
         rounds_cache.clear()                         # one resident shape at a time: buffers are large
@@ -357,7 +408,7 @@ def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="dd
     with span("prefill"):
         for i, prompt in enumerate(ids):
             limit = min(max_context, len(prompt) + max_new_tokens + width)  # the reference's cache size for it
-            seq = Seq(i, None, None, len(prompt), dev.prefill(i, prompt, i))
+            seq = Seq(i, None, None, len(prompt), dev.prefill(i, prompt, i, float(temperature), int(seed)))
             runs.append(gen.Run(seq, len(prompt)))
             runs[-1].limit = limit
             gen.push(runs[-1], [seq.bonus], stop, max_new_tokens)

@@ -3,8 +3,10 @@ next round) and leave as soon as they finish, hit a stop string, fail or are can
 
 A request decodes as Engine.generate would decode it alone: sequence index 0 and its own seed key its sampling
 noise, its cache has generate's size, and its round sees only its own tree. On numpy each sequence runs its own
-decode_round (they are sequential there anyway); on the kernel backends the requests share one DeviceRounds, whose
-Shape fixes mode, budget, temperature and seed: a request with other settings waits until that batch drains.
+decode_round (they are sequential there anyway); on the kernel backends the requests share one DeviceRounds: any
+temperature, seed and budget up to the running tree size join it; a request of another mode (or a larger budget)
+waits until that batch drains. Between two rounds at most `prefill_chunk` prompt tokens are prefilled, so a long
+prompt (prefilled in pieces on the kernel backends) does not stall the running decodes for long.
 """
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ from time import perf_counter
 
 from numbaengine import generate as gen
 from numbaengine.ddtree import Params, Seq, decode_round
+from numbaengine.tokenizer import TextStream
+
+PREFILL_CHUNK = 512                    # prompt tokens prefilled between two rounds (at least one piece)
 
 
 class QueueFull(Exception):
@@ -48,13 +53,16 @@ class Update:
 
 @dataclass(eq=False)
 class Live:
-    """A request in the batch: generation state, device slot, and the text sent so far."""
+    """A request in the batch: prefill progress, generation state, device slot, and the text sent so far."""
     req: Request
-    run: gen.Run
     stop: set
     slot: int = 0
     limit: int = 0                     # cache rows generate would give it: prompt + max_tokens + tree width
-    sent: str = ""
+    run: gen.Run | None = None         # once the whole prompt is prefilled
+    filled: int = 0                    # prompt tokens prefilled
+    stream: TextStream | None = None   # the output's text
+    seen: int = 0                      # tokens the last update covered (no stop string in their text)
+    sent: int = 0                      # characters sent
 
 
 @dataclass
@@ -68,12 +76,15 @@ class RoundStats:
 class Scheduler:
     """The engine thread and its queue. submit() and cancel() are called from any thread."""
 
-    def __init__(self, engine, max_batch=8, max_queue=64, on_round=None, fail_ids=None):
+    def __init__(self, engine, max_batch=8, max_queue=64, on_round=None, fail_ids=None, prefill_chunk=PREFILL_CHUNK):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk: must be a positive number of tokens, got {prefill_chunk!r}")
         self.engine, self.max_batch, self.max_queue = engine, max_batch, max_queue
-        self.rounds = HostRounds(engine) if engine.backend == "numpy" else DeviceSlots(engine, max_batch)
+        self.prefill_chunk = prefill_chunk
+        self.rounds = HostRounds(engine) if engine.backend == "numpy" else DeviceSlots(engine, max_batch, prefill_chunk)
         self.on_round = on_round or (lambda stats: None)
         self.fail_ids = fail_ids           # test hook: a request with exactly these prompt ids fails in its round
-        self.pending, self.live = deque(), []
+        self.pending, self.filling, self.live = deque(), [], []      # queued, being prefilled, decoding
         self.cond, self.stopping = threading.Condition(), False
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -105,7 +116,7 @@ class Scheduler:
         self.thread.join(timeout)
 
     def load(self) -> dict:
-        return dict(active=len(self.live), queued=len(self.pending), max_batch=self.max_batch)
+        return dict(active=len(self.live) + len(self.filling), queued=len(self.pending), max_batch=self.max_batch)
 
     # --- the engine thread -----------------------------------------------------------------------------------------
 
@@ -113,34 +124,52 @@ class Scheduler:
         with self.engine.blas_threads():     # the BLAS threads Engine.generate decodes with
             while self._wait():
                 self._admit()
-                self._leave([x for x in self.live if x.req.cancelled])
+                self._leave([x for x in self.filling + self.live if x.req.cancelled])
+                self._prefill()
                 if self.live:
                     self._round()
 
     def _wait(self) -> bool:
         """Block while there is nothing to do; False once stopping and drained."""
         with self.cond:
-            while not self.live and not self.pending:
+            while not self.live and not self.filling and not self.pending:
                 if self.stopping:
                     return False
                 self.cond.wait()
             return True
 
     def _admit(self):
-        """Prefill queued requests into free places, in order, while the backend takes them."""
+        """Take queued requests into free places, in order, while the backend takes them (prefilled by _prefill)."""
         while True:
+            busy = self.filling + self.live
             with self.cond:
-                if not self.pending or len(self.live) >= self.max_batch or \
-                        not self.rounds.fits(self.pending[0], self.live):
+                if not self.pending or len(busy) >= self.max_batch or not self.rounds.fits(self.pending[0], busy):
                     return
                 req = self.pending.popleft()
             try:
-                live = self.rounds.prefill(req)
+                self.filling.append(self.rounds.begin(req, busy))
             except Exception as e:      # noqa: BLE001 - one request's fault fails only that request
                 req.emit(Update(finish_reason="error", error=f"{type(e).__name__}: {e}"))
+
+    def _prefill(self):
+        """The next prompt pieces of the admitted requests, oldest first, up to prefill_chunk tokens in all (at least
+        one piece); a request whose prompt is complete sends its first token and decodes from the next round."""
+        used = 0
+        for x in list(self.filling):
+            n = self.rounds.piece(x)
+            if used and used + n > self.prefill_chunk:
+                return
+            used += n
+            try:
+                if not self.rounds.fill(x, n):
+                    continue
+            except Exception as e:      # noqa: BLE001 - one request's fault fails only that request
+                self._leave([x])
+                x.req.emit(Update(finish_reason="error", error=f"{type(e).__name__}: {e}"))
                 continue
-            self.live.append(live)
-            self._after(live, [live.run.seq.bonus])
+            self.filling.remove(x)
+            self.live.append(x)
+            self._after(x, [x.run.seq.bonus])
 
     def _round(self):
         t0 = perf_counter()
@@ -180,6 +209,7 @@ class Scheduler:
     def _leave(self, done):
         if done:
             self.live = [x for x in self.live if x not in done]
+            self.filling = [x for x in self.filling if x not in done]
             self.rounds.retire(done)
 
 
@@ -193,17 +223,33 @@ def push(x: Live, tokens):
 def settle(tokenizer, x: Live) -> Update:
     """The Update for a sequence's tokens so far. A stop string ends it: the tokens are cut after the one that
     completed it and the text before it. Unfinished, text that may still change is held back: a trailing U+FFFD
-    (a character split between tokens) and a tail that could begin a stop string."""
+    (a character split between tokens) and a tail that could begin a stop string.
+
+    Incremental (x.stream decodes only recent tokens): a stop string is looked for from the last stop length - 1
+    characters of the text the previous update had settled on (the earlier text held none) and, when found, the
+    tokens that completed it from those that update had not seen (a stop string free of U+FFFD found in the text
+    of the first k tokens lies in text the later tokens do not change)."""
     run, stops = x.run, x.req.stop_strings
-    text = tokenizer.decode(run.tokens)
-    cut = first_stop(text, stops)
+    s = x.stream = x.stream or TextStream(tokenizer)
+    n, longest = len(run.tokens), max(map(len, stops), default=0)
+    lo = max(0, len(s.stable) - max(longest - 1, 0))             # text before lo: searched already
+    new = s.peek(run.tokens, n)
+    cut = first_stop(s.stable[lo:] + new, stops)
     if cut >= 0:
-        k = next(k for k in range(1, len(run.tokens) + 1) if first_stop(tokenizer.decode(run.tokens[:k]), stops) >= 0)
-        run.tokens[k:], run.stop_reason, text = [], "stop", text[:cut]
+        k = next(k for k in range(x.seen + 1, n + 1) if first_stop(s.stable[lo:] + s.peek(run.tokens, k), stops) >= 0)
+        run.tokens[k:], run.stop_reason = [], "stop"
+        head, tail, end = s.stable, new, lo + cut               # the text is head + tail; it ends at `end`
+    else:
+        s.update(run.tokens, new)
+        head, tail = s.stable, s.pending
+        end = len(head) + len(tail)
+    x.seen = len(run.tokens)
     finish = None if run.stop_reason is None else ("length" if run.stop_reason in ("length", "context") else "stop")
-    show = text if finish else held(text, stops)
-    delta = show[len(x.sent):] if show.startswith(x.sent) else ""
-    x.sent += delta
+    if finish is None:                                           # held back: only the end of the text may go
+        last = head[max(0, len(head) - longest):] + tail
+        end -= len(last) - len(held(last, stops))
+    delta = (head[x.sent:] + tail[max(0, x.sent - len(head)):])[:end - x.sent] if end > x.sent else ""
+    x.sent += len(delta)
     return Update(delta, len(run.tokens), finish)
 
 
@@ -227,17 +273,26 @@ class HostRounds:
     def __init__(self, engine):
         self.engine = engine
 
-    def fits(self, req, live) -> bool:
+    def fits(self, req, busy) -> bool:
         return True
 
-    def prefill(self, req: Request) -> Live:
+    def begin(self, req: Request, busy) -> Live:
+        """A place for req (checked); its cache is made by fill."""
         e = self.engine
         gen.check_args(req.mode, req.budget, req.max_tokens, req.temperature, e.drafter)
         width = gen.tree_width(req.mode, req.budget, e.drafter)
-        rows = min(e.max_context, len(req.ids) + req.max_tokens + width)
+        return Live(req, stop_set(e, req), limit=min(e.max_context, len(req.ids) + req.max_tokens + width))
+
+    def piece(self, x: Live) -> int:
+        """The whole prompt: the host prefills it in one forward, as generate does."""
+        return len(x.req.ids)
+
+    def fill(self, x: Live, n) -> bool:
+        e, req = self.engine, x.req
         drafter = e.drafter if req.mode != "ar" else None
-        seq = gen.prefill(0, req.ids, e.target, drafter, e.target.ops, params(req), rows)
-        return Live(req, gen.Run(seq, len(req.ids)), stop_set(e, req), limit=rows)
+        seq = gen.prefill(0, req.ids, e.target, drafter, e.target.ops, params(req), x.limit)
+        x.run, x.filled = gen.Run(seq, len(req.ids)), len(req.ids)
+        return True
 
     def step(self, live) -> dict:
         """id(Live) -> new tokens (or the exception that sequence raised)."""
@@ -272,36 +327,51 @@ def stop_set(engine, req: Request) -> set:
 
 @dataclass
 class DeviceSlots:
-    """`batch` slots of one DeviceRounds (its graph replayed every round). Its Shape holds one mode, budget,
-    temperature and seed (any seed at temperature 0): requests with those settings share the rounds."""
+    """`batch` slots of one DeviceRounds (its graph replayed every round), made for the mode and tree size of the
+    request that found the batch empty: requests of that mode with any temperature, seed and a budget up to that
+    size share the rounds. A prompt is prefilled in pieces ending at multiples of `chunk` tokens (the same pieces
+    whatever else runs, so the output does not depend on the load)."""
     engine: object
     batch: int
+    chunk: int = PREFILL_CHUNK
     dev: object = None
     free: list = field(default_factory=list)
 
-    def shape(self, req: Request):
+    def width(self, req: Request) -> int:
+        return gen.tree_width(req.mode, req.budget, self.engine.drafter)
+
+    def fits(self, req, busy) -> bool:
+        shape = self.dev.shape if self.dev is not None else None
+        return not busy or shape is None or (req.mode == shape.mode and self.width(req) <= shape.budget)
+
+    def begin(self, req: Request, busy) -> Live:
+        """A slot for req (checked); rounds made for its shape when none run (or the batch is empty)."""
         from numbaengine.device_round import Shape
-        width = gen.tree_width(req.mode, req.budget, self.engine.drafter)
-        seed = int(req.seed) if req.temperature > 0 else 0
-        return Shape(self.batch, req.mode, width, self.engine.max_context, float(req.temperature), seed)
-
-    def fits(self, req, live) -> bool:
-        return not live or self.dev is None or self.shape(req) == self.dev.shape
-
-    def prefill(self, req: Request) -> Live:
         e = self.engine
         gen.check_args(req.mode, req.budget, req.max_tokens, req.temperature, e.drafter)
-        shape = self.shape(req)
-        if self.dev is None or self.dev.shape != shape:
+        shape = Shape(self.batch, req.mode, self.width(req), e.max_context)
+        if self.dev is None or (not busy and self.dev.shape != shape):
             self._build(shape)
-        slot = self.free.pop(0)
-        try:
-            bonus = self.dev.prefill(slot, req.ids, 0)
-        except Exception:
-            self.retire_slots([slot])
-            raise
-        limit = min(e.max_context, len(req.ids) + req.max_tokens + shape.budget)
-        return Live(req, gen.Run(Seq(0, None, None, len(req.ids), bonus), len(req.ids)), stop_set(e, req), slot, limit)
+        limit = min(e.max_context, len(req.ids) + req.max_tokens + self.width(req))   # generate's cache
+        return Live(req, stop_set(e, req), self.free.pop(0), limit)
+
+    def piece(self, x: Live) -> int:
+        """Prompt tokens of x's next prefill piece: up to the next multiple of chunk."""
+        return min(len(x.req.ids), (x.filled // self.chunk + 1) * self.chunk) - x.filled
+
+    def fill(self, x: Live, n) -> bool:
+        """Prefill the next n prompt tokens of x; True once the prompt is complete (its first token sampled)."""
+        if self.dev is None:
+            raise RuntimeError("the device rounds failed while this prompt was being prefilled")
+        req, end = x.req, x.filled + n
+        if end < len(req.ids):
+            self.dev.prefill_part(x.slot, req.ids, x.filled, end)
+            x.filled = end
+            return False
+        budget = self.width(req) if req.mode == "ddtree" else None
+        bonus = self.dev.prefill(x.slot, req.ids, 0, float(req.temperature), int(req.seed), budget, x.filled)
+        x.run, x.filled = gen.Run(Seq(0, None, None, len(req.ids), bonus), len(req.ids)), end
+        return True
 
     def _build(self, shape):
         from numbaengine.device_round import DeviceRounds, Replicated
@@ -309,8 +379,7 @@ class DeviceSlots:
         self.dev = None
         e.rounds_cache.clear()                       # one resident set of round buffers
         self.dev = DeviceRounds(e.target, e.drafter, shape) if e.ranks is None else Replicated(e.ranks, shape)
-        self.free = list(range(shape.batch))
-        self.dev.retire(list(range(shape.batch)))   # unused slots stay parked at an empty context
+        self.free = list(range(shape.batch))         # every slot starts parked
 
     def step(self, live) -> dict:
         """One graph launch for every slot; each sequence's tau is cut to its reference cache size."""

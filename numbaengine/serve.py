@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from numbaengine import generate as gen
 from numbaengine.backends import BACKENDS
-from numbaengine.scheduler import QueueFull, Request, Scheduler, Update
+from numbaengine.scheduler import PREFILL_CHUNK, QueueFull, Request, Scheduler, Update
 from numbaengine.serve_api import (
     APIError,
     ChatBody,
@@ -286,6 +286,8 @@ def parser():
     ap.add_argument("--mode", choices=gen.MODES, help="default speculative mode (default: ddtree with a drafter, "
                     "else ar)")
     ap.add_argument("--budget", type=int, default=16, help="default DDTree budget (default: %(default)s)")
+    ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens prefilled between two "
+                    "decoding rounds; longer prompts go in pieces on the kernel backends (default: %(default)s)")
     ap.add_argument("--served-model-name", help="the model id clients see (default: the model folder's name)")
     ap.add_argument("--log-level", default="warning")
     ap.add_argument("--fail-prompt", help=argparse.SUPPRESS)    # tests: a request with this prompt fails in a round
@@ -294,6 +296,9 @@ def parser():
 
 def main(argv=None):
     args = parser().parse_args(argv)
+    if args.prefill_chunk < 1:
+        print(f"error: --prefill-chunk: must be a positive number of tokens, got {args.prefill_chunk}", file=sys.stderr)
+        return 2
     from numbaengine.engine import Engine
     model, draft = args.model, args.draft
     if model is None:
@@ -306,7 +311,7 @@ def main(argv=None):
     name = args.served_model_name or ("numbaengine-default" if args.model is None else str(model).rstrip("/").split("/")[-1])
     metrics = Metrics(args.max_batch)
     fail_ids = engine.tokenizer.encode(args.fail_prompt) if args.fail_prompt else None
-    scheduler = Scheduler(engine, args.max_batch, args.max_queue, metrics.round, fail_ids)
+    scheduler = Scheduler(engine, args.max_batch, args.max_queue, metrics.round, fail_ids, args.prefill_chunk)
     defaults = dict(mode=args.mode or ("ddtree" if engine.drafter is not None else "ar"), budget=args.budget)
     app = build_app(engine, scheduler, metrics, name, defaults, load_chat_template(model))
     print(f"serving {name} ({engine.backend}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)

@@ -121,3 +121,39 @@ def load_tokenizer(model_dir):
     if (d / "tiktoken.model").exists():
         return TiktokenTokenizer(d / "tiktoken.model")
     return IdTokenizer()
+
+
+class TextStream:
+    """tokenizer.decode(tokens) of a token list that only grows, decoding a window of recent tokens per update
+    rather than the whole list (a long output costs the same per round as a short one).
+
+    text = stable + pending. stable is the decode of tokens[:read] and ends with a whole character, so what
+    follows decodes on its own (byte-level BPE: the bytes end at a character boundary); pending, the text of the
+    tokens past read, still ends in U+FFFD (a character split between tokens) and may change. An update decodes
+    tokens[prefix:], prefix being the boundary before read: starting a few tokens back keeps the tokenizer's
+    joining rules between tokens (the id tokenizer's spaces, a leading-space marker) as in the full decode."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.stable, self.pending = "", ""
+        self.prefix = self.read = 0          # tokens[prefix:read] decode to base, the end of stable
+        self.base = ""
+
+    @property
+    def text(self) -> str:
+        return self.stable + self.pending
+
+    def peek(self, tokens, end) -> str:
+        """decode(tokens[:end])[len(stable):] for end >= read, without changing the stream."""
+        return self.tokenizer.decode(tokens[self.prefix:end])[len(self.base):]
+
+    def update(self, tokens, new=None):
+        """Take the tokens added since the last update (new: their peek(tokens, len(tokens)) when known)."""
+        new = self.peek(tokens, len(tokens)) if new is None else new
+        if not new or new.endswith("\ufffd"):
+            self.pending = new
+            return
+        self.stable += new
+        self.pending = ""
+        self.prefix, self.read = self.read, len(tokens)
+        self.base = self.tokenizer.decode(tokens[self.prefix:self.read])

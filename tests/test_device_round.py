@@ -185,3 +185,28 @@ def test_gpu_memory_error_is_clear():
         device_round.generate_batch(dev.target, dev.drafter, dev.tokenizer, ["x"] * 128, 1 << 22, "ddtree", 255,
                                     0.0, 0, [], 1 << 23, None, {}, True)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [512, 4])
+def test_gpu_slots_mixed_settings(chunk):
+    """The server's scheduler on cuda: requests with different temperatures, seeds and budgets share one
+    DeviceRounds (made for budget 16) and each gives Engine.generate's tokens alone; with chunk 4 the prompts are
+    prefilled in pieces between the others' rounds (greedy ones then checked against the reference, as a
+    prefill's GEMMs of other row counts may round differently)."""
+    from test_slots_sim import run_scheduler
+
+    from numbaengine.scheduler import Request
+    ref, dev = engines()
+    settings = [("ddtree", 16, 0.0, 0), ("ddtree", 8, 0.8, 3), ("ddtree", 16, 1.0, 7), ("ddtree", 4, 0.0, 0)]
+    reqs = [Request(dev.tokenizer.encode(p), 24, m, b, t, s, stop_ids=[])
+            for p, (m, b, t, s) in zip(PROMPTS * 2, settings)]
+    got, sched = run_scheduler(dev, reqs, max_batch=4, prefill_chunk=chunk)
+    assert sched.rounds.dev.shape.budget == 16
+    for r, tokens in zip(reqs, got):
+        want = dev.generate(r.ids, 24, r.mode, r.budget, r.temperature, r.seed, stop=[]).tokens
+        assert len(tokens) == 24
+        if chunk < len(r.ids) and r.temperature == 0:
+            assert_reference_tokens(ref, r.ids, tokens, want, f"budget {r.budget} in pieces of {chunk}")
+        elif chunk >= len(r.ids):
+            assert tokens == want, f"budget {r.budget} T {r.temperature} seed {r.seed}: {tokens} != {want}"

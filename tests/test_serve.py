@@ -371,3 +371,83 @@ def test_sigterm_drains_in_flight_requests():
         assert proc.wait(30) == 0
     assert got["plain"].choices[0].text == offline(PROMPTS[1], 48)[0]
     assert got["stream"] == offline(PROMPTS[2], 48)[0]
+
+
+# --- the scheduler's prefill between rounds (a fake backend: no model) ------------------------------------------------
+
+class PieceRounds:
+    """A backend that prefills prompts in pieces of `chunk` tokens and commits one token (5) per sequence a round;
+    log: ("fill", first prompt id, tokens) and ("round", sequences) in order."""
+
+    def __init__(self, chunk):
+        self.chunk, self.log = chunk, []
+
+    def fits(self, req, busy):
+        return True
+
+    def begin(self, req, busy):
+        from numbaengine.scheduler import Live
+        return Live(req, set(), limit=10 ** 6)
+
+    def piece(self, x):
+        return min(len(x.req.ids), (x.filled // self.chunk + 1) * self.chunk) - x.filled
+
+    def fill(self, x, n):
+        from numbaengine import generate as gen
+        from numbaengine.ddtree import Seq
+        x.filled += n
+        self.log.append(("fill", x.req.ids[0], n))
+        if x.filled < len(x.req.ids):
+            return False
+        x.run = gen.Run(Seq(0, None, None, len(x.req.ids), 7), len(x.req.ids))
+        return True
+
+    def step(self, live):
+        self.log.append(("round", len(live)))
+        return {id(x): [5] for x in live}
+
+    def retire(self, done):
+        pass
+
+
+def run_pieces(prompts, max_tokens, chunk, cap):
+    """Requests with these prompts (submitted together) on PieceRounds -> (its log, texts)."""
+    import contextlib
+    import types
+
+    from numbaengine.scheduler import Request, Scheduler
+    from numbaengine.tokenizer import IdTokenizer
+    engine = types.SimpleNamespace(backend="numpy", tokenizer=IdTokenizer(), blas_threads=contextlib.nullcontext)
+    sched = Scheduler(engine, max_batch=4, prefill_chunk=cap)
+    sched.rounds = PieceRounds(chunk)
+    texts, done = {i: "" for i in range(len(prompts))}, threading.Semaphore(0)
+
+    def emit_for(i):
+        def emit(u):
+            texts[i] += u.text
+            if u.finish_reason:
+                done.release()
+        return emit
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        sched.submit(Request(p, n, emit=emit_for(i)))
+    sched.start()
+    for _ in prompts:
+        assert done.acquire(timeout=10)
+    sched.close(10)
+    return sched.rounds.log, texts
+
+
+def test_long_prompt_prefilled_between_rounds():
+    """A 9-token prompt in pieces of 2 (at most 2 prompt tokens between rounds) while a short request decodes: a
+    round after every piece; both outputs complete (the first token, then a 5 per round)."""
+    log, texts = run_pieces([[1], [2] * 9], [12, 3], chunk=2, cap=2)
+    fills = [i for i, e in enumerate(log) if e[0] == "fill" and e[1] == 2]
+    assert [log[i][2] for i in fills] == [2, 2, 2, 2, 1]
+    assert all(log[i + 1][0] == "round" for i in fills[:-1]), log
+    assert texts == {0: "7" + " 5" * 11, 1: "7 5 5"}
+
+
+def test_short_prompts_prefilled_together():
+    """Prompts that fit the cap together are prefilled before the next round; a longer one waits for it."""
+    log, _ = run_pieces([[1, 1], [2], [3] * 4], [2, 2, 2], chunk=8, cap=4)
+    assert log[:4] == [("fill", 1, 2), ("fill", 2, 1), ("round", 2), ("fill", 3, 4)], log

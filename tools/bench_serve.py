@@ -31,12 +31,12 @@ class Sample:
     error: str | None = None
 
 
-async def one(client, model, prompt, args) -> Sample:
+async def one(client, model, prompt, args, seed) -> Sample:
     s, t0, last = Sample(), time.perf_counter(), None
     extra = {"speculative": {"mode": args.mode, "budget": args.budget}} if args.mode else {}
     try:
         stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens,
-                                                 temperature=args.temperature, seed=args.seed, stream=True,
+                                                 temperature=args.temperature, seed=seed, stream=True,
                                                  stream_options={"include_usage": True}, extra_body=extra)
         async for chunk in stream:
             now = time.perf_counter()
@@ -63,7 +63,7 @@ async def level(client, model, prompts, concurrency, n, args) -> dict:
 
     async def gated(i):
         async with gate:
-            return await one(client, model, prompts[i % len(prompts)], args)
+            return await one(client, model, prompts[i % len(prompts)], args, args.seed + (i if args.vary_seed else 0))
 
     t0 = time.perf_counter()
     samples = await asyncio.gather(*(gated(i) for i in range(n)))
@@ -116,6 +116,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vary-seed", action="store_true", help="request i samples with seed + i (one batch mixes seeds)")
     ap.add_argument("--mode", choices=("ddtree", "dflash", "ar"), help="speculative mode (default: the server's)")
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=600)
@@ -123,8 +124,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     print(table([]), flush=True)
     rows = asyncio.run(sweep(args))
-    result = dict(url=args.url, max_tokens=args.max_tokens, temperature=args.temperature, mode=args.mode,
-                  budget=args.budget, levels=rows)
+    result = dict(url=args.url, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                  vary_seed=args.vary_seed, mode=args.mode, budget=args.budget, levels=rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

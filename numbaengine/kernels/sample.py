@@ -4,12 +4,14 @@ The noise of vocab id v for (seed, seq, pos) is a pure function of those four in
 2m and 2m + 1 take the two halves of one hash), so it needs no generator state and the GPU computes the same
 numbers as reference.uniform. It is keyed by the ABSOLUTE POSITION of the token being chosen: every tree node at
 one position shares it, which makes DDTree's committed tokens equal to autoregressive sampling's for the same seed,
-and each committed token an exact draw from softmax(logits / T) given its prefix.
+and each committed token an exact draw from softmax(logits / T) given its prefix. Temperature and seed are one
+pair for all rows, or device arrays per group of rows (the sequences of a batch, each with its own settings).
 """
 import math
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
+
 from numbaengine.kernels.device import (
     SIM,
     as_f32,
@@ -136,6 +138,21 @@ def _scan(logits, i, lo, hi, temperature, greedy, hkey, vec):
     return bv, bi
 
 
+@cuda.jit(device=True, inline="always")
+def _setting(temps, seeds, g):
+    """(temperature, greedy, seed) of group g from the per-group arrays (a temperature of 1 stands in when greedy)."""
+    t = temps[g]
+    greedy = t == float32(0)
+    return (float32(1) if greedy else t), greedy, seeds[g]
+
+
+@cuda.jit(device=True, inline="always")
+def _skipped(i, group, live):
+    """Row i is past the live[i // group] rows its group samples (tree padding, a parked slot's nodes)."""
+    g = i // group
+    return i - g * group >= live[g]
+
+
 @kernel()
 def sample_kernel(logits, temperature, greedy, seed, seq, pos, vec, out):
     """Block per row, SAMPLE_THREADS threads strided over the vocabulary: argmax of logits (greedy) or of
@@ -143,6 +160,23 @@ def sample_kernel(logits, temperature, greedy, seed, seq, pos, vec, out):
     grid_dep()
     i, t = cuda.blockIdx.x, cuda.threadIdx.x
     V = logits.shape[1]
+    bv, bi = _scan(logits, i, 0, V, temperature, greedy, row_key(seed, seq[i], pos[i]), vec)
+    bv, bi = block_argmax(bv, bi)
+    if t == 0:
+        out[i] = bi if bi < V else int32(0)
+
+
+@kernel()
+def sample_rows_kernel(logits, temps, seeds, group, live, seq, pos, vec, out):
+    """sample_kernel with per-group settings: row i samples with temps[i // group] (0: greedy) and
+    seeds[i // group] (temps f32[G], seeds u64[G]: a batch whose sequences keep their own settings); only the
+    first live[g] rows of group g (i32[G]), the others end at once (their out unchanged)."""
+    grid_dep()
+    i, t = cuda.blockIdx.x, cuda.threadIdx.x
+    if _skipped(i, group, live):
+        return
+    V = logits.shape[1]
+    temperature, greedy, seed = _setting(temps, seeds, i // group)
     bv, bi = _scan(logits, i, 0, V, temperature, greedy, row_key(seed, seq[i], pos[i]), vec)
     bv, bi = block_argmax(bv, bi)
     if t == 0:
@@ -168,6 +202,21 @@ def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, vec, best):
     grid_dep()
     c, i, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     lo, hi = _chunk(logits.shape[1], c, cuda.gridDim.x)
+    bv, bi = _scan(logits, i, lo, hi, temperature, greedy, row_key(seed, seq[i], pos[i]), vec)
+    bv, bi = block_argmax(bv, bi)
+    if t == 0:
+        best[i, c] = order_key(bv, bi)
+
+
+@kernel(launch_bounds=(SPLIT_THREADS, 8))
+def sample_rows_part_kernel(logits, temps, seeds, group, live, seq, pos, vec, best):
+    """sample_part_kernel with per-group settings (sample_rows_kernel's temps, seeds, group, live)."""
+    grid_dep()
+    c, i, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+    if _skipped(i, group, live):
+        return
+    lo, hi = _chunk(logits.shape[1], c, cuda.gridDim.x)
+    temperature, greedy, seed = _setting(temps, seeds, i // group)
     bv, bi = _scan(logits, i, lo, hi, temperature, greedy, row_key(seed, seq[i], pos[i]), vec)
     bv, bi = block_argmax(bv, bi)
     if t == 0:
@@ -206,22 +255,34 @@ def _rows_16b(logits):
     return logits.shape[1] % 4 == 0 and contiguous(logits) and data_ptr(logits) % 16 == 0
 
 
-def sample(logits, temperature, seed, seq, pos, out, work=None):
+def sample(logits, temperature, seed, seq, pos, out, work=None, live=None):
     """sample_ref on the GPU or the simulator: logits f32[n, V], seq i32[n], pos i32[n] -> out i32[n].
-    work (sample_work, >= n rows): split every row over vocabulary chunks (sample_part_kernel, then
-    sample_merge_kernel), for when n rows alone cannot fill the GPU; without it, one block per row. Rows are read
-    with 16-byte loads where _rows_16b allows."""
+    temperature and seed: numbers for every row, or device arrays temps f32[G] and seeds u64[G] of G groups of
+    n / G consecutive rows (row i samples with temps[i // (n / G)], 0 being greedy, and that seed: a batch whose
+    sequences keep their own settings) with live i32[G]: only the first live[g] rows of group g are sampled (a
+    tree's nodes; the other rows' out is left undefined). work (sample_work, >= n rows): split every row over
+    vocabulary chunks (the part kernel, then sample_merge_kernel), for when n rows alone cannot fill the GPU;
+    without it, one block per row. Rows are read with 16-byte loads where _rows_16b allows."""
     n, V = logits.shape
     if seq.shape != (n,) or pos.shape != (n,) or out.shape != (n,):
         raise ValueError(f"sample: seq {seq.shape}, pos {pos.shape}, out {out.shape} must be [{n}]")
     if work is not None and (work.shape[0] < n or work.shape[1] != SAMPLE_CHUNKS):
         raise ValueError(f"sample: work {work.shape} is not [>= {n}, {SAMPLE_CHUNKS}] (sample_work)")
-    greedy = temperature == 0
-    args = (logits, float32(1 if greedy else temperature), greedy, uint64(seed), seq, pos, _rows_16b(logits))
+    if hasattr(temperature, "shape"):
+        G = temperature.shape[0]
+        if seed.shape != (G,) or live is None or live.shape != (G,) or G == 0 or n % G:
+            raise ValueError(f"sample: temperatures {temperature.shape}, seeds {seed.shape} and live rows "
+                             f"{None if live is None else live.shape} must be [G], G dividing the {n} rows")
+        args = (logits, temperature, seed, int32(n // G), live, seq, pos, _rows_16b(logits))
+        one, part = sample_rows_kernel, sample_rows_part_kernel
+    else:
+        greedy = temperature == 0
+        args = (logits, float32(1 if greedy else temperature), greedy, uint64(seed), seq, pos, _rows_16b(logits))
+        one, part = sample_kernel, sample_part_kernel
     if n and work is None:
-        launch(sample_kernel, n, SAMPLE_THREADS, *args, out)
+        launch(one, n, SAMPLE_THREADS, *args, out)
     elif n:
         C = sample_chunks(n, V)
-        launch(sample_part_kernel, (C, n), SPLIT_THREADS, *args, work)
+        launch(part, (C, n), SPLIT_THREADS, *args, work)
         launch(sample_merge_kernel, -(-n // MERGE_ROWS), 32 * MERGE_ROWS, work, int32(C), int32(V), out)
     return out

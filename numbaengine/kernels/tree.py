@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32, float64, int32, uint32, uint64
+
 from numbaengine.kernels.device import SIM, grid_dep, shfl_xor, syncwarp
 from numbaengine.kernels.launch import kernel, launch, launch_smem
+from numbaengine.kernels.sample import sample_work
 from numbaengine.kernels.topk import (
     TOPK_MAX,
     TOPK_STAT,
@@ -26,8 +28,6 @@ from numbaengine.kernels.topk import (
     topk_chunks,
     topk_launch,
 )
-
-from numbaengine.kernels.sample import sample_work
 
 NODE_MAX = 1025                 # largest tree: MAX_BUDGET 1024 drafted nodes + the root
 DEPTH_MAX = 64                  # largest L (drafter block size - 1)

@@ -1,0 +1,280 @@
+"""The server's device slots (numbaengine/scheduler.py DeviceSlots over numbaengine/device_round.py DeviceRounds)
+and its incremental text.
+
+CPU: scheduler.settle (a TextStream decoding only recent tokens) gives the updates the full decode gives
+(full_settle below, the rule it replaces) for random token streams: split UTF-8 characters, invalid bytes, stop
+strings across update boundaries, on the shipped byte-level BPE, the id tokenizer and a plain byte tokenizer.
+PTX: the per-row sampling kernels compile for sm_90 without float64 or spills.
+Simulator (backend `sim`, a child process, the tiny pair of test_backend_sim): per-row temperatures and seeds in
+one sampling launch equal sample_ref row by row; requests with different temperatures, seeds and budgets sharing
+one DeviceRounds, one of them prefilled in pieces between the other's rounds, each give Engine.generate's tokens
+for the same prompt and settings alone; a prompt prefilled in pieces gives the tokens (and cache rows) of one
+prefill. The simulator cases take about 4 CPU minutes: marked slow (-m "not slow" leaves them out).
+"""
+import numpy as np
+import pytest
+from cudasim import f64_lines, ptx_or_skip, simulator_test
+from test_ptx import cpu_compute_capability  # noqa: F401  (fixture: sm_90 for device functions without a GPU)
+
+from numbaengine import generate as gen
+from numbaengine.ddtree import Seq
+from numbaengine.scheduler import Live, Request, first_stop, held, settle
+from numbaengine.tokenizer import IdTokenizer, load_tokenizer
+from numbaengine.weights import SHIPPED_PAIR
+
+# --- incremental text == full decode ----------------------------------------------------------------------------------
+
+
+class ByteTokenizer:
+    """Token = one byte (ids 0..255), decoded as UTF-8 with replacement: every multi-byte character is split."""
+
+    def decode(self, ids):
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def full_settle(tokenizer, x, state):
+    """The rule settle replaces (decode everything, search everything): state["sent"] is the text sent."""
+    run, stops = x.run, x.req.stop_strings
+    text = tokenizer.decode(run.tokens)
+    cut = first_stop(text, stops)
+    if cut >= 0:
+        k = next(k for k in range(1, len(run.tokens) + 1) if first_stop(tokenizer.decode(run.tokens[:k]), stops) >= 0)
+        run.tokens[k:], run.stop_reason, text = [], "stop", text[:cut]
+    finish = None if run.stop_reason is None else ("length" if run.stop_reason in ("length", "context") else "stop")
+    show = text if finish else held(text, stops)
+    delta = show[len(state["sent"]):] if show.startswith(state["sent"]) else ""
+    state["sent"] += delta
+    return delta, len(run.tokens), finish
+
+
+def live(stops, max_tokens):
+    req = Request([1], max_tokens, stop_strings=tuple(stops), emit=None)
+    return Live(req, set(), limit=10 ** 6, run=gen.Run(Seq(0, None, None, 1, 0), 1))
+
+
+def stream_case(tokenizer, tokens, stops, rounds, max_tokens):
+    """Both rules over the same rounds (lists of new tokens) -> (incremental updates, full-decode updates)."""
+    a, b, state = live(stops, max_tokens), live(stops, max_tokens), {"sent": ""}
+    got, want = [], []
+    for new in rounds:
+        for x in (a, b):
+            gen.push(x.run, new, set(), max_tokens)
+        u = settle(tokenizer, a)
+        got.append((u.text, u.tokens, u.finish_reason))
+        want.append(full_settle(tokenizer, b, state))
+        if u.finish_reason or want[-1][2]:
+            break
+    assert a.run.tokens == b.run.tokens
+    return got, want
+
+
+def utf8_tokens(rng, n):
+    """Bytes of random text with 1- to 4-byte characters, a few invalid bytes among them."""
+    chars = ["a", "b", " ", "\n", "é", "ß", "中", "文", "😀", "🎉"]
+    out = []
+    while len(out) < n:
+        if rng.random() < 0.03:
+            out.append(int(rng.choice([0x80, 0xBF, 0xC3, 0xE4, 0xF0, 0xFF])))
+        else:
+            out.extend(chars[rng.integers(len(chars))].encode())
+    return out[:n]
+
+
+def random_rounds(rng, tokens):
+    """tokens cut into rounds of 1..6 (the first of one: the prefill's token)."""
+    rounds, i = [tokens[:1]], 1
+    while i < len(tokens):
+        k = int(rng.integers(1, 7))
+        rounds.append(tokens[i:i + k])
+        i += k
+    return rounds
+
+
+def random_stops(rng, tokenizer, tokens):
+    """0-3 stop strings: pieces of the stream's own text (so they occur, often across rounds) or absent ones."""
+    text = tokenizer.decode(tokens).replace("\ufffd", "")
+    stops = []
+    for _ in range(int(rng.integers(0, 4))):
+        if text and rng.random() < 0.7:
+            i = int(rng.integers(len(text)))
+            stops.append(text[i:i + int(rng.integers(1, 6))])
+        else:
+            stops.append("@@" + str(int(rng.integers(100))))
+    return [s for s in stops if s]
+
+
+TOKENIZERS = {"bytes": (ByteTokenizer, lambda rng, n: utf8_tokens(rng, n)),
+              "ids": (IdTokenizer, lambda rng, n: rng.integers(0, 50, n).tolist()),
+              "shipped": (lambda: load_tokenizer(SHIPPED_PAIR / "target"),
+                          lambda rng, n: rng.integers(0, 4096, n).tolist())}
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZERS))
+def test_incremental_text_equals_full_decode(name):
+    make, draw = TOKENIZERS[name]
+    tokenizer = make()
+    for case in range(60):
+        seed = int(np.random.SeedSequence().entropy % 2 ** 31)
+        rng = np.random.default_rng(seed)
+        tokens = draw(rng, int(rng.integers(1, 120)))
+        stops = random_stops(rng, tokenizer, tokens)
+        max_tokens = int(rng.integers(1, 150))
+        got, want = stream_case(tokenizer, tokens, stops, random_rounds(rng, tokens), max_tokens)
+        assert got == want, f"{name} case {case} (seed {seed}, stops {stops!r}): {got} != {want}"
+
+
+def test_split_character_held_back_then_sent():
+    """A character split over rounds is sent once whole; a stop string split over rounds ends the text before it."""
+    tok = ByteTokenizer()
+    got, want = stream_case(tok, list("a中b".encode()), (), [[0x61], [0xE4], [0xB8], [0xAD, 0x62]], 10)
+    assert got == want == [("a", 1, None), ("", 2, None), ("", 3, None), ("中b", 5, None)]
+    rounds = [[0x78], [0x79, 0x20, 0x53], [0x54, 0x4F], [0x50, 0x7A]]          # "x", "y S", "TO", "Pz"
+    got, want = stream_case(tok, list(b"xy STOPz"), ("STOP",), rounds, 10)
+    assert got == want == [("x", 1, None), ("y ", 4, None), ("", 6, None), ("", 7, "stop")]
+
+
+def test_settle_decodes_recent_tokens_only():
+    """5000 rounds of 2 tokens: the tokens decoded over all updates stay a small multiple of the output (the
+    full decode of every round would be ~25 million)."""
+    class Counting(ByteTokenizer):
+        decoded = 0
+
+        def decode(self, ids):
+            Counting.decoded += len(ids)
+            return super().decode(ids)
+    tok, rng = Counting(), np.random.default_rng(3)
+    x = live(("@@stop", "?!"), 10 ** 6)                                  # never in this text
+    tokens = utf8_tokens(rng, 10000)
+    for i in range(0, len(tokens), 2):
+        gen.push(x.run, tokens[i:i + 2], set(), 10 ** 6)
+        assert settle(tok, x).finish_reason is None
+    assert Counting.decoded < 10 * len(tokens), Counting.decoded
+    assert x.stream.text == ByteTokenizer().decode(x.run.tokens)
+
+
+# --- PTX of the per-row sampling kernels ------------------------------------------------------------------------------
+
+ROW_SIGS = {
+    "sample_rows_kernel": "void(float32[:,::1], float32[::1], uint64[::1], int32, int32[::1], int32[::1], int32[::1], "
+                          "boolean, int32[::1])",
+    "sample_rows_part_kernel": "void(float32[:,::1], float32[::1], uint64[::1], int32, int32[::1], int32[::1], "
+                               "int32[::1], boolean, uint64[:,::1])",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROW_SIGS))
+def test_ptx_sample_rows(name):
+    import numbaengine.kernels.sample as S
+    ptx = ptx_or_skip(getattr(S, name).py_func, ROW_SIGS[name])
+    assert not f64_lines(ptx), f64_lines(ptx)[:5]
+    assert ".local" not in ptx, "registers spilled to local memory"
+
+
+# --- simulator -------------------------------------------------------------------------------------------------------
+
+def check_sample_rows(env, groups=3, per=2, V=300, seed=5):
+    """sample() with per-group temperatures (0 among them) and seeds, one block per row and split over chunks:
+    row by row equal to sample_ref with that row's settings."""
+    from numbaengine.kernels.sample import sample, sample_work
+    from numbaengine.reference import sample_ref
+    rng = np.random.default_rng(seed)
+    n = groups * per
+    logits = rng.normal(0, 3, (n, V)).astype(np.float32)
+    seq, pos = rng.integers(0, 4, n).astype(np.int32), rng.integers(0, 50, n).astype(np.int32)
+    temps = np.array([0.0, 0.7, 1.3][:groups], np.float32)
+    seeds = np.array([11, 2 ** 40 + 3, 7][:groups], np.uint64)
+    want = np.concatenate([sample_ref(logits[g * per:(g + 1) * per], float(temps[g]), int(seeds[g]),
+                                      seq[g * per:(g + 1) * per], pos[g * per:(g + 1) * per], np.empty(per, np.int32))
+                           for g in range(groups)])
+    live = np.array([per, 1, per][:groups], np.int32)              # group 1 samples its first row only
+    kept = np.arange(n) % per < live[np.arange(n) // per]
+    for work in (None, env.dev(sample_work(np.zeros, n))):
+        out = env.dev(np.full(n, -7, np.int32))
+        sample(env.dev(logits), env.dev(temps), env.dev(seeds), env.dev(seq), env.dev(pos), out, work, env.dev(live))
+        got = env.host(out)
+        assert (got[kept] == want[kept]).all(), f"split {work is not None}: {got} != {want} (seed {seed})"
+        assert work is not None or (got[~kept] == -7).all(), "a skipped row was sampled"
+
+
+def sim_engine(max_context=24):
+    from test_backend_sim import pair_dirs
+
+    from numbaengine import Engine
+    return Engine.load(*pair_dirs("tiny"), backend="sim", max_context=max_context)
+
+
+def run_scheduler(engine, reqs, max_batch, prefill_chunk):
+    """Requests submitted together to a Scheduler on `engine` -> (output tokens per request, the scheduler)."""
+    import threading
+
+    from numbaengine.scheduler import Scheduler
+    sched = Scheduler(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
+    finished, errors, lives = threading.Semaphore(0), [], {}
+
+    def emit(update):
+        if update.error is not None:
+            errors.append(update.error)
+        if update.finish_reason is not None:
+            finished.release()
+    real_fill = sched.rounds.fill
+
+    def fill(x, n):                               # keep each Live (its tokens) for the check
+        lives[id(x.req)] = x
+        return real_fill(x, n)
+    sched.rounds.fill = fill
+    for r in reqs:
+        r.emit = emit
+        sched.submit(r)
+    sched.start()
+    for _ in reqs:
+        assert finished.acquire(timeout=1200), "requests did not finish"
+    sched.close(60)
+    assert not errors, errors
+    return [lives[id(r)].run.tokens for r in reqs], sched
+
+
+def check_shared_rounds(env):
+    """Two ddtree requests in one DeviceRounds (batch 2, made for the first one's budget 2): a greedy one, and a
+    sampled one (temperature 0.8, a seed of its own, budget 1) whose 5-token prompt is prefilled in pieces of 2
+    between the first one's rounds (its slot parked at its rows so far meanwhile). Each gives the tokens of
+    Engine.generate alone (batch 1) with its settings."""
+    e = sim_engine()
+    rng = np.random.default_rng()
+    seed = int(rng.integers(2 ** 31))
+    a = Request(rng.integers(0, e.cfg.vocab_size, 2).tolist(), 6, "ddtree", 2, 0.0, 1, stop_ids=[])
+    b = Request(rng.integers(0, e.cfg.vocab_size, 5).tolist(), 3, "ddtree", 1, 0.8, seed, stop_ids=[])
+    got, sched = run_scheduler(e, [a, b], max_batch=2, prefill_chunk=2)
+    assert sched.rounds.dev.shape.batch == 2 and sched.rounds.dev.shape.budget == 2
+    for r, tokens in zip((a, b), got):
+        want = e.generate(r.ids, r.max_tokens, r.mode, r.budget, r.temperature, r.seed, stop=[]).tokens
+        assert tokens == want, (f"budget {r.budget} T {r.temperature} seed {r.seed} prompt {r.ids}: {tokens} != "
+                                f"generate {want}")
+
+
+def check_chunked_prefill(env):
+    """DeviceRounds.prefill_part over [0, 2), [2, 4), then prefill(start=4) == one prefill of the 5-token prompt:
+    the first token, the latent rows and drafter context rows of the prompt, and the next round's tokens."""
+    from numbaengine.device_round import DeviceRounds, Shape
+    e = sim_engine()
+    ids = np.random.default_rng().integers(0, e.cfg.vocab_size, 5).tolist()
+    outs = []
+    for pieces in ((), ((0, 2), (2, 4))):
+        dev = DeviceRounds(e.target, e.drafter, Shape(1, "dflash", 3, 16), graphs=False)
+        for start, end in pieces:
+            dev.prefill_part(0, ids, start, end)
+        first = dev.prefill(0, ids, 0, 0.0, 0, None, pieces[-1][1] if pieces else 0)
+        rows = (np.array(dev.cache[:, 0, :5]), np.array(dev.ctx_kv[0][0, :5]))
+        outs.append((first, rows, dev.step()[0].tolist()))
+    (f1, r1, s1), (f2, r2, s2) = outs
+    assert (f1, s1) == (f2, s2), f"prompt {ids}: one prefill {f1} {s1}, in pieces {f2} {s2}"
+    assert (r1[0] == r2[0]).all() and np.abs(r1[1] - r2[1]).max() <= 1e-5 * np.abs(r1[1]).max(), f"prompt {ids}"
+
+
+SIM_COST = {"shared_rounds": 200, "chunked_prefill": 48, "sample_rows": 2}     # CPU seconds, one core
+SIM_CASES = {
+    "sample_rows": lambda env: check_sample_rows(env),
+    "chunked_prefill": lambda env: check_chunked_prefill(env),
+    "shared_rounds": lambda env: check_shared_rounds(env),
+}
+
+test_simulator = pytest.mark.slow(simulator_test(__name__))     # ~4 CPU minutes in all (SIM_COST)
