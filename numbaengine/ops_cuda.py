@@ -37,6 +37,7 @@ from numbaengine.kernels.gemm import (
     head_gemm,
     head_gemm_workspace_words,
 )
+from numbaengine.kernels.gemm_wg import WG_GEMM_DEFAULT
 from numbaengine.kernels.launch import contiguous, kernel, launch
 from numbaengine.kernels.mla import MLA_DEFAULT, mla_attention, mla_work
 from numbaengine.kernels.moe import (
@@ -149,9 +150,10 @@ class KernelOps:
                                  # pair naive 59.2 ms vs absorbed 26.9 ms (0.03% of its byte floor: launch-bound),
                                  # K2.6 x 2 layers 144 vs 111 ms (2.6% of its floor)
 
-    def __init__(self, name, xp, poison=False, trim_warps=False, comm=None, mla=MLA_DEFAULT):
+    def __init__(self, name, xp, poison=False, trim_warps=False, comm=None, mla=MLA_DEFAULT, gemm_wg=WG_GEMM_DEFAULT):
         self.name, self.xp, self.poison, self.trim_warps = name, xp, poison, trim_warps
         self.mla = mla               # absorbed MLA's kernel choices (kernels.mla.MlaConfig)
+        self.gemm_wg = gemm_wg       # the wgmma GEMM's choices (kernels.gemm_wg.WgConfig)
         self.comm = comm         # this rank's collectives (devices.NcclComm / ThreadComm) or None: one device
         self._flat = {}          # (role, dtype) -> flat buffer grown to the largest request
         self._moe_ws = {}        # (top_k, H, I, E) -> MoeWorkspace grown by n_max
@@ -163,7 +165,7 @@ class KernelOps:
 
     def fresh(self) -> KernelOps:
         """A table over the same device with its own scratch (a captured graph owns the buffers it points at)."""
-        table = KernelOps(self.name, self.xp, self.poison, self.trim_warps, self.comm, self.mla)
+        table = KernelOps(self.name, self.xp, self.poison, self.trim_warps, self.comm, self.mla, self.gemm_wg)
         table.branches = self.branches
         return table
 
@@ -287,10 +289,10 @@ class KernelOps:
         run at the same time as the GEMMs of the current stream."""
         (m, k), n = x.shape, w.shape[0]
         if self.trim_warps:      # simulator time: few k-pieces, no warps without rows
-            cfg = gemm_config(m, n, k, target_warps=64)
+            cfg = gemm_config(m, n, k, target_warps=64, wg=self.gemm_wg)
             cfg = dataclasses.replace(cfg, WR=max(1, min(cfg.WR, math.ceil(n / 16 / cfg.R))))
         else:
-            cfg = gemm_config(m, n, k)
+            cfg = gemm_config(m, n, k, wg=self.gemm_wg)
         if m > GEMM_ROWS:
             if not (contiguous(x) and (cfg.SB == 1 or 4 * cfg.SB * m * n <= TALL_PART_BYTES)):
                 for r in range(0, m, GEMM_ROWS):
@@ -305,7 +307,7 @@ class KernelOps:
             sync = self._gemm_sync[role] = self.xp.zeros(max(nsync, 1024), np.uint32)
         ws = GemmWorkspace(self.scratch(f"{role}.xb", (max(nxb, 1),), np.uint32),
                            self.scratch(f"{role}.part", (max(npart, 1),), np.float32), sync)
-        return gemm(x, w, out, ws, xs, cfg)
+        return gemm(x, w, out, ws, xs, cfg, self.gemm_wg)
 
     def head_gemm(self, x, w, out):
         """Per head: out[:, h] = x[:, h] @ bf16(w[h])^T; x f32[n, h, a], w u16[h, b, a] -> out f32[n, h, b], one

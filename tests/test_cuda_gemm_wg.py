@@ -11,27 +11,21 @@ K2 = {"q_kv_a": (2112, 7168), "q_b": (12288, 1536), "kv_b": (16384, 512), "o": (
 
 
 def test_wg_cut_from_n_k_only():
-    """MT and CL (the k pieces: the order of every sum) do not depend on m; clusters of <= WG_CL_MAX, pieces of >= 2
+    """MT and CL (the k pieces: the order of every sum) do not depend on m; clusters of <= cl_max, pieces of >= 2
     boxes, blocks within the aimed-at count, XIN where the rule says, and the ring fits its shared memory."""
-    from numbaengine.kernels.gemm_wg import (
-        WG_CL_MAX,
-        WG_SMEM_BLOCK,
-        WG_TARGET,
-        WG_XIN_ROWS,
-        wg_cut,
-        wg_smem,
-    )
+    from numbaengine.kernels.gemm_wg import WG_GEMM_DEFAULT as wg
+    from numbaengine.kernels.gemm_wg import wg_cut, wg_smem
     from numbaengine.kernels.prep import token_blocks
     for n, k in list(K2.values()) + [(163840, 7168), (200, 192), (64, 64), (1000, 640)]:
         cuts = [wg_cut(m, n, k) for m in (1, 7, 8, 9, 33, 64, 65, 130, 1000)]
         assert len({(c.MT, c.CL) for c in cuts}) == 1, (n, k, cuts)
         c = cuts[0]
         strips = -(-n // (64 * c.MT))
-        assert 1 <= c.CL <= WG_CL_MAX and (c.CL == 1 or k // 64 // c.CL >= 2), c
-        assert strips * c.CL <= max(WG_TARGET * 132, strips), c
+        assert 1 <= c.CL <= wg.cl_max and (c.CL == 1 or k // 64 // c.CL >= 2), c
+        assert strips * c.CL <= max(wg.target * 132, strips), c
         for cut in cuts:
-            assert cut.XIN == (cut.NB <= WG_XIN_ROWS and cut.MT == 2 and cut.S >= 3), cut
-            assert cut.S >= 2 and wg_smem(cut) <= max(WG_SMEM_BLOCK, 2 * (cut.MT * 8192 + cut.NB * 128)) + 128
+            assert cut.XIN == (cut.NB <= wg.xin_rows and cut.MT == 2 and cut.S >= 3), cut
+            assert cut.S >= 2 and wg_smem(cut) <= max(wg.smem_block, 2 * (cut.MT * 8192 + cut.NB * 128)) + 128
     assert [token_blocks(m) for m in (1, 8, 9, 33, 64, 65, 130)] == [(8, 1), (8, 1), (16, 1), (40, 1), (64, 1),
                                                                        (40, 2), (48, 3)]
 
@@ -48,12 +42,12 @@ def test_wg_path_only_where_it_applies():
 
 
 # --- GPU ---------------------------------------------------------------------------------------------------------
-def check(m, n, k, cut=None, seed=None, strided=False):
+def check(m, n, k, cut=None, seed=None, strided=False, wg=None):
     """gemm_wg against gemm_ref, output and x's boxes poisoned first (strided: out is the middle columns of a wider
-    array, whose other columns must keep their poison); returns the output."""
+    array, whose other columns must keep their poison; wg: a WgConfig, None the default); returns the output."""
     from numba import cuda
 
-    from numbaengine.kernels.gemm_wg import gemm_wg
+    from numbaengine.kernels.gemm_wg import WG_GEMM_DEFAULT, gemm_wg
     from numbaengine.kernels.prep import xb_words
     from numbaengine.reference import gemm_ref
     env = Env(gpu=True)
@@ -62,7 +56,8 @@ def check(m, n, k, cut=None, seed=None, strided=False):
     w = C.rand_bf16(rng, n, k)
     wide = C.poisoned(env, (m, n + 24 * strided), np.float32)
     out = wide[:, 8:8 + n] if strided else wide
-    gemm_wg(cuda.to_device(x), cuda.to_device(w), out, C.poisoned(env, (xb_words(m, k),), np.uint32), cut)
+    gemm_wg(cuda.to_device(x), cuda.to_device(w), out, C.poisoned(env, (xb_words(m, k),), np.uint32), cut,
+            cfg=wg or WG_GEMM_DEFAULT)
     ref = gemm_ref(x, w, np.empty((m, n), np.float32))
     scale = (np.abs(x) @ np.abs(C.bf16_to_f32(w)).T).max()
     got = env.host(wide)
@@ -99,13 +94,12 @@ def test_gpu_gemm_wg_cuts(mt, cl, stages, xin, m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 17])
-def test_gpu_gemm_wg_no_fence(m, monkeypatch):
-    """WG_TMAP_FENCE off (no fence.proxy.tensormap before the first TMA): the same results, on weights whose tensor
-    maps are made in this test (fresh maps, first use right after their host write)."""
-    import numbaengine.kernels.gemm_wg as kw
-    monkeypatch.setattr(kw, "WG_TMAP_FENCE", False)
+def test_gpu_gemm_wg_no_fence(m):
+    """WgConfig.tmap_fence off (no fence.proxy.tensormap before the first TMA): the same results, on weights whose
+    tensor maps are made in this test (fresh maps, first use right after their host write)."""
+    from numbaengine.kernels.gemm_wg import WgConfig
     for n, k in ((1000, 640), (200, 704), K2["q_kv_a"]):
-        check(m, n, k)
+        check(m, n, k, wg=WgConfig(tmap_fence=False))
 
 
 @pytest.mark.gpu
@@ -142,7 +136,7 @@ def test_gpu_gemm_wg_batch_invariant(name):
 @pytest.mark.parametrize("mt,cl,nb,xin", [(2, 4, 8, 1), (1, 3, 40, 0)])
 def test_wg_kernel_ptx(mt, cl, nb, xin):
     """The kernel compiles for sm_90a on the CPU (NVVM): 4 MT wgmma per stage, no local memory, no float64; with
-    GEMM_WG_STAMPS one timer read per STAMP_POINTS (tools/gemm_wg_stamps.py), without them none; the PDL wait first
+    WgConfig.stamps one timer read per STAMP_POINTS (tools/gemm_wg_stamps.py), without them none; the PDL wait first
     of all; the tensor map fence (none with FENCE off); the k-split fold (cl > 1) loads all cl partial quads of an
     item before its adds; ptxas (where installed) keeps the wgmmas asynchronous without spills."""
     from cudasim import f64_lines, ptx_or_skip, ptxas_check
@@ -170,7 +164,7 @@ def test_gemm_wg_stamps_cases_parse():
     from tools.gemm_wg_stamps import main
     with pytest.raises(SystemExit):
         main(["--cases", "q_kv_a"])
-    for bad in ("GEMM_WG=0", "WG_NOPE=1", "WG_STAGES_MAX="):
+    for bad in ("on=0", "nope=1", "stages_max=", "stamps=1"):
         with pytest.raises(SystemExit):
             main(["--set", bad])
 

@@ -45,11 +45,11 @@ GEMM_MS = (1, 9, 17, 33, 65)
 GEMM_VARIANTS = {"mma": (GEMM_MS, dict(WG=0)),      # the mma path (gemm_config's cut without WG) against wgmma
                  # wgmma knobs (kernels/gemm_wg.py): clusters of up to 8 or 2, blocks aimed at per SM, x prepared by
                  # prep_b (wg_x0) or converted by the blocks up to 16 rows (wg_x16)
-                 "wg_cl8": ((1, 17, 33), dict(wg=dict(WG_CL_MAX=8, WG_TARGET=2.0))),
-                 "wg_cl2": ((1, 17, 33), dict(wg=dict(WG_CL_MAX=2))),
-                 "wg_x0": ((1,), dict(wg=dict(WG_XIN_ROWS=0))), "wg_x16": ((9,), dict(wg=dict(WG_XIN_ROWS=16))),
-                 "wg_t1": ((1, 17, 33), dict(wg=dict(WG_TARGET=1.0))),
-                 "wg_nofence": ((1, 17, 33), dict(wg=dict(WG_TMAP_FENCE=False))),     # WG_TMAP_FENCE off
+                 "wg_cl8": ((1, 17, 33), dict(wg=dict(cl_max=8, target=2.0))),
+                 "wg_cl2": ((1, 17, 33), dict(wg=dict(cl_max=2))),
+                 "wg_x0": ((1,), dict(wg=dict(xin_rows=0))), "wg_x16": ((9,), dict(wg=dict(xin_rows=16))),
+                 "wg_t1": ((1, 17, 33), dict(wg=dict(target=1.0))),
+                 "wg_nofence": ((1, 17, 33), dict(wg=dict(tmap_fence=False))),
                  # the mma path's rings: weights in a 4-stage ring, no B in the ring, B in a 2-stage ring
                  "ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
                  "rb2": ((17,), dict(S=2, RB=1)), "rb2w4": ((17, 33), dict(S=2, RB=1, WR=4)),
@@ -313,6 +313,7 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None, shapes=None):
         gemm_workspace_words,
         token_tiles,
     )
+    from numbaengine.kernels.gemm_wg import WgConfig
     bench_read_floor(cp, cuda, results, copy_bw)
     dv = cuda.as_cuda_array
     rows = results.setdefault("gemm", [])
@@ -321,20 +322,13 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None, shapes=None):
                        dv(cp.zeros(1 << 14, cp.uint32)))
 
     def run(name, ws_chain, m, n, k, tag, over):
-        if "wg" in over:          # kernels/gemm_wg.py's module knobs for this run (the wgmma path's cut)
-            import numbaengine.kernels.gemm_wg as kw
-            saved = {f: getattr(kw, f) for f in over["wg"]}
-            for f, v in over["wg"].items():
-                setattr(kw, f, v)
-            try:
-                return run(name, ws_chain, m, n, k, tag, {f: v for f, v in over.items() if f != "wg"} | {"WG": 1})
-            finally:
-                for f, v in saved.items():
-                    setattr(kw, f, v)
+        wg = WgConfig(**over.get("wg", {}))      # the wgmma path's choices for this run (kernels.gemm_wg.WgConfig)
+        if "wg" in over:
+            over = {f: v for f, v in over.items() if f != "wg"} | {"WG": 1}
         x, out = dv(cp.random.standard_normal((m, k), dtype=cp.float32)), dv(cp.zeros((m, n), cp.float32))
         if tag != "default":      # the variants of the mma path's cut: not the wgmma path unless they say so
             over = {"WG": 0} | over
-        cfg = replace(gemm_config(m, n, k, **({"target_warps": over["tw"]} if "tw" in over else {})),
+        cfg = replace(gemm_config(m, n, k, wg=wg, **({"target_warps": over["tw"]} if "tw" in over else {})),
                       **{f: v for f, v in over.items() if f not in ("xs", "tw")})
         nbytes, xs = n * k * 2, over.get("xs", cfg.XS)
         need = gemm_workspace_words(m, n, k, xs, cfg)
@@ -343,8 +337,8 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None, shapes=None):
                 or gemm_smem(T, cfg, xs * T * cfg.RB) > SMEM_MAX):
             return 0.0
         w = ws_chain[0]
-        g_ms, e_ms = timed(cp, lambda: gemm(x, w, out, ws, xs=xs, cfg=cfg), reps_for(nbytes))
-        c_ms = chained_ms(cp, lambda i: gemm(x, ws_chain[i], out, ws, xs=xs, cfg=cfg), len(ws_chain), nbytes)
+        g_ms, e_ms = timed(cp, lambda: gemm(x, w, out, ws, xs=xs, cfg=cfg, wg=wg), reps_for(nbytes))
+        c_ms = chained_ms(cp, lambda i: gemm(x, ws_chain[i], out, ws, xs=xs, cfg=cfg, wg=wg), len(ws_chain), nbytes)
         row = dict(op="gemm", name=name, tag=tag, m=m, n=n, k=k, xs=xs, cfg=cfg.__dict__, bytes=nbytes,
                    graph_ms=g_ms, eager_ms=e_ms, pct_copy_single=100 * nbytes / g_ms / 1e6 / copy_bw,
                    chain_ms=c_ms, chain_copies=len(ws_chain), gbps=nbytes / c_ms / 1e6,

@@ -1,13 +1,14 @@
-"""Where a wgmma dense GEMM call's time goes (issue 5): kernels/gemm_wg.py compiled with GEMM_WG_STAMPS has thread 0
+"""Where a wgmma dense GEMM call's time goes (issue 5): kernels/gemm_wg.py compiled with WgConfig.stamps has thread 0
 of every block write (SM cycles, global ns) at each of kernels.gemm_wg.STAMP_POINTS; one eager call per case after
 an L2 flush, then each phase's median / min / max over the blocks in microseconds, the main loop per stage, the
 blocks' start spread and the kernel's span (tools/mla_stamps.py `phases`), blocks alone on an SM vs sharing one;
 beside them the call's graph time, the call chained over distinct weight copies (tools/bench_kernels.py's chain),
 its x prep launch alone chained, and a pure read of the weights' bytes chained. Rows keep the raw stamps ("raw").
-    python -m tools.gemm_wg_stamps [--cases q_kv_a:1,q_kv_a:17,o:1,o:33] [--set WG_STAGES_MAX=8] [--out stamps.json]
+    python -m tools.gemm_wg_stamps [--cases q_kv_a:1,q_kv_a:17,o:1,o:33] [--set stages_max=8] [--out stamps.json]
 (names: tools/bench_kernels.py K2_GEMMS; the call's bytes are the weights, n k 2.)
 """
 import argparse
+import dataclasses
 
 from tools.mla_stamps import emit, phases
 
@@ -40,7 +41,7 @@ def sm_sharing(stamps, npoints):
     return out
 
 
-def run_case(name, m):
+def run_case(name, m, wg=None):
     import cupy as cp
     import numpy as np
     from numba import cuda
@@ -63,31 +64,29 @@ def run_case(name, m):
     out = cp.zeros((m, n), cp.float32)
     xb = cp.zeros(xb_words(m, k), cp.uint32)
     sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
-    cut = kw.wg_cut(m, n, k, sms)
+    wg = wg or kw.WG_GEMM_DEFAULT
+    cut = kw.wg_cut(m, n, k, sms, cfg=wg)
     blocks = cut.CL * -(-n // (64 * cut.MT)) * cut.ZB
     stamps = cp.zeros((blocks, kw.STAMP_WORDS), cp.int32)
     args = (dv(x), dv(w), dv(out), dv(xb), cut)
-    us, how = gpu_us(lambda: kw.gemm_wg(*args))                 # unstamped kernel: the call's time
+    us, how = gpu_us(lambda: kw.gemm_wg(*args, cfg=wg))         # unstamped kernel: the call's time
     # the same call chained over distinct weight copies (tools/bench_kernels.py's chain), x's prep launch alone in
     # the same chain, and a pure read of the weights' bytes: what the call costs beside its kernel's span
     nbytes = 2 * n * k
     ws = [dv(w)] + [dv(w.copy()) for _ in range(1, chain_copies(nbytes))]
-    chain_us = 1e3 * chained_ms(cp, lambda i: kw.gemm_wg(args[0], ws[i], *args[2:]), len(ws), nbytes)
+    chain_us = 1e3 * chained_ms(cp, lambda i: kw.gemm_wg(args[0], ws[i], *args[2:], cfg=wg), len(ws), nbytes)
     prep_us = 0.0 if cut.XIN else 1e3 * chained_ms(cp, lambda i: prep_b(args[0], args[3], 1, 0, tiled=3), 1, 1 << 20)
     read_k, sink = read_kernel(), dv(cp.zeros(1, cp.uint32))
     flat = [dv(cp.asarray(u).reshape(n * k).view(cp.uint32)) for u in ws]     # (made before the capture)
     read_us = 1e3 * chained_ms(cp, lambda i: launch(read_k, 4 * sms, 512, flat[i], sink, np.int32(n * k // 2)),
                                len(flat), nbytes)
-    kw.GEMM_WG_STAMPS = True
-    try:
-        flush = cp.ones(1 << 28, cp.uint8)                       # 256 MB read: the weights leave L2
-        kw.gemm_wg(*args, stamps=dv(stamps))                     # compile
-        stamps[:] = 0
-        int(flush.sum())
-        kw.gemm_wg(*args, stamps=dv(stamps))
-        cp.cuda.runtime.deviceSynchronize()
-    finally:
-        kw.GEMM_WG_STAMPS = False
+    stamped = dataclasses.replace(wg, stamps=True)
+    flush = cp.ones(1 << 28, cp.uint8)                           # 256 MB read: the weights leave L2
+    kw.gemm_wg(*args, stamps=dv(stamps), cfg=stamped)            # compile
+    stamps[:] = 0
+    int(flush.sum())
+    kw.gemm_wg(*args, stamps=dv(stamps), cfg=stamped)
+    cp.cuda.runtime.deviceSynchronize()
     raw = stamps.get()
     row = dict(name=name, m=m, n=n, k=k, cut=cut.__dict__, mb=round(nbytes / 1e6, 1), call_us=round(us, 2),
                timing=how, chain_us=round(chain_us, 2), prep_chain_us=round(prep_us, 2),
@@ -103,20 +102,23 @@ def main(argv=None):
     ap.add_argument("--cases", default="q_kv_a:1,q_kv_a:17,o:1,o:33,shared_gate_up:1,q_b:17")
     ap.add_argument("--out", help="write the rows as JSON")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                    help="a kernels.gemm_wg knob for every case (repeatable), e.g. WG_STAGES_MAX=8")
+                    help="a kernels.gemm_wg.WgConfig field for every case (repeatable), e.g. stages_max=8")
     a = ap.parse_args(argv)
-    import numbaengine.kernels.gemm_wg as kw
+    from numbaengine.kernels.gemm_wg import WG_GEMM_DEFAULT
+    fields = {f.name: f.type for f in dataclasses.fields(WG_GEMM_DEFAULT) if f.name not in ("on", "stamps")}
+    wg = {}
     for item in a.set:
         name, _, value = item.partition("=")
-        if not hasattr(kw, name) or not name.startswith("WG_") or not value:
-            ap.error(f"--set {item!r}: want WG_<knob>=value of kernels.gemm_wg")
-        setattr(kw, name, type(getattr(kw, name))(value) if not isinstance(getattr(kw, name), bool)
-                else value.lower() in ("1", "true", "on"))
+        if name not in fields or not value:
+            ap.error(f"--set {item!r}: want <field>=value, a field of kernels.gemm_wg.WgConfig: {', '.join(fields)}")
+        kind = type(getattr(WG_GEMM_DEFAULT, name))
+        wg[name] = value.lower() in ("1", "true", "on") if kind is bool else kind(value)
+    wg = dataclasses.replace(WG_GEMM_DEFAULT, **wg)
     try:
         cases = [(c.split(":")[0], int(c.split(":")[1])) for c in a.cases.split(",")]
     except (IndexError, ValueError):
         ap.error(f"--cases {a.cases!r}: want name:m pairs separated by commas")
-    return emit((run_case(name, m) for name, m in cases), a.out)
+    return emit((run_case(name, m, wg) for name, m in cases), a.out)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from numbaengine.kernels.device import (
     pack_bf16x2,
     split_bf16x2,
 )
-from numbaengine.kernels.gemm_wg import gemm_wg, gemm_wg_applies
+from numbaengine.kernels.gemm_wg import WG_GEMM_DEFAULT, gemm_wg, gemm_wg_applies
 from numbaengine.kernels.launch import (
     cached,
     contiguous,
@@ -541,7 +541,7 @@ class GemmWorkspace:
     sync: object = None
 
 
-def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
+def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None, wg=WG_GEMM_DEFAULT):
     """Default cut: enough k-pieces that about `target_warps` warps stream weights (n, k decide the k split).
     On sm_90 the large-weight cut carries WG=1 up to WG_ROWS rows: kernels/gemm_wg.py runs it instead (TMA ring +
     wgmma; H200: 6-16 points of copy more at 17-33 rows on K2's projections, up to 6 fewer at one row on q_kv_a and
@@ -591,7 +591,7 @@ def gemm_config(m, n, k, target_warps=TARGET_WARPS, small=None):
         return GemmConfig(R=1, WR=max(1, min(MAX_WARPS // wk, tiles)), WK=wk, SB=1,
                           U=8 if T == 1 else (1 if T == 3 else 2), BF=1, MB=2 if T > 1 else 0, FR=0, S=0, XS=SMALL_XS)
     return GemmConfig(R=R, WR=wr, WK=wk, SB=sb, U=U, BF=int(T == 1), MB=2, FR=int(T == 1), S=S,
-                      RB=RB, WG=int(m <= WG_ROWS and gemm_wg_applies(m, n, k)))
+                      RB=RB, WG=int(m <= WG_ROWS and gemm_wg_applies(m, n, k, wg)))
 
 
 def with_xs(cfg, xs):
@@ -628,18 +628,18 @@ def gemm_smem(T, cfg, nb=0):
     return max(ring, red_bytes(cfg.R, T, cfg.WR, cfg.WK))
 
 
-def gemm(x, w, out, ws, xs=None, cfg=None):
+def gemm(x, w, out, ws, xs=None, cfg=None, wg=WG_GEMM_DEFAULT):
     """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T on the GPU: [prep of B,] mma GEMM [, k-split reduce]
-    (the reduce runs inside the GEMM when ws.sync is given)."""
+    (the reduce runs inside the GEMM when ws.sync is given). wg: the wgmma path's choices where the cut takes it."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape != (n, k) or out.shape != (m, n):
         raise ValueError(f"gemm: x {x.shape}, w {w.shape}, out {out.shape} do not fit x @ w^T")
     if k % 32:
         raise ValueError(f"gemm: k={k} is not a multiple of 32")
-    cfg = with_xs(cfg or gemm_config(m, n, k), xs)
+    cfg = with_xs(cfg or gemm_config(m, n, k, wg=wg), xs)
     if cfg.WG:
-        return gemm_wg(x, w, out, ws.xb)
+        return gemm_wg(x, w, out, ws.xb, cfg=wg)
     xs = xs or cfg.XS
     nxb, npart = gemm_workspace_words(m, n, k, xs, cfg)
     if ws.xb.size < nxb or ws.part.size < npart:

@@ -8,7 +8,7 @@ mbarrier per slot) and wgmma reads both operands from there: the bytes in flight
 Block (k piece c, strip of BM = 64 MT weight rows, token block z), one warpgroup of 128 threads:
   stage j:  MT TMA boxes of 64 weight rows x 64 k (128-byte swizzle; rows past n land as zeros) and one box of the
             token block's NB rows x 64 k of bf16 activations: a bulk copy from `prep_b` tiled=3 (the same swizzle),
-            or (XIN, <= WG_XIN_ROWS rows) stored by the block's threads from f32 x, loaded one iteration ahead;
+            or (XIN, <= WgConfig.xin_rows rows) stored by the block's threads from f32 x, loaded one iteration ahead;
             then 4 MT wgmma m64nNBk16 into MT x NB/2 f32 accumulators per thread; the slot is refilled with stage
             j + S once stage j + 1's wgmmas are issued and stage j's have retired.
   k split:  the CL k pieces of a strip run as one thread-block cluster; each leaves its partial tile in its shared
@@ -60,34 +60,46 @@ from numbaengine.kernels.wgmma import (
     wg_wait1,
 )
 
-GEMM_WG = env.GEMM_WG     # kernels.gemm.gemm_config takes this path where it
-#                           applies (gemm_wg_applies); NUMBAENGINE_GEMM_WG=0: the mma path everywhere
-WG_TARGET = 1.8           # blocks per SM the k split aims at, at most: all resident at once (one wave) with room
-#                           for the clusters' packing into GPCs (a cluster's blocks share one GPC)
-WG_CL_MAX = 4             # k pieces per strip (cluster size), 1 .. 8. H200, chained % of copy at m = 17: q_kv_a 46.4
-#                           with clusters of 4 against 37.1 with clusters of 8 (33 clusters either way), shared
-#                           gate_up 62.4 against 50.1 (not profiled: clusters of 8 may not all fit in one wave)
-WG_SMEM_BLOCK = 112 * 1024    # shared bytes of a block (ring + x boxes): two fit per SM
-WG_STAGES_MAX = 12
-WG_XIN_ROWS = 8           # token blocks up to this many rows convert their f32 x into the ring's x boxes themselves,
-#                           a stage at a time (XIN: no prep launch), where a stage holds two weight boxes (MT = 2);
-#                           other cuts take x from prep_b tiled=3 by bulk copies. 0: off. H200, chained % of copy at
-#                           m = 1, XIN / prep: o 80.3 / 77.8, kv_b 65.5 / 61.2 (MT = 2); q_kv_a 39.6 / 48.2 (MT = 1:
-#                           twice the f32 x per weight byte, so MT = 1 keeps the prep); at 16 rows XIN lost on every
-#                           shape (o 61.5 / 75.4)
 BOX = 64 * 64 * 2         # bytes of one weight box (64 rows x 64 k bf16)
-WG_TMAP_FENCE = True      # fence.proxy.tensormap acquire on the weights' tensor map before the first TMA (orders the
-#                           host's write of the map before the copy engine reads it). Off: maps are never freed or
-#                           rewritten here, so no stale copy can exist; H200, chained % of copy at m = 1 / 17 / 33,
-#                           q_kv_a 49.9 / 48.1 / 46.5 off against 47.8 / 46.6 / 45.0 on (0.3-2.1 points on the four
-#                           shapes timed). On by default because off has had no GPU correctness run (`python -m
-#                           pytest -m gpu tests/test_cuda_gemm_wg.py` with it off is the check before switching)
 # The PDL wait stays at the kernel's start: placed after the ring's first weight boxes (which never depend on the
 # previous kernel) it measured 0.1-2.0 points of copy lower (H200, chained, q_kv_a and o at m = 1-33).
-GEMM_WG_STAMPS = False    # measurement only (tools/gemm_wg_stamps.py): thread 0 of every block writes (SM cycles,
-#                           global ns) at the 9 STAMP_POINTS of its timeline into `stamps` [blocks, STAMP_WORDS]
-#                           (int32 bits), then its SM and its stages; the kernel takes that array after nbox. Default
-#                           PTX unchanged
+
+
+@dataclass(frozen=True)
+class WgConfig:
+    """The wgmma GEMM's choices: the defaults are what the engine runs, each with the measurement behind it. The op
+    table holds one (KernelOps.gemm_wg); tools and tests pass others; compiled kernels are keyed by what they read."""
+    on: bool = env.GEMM_WG   # kernels.gemm.gemm_config takes this path where it applies (gemm_wg_applies);
+    #                          NUMBAENGINE_GEMM_WG=0: the mma path everywhere
+    target: float = 1.8      # blocks per SM the k split aims at, at most: all resident at once (one wave) with room
+    #                          for the clusters' packing into GPCs (a cluster's blocks share one GPC). No measurement
+    #                          kept for 1.8; 1.0 (tools.bench_kernels variant wg_t1) measured equal or higher in one
+    #                          run (o at m = 1 / 17 / 33: 81.0 / 76.0 / 73.2% of copy against 75.7 / 74.7 / 71.3):
+    #                          to be re-timed before either is kept
+    cl_max: int = 4          # k pieces per strip (cluster size), 1 .. 8. H200, chained % of copy at m = 17: q_kv_a 46.4
+    #                          with clusters of 4 against 37.1 with clusters of 8 (33 clusters either way), shared
+    #                          gate_up 62.4 against 50.1 (not profiled: clusters of 8 may not all fit in one wave)
+    smem_block: int = 112 * 1024   # shared bytes of a block (ring + x boxes): two fit per SM
+    stages_max: int = 12     # most ring stages (not measured)
+    xin_rows: int = 8        # token blocks up to this many rows convert their f32 x into the ring's x boxes themselves,
+    #                          a stage at a time (XIN: no prep launch), where a stage holds two weight boxes (MT = 2);
+    #                          other cuts take x from prep_b tiled=3 by bulk copies. 0: off. H200, chained % of copy at
+    #                          m = 1, XIN / prep: o 80.3 / 77.8, kv_b 65.5 / 61.2 (MT = 2); q_kv_a 39.6 / 48.2 (MT = 1:
+    #                          twice the f32 x per weight byte, so MT = 1 keeps the prep); at 16 rows XIN lost on every
+    #                          shape (o 61.5 / 75.4)
+    tmap_fence: bool = True  # fence.proxy.tensormap acquire on the weights' tensor map before the first TMA (orders the
+    #                          host's write of the map before the copy engine reads it). Off: maps are never freed or
+    #                          rewritten here, so no stale copy can exist; H200, chained % of copy at m = 1 / 17 / 33,
+    #                          q_kv_a 49.9 / 48.1 / 46.5 off against 47.8 / 46.6 / 45.0 on (0.3-2.1 points on the four
+    #                          shapes timed). On by default because off has had no GPU correctness run (`python -m
+    #                          pytest -m gpu tests/test_cuda_gemm_wg.py -k fence` is the check before switching)
+    stamps: bool = False     # measurement only (tools/gemm_wg_stamps.py): thread 0 of every block writes (SM cycles,
+    #                          global ns) at the 9 STAMP_POINTS of its timeline into `stamps` [blocks, STAMP_WORDS]
+    #                          (int32 bits), then its SM and its stages; the kernel takes that array after nbox.
+    #                          Default PTX unchanged
+
+
+WG_GEMM_DEFAULT = WgConfig()
 STAMP_POINTS = ("entry", "barriers ready", "stage 0 issued", "ring issued", "x staged", "stage 0 landed",
                 "main loop done", "partials published", "out stored")
 STAMP_WORDS = 2 * len(STAMP_POINTS) + 2
@@ -106,24 +118,24 @@ class WgCut:
     XIN: int = 0
 
 
-def wg_cut(m, n, k, sms=132, mt=None, cl=None, stages=None, xin=None):
+def wg_cut(m, n, k, sms=132, mt=None, cl=None, stages=None, xin=None, cfg=WG_GEMM_DEFAULT):
     """The default cut: MT and CL from (n, k) alone (batch invariance): the MT (2 on a tie) whose strips x k pieces
-    come closest to WG_TARGET blocks per SM without passing it (past it for both: the fewer blocks), k pieces of >= 2
-    boxes, <= WG_CL_MAX; XIN 1 up to WG_XIN_ROWS rows with MT = 2 (S >= 3), else 0; S as many stages as
-    WG_SMEM_BLOCK holds. mt / cl / stages / xin override."""
+    come closest to cfg.target blocks per SM without passing it (past it for both: the fewer blocks), k pieces of >= 2
+    boxes, <= cfg.cl_max; XIN 1 up to cfg.xin_rows rows with MT = 2 (S >= 3), else 0; S as many stages as
+    cfg.smem_block holds. mt / cl / stages / xin override."""
     boxes = k // 64
-    target = int(WG_TARGET * sms)
+    target = int(cfg.target * sms)
     options = []
     for MT in ((mt,) if mt else (2, 1)):
         strips = -(-n // (64 * MT))
-        CL = cl or max(1, min(WG_CL_MAX, boxes // 2, target // strips))
+        CL = cl or max(1, min(cfg.cl_max, boxes // 2, target // strips))
         blocks = strips * CL
         options.append((blocks if blocks <= target else -blocks, MT, CL))   # the most blocks within the target,
     _, MT, CL = max(options)                                                # else the fewest (MT = 2 first)
     NB, ZB = token_blocks(m)
     if xin is None:
-        xin = int(NB <= WG_XIN_ROWS and MT == 2)
-    S = stages or max(2, min(WG_STAGES_MAX, WG_SMEM_BLOCK // _layout(MT, 1, NB)[0]))
+        xin = int(NB <= cfg.xin_rows and MT == 2)
+    S = stages or max(2, min(cfg.stages_max, cfg.smem_block // _layout(MT, 1, NB)[0]))
     return WgCut(MT, CL, S, NB, ZB, xin if S >= 3 else 0)
 
 
@@ -150,16 +162,16 @@ def _sm90():
         return False
 
 
-def gemm_wg_applies(m, n, k):
-    """Whether this path runs the GEMM: sm_90, k a multiple of 64 (one swizzle span per box) and GEMM_WG on."""
-    return GEMM_WG and k % 64 == 0 and n >= 64 and _sm90()
+def gemm_wg_applies(m, n, k, cfg=WG_GEMM_DEFAULT):
+    """Whether this path runs the GEMM: sm_90, k a multiple of 64 (one swizzle span per box) and cfg.on."""
+    return cfg.on and k % 64 == 0 and n >= 64 and _sm90()
 
 
 _KERNELS = {}
 
 
 def gemm_wg_kernel(MT, CL, S, NB, XIN=0, STAMPS=False, FENCE=True):
-    """The kernel for one cut (compiled once per (MT, CL, S, NB, XIN, STAMPS, FENCE: WG_TMAP_FENCE))."""
+    """The kernel for one cut (compiled once per (MT, CL, S, NB, XIN, STAMPS, FENCE: WgConfig.tmap_fence))."""
     key = (MT, CL, S, NB, XIN, STAMPS, FENCE)
     if key not in _KERNELS:
         _KERNELS[key] = _build(*key)
@@ -403,7 +415,7 @@ def _build(MT, CL, S, NB, XIN, STAMPS, FENCE):
         @kernel(max_registers=255)
         def gemm_wg_k(wmap, xb, x, out, m, n, nbox, stamps):
             """Block (k piece c, strip, token block z) of 128 threads (module docstring); grid (CL, ceil(n / BM),
-            ZB) in clusters of CL; `stamps` int32 [blocks, STAMP_WORDS] (GEMM_WG_STAMPS). Bytes: the strip's
+            ZB) in clusters of CL; `stamps` int32 [blocks, STAMP_WORDS] (WgConfig.stamps). Bytes: the strip's
             weights of this k piece once, its x boxes once, the out rows of its share of the fold once."""
             grid_dep()
             gemm_wg_body(wmap, xb, x, out, m, n, nbox, stamps)
@@ -435,18 +447,18 @@ def tensor_map(a, box_rows):
     return _TMAP[key]
 
 
-def gemm_wg(x, w, out, xb, cut=None, stamps=None):
+def gemm_wg(x, w, out, xb, cut=None, stamps=None, cfg=WG_GEMM_DEFAULT):
     """out f32[m, n] = x f32[m, k] @ bf16(w u16[n, k])^T: one launch of (CL, strips, ZB) blocks in clusters of CL,
     after x -> bf16 boxes in xb (u32, >= xb_words(m, k)) unless the blocks convert x themselves (cut.XIN 1, x
     contiguous; else the cut falls back to XIN 0). w contiguous (its tensor map); out may be a strided view (a
-    vocabulary shard's columns). stamps: int32 [>= blocks, STAMP_WORDS] with GEMM_WG_STAMPS on."""
+    vocabulary shard's columns). stamps: int32 [>= blocks, STAMP_WORDS] with cfg.stamps on."""
     from numbaengine.kernels.launch import contiguous, launch_smem
     m, k = x.shape
     n = w.shape[0]
-    if not gemm_wg_applies(m, n, k) or not contiguous(w) or out.shape != (m, n):
+    if not gemm_wg_applies(m, n, k, cfg) or not contiguous(w) or out.shape != (m, n):
         raise ValueError(f"gemm_wg: x {x.shape}, w {w.shape}, out {out.shape}: needs sm_90, k % 64 == 0, n >= 64, "
                          f"contiguous w, out [m, n]")
-    cut = cut or wg_cut(m, n, k, cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    cut = cut or wg_cut(m, n, k, cuda.get_current_device().MULTIPROCESSOR_COUNT, cfg=cfg)
     if (cut.NB, cut.ZB) != token_blocks(m) or (cut.XIN and cut.S < 3) or cut.CL > k // 64:
         raise ValueError(f"gemm_wg: cut {cut} was not made for m={m}, k={k} (or XIN with fewer than 3 stages, or more "
                          f"k pieces than boxes)")
@@ -456,12 +468,12 @@ def gemm_wg(x, w, out, xb, cut=None, stamps=None):
         if xb.size < xb_words(m, k):
             raise ValueError(f"gemm_wg: xb of {xb.size} words < {xb_words(m, k)}")
         prep_b(x, xb, 1, 0, tiled=3)
-    kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN, GEMM_WG_STAMPS, WG_TMAP_FENCE)
+    kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN, cfg.stamps, cfg.tmap_fence)
     grid = (cut.CL, math.ceil(n / (64 * cut.MT)), cut.ZB)
-    if GEMM_WG_STAMPS and (stamps is None or stamps.shape[0] < math.prod(grid) or stamps.shape[1] < STAMP_WORDS):
-        raise ValueError(f"gemm_wg: GEMM_WG_STAMPS needs stamps of [>= {math.prod(grid)} blocks, {STAMP_WORDS}] int32")
+    if cfg.stamps and (stamps is None or stamps.shape[0] < math.prod(grid) or stamps.shape[1] < STAMP_WORDS):
+        raise ValueError(f"gemm_wg: WgConfig.stamps needs stamps of [>= {math.prod(grid)} blocks, {STAMP_WORDS}] int32")
     xf = x.reshape(m * k) if cut.XIN else xb.view(np.float32)     # (without XIN: not read)
     args = (tensor_map(w, 64), xb, xf, out, int32(m), int32(n), int32(k // 64))
-    launch_smem(kern, grid, 128, wg_smem(cut), args + ((stamps,) if GEMM_WG_STAMPS else ()),
+    launch_smem(kern, grid, 128, wg_smem(cut), args + ((stamps,) if cfg.stamps else ()),
                 cluster=(cut.CL, 1, 1) if cut.CL > 1 else None)
     return out
