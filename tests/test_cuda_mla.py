@@ -9,6 +9,7 @@ from cudasim import Env, f64_lines, ptx_or_skip, ptxas_check, simulator_test, wo
 from test_cuda_attention import BF16_NAN, pack_vis, random_tree_vis
 from test_ptx import cpu_compute_capability  # noqa: F401  (autouse: sm_90 for device functions without a GPU)
 
+from numbaengine.kernels.attention import MergeConfig
 from numbaengine.kernels.mla import MLA_PTX_SIG as SIG
 from numbaengine.kernels.mla import MlaConfig
 from numbaengine.kernels.mla_wg import MlaWgConfig
@@ -61,20 +62,6 @@ def check(env, B=2, T=1, h=4, D=96, r=64, lengths=(150, 90), ntok=(1, 1), work="
     return wk
 
 
-def check_knobs(env, knobs, module="numbaengine.kernels.attention", **kw):
-    """check with `module`'s settings changed (kernels.attention's MERGE_* merge settings), restored afterwards."""
-    import importlib
-    km = importlib.import_module(module)
-    saved = {k: getattr(km, k) for k in knobs}
-    for k, v in knobs.items():
-        setattr(km, k, v)
-    try:
-        check(env, **kw)
-    finally:
-        for k, v in saved.items():
-            setattr(km, k, v)
-
-
 def check_split_sizing(env):
     from numbaengine.kernels.mla import MLA_DEFAULT, mla_work
     one = mla_work(np.zeros, 1, 1, 64, 512, 4097)                    # batch 1: every SM gets a split
@@ -103,12 +90,11 @@ SIM_CASES = {
     "merge_ten_groups": lambda env: check(env, lengths=(600, 90), work=32, seed=5),
     # the same with 2 split groups and 2 splits per load round (3 rounds, the last one's second split past the end:
     # loaded, not folded) and each row's 16 column quads over 2 blocks of 8
-    "merge_split_rounds_column_blocks": lambda env: check_knobs(env, dict(MERGE_GROUPS=2, MERGE_SPLITS=2,
-                                                                          MERGE_COLS=8), "numbaengine.kernels.attention",
-                                                                lengths=(600, 90), work=32, seed=14),
+    "merge_split_rounds_column_blocks": lambda env: check(env, lengths=(600, 90), work=32, seed=14,
+                                                          cfg=MlaConfig(merge=MergeConfig(groups=2, splits=2, cols=8))),
     # many rows for their splits (merge_shape's wave rule): one split group, 4 splits per round (3 rounds of 10)
-    "merge_one_group_rounds": lambda env: check_knobs(env, dict(MERGE_WAVE_THREADS=1), "numbaengine.kernels.attention",
-                                                      lengths=(600, 90), work=32, seed=15),
+    "merge_one_group_rounds": lambda env: check(env, lengths=(600, 90), work=32, seed=15,
+                                                cfg=MlaConfig(merge=MergeConfig(wave_threads=1))),
     "many_splits_auto": lambda env: check(env, B=1, lengths=(300,), ntok=(1,), work="auto", sms=12, seed=3),
     "pv_two_tiles_per_warp": lambda env: check(env, B=1, T=16, h=4, D=160, r=128, lengths=(70,),
                                                        ntok=(13,), work=64, seed=4),

@@ -185,3 +185,23 @@ def test_ptx_pdl_wait_before_any_memory_access(monkeypatch):
         D.LaunchConfig(grid=4, block=32)
     D.LaunchConfig(grid=4, block=32)
     assert seen == [True, False]
+
+
+def test_ptx_diff_canonical_names_only(tmp_path):
+    """tools/ptx_diff.py: PTX that differs only in numba's mangled names, the shared arrays' numbering or the order
+    of declarations compares equal; one changed instruction does not (and compare says which kernel)."""
+    from tools.ptx_diff import canonical, compare
+    a = (".common .global .align 8 .u64 _ZN08NumbaEnv5mod_a1fE;\n.extern .shared .align 4 .b8 _cudapy_smem_8[];\n"
+         ".visible .shared .align 4 .b8 _cudapy_smem_144[4];\n.visible .entry _ZN3mod_a6kernelE(\n"
+         "\tmov.u64 %rd1, _cudapy_smem_8;\n\tadd.f32 %f1, %f2, %f3;\n")
+    b = (".visible .shared .align 4 .b8 _cudapy_smem_20[4];\n.extern .shared .align 4 .b8 _cudapy_smem_21[];\n"
+         ".visible .entry _ZN5mod_b26kernelE(\n\tmov.u64 %rd1, _cudapy_smem_21;\n\tadd.f32 %f1, %f2, %f3;\n")
+    assert canonical(a) == canonical(b)
+    assert canonical(a) != canonical(b.replace("add.f32", "sub.f32"))
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    for folder, text in (("x", a), ("y", b)):
+        (tmp_path / folder / "k.1.ptx").write_text(canonical(text))
+    assert compare(tmp_path / "x", tmp_path / "y") == 0
+    (tmp_path / "y" / "k.1.ptx").write_text(canonical(b.replace("add.f32", "sub.f32")))
+    assert compare(tmp_path / "x", tmp_path / "y") == 1

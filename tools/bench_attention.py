@@ -6,7 +6,7 @@ Every timing replays a CUDA graph of `reps` launches (numba launches captured on
 overhead is not measured. `run(results, copy_bw_gbs)` is called by tools/bench_kernels.py; alone:
     python -m tools.bench_attention [--out bench.json] [--quick] [--only mla|tree|prefill|drafter|splits]
     python -m tools.bench_attention --only mla --mla-variant '{"nk": 32}'     # a kernels.mla.MlaConfig
-    python -m tools.bench_attention --only mla --quick --mla-max-batch 1 --mla-variant '[{}, {"MERGE_GROUPS": 8}]'
+    python -m tools.bench_attention --only mla --quick --mla-max-batch 1 --mla-variant '[{}, {"merge": {"groups": 4}}]'
     python -m tools.bench_attention --only mla --mla-shapes '{"ctx": [4096], "heads": [64], "queries": [1]}'
     ncu -k regex:mla python -m tools.bench_attention --profile-mla 64:1:4096:64  # heads:queries:context:batch
     python -m tools.bench_attention --only mla --parallel --out v.json --mla-variant '[{}, {"wg": {"cluster": 0}}]'
@@ -124,30 +124,22 @@ def bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch=256 * 1024, q_
 
 @contextlib.contextmanager
 def mla_settings(variant):
-    """The kernels.mla.MlaConfig a variant names, yielded: {"nk": 32, "wg": {"cluster": 0}} sets fields of MlaConfig
-    and of its wg (MlaWgConfig); MERGE_* names set kernels.attention's merge settings inside the block, restored
-    after. An unknown name is a one-line error."""
+    """The kernels.mla.MlaConfig a variant names, yielded: {"nk": 32, "wg": {"cluster": 0}, "merge": {"groups": 4}}
+    sets fields of MlaConfig and of its wg (MlaWgConfig) and merge (attention.MergeConfig). An unknown name is a
+    one-line error."""
     import dataclasses
 
-    import numbaengine.kernels.attention as ka
+    from numbaengine.kernels.attention import MergeConfig
     from numbaengine.kernels.mla import MlaConfig
     from numbaengine.kernels.mla_wg import MlaWgConfig
     variant = dict(variant or {})
-    merge = {k: variant.pop(k) for k in list(variant) if k.startswith("MERGE_")}
-    wg = dict(variant.pop("wg", {}))
-    names, wg_names = {f.name for f in dataclasses.fields(MlaConfig)}, {f.name for f in dataclasses.fields(MlaWgConfig)}
-    bad = sorted(set(variant) - names) + [f"wg.{k}" for k in sorted(set(wg) - wg_names)] + \
-        [k for k in merge if not hasattr(ka, k)]
+    subs = {"wg": (MlaWgConfig, variant.pop("wg", {})), "merge": (MergeConfig, variant.pop("merge", {}))}
+    bad = sorted(set(variant) - {f.name for f in dataclasses.fields(MlaConfig)})
+    bad += [f"{part}.{k}" for part, (kind, given) in subs.items()
+            for k in sorted(set(given) - {f.name for f in dataclasses.fields(kind)})]
     if bad:
-        raise SystemExit(f"mla variant: unknown settings {bad} (MlaConfig fields, wg: MlaWgConfig fields, MERGE_*)")
-    saved = {k: getattr(ka, k) for k in merge}
-    try:
-        for k, v in merge.items():
-            setattr(ka, k, v)
-        yield MlaConfig(**variant, wg=MlaWgConfig(**wg))
-    finally:
-        for k, v in saved.items():
-            setattr(ka, k, v)
+        raise SystemExit(f"mla variant: unknown settings {bad} (MlaConfig fields; wg, merge: their configs' fields)")
+    yield MlaConfig(**variant, **{part: kind(**given) for part, (kind, given) in subs.items()})
 
 
 def _bench_mla(contexts, heads, queries, copy_bw, tokens_per_batch, q_bytes_cap, max_batch, mla_attention,

@@ -159,13 +159,19 @@ def attention_split_kernel(q, k, v, kv_len, has_len, vis, has_vis, scale, split,
             u += 1
 
 
-MERGE_ROWS = 4              # rows per merge block at <= MERGE_ROWS splits: their loads are in flight together
-MERGE_GROUPS = 8            # above that, one row per block, up to this many split groups (a tree of folds) ...
-MERGE_SPLITS = 4            # ... up to this many of a thread's splits loaded together ...
-MERGE_COLS = 32             # ... and this many column quads per block: a row's r/4 quads over r/(4 MERGE_COLS) blocks
-MERGE_WAVE_THREADS = 132 * 2048     # ... and no more groups than keep the launch within one wave of threads (H200,
-# 64 heads, 16K x batch 16, 8 splits, mla_attention with its split kernel: 103.3 us = 68.3% of copy with the rule,
-# 112.6 us = 63.2% with 8 groups of one split; H100: 128.3 against 137.2 us)
+@dataclass(frozen=True)
+class MergeConfig:
+    """merge_splits' launch shape rule (merge_shape): the defaults are what the engine runs."""
+    rows: int = 4            # rows per merge block at <= `rows` splits: their loads are in flight together
+    groups: int = 8          # above that, one row per block, up to this many split groups (a tree of folds) ...
+    splits: int = 4          # ... up to this many of a thread's splits loaded together ...
+    cols: int = 32           # ... and this many column quads per block: a row's r/4 quads over r/(4 cols) blocks
+    wave_threads: int = 132 * 2048   # ... and no more groups than keep the launch within one wave of threads
+    # (H200, 64 heads, 16K x batch 16, 8 splits, mla_attention with its split kernel: 103.3 us = 68.3% of copy with
+    # the rule, 112.6 us = 63.2% with 8 groups of one split; H100: 128.3 against 137.2 us)
+
+
+MERGE_DEFAULT = MergeConfig()
 
 
 @device
@@ -257,27 +263,27 @@ def merge_kernel(RB, SU=1):
     return merge_splits_kernel
 
 
-def merge_shape(B, nsplit, M, r):
+def merge_shape(B, nsplit, M, r, cfg=MERGE_DEFAULT):
     """merge_splits' launch shape for partials [B, nsplit, M, r] -> (rows per block, split groups, a thread's splits
-    per load round, column quads per block X). Where the splits are few (<= MERGE_ROWS, 48 KB of shared memory)
-    MERGE_ROWS rows per block of (r/4, nsplit) threads; else one row per block, its columns over r / (4 MERGE_COLS)
-    blocks (where r/4 divides), min(MERGE_GROUPS, nsplit) split groups, but no more than keep the B M r/4 quads'
-    threads within MERGE_WAVE_THREADS (many rows: a thread takes more splits), and up to MERGE_SPLITS of a thread's
+    per load round, column quads per block X). Where the splits are few (<= cfg.rows, 48 KB of shared memory)
+    cfg.rows rows per block of (r/4, nsplit) threads; else one row per block, its columns over r / (4 cfg.cols)
+    blocks (where r/4 divides), min(cfg.groups, nsplit) split groups, but no more than keep the B M r/4 quads'
+    threads within cfg.wave_threads (many rows: a thread takes more splits), and up to cfg.splits of a thread's
     splits loaded per round."""
     if r % 4:
         raise ValueError(f"merge_splits: value width {r} is not a multiple of 4 (16-byte partial loads)")
-    if nsplit <= MERGE_ROWS and 24 * MERGE_ROWS * r // 4 * nsplit <= 48 * 1024:
-        return MERGE_ROWS, nsplit, 1, r // 4
-    X = MERGE_COLS if (r // 4) % MERGE_COLS == 0 else r // 4
-    groups = max(1, min(nsplit, MERGE_GROUPS, 1024 // X, MERGE_WAVE_THREADS // (B * M * r // 4)))
-    return 1, groups, min(MERGE_SPLITS, -(-nsplit // groups)), X
+    if nsplit <= cfg.rows and 24 * cfg.rows * r // 4 * nsplit <= 48 * 1024:
+        return cfg.rows, nsplit, 1, r // 4
+    X = cfg.cols if (r // 4) % cfg.cols == 0 else r // 4
+    groups = max(1, min(nsplit, cfg.groups, 1024 // X, cfg.wave_threads // (B * M * r // 4)))
+    return 1, groups, min(cfg.splits, -(-nsplit // groups)), X
 
 
-def merge_splits(o_part, ml_part, out):
+def merge_splits(o_part, ml_part, out, cfg=MERGE_DEFAULT):
     """One launch of merge_splits_kernel over the partials o_part f32 or bf16 [B, nsplit, M, r], ml_part
     f32[B, nsplit, M, 2] into out f32[B, M, r], shaped by merge_shape. Shared memory: 24 bytes per thread and row."""
     B, nsplit, M, r = o_part.shape
-    rows, groups, per_round, X = merge_shape(B, nsplit, M, r)
+    rows, groups, per_round, X = merge_shape(B, nsplit, M, r, cfg)
     launch(merge_kernel(rows, per_round), (-(-M // rows), B, r // (4 * X)), (X, groups), o_part, ml_part, out,
            shmem=24 * rows * X * groups)
 

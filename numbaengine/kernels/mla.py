@@ -9,7 +9,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 import numbaengine.kernels.mla_wg as _wg
-from numbaengine.kernels.attention import merge_splits
+from numbaengine.kernels.attention import MERGE_DEFAULT, MergeConfig, merge_splits
 from numbaengine.kernels.cluster import max_clusters
 from numbaengine.kernels.device import (
     LOG2E,
@@ -65,9 +65,9 @@ PARTIAL_DTYPES = {"f32": np.float32, "bf16": np.uint16}
 
 @dataclass(frozen=True)
 class MlaConfig:
-    """Absorbed MLA's choices (this module's mma.sync kernel, the split rule, and the 64-head kernel's in `wg`): the
-    defaults are what the engine runs, each with the measurement behind it. The op table holds one (KernelOps.mla);
-    tools and tests pass others. Compiled kernels are keyed by the fields they read."""
+    """Absorbed MLA's choices (this module's mma.sync kernel, the split rule, the 64-head kernel's in `wg`, the
+    merge's in `merge`): the defaults are what the engine runs, each with the measurement behind it. The op table
+    holds one (KernelOps.mla); tools and tests pass others. Compiled kernels are keyed by the fields they read."""
     nk: int = 64             # cache rows (keys) per pipeline step where two ring slots fit, else 32 (H200, 8 heads,
     #                          context 4K, batch 64: 63.3% of copy with 32, 72.3% with 64: half the barriers per byte)
     max_stages: int = 4      # most cache tiles in the ring (fewer: smaller blocks, several per SM); 2 stages: 56.9% of
@@ -85,6 +85,7 @@ class MlaConfig:
     #                          0.4-0.7 us slower with bf16 (16K x 16: 93.61 against 93.22 us)
     max_waves: int = 8       # the split rule adds splits up to this many waves of blocks (bounds the partials' memory)
     wg: MlaWgConfig = WG_DEFAULT     # the 64-head wgmma kernel (kernels/mla_wg.py)
+    merge: MergeConfig = MERGE_DEFAULT   # the split merge's launch shape (kernels/attention.py)
 
 
 MLA_DEFAULT = MlaConfig()
@@ -595,5 +596,5 @@ def mla_attention(q, cache, lengths, ntok, mask, scale, out, work=None, cfg=MLA_
     work.cluster = cluster                        # (what ran: benchmarks report it)
     launch_smem(kern, (tiles, nsplit, B), threads, smem, args, cluster=(1, cluster, 1) if cluster else None)
     if nsplit != cluster:
-        merge_splits(work.o, work.ml, out3)
+        merge_splits(work.o, work.ml, out3, cfg.merge)
     return out
