@@ -261,11 +261,12 @@ def check_moe(env, n, hidden, inter, n_exp, k, mode, int4=True, cfgs=None, seed=
 
 
 def check_moe_stamps(env, n, hidden, inter, n_exp, k, cfgs, seed=0, tiled=0):
-    """MOE_STAMPS (tools/moe_stamps.py): each expert stage stamped alone leaves its outputs' bits as the unstamped
+    """ExpertConfig.stamps (tools/moe_stamps.py): each expert stage stamped alone leaves its outputs' bits as the unstamped
     stage's, and every block of its grid records its units: the count it was dealt (units b, b + grid, ...), the
     points of its first STAMP_UNITS units in time order (differences mod 2^32), on one SM. A stamped stage without
     ws.stamps (or with the workspace's [1, 1] placeholder) is refused; tools.moe_stamps.timeline reads what was
     written. tiled=R: gate_up in the bulk layout."""
+    import dataclasses
     import math
 
     import numbaengine.kernels.moe as M
@@ -286,19 +287,16 @@ def check_moe_stamps(env, n, hidden, inter, n_exp, k, cfgs, seed=0, tiled=0):
         plain = env.host(target).copy()
         grid = min(n * k * math.ceil((hidden if down else 2 * inter) / 16 / (cfg.WR * cfg.R)),
                    M._sm_count() * cfg.blocks_per_sm)
-        saved, M.MOE_STAMPS = M.MOE_STAMPS, True
-        try:
-            for ws.stamps in (placeholder, None):                # the workspace's [1, 1], or none: refused
-                try:
-                    M.moe_stage(down, dex, dw, ws, cfg)
-                    raise AssertionError(f"moe_stage stamped into {ws.stamps}")
-                except ValueError as e:
-                    assert "MOE_STAMPS needs ws.stamps" in str(e), e
-            ws.stamps = env.zeros((grid, M.STAMP_WORDS), np.int32)
-            M.moe_stage(down, dex, dw, ws, cfg)
-            env.sync()
-        finally:
-            M.MOE_STAMPS = saved
+        stamped = dataclasses.replace(cfg, stamps=True)
+        for ws.stamps in (placeholder, None):                    # the workspace's [1, 1], or none: refused
+            try:
+                M.moe_stage(down, dex, dw, ws, stamped)
+                raise AssertionError(f"moe_stage stamped into {ws.stamps}")
+            except ValueError as e:
+                assert "ExpertConfig.stamps needs ws.stamps" in str(e), e
+        ws.stamps = env.zeros((grid, M.STAMP_WORDS), np.int32)
+        M.moe_stage(down, dex, dw, ws, stamped)
+        env.sync()
         got = env.host(target)
         assert np.array_equal(got.view(np.uint8), plain.view(np.uint8)), f"stage {down}: stamps changed the output"
         st = env.host(ws.stamps).astype(np.int64) & 0xFFFFFFFF

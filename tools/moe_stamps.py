@@ -1,4 +1,4 @@
-"""Where an INT4 MoE expert stage's time goes (issue 5): kernels/moe.py compiled with MOE_STAMPS has thread 0 of every
+"""Where an INT4 MoE expert stage's time goes (issue 5): kernels/moe.py compiled with ExpertConfig.stamps has thread 0 of every
 block write (SM cycles, global ns) at its entry and, per unit (item x row block), at the unit's start, after its main
 loop and after its epilogue (k-split reduce, stores). One eager call of the stage per case, L2 flushed by a read
 before it; then the blocks' start spread, each block's end (the max: the kernel's span from the first entry), and
@@ -8,6 +8,7 @@ streams and its main loop's rate.
 (--variant: a tools/bench_kernels.py MOE_VARIANTS entry, e.g. {"tiled": 0} for gate_up on the register path.)
 """
 import argparse
+import dataclasses
 import json
 
 import numpy as np
@@ -99,27 +100,23 @@ def run_case(n, stages, variant=None, seed=0):
     flush = cp.zeros(256 << 20, cp.uint8)                         # more than the 50 MB L2, read (not written)
     distinct = len(np.unique(idx))
     rows = []
-    saved, M.MOE_STAMPS = M.MOE_STAMPS, True
-    try:
-        for stage in stages:
-            down = stage == "down"
-            cfg = dn_cfg if down else gu_cfg
-            nrows, kdim = (H, I) if down else (2 * I, H)
-            unit_bytes = cfg.WR * cfg.R * 16 * (kdim // 2 + kdim // GROUP * 2)
-            for _ in range(2):                                    # the first compiles
-                M.moe_plan(x, di, ex, ws, gu_cfg, dn_cfg)
-                if down:
-                    M.moe_stage(0, ex, dw, ws, gu_cfg)
-                stamps[:] = 0
-                flush.sum()                                       # L2 now holds clean lines of flush only (a
-                cp.cuda.Device().synchronize()                    # written flush's write-backs slowed the stage)
-                M.moe_stage(int(down), ex, dw, ws, cfg)
-                cp.cuda.Device().synchronize()
-            stage_bytes = distinct * nrows * (kdim // 2 + kdim // GROUP * 2)
-            rows.append(dict(n=n, stage=stage, experts=distinct, cfg=cfg.__dict__, stage_MB=round(stage_bytes / 1e6, 1),
-                             **timeline(stamps.get(), unit_bytes, M.STAMP_UNITS)))
-    finally:
-        M.MOE_STAMPS = saved
+    for stage in stages:
+        down = stage == "down"
+        cfg = dataclasses.replace(dn_cfg if down else gu_cfg, stamps=True)
+        nrows, kdim = (H, I) if down else (2 * I, H)
+        unit_bytes = cfg.WR * cfg.R * 16 * (kdim // 2 + kdim // GROUP * 2)
+        for _ in range(2):                                    # the first compiles
+            M.moe_plan(x, di, ex, ws, gu_cfg, dn_cfg)
+            if down:
+                M.moe_stage(0, ex, dw, ws, gu_cfg)
+            stamps[:] = 0
+            flush.sum()                                       # L2 now holds clean lines of flush only (a
+            cp.cuda.Device().synchronize()                    # written flush's write-backs slowed the stage)
+            M.moe_stage(int(down), ex, dw, ws, cfg)
+            cp.cuda.Device().synchronize()
+        stage_bytes = distinct * nrows * (kdim // 2 + kdim // GROUP * 2)
+        rows.append(dict(n=n, stage=stage, experts=distinct, cfg=cfg.__dict__, stage_MB=round(stage_bytes / 1e6, 1),
+                         **timeline(stamps.get(), unit_bytes, M.STAMP_UNITS)))
     return rows
 
 

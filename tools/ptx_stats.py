@@ -157,7 +157,7 @@ def expert_gemm_ptx(down, cfg=None):
     u32, u16, i32, f32 = ty.uint32, ty.uint16, ty.int32, ty.float32
     sc = u32[:, ::1] if c.S else u16[:, ::1]        # bulk layout: the scales are inside the weight chunks
     sig = (u32[::1], u32[:, ::1], sc, u16[::1], f32[:, ::1], f32[:, ::1]) + (i32[::1],) * 5 + (i32,) * 5
-    sig += (i32[:, ::1],)                          # stamps (MOE_STAMPS only)
+    sig += (i32[:, ::1],)                          # stamps (ExpertConfig.stamps only)
     return cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))[0], c
 
 

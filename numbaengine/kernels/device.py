@@ -445,7 +445,7 @@ else:
 @device
 def stamp_point(arr, row, word):
     """Timeline stamp of a block: now's (SM cycles, global ns) at arr[row, word], arr[row, word + 1] (int32 bits of
-    the low halves) -> the SM id. Used by kernels/mla_wg.py MlaWgConfig.stamps and kernels/moe.py MOE_STAMPS."""
+    the low halves) -> the SM id. Used by kernels/mla_wg.py MlaWgConfig.stamps and kernels/moe.py ExpertConfig.stamps."""
     cyc, ns, sm = timer_regs()
     arr[row, word], arr[row, word + 1] = int32(cyc), int32(ns)
     return sm

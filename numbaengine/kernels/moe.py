@@ -168,7 +168,7 @@ class MoeWorkspace:
     n_items: object       # i32[1]
     n_max: int
     top_k: int
-    stamps: object = None  # i32[>= grid, STAMP_WORDS]: the stamped stage's block timelines (MOE_STAMPS; else a
+    stamps: object = None  # i32[>= grid, STAMP_WORDS]: the stamped stage's block timelines (ExpertConfig.stamps; else a
     #                        [1, 1] placeholder the kernels do not touch, made once: no per-call host work)
 
 
@@ -584,8 +584,6 @@ def _build_bulk_ring(T, R, S, U):
     return start, consume
 
 
-MOE_STAMPS = False   # measurement only: expert GEMMs compiled with a block timeline (tools/moe_stamps.py); the
-#                     workspace then needs stamps (moe_stage checks); default kernels unchanged
 STAMP_UNITS = 6      # units per block whose points are kept (later units are counted, not stamped)
 STAMP_WORDS = 4 + 6 * STAMP_UNITS   # entry (cycles, ns), SM, units run; per unit 3 points x (cycles, ns)
 
@@ -611,7 +609,7 @@ def _build_expert_gemm(fmt, down, T, R, G, U, perm_out, PF=0, bounds=None, S=0, 
     (8 gate rows, then the matching 8 up rows) and silu(gate) * up written as the next B operand (act);
     down=1: rows in order, output * routing weight written per slot (y). S > 0: INT4 weights in the bulk layout
     through S-slot bulk-copy rings (`_build_bulk_ring`; w is then u32 [E, words of one expert]).
-    STAMPS (measurement, MOE_STAMPS): thread 0 writes its block's timeline into stamps (`_stamp`)."""
+    STAMPS (measurement, ExpertConfig.stamps): thread 0 writes its block's timeline into stamps (`_stamp`)."""
     mainloop = cached(build_mainloop, fmt, T, R, 1, G, U, PF)
     ring_start, ring_consume = cached(_build_bulk_ring, T, R, S, U) if S else (None, None)
     NBAR = MAX_WARPS * max(S, 1)
@@ -759,6 +757,8 @@ class ExpertConfig:
     min_blocks: int = 0   # > 0: launch bounds asking ptxas to fit that many blocks per SM (caps registers)
     S: int = 0            # > 0 (gate_up only): bulk-copy rings of S slots of U k-steps (gate_up in the bulk layout,
     #                       DeviceExperts.tiled = R)
+    stamps: bool = False  # measurement only: the stage compiled with a block timeline into ws.stamps (`_stamp`,
+    #                       tools/moe_stamps.py); default PTX unchanged
 
 
 # 4-warp blocks capped at 128 registers (min_blocks=4) so 4 fit per SM (16 warps): H200, 71% of copy against 47%
@@ -856,11 +856,11 @@ def moe_stage(down, experts, wts, ws, cfg=None):
     g = int4_group_block(kdim) if fmt == INT4 else 1
     bounds = (32 * cfg.WR * cfg.WK, cfg.min_blocks) if cfg.min_blocks else None
     kern = cached(_build_expert_gemm, fmt, down, cfg.T, cfg.R, g, cfg.U, int(fmt == INT4), cfg.PF, bounds,
-                   cfg.S, MOE_STAMPS)
+                   cfg.S, cfg.stamps)
     rblocks = math.ceil(nrows / 16 / (cfg.WR * cfg.R))
     grid = min(ws.n_max * ws.top_k * rblocks, _sm_count() * cfg.blocks_per_sm)
-    if MOE_STAMPS and (ws.stamps is None or ws.stamps.shape[0] < grid or ws.stamps.shape[1] < STAMP_WORDS):
-        raise ValueError(f"moe: MOE_STAMPS needs ws.stamps of [>= {grid} blocks, >= {STAMP_WORDS}] int32, not "
+    if cfg.stamps and (ws.stamps is None or ws.stamps.shape[0] < grid or ws.stamps.shape[1] < STAMP_WORDS):
+        raise ValueError(f"moe: ExpertConfig.stamps needs ws.stamps of [>= {grid} blocks, >= {STAMP_WORDS}] int32, not "
                          f"{None if ws.stamps is None else ws.stamps.shape} (tools/moe_stamps.py)")
     words = u32_words(w)
     e_words = words.reshape(n_exp, words.size // n_exp)
