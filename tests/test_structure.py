@@ -5,7 +5,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "numbaengine"
 KERNELS = PACKAGE / "kernels"
-MAX_KERNEL_FUNCTION_LINES = 150
+MAX_KERNEL_FUNCTION_LINES = 120
 
 
 def _trees(root):
@@ -173,3 +173,21 @@ def test_env_variables_documented():
     doc = (PACKAGE.parent / "docs" / "KERNELS.md").read_text()
     assert len(names) >= 6, names
     assert not [v for v in names if f"| `{v}` |" not in doc], names
+
+
+def test_kernel_docstrings_give_launch_and_bytes():
+    """Every kernel's docstring says how it is launched (grid / block / launch shape) and the bytes it moves: what
+    a reader needs to judge it against its floor."""
+    missing, kernels = [], 0
+    for rel, tree in _trees(PACKAGE):
+        for fn in _functions(tree):
+            if not any(_is_kernel_decorator(d) for d in fn.decorator_list):
+                continue
+            kernels += 1
+            doc = (ast.get_docstring(fn) or "").lower()
+            shape = any(w in doc for w in ("launch", "grid", "block"))
+            moved = any(w in doc for w in ("byte", "moves", "reads"))
+            if not (shape and moved):
+                missing.append(f"{rel}:{fn.name}")
+    assert kernels > 20, kernels
+    assert not missing, "kernel docstrings without launch shape and bytes: " + ", ".join(missing)

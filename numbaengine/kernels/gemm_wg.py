@@ -307,6 +307,30 @@ def _tile_steps(MT, CL, NB):
     return mma_stage, store_partials, fold_item
 
 
+def _fold_out_step(BM, BMP, CL, NB, fold_item):
+    """fold_out: this k piece's share of the strip's output quads (BM / 4 over the CL pieces), each the sum of the
+    CL partial tiles (fold_item), written to out rows [row0, n) of the block's tokens (128 threads, a quad each)."""
+    @device
+    def fold_out(wsm, out, c, row0, tok0, m, n, tid):
+        q0 = (c * (BM // 4)) // CL
+        nq = ((c + 1) * (BM // 4)) // CL - q0
+        mz = min(NB, m - tok0)
+        for u in range(tid, mz * nq, 128):
+            col = u // nq
+            q = q0 + u - col * nq
+            v0, v1, v2, v3 = fold_item(wsm, col * BMP + 4 * q)
+            row = row0 + 4 * q
+            if row < n:
+                out[tok0 + col, row] = v0
+            if row + 1 < n:
+                out[tok0 + col, row + 1] = v1
+            if row + 2 < n:
+                out[tok0 + col, row + 2] = v2
+            if row + 3 < n:
+                out[tok0 + col, row + 3] = v3
+    return fold_out
+
+
 def _build(MT, CL, S, NB, XIN, STAMPS, FENCE):
     """The kernel of one cut, from its steps: the ring (load_stage; x_prologue, x_store, x_load with XIN), the
     stage's wgmmas (mma_stage), the partial tile (store_partials) and the k-split fold (fold_item)."""
@@ -316,6 +340,7 @@ def _build(MT, CL, S, NB, XIN, STAMPS, FENCE):
     NACC, XV, FIRST = NB // 2, 4 * (NB * 16 // 128), 1 if STAMPS else 0
     load_stage, x_prologue, x_store, x_load = _ring_steps(MT, S, NB, XIN)
     mma_stage, store_partials, fold_item = _tile_steps(MT, CL, NB)
+    fold_out = _fold_out_step(BM, BMP, CL, NB, fold_item)
     desc = make_desc(16, 1024, 128)
 
     @device
@@ -388,22 +413,7 @@ def _build(MT, CL, S, NB, XIN, STAMPS, FENCE):
             cuda.syncthreads()
         if STAMPS and tid == 0:
             sm = stamp_point(stamps, blk, 14)
-        q0 = (c * (BM // 4)) // CL
-        nq = ((c + 1) * (BM // 4)) // CL - q0
-        mz = min(NB, m - tok0)
-        for u in range(tid, mz * nq, 128):
-            col = u // nq
-            q = q0 + u - col * nq
-            v0, v1, v2, v3 = fold_item(wsm, col * BMP + 4 * q)
-            row = row0 + 4 * q
-            if row < n:
-                out[tok0 + col, row] = v0
-            if row + 1 < n:
-                out[tok0 + col, row + 1] = v1
-            if row + 2 < n:
-                out[tok0 + col, row + 2] = v2
-            if row + 3 < n:
-                out[tok0 + col, row + 3] = v3
+        fold_out(wsm, out, c, row0, tok0, m, n, tid)
         if STAMPS and tid == 0:
             sm = stamp_point(stamps, blk, 16)
         if STAMPS and tid == 0:

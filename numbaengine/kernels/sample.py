@@ -170,7 +170,8 @@ def sample_kernel(logits, temperature, greedy, seed, seq, pos, vec, out):
 def sample_rows_kernel(logits, temps, seeds, group, live, seq, pos, vec, out):
     """sample_kernel with per-group settings: row i samples with temps[i // group] (0: greedy) and
     seeds[i // group] (temps f32[G], seeds u64[G]: a batch whose sequences keep their own settings); only the
-    first live[g] rows of group g (i32[G]), the others end at once (their out unchanged)."""
+    first live[g] rows of group g (i32[G]), the others end at once (their out unchanged). Launch: grid n rows,
+    block SAMPLE_THREADS. Bytes: the live rows' logits once."""
     grid_dep()
     i, t = cuda.blockIdx.x, cuda.threadIdx.x
     if _skipped(i, group, live):
@@ -210,7 +211,8 @@ def sample_part_kernel(logits, temperature, greedy, seed, seq, pos, vec, best):
 
 @kernel(launch_bounds=(SPLIT_THREADS, 8))
 def sample_rows_part_kernel(logits, temps, seeds, group, live, seq, pos, vec, best):
-    """sample_part_kernel with per-group settings (sample_rows_kernel's temps, seeds, group, live)."""
+    """sample_part_kernel with per-group settings (sample_rows_kernel's temps, seeds, group, live). Launch: grid
+    (C chunks, n rows), block SPLIT_THREADS. Bytes: the live rows' logits once."""
     grid_dep()
     c, i, t = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     if _skipped(i, group, live):

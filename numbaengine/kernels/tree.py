@@ -135,6 +135,52 @@ def _write_nodes(b, t, nt, nodes, start, N, W, ids, bonus, seq_ids, npar, ndepth
             vis[b, i, w] = words[w]
 
 
+@cuda.jit(device=True, inline="always")
+def _stage_lps(lp, lps, b, t, nt, n, kc):
+    """lp[b, :, :kc] -> lps f32[n = L kc] in shared memory, four loads in flight per thread."""
+    ws = cuda.local.array(4, float32)
+    for i0 in range(t, n, 4 * nt):
+        for u in range(4):
+            i = i0 + u * nt
+            if i < n:
+                ws[u] = lp[b, i // kc, i % kc]
+        for u in range(4):
+            if i0 + u * nt < n:
+                lps[i0 + u * nt] = ws[u]
+
+
+@cuda.jit(device=True, inline="always")
+def _root(live, lps, nscore, npar, ndepth, nrank, fscore, fpar, fdepth, frank, fkey):
+    """Node 0 is the root (score 0); with a budget the frontier holds its first child (depth 1, rank 0)."""
+    nscore[0], npar[0], ndepth[0], nrank[0] = float64(0), -1, 0, 0
+    if live:
+        fscore[0], fpar[0], fdepth[0], frank[0] = float64(lps[0]), 0, 1, 0
+        fkey[0] = _score_key(fscore[0])
+
+
+@cuda.jit(device=True, inline="always")
+def _push(add, lane, live, be, g, K, es, ep, ed, er, ps, lps, row, fscore, fkey, fpar, fdepth, frank):
+    """The frontier after a pop (warp 0, every lane): lanes with `add` append entry (es, ep, ed, er); the popped
+    slot be takes its group's next sibling g (parent score ps + lps[row + g]) while g < K, else the last entry
+    (when nothing joins).
+    Returns the new frontier size."""
+    bits = _ballot(add)
+    new = int32(cuda.popc(bits))
+    if add:                                   # the popped entry's slot is reused when its group ends
+        idx = int32(cuda.popc(bits & ((uint32(1) << uint32(lane)) - uint32(1))))
+        e = live + idx if g < K else (be if idx == 0 else live + idx - 1)
+        fscore[e], fkey[e], fpar[e], fdepth[e], frank[e] = es, _score_key(es), ep, ed, er
+    if lane == 0:
+        if g < K:                             # the group's next sibling stays in the popped slot
+            gs = ps + float64(lps[row + g])
+            fscore[be], fkey[be], frank[be] = gs, _score_key(gs), g
+        elif new == 0:                        # the group ends and nothing joins: the last entry moves
+            j = live - 1
+            fscore[be], fkey[be], fpar[be] = fscore[j], fkey[j], fpar[j]
+            fdepth[be], frank[be] = fdepth[j], frank[j]
+    return live + (new - (0 if g < K else 1))
+
+
 @kernel()
 def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, depths, positions, vis, ntok,
                  sample_seq, sample_pos):
@@ -162,23 +208,12 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
     npar, ndepth, nrank = d32[9 * N:10 * N], d32[10 * N:11 * N], d32[11 * N:12 * N]
     lps = dff[12 * N:12 * N + L * kc]                    # the ranks a tree of N nodes can reach
     nsh = cuda.shared.array(1, int32)
-    ws = cuda.local.array(4, float32)
-    for i0 in range(t, L * kc, 4 * nt):                # four loads in flight per thread
-        for u in range(4):
-            i = i0 + u * nt
-            if i < L * kc:
-                ws[u] = lp[b, i // kc, i % kc]
-        for u in range(4):
-            if i0 + u * nt < L * kc:
-                lps[i0 + u * nt] = ws[u]
+    _stage_lps(lp, lps, b, t, nt, L * kc, kc)
     budget = min(budgets[b], N - 1)
     live = 1 if budget > 0 and L > 0 and K > 0 else 0
     cuda.syncthreads()
     if t == 0:
-        nscore[0], npar[0], ndepth[0], nrank[0] = float64(0), -1, 0, 0
-        if live:
-            fscore[0], fpar[0], fdepth[0], frank[0] = float64(lps[0]), 0, 1, 0
-            fkey[0] = _score_key(fscore[0])
+        _root(live, lps, nscore, npar, ndepth, nrank, fscore, fpar, fdepth, frank, fkey)
     nodes = 1
     if t < 32:                                          # warp 0: the pops
         syncwarp()
@@ -245,21 +280,7 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
                     es = (sc if lane == 0 else ps + float64(lps[row + rk + lane])) + float64(lps[dep * kc])
                 ep, ed, er = n0 + lane, dep + 1, 0
                 g = rk + 1 + run
-            bits = _ballot(add)
-            new = int32(cuda.popc(bits))
-            if add:                                   # the popped entry's slot is reused when its group ends
-                idx = int32(cuda.popc(bits & ((uint32(1) << uint32(lane)) - uint32(1))))
-                e = live + idx if g < K else (be if idx == 0 else live + idx - 1)
-                fscore[e], fkey[e], fpar[e], fdepth[e], frank[e] = es, _score_key(es), ep, ed, er
-            if lane == 0:
-                if g < K:                             # the group's next sibling stays in the popped slot
-                    gs = ps + float64(lps[row + g])
-                    fscore[be], fkey[be], frank[be] = gs, _score_key(gs), g
-                elif new == 0:                        # the group ends and nothing joins: the last entry moves
-                    j = live - 1
-                    fscore[be], fkey[be], fpar[be] = fscore[j], fkey[j], fpar[j]
-                    fdepth[be], frank[be] = fdepth[j], frank[j]
-            live += new - (0 if g < K else 1)
+            live = _push(add, lane, live, be, g, K, es, ep, ed, er, ps, lps, row, fscore, fkey, fpar, fdepth, frank)
             nodes = n0 + 1 + run
             syncwarp()
         if t == 0:
