@@ -45,24 +45,27 @@ def _is_kernel_decorator(d):
     return isinstance(d, ast.Call) and isinstance(d.func, ast.Name) and d.func.id == "kernel"
 
 
+def _kernels():
+    """(file, function) of every function of the package decorated with kernels.launch.kernel(...)."""
+    found = [(rel, fn) for rel, tree in _trees(PACKAGE) for fn in _functions(tree)
+             if any(_is_kernel_decorator(d) for d in fn.decorator_list)]
+    assert len(found) > 20, len(found)                   # the walk found the kernels
+    return found
+
+
 def test_kernels_start_with_grid_dep():
-    """Every function decorated with kernels.device.kernel(...) calls grid_dep() as its first statement (after the
+    """Every function decorated with kernels.launch.kernel(...) calls grid_dep() as its first statement (after the
     docstring): with PDL nothing of a kernel may run before it waits for the previous kernel."""
-    missing, kernels = [], 0
-    for rel, tree in _trees(PACKAGE):
-        for fn in _functions(tree):
-            if not any(_is_kernel_decorator(d) for d in fn.decorator_list):
-                continue
-            kernels += 1
-            body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
-                else fn.body
-            first = body[0] if body else None
-            ok = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
-                  and isinstance(first.value.func, ast.Name) and first.value.func.id == "grid_dep"
-                  and not first.value.args)
-            if not ok:
-                missing.append(f"{rel}:{fn.name}:{fn.lineno}")
-    assert kernels > 20, kernels                       # the walk found the kernels
+    missing = []
+    for rel, fn in _kernels():
+        body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
+            else fn.body
+        first = body[0] if body else None
+        ok = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+              and isinstance(first.value.func, ast.Name) and first.value.func.id == "grid_dep"
+              and not first.value.args)
+        if not ok:
+            missing.append(f"{rel}:{fn.name}:{fn.lineno}")
     assert not missing, "kernels not starting with grid_dep(): " + ", ".join(missing)
 
 
@@ -178,16 +181,11 @@ def test_env_variables_documented():
 def test_kernel_docstrings_give_launch_and_bytes():
     """Every kernel's docstring says how it is launched (grid / block / launch shape) and the bytes it moves: what
     a reader needs to judge it against its floor."""
-    missing, kernels = [], 0
-    for rel, tree in _trees(PACKAGE):
-        for fn in _functions(tree):
-            if not any(_is_kernel_decorator(d) for d in fn.decorator_list):
-                continue
-            kernels += 1
-            doc = (ast.get_docstring(fn) or "").lower()
-            shape = any(w in doc for w in ("launch", "grid", "block"))
-            moved = any(w in doc for w in ("byte", "moves", "reads"))
-            if not (shape and moved):
-                missing.append(f"{rel}:{fn.name}")
-    assert kernels > 20, kernels
+    missing = []
+    for rel, fn in _kernels():
+        doc = (ast.get_docstring(fn) or "").lower()
+        shape = any(w in doc for w in ("launch", "grid", "block"))
+        moved = any(w in doc for w in ("byte", "moves", "reads"))
+        if not (shape and moved):
+            missing.append(f"{rel}:{fn.name}")
     assert not missing, "kernel docstrings without launch shape and bytes: " + ", ".join(missing)
