@@ -66,7 +66,6 @@ if SIM:
 
     ld16_pf = ld16
     ld4_l2 = ld4
-    ld16_l2 = ld16
     lds16 = ld16
 
     def sts8(arr, i, v0, v1):
@@ -84,7 +83,7 @@ if SIM:
             return tuple(np.uint32(int(x) << 16) for x in a[i:i + 4])
         return ld16(arr, i)
 
-    ld_quad = ld_quad_l2 = _quad_load
+    ld_quad = _quad_load
 
     def st_quad(arr, i, w0, w1, w2, w3):
         """Four float32 (bit patterns) -> elements i .. i + 3 of a float32 array, or of a bf16 (uint16) one rounded
@@ -224,12 +223,11 @@ else:
     ld4 = _make_load(1)
     ld16_pf = _make_load(4, ".L2::256B")    # same, asking L2 to fetch the surrounding 256 bytes
     ld4_l2 = _make_load(1, space=".cg")     # one word cached at L2 only: sees other blocks' writes of this kernel
-    ld16_l2 = _make_load(4, space=".cg")    # four words, the same
 
     _BF16_OR_F32 = (types.float32, types.uint16)
 
     def _make_quad_load(space):
-        """ld_quad / ld_quad_l2: four values from flat element idx of a float32 array (one 16-byte load) or of a
+        """ld_quad: four values from flat element idx of a float32 array (one 16-byte load) or of a
         bf16 (uint16 bits) one (one 8-byte load, widened) -> their float32 bit patterns as four uint32."""
         @intrinsic
         def load(typingctx, arr, idx):
@@ -256,7 +254,6 @@ else:
         return load
 
     ld_quad = _make_quad_load(".nc")
-    ld_quad_l2 = _make_quad_load(".cg")           # at L2 only: sees other blocks' writes of this kernel
 
     @intrinsic
     def st_quad(typingctx, arr, idx, w0, w1, w2, w3):

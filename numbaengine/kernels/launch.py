@@ -1,5 +1,5 @@
 """Host side of the kernels: compiling (kernel(): PDL, the on-disk cache), launching on CuPy's current stream with
-the launch attributes numba has no API for (PDL, clusters, cooperative; dynamic shared memory above 48 KB), and the
+the launch attributes numba has no API for (PDL, clusters; dynamic shared memory above 48 KB), and the
 array views and pointers the launchers pass."""
 import contextlib
 import threading
@@ -30,17 +30,14 @@ def kernel(**opts):
     return deco
 
 
-_PDL_THREAD = threading.local()       # this thread's launch settings: .on (PDL, inside pdl()), .cluster, .coop
+_PDL_THREAD = threading.local()       # this thread's launch settings: .on (PDL, inside pdl()), .cluster
 
 
 def _launch_config(*args, **kwargs):
     """numba.cuda.dispatcher's LaunchConfig, with programmatic_stream_serialization while this thread is in pdl(),
-    a thread-block cluster shape while it is in clusters() (cuda.core then counts the grid in clusters), and the
-    cooperative flag while it is in cooperative()."""
+    and a thread-block cluster shape while it is in clusters() (cuda.core then counts the grid in clusters)."""
     if getattr(_PDL_THREAD, "on", False):
         kwargs["programmatic_stream_serialization"] = True
-    if getattr(_PDL_THREAD, "coop", None):
-        kwargs["is_cooperative"] = True
     dims = getattr(_PDL_THREAD, "cluster", None)
     if dims is not None:
         kwargs["grid"] = tuple(g // c for g, c in zip(kwargs["grid"], dims))
@@ -80,12 +77,6 @@ def clusters(dims):
     return _launch_flag("cluster", tuple(dims))
 
 
-def cooperative():
-    """Context: numba's launches from this thread are cooperative: all their blocks resident at once (the driver
-    refuses a grid larger than the GPU holds), so blocks may wait for each other (kernels/cluster.py group_barrier)."""
-    return _launch_flag("coop", True)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Launching
 # ---------------------------------------------------------------------------------------------------------------
@@ -107,13 +98,13 @@ def current_stream():
     return _STREAMS[ptr]
 
 
-def launch(kern, grid, block, *args, shmem=0, cluster=None, coop=False):
-    """Launch `kern` on the current stream (cluster: thread-block cluster dims; coop: a cooperative launch; both GPU
-    only). Arguments: numba device arrays (NumPy arrays under the simulator, used in place: no copies, so views with
-    any strides and aliased outputs behave as on the GPU)."""
+def launch(kern, grid, block, *args, shmem=0, cluster=None):
+    """Launch `kern` on the current stream (cluster: thread-block cluster dims, GPU only). Arguments: numba device
+    arrays (NumPy arrays under the simulator, used in place: no copies, so views with any strides and aliased outputs
+    behave as on the GPU)."""
     if SIM:
-        if cluster is not None or coop:
-            raise NotImplementedError("launch: thread-block clusters and cooperative launches have no simulator twin")
+        if cluster is not None:
+            raise NotImplementedError("launch: thread-block clusters have no simulator twin")
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         args = [FakeCUDAArray(a) if isinstance(a, np.ndarray) and a.ndim > 0 else a for a in args]
         kern[grid, block, current_stream(), shmem](*args)
@@ -121,10 +112,7 @@ def launch(kern, grid, block, *args, shmem=0, cluster=None, coop=False):
     from numbaengine.kernels import cache as kernel_cache
     if kernel_cache.record_launch(kern, args):         # precompile's dry run: recorded, nothing runs
         return
-    if coop:
-        with cooperative():
-            launch(kern, grid, block, *args, shmem=shmem, cluster=cluster)
-    elif cluster is not None:
+    if cluster is not None:
         with clusters(cluster):
             launch(kern, grid, block, *args, shmem=shmem)
     elif dev.PDL and getattr(kern, "grid_dep", False):
