@@ -299,7 +299,7 @@ class KernelOps:
                     self.gemm(x[r:r + GEMM_ROWS], w, out[r:r + GEMM_ROWS], xs)
                 return out
             cfg = dataclasses.replace(cfg, BF=1, FR=0, S=0)
-        nxb, npart = gemm_workspace_words(m, n, k, xs, cfg)
+        nxb, npart = gemm_workspace_words(m, n, k, xs, cfg, self.gemm_wg)
         nsync = gemm_sync_words(m, n, k, cfg, xs)
         role = "gemm.side" if self._on_side() else "gemm"
         sync = self._gemm_sync.get(role)

@@ -56,14 +56,16 @@ def check_ops_gemm_tall(env, m=73, n=16, k=64):
 
 def check_prep_wg_boxes(env):
     """prep_b tiled=3 (kernels/gemm_wg.py's B boxes): every bf16 of x at its swizzled place in its token block,
-    rows past m repeating row m - 1, for one block (33 rows -> 40) and two (70 -> 2 x 40)."""
+    rows past m repeating row m - 1, for one block (33 rows -> 40) and two (70 -> 2 x 40; 130 rows in blocks of at
+    most 128: 2 x 72)."""
     from numbaengine.kernels.prep import prep_b, token_blocks, xb_words
     rng = np.random.default_rng(5)
-    for m, k in ((33, 128), (70, 192)):
+    for m, k, nb_max in ((33, 128, 64), (70, 192, 64), (130, 128, 128)):
         x = rng.standard_normal((m, k)).astype(np.float32)
-        xb = C.poisoned(env, (xb_words(m, k),), np.uint32)
-        prep_b(env.dev(x), xb, 1, 0, tiled=3)
-        nb, zb = token_blocks(m)
+        xb = C.poisoned(env, (xb_words(m, k, nb_max),), np.uint32)
+        prep_b(env.dev(x), xb, 1, 0, tiled=3, nb_max=nb_max)
+        nb, zb = token_blocks(m, nb_max)
+        assert (nb, zb) == {33: (40, 1), 70: (40, 2), 130: (72, 2)}[m], (m, nb, zb)
         got = env.host(xb).view(np.uint16).reshape(zb, k // 64, nb, 8, 8)         # z, box, row, chunk, element
         r = np.arange(nb)
         rows = np.minimum(np.arange(zb)[:, None] * nb + r, m - 1)                  # [zb, nb] source rows

@@ -133,7 +133,7 @@ def test_gpu_gemm_wg_batch_invariant(name):
         np.testing.assert_array_equal(outs[m][r], outs[9][r], err_msg=f"{name}: token {r} among 9 vs {m}")
 
 
-@pytest.mark.parametrize("mt,cl,nb,xin", [(2, 4, 8, 1), (1, 3, 40, 0)])
+@pytest.mark.parametrize("mt,cl,nb,xin", [(2, 4, 8, 1), (1, 3, 40, 0), (2, 2, 128, 0)])
 def test_wg_kernel_ptx(mt, cl, nb, xin):
     """The kernel compiles for sm_90a on the CPU (NVVM): 4 MT wgmma per stage, no local memory, no float64; with
     WgConfig.stamps one timer read per STAMP_POINTS (tools/gemm_wg_stamps.py), without them none; the PDL wait first

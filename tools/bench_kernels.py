@@ -30,7 +30,7 @@ K2_GEMMS = {"lm_head": (163840, 7168), "q_kv_a": (2112, 7168), "o": (7168, 8192)
 
 
 # variants of the default cuts, timed at the listed sizes beside the default in the same run (overrides of ExpertConfig
-# / GemmConfig fields, or of module knobs under "wg"); the measurements behind the defaults are in the knobs' comments
+# / GemmConfig fields, or of kernels.gemm_wg.WgConfig fields under "wg"); the measurements behind the defaults are in the knobs' comments
 # and docs/KERNELS.md
 MOE_VARIANTS = {
     # blocks_per_sm=4: one wave of blocks (4 fit per SM at the 128-register cap) instead of the default's two
@@ -50,6 +50,10 @@ GEMM_VARIANTS = {"mma": (GEMM_MS, dict(WG=0)),      # the mma path (gemm_config'
                  "wg_x0": ((1,), dict(wg=dict(xin_rows=0))), "wg_x16": ((9,), dict(wg=dict(xin_rows=16))),
                  "wg_t1": ((1, 17, 33), dict(wg=dict(target=1.0))),
                  "wg_nofence": ((1, 17, 33), dict(wg=dict(tmap_fence=False))),
+                 # prompt-sized x (issue 49): token blocks of 128 / 256 rows read each weight strip half / a quarter
+                 # as often as the default 64 (the default is timed at these m too)
+                 "wg_nb128": ((130, 256, 1024), dict(wg=dict(nb_max=128))),
+                 "wg_nb256": ((256, 1024), dict(wg=dict(nb_max=256))),
                  # the mma path's rings: weights in a 4-stage ring, no B in the ring, B in a 2-stage ring
                  "ring4": (GEMM_MS, dict(S=4, RB=0)), "no_rb": ((17, 33), dict(S=0, RB=0)),
                  "rb2": ((17,), dict(S=2, RB=1)), "rb2w4": ((17, 33), dict(S=2, RB=1, WR=4)),
@@ -317,7 +321,8 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None, shapes=None):
     bench_read_floor(cp, cuda, results, copy_bw)
     dv = cuda.as_cuda_array
     rows = results.setdefault("gemm", [])
-    xb_words = -(-max(NS) // 8) * 8 * 2 * 8192 // 2        # tiled B: token rows padded to 8
+    most = max(NS + tuple(m for ms, _ in GEMM_VARIANTS.values() for m in ms))
+    xb_words = -(-most // 8) * 8 * 2 * max(k for _, k in K2_GEMMS.values()) // 2     # tiled B: rows padded to 8
     ws = GemmWorkspace(dv(cp.zeros(xb_words, cp.uint32)), dv(cp.zeros(64 * max(NS) * 32768, cp.float32)),
                        dv(cp.zeros(1 << 14, cp.uint32)))
 
@@ -331,7 +336,7 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None, shapes=None):
         cfg = replace(gemm_config(m, n, k, wg=wg, **({"target_warps": over["tw"]} if "tw" in over else {})),
                       **{f: v for f, v in over.items() if f not in ("xs", "tw")})
         nbytes, xs = n * k * 2, over.get("xs", cfg.XS)
-        need = gemm_workspace_words(m, n, k, xs, cfg)
+        need = gemm_workspace_words(m, n, k, xs, cfg, wg)
         T = token_tiles(m, cfg)
         if (need[0] > ws.xb.size or need[1] > ws.part.size or cfg.WR * cfg.WK > 8
                 or gemm_smem(T, cfg, xs * T * cfg.RB) > SMEM_MAX):
@@ -342,7 +347,7 @@ def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None, shapes=None):
         row = dict(op="gemm", name=name, tag=tag, m=m, n=n, k=k, xs=xs, cfg=cfg.__dict__, bytes=nbytes,
                    graph_ms=g_ms, eager_ms=e_ms, pct_copy_single=100 * nbytes / g_ms / 1e6 / copy_bw,
                    chain_ms=c_ms, chain_copies=len(ws_chain), gbps=nbytes / c_ms / 1e6,
-                   pct_copy=100 * nbytes / c_ms / 1e6 / copy_bw)
+                   pct_copy=100 * nbytes / c_ms / 1e6 / copy_bw, tflops=2.0 * m * n * k / c_ms / 1e9)
         rows.append(row)
         print(f"gemm {name:>15} {tag:>13} m={m:3d} n={n:6d} k={k:5d} {nbytes / 1e6:8.1f} MB  graph "
               f"{g_ms * 1e3:8.1f} us {row['pct_copy_single']:5.1f}%  chain {c_ms * 1e3:8.1f} us "

@@ -604,12 +604,12 @@ def token_tiles(m, cfg):
     return math.ceil(m / 8)
 
 
-def gemm_workspace_words(m, n, k, xs=None, cfg=None):
+def gemm_workspace_words(m, n, k, xs=None, cfg=None, wg=WG_GEMM_DEFAULT):
     """(xb words, part floats) a call needs (xb: the tiled B operand, token rows padded to 8; none for x taller than
-    one block, which the GEMM reads itself)."""
-    cfg = with_xs(cfg or gemm_config(m, n, k), xs)
+    one block, which the GEMM reads itself; the wgmma path's boxes per wg's token blocks)."""
+    cfg = with_xs(cfg or gemm_config(m, n, k, wg=wg), xs)
     if cfg.WG:
-        return wg_xb_words(m, k), 0
+        return wg_xb_words(m, k, wg.nb_max), 0
     rows = token_tiles(m, cfg) * 8
     xb = rows * (xs or cfg.XS) * k // 2 if m <= 8 * TILES_ONE_BLOCK else 0
     return xb, (cfg.SB * m * n if cfg.SB > 1 else 0)
@@ -641,7 +641,7 @@ def gemm(x, w, out, ws, xs=None, cfg=None, wg=WG_GEMM_DEFAULT):
     if cfg.WG:
         return gemm_wg(x, w, out, ws.xb, cfg=wg)
     xs = xs or cfg.XS
-    nxb, npart = gemm_workspace_words(m, n, k, xs, cfg)
+    nxb, npart = gemm_workspace_words(m, n, k, xs, cfg, wg)
     if ws.xb.size < nxb or ws.part.size < npart:
         raise ValueError(f"gemm: workspace too small ({ws.xb.size}/{ws.part.size} < {nxb}/{npart})")
     nsync = gemm_sync_words(m, n, k, cfg) if ws.sync is not None else 0

@@ -48,7 +48,7 @@ from numbaengine.kernels.device import (
     stamp_point,
 )
 from numbaengine.kernels.launch import kernel
-from numbaengine.kernels.prep import prep_b, token_blocks, xb_words
+from numbaengine.kernels.prep import WG_NB_MAX, prep_b, token_blocks, xb_words
 from numbaengine.kernels.unroll import each, fill, tfold, tmap, unroll
 from numbaengine.kernels.wgmma import (
     fence_proxy_async,
@@ -93,6 +93,11 @@ class WgConfig:
     #                          q_kv_a 49.9 / 48.1 / 46.5 off against 47.8 / 46.6 / 45.0 on (0.3-2.1 points on the four
     #                          shapes timed). On by default because off has had no GPU correctness run (`python -m
     #                          pytest -m gpu tests/test_cuda_gemm_wg.py -k fence` is the check before switching)
+    nb_max: int = WG_NB_MAX  # token rows per block (wgmma N, a multiple of 8, <= 256); taller x runs as token blocks
+    #                          on grid z, each reading the strip's weights again. 64: the shapes measured (decode and
+    #                          tree rows); 128 and 256 compile without spills (ptxas sm_90a: MT = 2 at 128 and MT = 1
+    #                          at 256 in 168 registers) and are not yet timed (tools.bench_kernels variants wg_nb128,
+    #                          wg_nb256 at prompt-sized m)
     stamps: bool = False     # measurement only (tools/gemm_wg_stamps.py): thread 0 of every block writes (SM cycles,
     #                          global ns) at the 9 STAMP_POINTS of its timeline into `stamps` [blocks, STAMP_WORDS]
     #                          (int32 bits), then its SM and its stages; the kernel takes that array after nbox.
@@ -132,7 +137,7 @@ def wg_cut(m, n, k, sms=132, mt=None, cl=None, stages=None, xin=None, cfg=WG_GEM
         blocks = strips * CL
         options.append((blocks if blocks <= target else -blocks, MT, CL))   # the most blocks within the target,
     _, MT, CL = max(options)                                                # else the fewest (MT = 2 first)
-    NB, ZB = token_blocks(m)
+    NB, ZB = token_blocks(m, cfg.nb_max)
     if xin is None:
         xin = int(NB <= cfg.xin_rows and MT == 2)
     S = stages or max(2, min(cfg.stages_max, cfg.smem_block // _layout(MT, 1, NB)[0]))
@@ -469,15 +474,15 @@ def gemm_wg(x, w, out, xb, cut=None, stamps=None, cfg=WG_GEMM_DEFAULT):
         raise ValueError(f"gemm_wg: x {x.shape}, w {w.shape}, out {out.shape}: needs sm_90, k % 64 == 0, n >= 64, "
                          f"contiguous w, out [m, n]")
     cut = cut or wg_cut(m, n, k, cuda.get_current_device().MULTIPROCESSOR_COUNT, cfg=cfg)
-    if (cut.NB, cut.ZB) != token_blocks(m) or (cut.XIN and cut.S < 3) or cut.CL > k // 64:
+    if (cut.NB, cut.ZB) != token_blocks(m, cfg.nb_max) or (cut.XIN and cut.S < 3) or cut.CL > k // 64:
         raise ValueError(f"gemm_wg: cut {cut} was not made for m={m}, k={k} (or XIN with fewer than 3 stages, or more "
                          f"k pieces than boxes)")
     if cut.XIN and not contiguous(x):          # (the same bf16 x either way: the same sums)
         cut = replace(cut, XIN=0)
     if not cut.XIN:
-        if xb.size < xb_words(m, k):
-            raise ValueError(f"gemm_wg: xb of {xb.size} words < {xb_words(m, k)}")
-        prep_b(x, xb, 1, 0, tiled=3)
+        if xb.size < xb_words(m, k, cfg.nb_max):
+            raise ValueError(f"gemm_wg: xb of {xb.size} words < {xb_words(m, k, cfg.nb_max)}")
+        prep_b(x, xb, 1, 0, tiled=3, nb_max=cfg.nb_max)
     kern = gemm_wg_kernel(cut.MT, cut.CL, cut.S, cut.NB, cut.XIN, cfg.stamps, cfg.tmap_fence)
     grid = (cut.CL, math.ceil(n / (64 * cut.MT)), cut.ZB)
     if cfg.stamps and (stamps is None or stamps.shape[0] < math.prod(grid) or stamps.shape[1] < STAMP_WORDS):

@@ -10,20 +10,23 @@ from numbaengine.kernels.launch import cached, kernel, launch
 
 RING_CHUNK = 128    # u32 words of one warp-wide 16-byte-per-lane chunk (a ring slot row, a tiled B fragment)
 
-WG_NB_MAX = 64            # token rows per block (wgmma N); taller x runs as token blocks on grid z
+WG_NB_MAX = 64      # token rows per wgmma block (wgmma N) unless a WgConfig says otherwise (kernels/gemm_wg.py nb_max)
 
-def token_blocks(m):
-    """(NB, ZB): token blocks of at most WG_NB_MAX rows, NB a multiple of 8."""
-    zb = -(-m // WG_NB_MAX)
+
+def token_blocks(m, nb_max=WG_NB_MAX):
+    """(NB, ZB): token blocks of at most nb_max rows, NB a multiple of 8."""
+    zb = -(-m // nb_max)
     per = -(-m // zb)
     return 8 * -(-per // 8), zb
 
-def xb_words(m, k):
+
+def xb_words(m, k, nb_max=WG_NB_MAX):
     """u32 words of x in the tiled=3 layout of prep_b: ZB token blocks x k/64 boxes x NB rows x 32 words."""
-    nb, zb = token_blocks(m)
+    nb, zb = token_blocks(m, nb_max)
     return zb * nb * k // 2
 
-def build_prep_unit(xs, perm, tiled):
+
+def build_prep_unit(xs, perm, tiled, nb_max=WG_NB_MAX):
     @device
     def prep_unit(x, xb, m, kdim, row, blk):
         """Columns 8 blk .. 8 blk + 7 of row `row` of the B operand (see `build_prep`)."""
@@ -35,7 +38,7 @@ def build_prep_unit(xs, perm, tiled):
             base = ((blk // 4 * ((m + 7) // 8) + row // 8) * xs) * RING_CHUNK + (4 * (row % 8) + blk % 4) * 4
             pstride = RING_CHUNK
         elif tiled == 3:       # wgmma B boxes (kernels/gemm_wg.py): [token block][k/64 box][NB rows][128 bytes],
-            zb = (m + WG_NB_MAX - 1) // WG_NB_MAX    # chunk c of row r at chunk c ^ (r % 8) (128-byte swizzle)
+            zb = (m + nb_max - 1) // nb_max          # chunk c of row r at chunk c ^ (r % 8) (128-byte swizzle)
             nb = ((m + zb - 1) // zb + 7) // 8 * 8
             z, r = row // nb, row % nb
             base = ((z * (kdim // 64) + blk // 8) * nb + r) * 32 + ((blk % 8) ^ (r % 8)) * 4
@@ -56,8 +59,9 @@ def build_prep_unit(xs, perm, tiled):
                 xb[base + q] = pack_bf16x2(v0, v1)
     return prep_unit
 
-def build_prep(xs, perm, tiled=0):
-    prep_unit = cached(build_prep_unit, xs, perm, tiled)
+
+def build_prep(xs, perm, tiled=0, nb_max=WG_NB_MAX):
+    prep_unit = cached(build_prep_unit, xs, perm, tiled, nb_max)
 
     @kernel()
     def prep(x, xb, m, kdim):
@@ -72,15 +76,17 @@ def build_prep(xs, perm, tiled=0):
         prep_unit(x, xb, m, kdim, cuda.blockIdx.y, cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
     return prep
 
-def prep_b(x, xb, xs, perm=0, tiled=0):
+
+def prep_b(x, xb, xs, perm=0, tiled=0, nb_max=WG_NB_MAX):
     """x f32[m, k] -> xb (uint32 flat, >= m*xs*k/2 words; tiled=1: ceil(m/8)*8*xs*k/2, tiled=3:
-    xb_words): the B operand of the mma GEMMs (tiled=3: of the wgmma GEMM)."""
+    xb_words): the B operand of the mma GEMMs (tiled=3: of the wgmma GEMM, token blocks of <= nb_max rows)."""
     m, k = x.shape
     if tiled == 3 and (xs != 1 or perm):
         raise ValueError(f"prep_b: the tiled={tiled} layout is for bf16 activations in natural column order")
     if tiled == 3:
-        nb, zb = token_blocks(m)
+        nb, zb = token_blocks(m, nb_max)
         rows = nb * zb
     else:
         rows = math.ceil(m / 8) * 8 if tiled else m
-    launch(cached(build_prep, xs, perm, tiled), (math.ceil(k / 8 / 256), rows), 256, x, xb, int32(m), int32(k))
+    launch(cached(build_prep, xs, perm, tiled, nb_max), (math.ceil(k / 8 / 256), rows), 256, x, xb, int32(m),
+           int32(k))
