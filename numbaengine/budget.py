@@ -27,7 +27,15 @@ from time import perf_counter
 
 import numpy as np
 
-from numbaengine.ddtree import MAX_BUDGET, draft_tree, draft_trees, first_nodes, sample, verify_inputs, verify_trees
+from numbaengine.ddtree import (
+    MAX_BUDGET,
+    draft_tree,
+    draft_trees,
+    first_nodes,
+    sample,
+    verify_inputs,
+    verify_trees,
+)
 from numbaengine.phases import span
 
 AUTO = "auto"
@@ -225,11 +233,13 @@ def auto_round(seqs, caps, target, drafter, ops, p, timer, table: CostTable, cal
 
 @dataclass
 class Picks:
-    """One sequence's auto record: per round the ladder size, its nodes and expected accepted drafts."""
+    """One sequence's auto record: per round the ladder size, its nodes and expected accepted drafts; cal: the
+    batch's calibration after its latest round."""
     sizes: list = field(default_factory=list)
     nodes: list = field(default_factory=list)
     expected: list = field(default_factory=list)
     calibrated: list = field(default_factory=list)
+    cal: Calibration = field(default_factory=Calibration)
 
     def add(self, choice: Choice, i):
         self.sizes.append(choice.size)
@@ -237,12 +247,12 @@ class Picks:
         self.expected.append(choice.expected[i])
         self.calibrated.append(choice.calibrated[i])
 
-    def stats(self, cal: Calibration) -> dict:
+    def stats(self) -> dict:
         """budget_hist {size: rounds}, mean nodes verified, expected tau (surrogate and calibrated; the observed one
         is tau_mean) and the calibration at the end."""
         return dict(budget_hist={s: self.sizes.count(s) for s in sorted(set(self.sizes))},
                     nodes_mean=mean(self.nodes), expected_tau=1 + mean(self.expected),
-                    calibrated_tau=1 + mean(self.calibrated), calibration=cal.state())
+                    calibrated_tau=1 + mean(self.calibrated), calibration=self.cal.state())
 
 
 def mean(xs) -> float:

@@ -6,7 +6,9 @@ one forward pass with an ancestor-only mask, draws one sample per node, and the 
 match. Accepted rows are compacted in the target cache and their features extend the drafter context.
 
 DFlash (the single chain of per-depth argmaxes) is the same tree with one candidate per depth; autoregressive
-decoding is the tree with the root only. All three share `decode_round`.
+decoding is the tree with the root only. All three share `decode_round`, after one `prefill` of the prompt.
+numbaengine/generate.py `decode` runs prefills and rounds until the outputs are complete (numbaengine/rounds.py:
+this round on the host, or the same round batched on the device, numbaengine/device_round.py).
 """
 from __future__ import annotations
 
@@ -152,7 +154,7 @@ def commit(seq, tree, path, bonus, hidden, drafter):
     return [int(t) for t in tree.tokens[path[1:]]] + [bonus]
 
 
-# --- 4. one round --------------------------------------------------------------------------------------------------
+# --- 4. prefill, then rounds ---------------------------------------------------------------------------------------
 
 @dataclass
 class RoundOut:
@@ -169,6 +171,22 @@ class Params:
     mode: str = "ddtree"
     temperature: float = 0.0
     seed: int = 0
+
+
+def prefill(index, ids, target, drafter, ops, p: Params, max_len) -> Seq:
+    """Before the first round: the target over the prompt ids (MLA in ops.prefill_form) into a cache of max_len rows;
+    the drafter context gets the prompt features; bonus = sample at the last position."""
+    tokens, positions = np.asarray(ids, np.int32), np.arange(len(ids), dtype=np.int32)
+    cache = target.new_cache(max_len)
+    layers = drafter.layer_ids if drafter is not None else ()
+    logits, hidden = target.forward(tokens, positions, cache, None, hidden_layers=layers, form=ops.prefill_form)
+    cache.commit(positions)
+    ctx = None
+    if drafter is not None:
+        ctx = drafter.new_context(max_len)
+        drafter.append(ctx, hidden, positions)
+    bonus = sample(ops, logits[-1:], p.temperature, p.seed, index, positions[-1:])[0]
+    return Seq(index, cache, ctx, len(ids), int(bonus))
 
 
 def decode_round(seqs, budgets, target, drafter, ops, p: Params, timer):

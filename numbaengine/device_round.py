@@ -18,12 +18,10 @@ round runs eagerly (it compiles kernels and sizes scratch), the next is captured
 from __future__ import annotations
 
 from dataclasses import dataclass
-from time import perf_counter
 
 import numpy as np
 
-from numbaengine import generate as gen
-from numbaengine.ddtree import MODES, Params, RoundOut, Seq
+from numbaengine.ddtree import MODES
 from numbaengine.kernels.sample import sample
 from numbaengine.kernels.tree import (
     tree_buffers,
@@ -381,63 +379,3 @@ def check_memory(ops, plan):
         top = max(plan, key=plan.get)
         raise MemoryError(f"memory: decoding needs {need / 2**30:.2f} GiB of buffers ({top}: {plan[top] / 2**30:.2f} "
                           f"GiB) but {free / 2**30:.2f} GiB are free: lower max_context, the batch or the budget")
-
-
-# --- generation over DeviceRounds -------------------------------------------------------------------------------------
-
-def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="ddtree", budget=16, temperature=0.0,
-                   seed=0, stop=None, max_context=4096, on_round=None, rounds_cache=None, graphs=True,
-                   ranks=None) -> list:
-    """generate.generate_batch on the device: same arguments, same outputs (token for token), one graph launch
-    and one small host read per round. rounds_cache: a dict keeping DeviceRounds (and their graphs) per Shape.
-    ranks: several devices (numbaengine/devices.py), one replica of the round per device."""
-    tokenizer = tokenizer if tokenizer is not None else gen.IdTokenizer()
-    gen.check_args(mode, budget, max_new_tokens, temperature, drafter)
-    ids = [gen.prompt_ids(p, tokenizer, target.cfg.vocab_size, max_context) for p in prompts]
-    stop = set(target.cfg.eos_ids if stop is None else (int(t) for t in stop))
-    width = gen.tree_width(mode, budget, drafter)
-    shape = Shape(len(ids), mode, width, max_context)   # reused across requests (and sampling settings)
-    rounds_cache = {} if rounds_cache is None else rounds_cache
-    if shape not in rounds_cache:
-        rounds_cache.clear()                         # one resident shape at a time: buffers are large
-        rounds_cache[shape] = (DeviceRounds(target, drafter, shape, graphs) if ranks is None
-                               else Replicated(ranks, shape, graphs))
-    dev = rounds_cache[shape]
-    report = on_round if on_round is not None else (lambda index, out, tokens: None)
-    p, t0, runs = Params(mode, float(temperature), int(seed)), perf_counter(), []
-    with span("prefill"):
-        for i, prompt in enumerate(ids):
-            limit = min(max_context, len(prompt) + max_new_tokens + width)  # the reference's cache size for it
-            seq = Seq(i, None, None, len(prompt), dev.prefill(i, prompt, i, float(temperature), int(seed)))
-            runs.append(gen.Run(seq, len(prompt)))
-            runs[-1].limit = limit
-            gen.push(runs[-1], [seq.bonus], stop, max_new_tokens)
-            report(i, None, list(runs[-1].tokens))
-        dev.retire([r.seq.index for r in runs if r.stop_reason is not None])
-    prefill_s, t1, timer, gpu0 = perf_counter() - t0, perf_counter(), gen.Timer(("round", "gpu")), dev.gpu_s
-    with span("decode"):
-        while live := [r for r in runs if _decoding(r)]:
-            with timer("round"):
-                out = dev.step()
-            done = []
-            for r in live:
-                tau = int(out[r.seq.index, 0])
-                tau = min(tau, r.limit - r.seq.start)    # the reference shrinks its last trees to fit its cache
-                r.seq.start += tau
-                r.taus.append(tau)
-                gen.push(r, out[r.seq.index, 1:tau + 1].tolist(), stop, max_new_tokens)
-                report(r.seq.index, RoundOut(None, None, r.tokens[-tau:], tau), list(r.tokens))
-                if not _decoding(r):
-                    done.append(r.seq.index)
-            dev.retire(done)
-    decode_s = perf_counter() - t1
-    timer.seconds["gpu"] = dev.gpu_s - gpu0          # of "round": the rest is host time (launch, read, Python)
-    return [gen.Result(r.tokens, tokenizer.decode(r.tokens), gen.stats_of(r, p, budget, prefill_s, decode_s, timer))
-            for r in runs]
-
-
-def _decoding(run) -> bool:
-    """generate.still_decoding against the reference's cache size for this sequence."""
-    if run.stop_reason is None and run.seq.start >= run.limit:
-        run.stop_reason = "context"
-    return run.stop_reason is None

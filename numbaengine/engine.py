@@ -15,6 +15,7 @@ from numbaengine.config import load_config
 from numbaengine.drafter import load_drafter
 from numbaengine.model import Target
 from numbaengine.phases import span
+from numbaengine.rounds import DeviceSlots, HostRounds
 from numbaengine.tokenizer import load_tokenizer
 from numbaengine.weights import SHIPPED_PAIR
 from numbaengine.weights.shards import Checkpoint
@@ -97,6 +98,16 @@ class Engine:
         17x384 @ 384x4096 took 3.7 ms on one thread and 15 ms on OpenBLAS's default two."""
         return threadpool_limits(1, "blas") if self.backend == "numpy" else contextlib.nullcontext()
 
+    def rounds(self, batch, chunk=None, graphs=True, cost_table=None):
+        """The round over `batch` sequences on this backend (numbaengine/rounds.py): numpy, the reference round on
+        the host (budget "auto" with cost_table); the kernel backends, the slots of one DeviceRounds (kept in
+        rounds_cache per Shape), prompts prefilled in pieces of `chunk` tokens (None: whole), the round captured as
+        a CUDA graph when `graphs` (cuda)."""
+        if self.backend == "numpy":
+            return HostRounds(self.target, self.drafter, self.max_context, table=cost_table)
+        return DeviceSlots(self.target, self.drafter, self.max_context, batch, chunk, self.rounds_cache, self.ranks,
+                           graphs)
+
     def generate(self, prompt, max_new_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0, stop=None,
                  on_round=None, cost_table=None) -> gen.Result:
         """Decode one prompt (text or token ids): `ar`, `dflash` (chain) or `ddtree` (tree of `budget` nodes, or
@@ -105,22 +116,17 @@ class Engine:
                                    cost_table)[0]
 
     def generate_batch(self, prompts, max_new_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0, stop=None,
-                       on_round=None, cost_table=None) -> list[gen.Result]:
-        """Decode several prompts together, each with its own cache and tree. On the kernel backends (cuda, sim)
-        all sequences run in one batched round on the device (numbaengine/device_round.py), captured as a CUDA
-        graph on cuda. budget "auto" (numpy only): each round's tree size from the drafter's probabilities and
-        `cost_table` (a budget.CostTable; None: the reference round timed on this CPU once, at the first use)."""
+                       on_round=None, cost_table=None, graphs=True) -> list[gen.Result]:
+        """Decode several prompts together, each with its own cache and tree (generate.generate_on over `rounds`).
+        On the kernel backends (cuda, sim) all sequences run in one batched round on the device
+        (numbaengine/device_round.py), captured as a CUDA graph on cuda unless graphs is False. budget "auto" (numpy
+        only): each round's tree size from the drafter's probabilities and `cost_table` (a budget.CostTable; None:
+        the reference round timed on this CPU once, at the first use)."""
         if budget == AUTO and self.backend != "numpy":
             raise NotImplementedError(AUTO_MISSING)
-        if self.backend != "numpy":
-            from numbaengine import device_round
-            return device_round.generate_batch(self.target, self.drafter, self.tokenizer, prompts, max_new_tokens,
-                                               mode, budget, temperature, seed, stop, self.max_context, on_round,
-                                               self.rounds_cache, ranks=self.ranks)
         with self.blas_threads():
             if budget == AUTO and mode == "ddtree" and cost_table is None and self.drafter is not None:
                 self.costs = self.costs or reference_costs(self.target, self.drafter, self.target.ops)
                 cost_table = self.costs
-            return gen.generate_batch(self.target, self.drafter, self.tokenizer, prompts, max_new_tokens, mode,
-                                      budget, temperature, seed, stop, max_context=self.max_context,
-                                      on_round=on_round, cost_table=cost_table)
+            return gen.generate_on(self.rounds(len(prompts), graphs=graphs, cost_table=cost_table), self.tokenizer,
+                                   prompts, max_new_tokens, mode, budget, temperature, seed, stop, on_round)

@@ -1,23 +1,25 @@
-"""Generation: prefill each prompt, then decoding rounds (DDTree, DFlash or autoregressive) until max_new_tokens,
-a stop token, or a full context. Plain functions over the engine's pieces: target, drafter, tokenizer, ops.
+"""Generation: the one decoding loop. `decode` prefills sequences and runs rounds (DDTree, DFlash or
+autoregressive) until each output is complete, through a rounds object (numbaengine/rounds.py: HostRounds, the
+reference round on the host; DeviceSlots, the batched round on the device). Engine.generate / generate_batch on
+every backend and the server's scheduler (numbaengine/scheduler.py) all decode through it.
 
-Output rules: max_new_tokens is exact (a round that accepts more is cut); a stop token ends the output and is
-included; tokens are never filtered by value (the drafter's mask id is a valid output token).
+Output rules (push): max_new_tokens is exact (a round that accepts more is cut); a stop token ends the output and is
+included; a sequence ends when its cache rows are full; tokens are never filtered by value (the drafter's mask id is a
+valid output token).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from time import perf_counter
 
 import numpy as np
 
-from numbaengine.budget import AUTO, AUTO_MISSING, Calibration, Picks, auto_round, reference_costs
-from numbaengine.ddtree import MAX_BUDGET, MODES, Params, Seq, decode_round, sample
+from numbaengine.budget import AUTO, AUTO_MISSING, reference_costs
+from numbaengine.ddtree import MAX_BUDGET, MODES, Params
 from numbaengine.phases import span
+from numbaengine.rounds import HostRounds, Run
 from numbaengine.tokenizer import IdTokenizer
-
-PHASES = ("draft", "build", "verify", "walk", "commit")
 
 
 @dataclass
@@ -27,33 +29,154 @@ class Result:
     stats: dict              # see `stats_of`
 
 
-@dataclass
-class Run:
-    """One sequence's generation state beside its round state."""
-    seq: Seq
-    prompt_len: int
-    tokens: list = field(default_factory=list)
-    taus: list = field(default_factory=list)
-    stop_reason: str | None = None     # "stop" | "length" | "context" once finished
-    picks: Picks | None = None         # budget "auto": the sizes chosen for it
-
-
 class Timer:
-    """Wall time per phase, summed over rounds (and over the sequences of a batch)."""
+    """Wall time per phase, summed over rounds (and over the sequences of a batch); phases may nest. `phases` start
+    at 0 (others appear when first timed)."""
 
-    def __init__(self, phases=PHASES):
+    def __init__(self, phases=HostRounds.PHASES):
         self.seconds = dict.fromkeys(phases, 0.0)
+
+    def add(self, phase, seconds):
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
     @contextmanager
     def __call__(self, phase):
         t0 = perf_counter()
         yield
-        self.seconds[phase] += perf_counter() - t0
+        self.add(phase, perf_counter() - t0)
+
+
+# --- the loop ---------------------------------------------------------------------------------------------------------
+
+def decode(rounds, runs, report, timer: Timer, admit=None, chunk=None, on_round=None):
+    """Decode `runs` (each given its place by rounds.begin) to completion, and the runs admit() adds.
+
+    Each pass: admit(waiting, live) returns the runs that join (begun; None ends the loop; it may block while there
+    is nothing to do, and end runs by setting their stop_reason); the waiting runs are prefilled, oldest first, at
+    most `chunk` prompt tokens a pass (None: all; at least one piece); then one round of every decoding run. New
+    tokens go through push (the stop rules), then report(run, out): out is None after the prefill (the first token),
+    the round's RoundOut, or the exception the run failed with. report may end a run (stop_reason) or raise to end
+    the loop. Finished runs leave and give their places back (rounds.retire). timer: "prefill" and "decode" wall
+    time, and the round's phases. on_round(outs, seconds): after each round."""
+    waiting, live = list(runs), []
+    while True:
+        if admit is not None:
+            new = admit(waiting, live)
+            if new is None:
+                return
+            waiting, live = leave(rounds, waiting + new), leave(rounds, live)
+        elif not waiting and not live:
+            return
+        if waiting:
+            with span("prefill"), timer("prefill"):
+                filled = prefill(rounds, waiting, chunk, report)
+            waiting, live = leave(rounds, [r for r in waiting if r not in filled]), leave(rounds, live + filled)
+        if live:
+            t0 = perf_counter()
+            with span("decode"), timer("decode"):
+                outs = step(rounds, live, report, timer)
+            live = leave(rounds, live)
+            if on_round is not None:
+                on_round(outs, perf_counter() - t0)
+
+
+def prefill(rounds, waiting, chunk, report) -> list:
+    """The next prompt pieces of the waiting runs, oldest first, up to chunk tokens in all (at least one piece).
+    Returns the runs whose prompt is complete: their first token is pushed and reported."""
+    used, filled = 0, []
+    for run in waiting:
+        n = rounds.piece(run)
+        if chunk is not None and used and used + n > chunk:
+            break
+        used += n
+        try:
+            done = rounds.fill(run, n)
+        except Exception as e:          # noqa: BLE001 - one sequence's fault ends only that sequence
+            run.stop_reason = "error"
+            report(run, e)
+            continue
+        if done:
+            filled.append(run)
+            push(run, [run.seq.bonus])
+            report(run, None)
+    return filled
+
+
+def step(rounds, live, report, timer) -> dict:
+    """One round of every live run: its tokens pushed and reported. Returns id(run) -> RoundOut | exception."""
+    try:
+        outs = rounds.step(live, timer)
+    except Exception as e:              # noqa: BLE001 - a shared round failed: every sequence in it fails
+        outs = {id(r): e for r in live}
+    for r in live:
+        out = outs[id(r)]
+        if isinstance(out, Exception):
+            r.stop_reason = "error"
+        else:
+            r.taus.append(out.tau)
+            push(r, out.tokens)
+        report(r, out)
+    return outs
+
+
+def leave(rounds, runs) -> list:
+    """The runs still going; the finished ones give their places back."""
+    done = [r for r in runs if r.stop_reason is not None]
+    if done:
+        rounds.retire(done)
+    return [r for r in runs if r.stop_reason is None]
+
+
+def push(run: Run, new):
+    """Append new tokens, ending the output at the first stop token (kept) or at exactly max_new tokens; then a
+    sequence whose cache rows are full (no row for the next bonus) ends too."""
+    for t in map(int, new):
+        run.tokens.append(t)
+        if t in run.stop:
+            run.stop_reason = "stop"
+            return
+        if len(run.tokens) >= run.max_new:
+            run.stop_reason = "length"
+            return
+    if run.stop_reason is None and run.seq.start >= run.limit:
+        run.stop_reason = "context"
+
+
+# --- a batch of prompts -----------------------------------------------------------------------------------------------
+
+def generate_on(rounds, tokenizer, prompts, max_new_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0,
+                stop=None, on_round=None) -> list:
+    """Decode several prompts together through `rounds` (a HostRounds or DeviceSlots), each with its own cache,
+    tree and noise stream (its batch index).
+
+    mode: ddtree (tree of `budget` drafted nodes), dflash (the drafter's argmax chain) or ar (no drafter).
+    budget "auto" (ddtree, HostRounds only): each round the size with the most expected tokens per second of the
+    rounds' cost table, shared over the batch by path probability; the output equals ar's for the same seed.
+    stop: token ids that end a sequence; None = the target config's eos ids, [] = none.
+    on_round(index, round_out | None, tokens): called after the prefill (None) and after every round."""
+    cfg, tokenizer = rounds.target.cfg, tokenizer if tokenizer is not None else IdTokenizer()
+    check_args(mode, budget, max_new_tokens, temperature, rounds.drafter, auto=rounds.auto_budget)
+    ids = [prompt_ids(p, tokenizer, cfg.vocab_size, rounds.max_context) for p in prompts]
+    stop = set(cfg.eos_ids if stop is None else (int(t) for t in stop))
+    p = Params(mode, float(temperature), int(seed))
+    runs = []
+    for i, prompt in enumerate(ids):
+        runs.append(Run(prompt, max_new_tokens, stop, p, budget, index=i))
+        rounds.begin(runs[-1], runs[:-1])
+
+    def report(run, out):
+        if isinstance(out, Exception):
+            raise out
+        if on_round is not None:
+            on_round(run.index, out, list(run.tokens))
+    timer = Timer(("prefill", "decode") + rounds.PHASES)
+    decode(rounds, runs, report, timer)
+    return [Result(r.tokens, tokenizer.decode(r.tokens), stats_of(r, timer, rounds.PHASES)) for r in runs]
 
 
 def generate(target, drafter, tokenizer, prompt, max_new_tokens, mode="ddtree", budget=16, temperature=0.0,
              seed=0, stop=None, ops=None, max_context=4096, on_round=None, cost_table=None) -> Result:
-    """Decode one prompt (text, or a list of token ids); see generate_batch."""
+    """Decode one prompt (text, or a list of token ids) on the host; see generate_batch."""
     return generate_batch(target, drafter, tokenizer, [prompt], max_new_tokens, mode, budget, temperature, seed,
                           stop, ops, max_context, on_round, cost_table)[0]
 
@@ -61,60 +184,22 @@ def generate(target, drafter, tokenizer, prompt, max_new_tokens, mode="ddtree", 
 def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="ddtree", budget=16,
                    temperature=0.0, seed=0, stop=None, ops=None, max_context=4096, on_round=None,
                    cost_table=None) -> list:
-    """Decode several prompts together, each with its own tree, caches and noise stream (its batch index).
-
-    mode: ddtree (tree of `budget` drafted nodes), dflash (the drafter's argmax chain) or ar (no drafter).
-    budget "auto" (ddtree): each round the size with the most expected tokens per second of `cost_table`
-    (numbaengine/budget.py; None: the reference round timed on this CPU), shared over the batch by path
-    probability; the output equals ar's for the same seed, as with any fixed budget.
-    stop: token ids that end a sequence; None = the target config's eos ids, [] = none.
-    max_context: rows of the target cache; the prompt plus at least one new token must fit.
-    on_round(index, round_out | None, tokens): called after the prefill (None) and after every round.
-    """
+    """generate_on over the reference round on the host (HostRounds) of these model pieces. max_context: rows of the
+    target cache; the prompt plus at least one new token must fit. budget "auto": cost_table, or None: the reference
+    round timed on this CPU (budget.reference_costs)."""
     ops = ops if ops is not None else target.ops
-    tokenizer = tokenizer if tokenizer is not None else IdTokenizer()
-    check_args(mode, budget, max_new_tokens, temperature, drafter, auto=True)
-    ids = [prompt_ids(p, tokenizer, target.cfg.vocab_size, max_context) for p in prompts]
-    stop = set(target.cfg.eos_ids if stop is None else (int(t) for t in stop))
     table = None
-    if budget == AUTO and mode == "ddtree":
+    if budget == AUTO and mode == "ddtree" and drafter is not None:
         table = cost_table if cost_table is not None else reference_costs(target, drafter, ops)
-    p, cal = Params(mode, float(temperature), int(seed)), Calibration()
-    width = max(table.sizes) if table is not None else tree_width(mode, budget, drafter)
-    drafter = drafter if mode != "ar" else None
-    report = on_round if on_round is not None else (lambda index, out, tokens: None)
-    t0 = perf_counter()
-    runs = []
-    with span("prefill"):
-        for i, prompt in enumerate(ids):     # cache rows: prompt + output + one round's tree (capped by the context)
-            rows = min(max_context, len(prompt) + max_new_tokens + width)
-            runs.append(Run(prefill(i, prompt, target, drafter, ops, p, rows), len(prompt),
-                            picks=Picks() if table is not None else None))
-            push(runs[-1], [runs[-1].seq.bonus], stop, max_new_tokens)
-            report(i, None, list(runs[-1].tokens))
-    prefill_s, t1, timer = perf_counter() - t0, perf_counter(), Timer()
-    with span("decode"):
-        while live := [r for r in runs if still_decoding(r)]:
-            budgets = [min(width, r.seq.cache.max_len - r.seq.start - 1) for r in live]     # shrink near a full cache
-            seqs = [r.seq for r in live]
-            if table is None:
-                outs = decode_round(seqs, budgets, target, drafter, ops, p, timer)
-            else:
-                choice, outs, cal = auto_round(seqs, budgets, target, drafter, ops, p, timer, table, cal)
-                for i, r in enumerate(live):
-                    r.picks.add(choice, i)
-            for r, out in zip(live, outs):
-                r.taus.append(out.tau)
-                push(r, out.tokens, stop, max_new_tokens)
-                report(r.seq.index, out, list(r.tokens))
-    decode_s = perf_counter() - t1
-    return [Result(r.tokens, tokenizer.decode(r.tokens), stats_of(r, p, budget, prefill_s, decode_s, timer, cal))
-            for r in runs]
+    return generate_on(HostRounds(target, drafter, max_context, ops, table), tokenizer, prompts, max_new_tokens,
+                       mode, budget, temperature, seed, stop, on_round)
 
+
+# --- arguments and stats ----------------------------------------------------------------------------------------------
 
 def check_args(mode, budget, max_new_tokens, temperature, drafter, auto=False):
-    """One-line ValueErrors for arguments out of range. auto: budget "auto" is allowed (the reference loop);
-    elsewhere it raises NotImplementedError naming what is missing."""
+    """One-line ValueErrors for arguments out of range. auto: budget "auto" is allowed (the host rounds); elsewhere
+    it raises NotImplementedError naming what is missing."""
     if mode not in MODES:
         raise ValueError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
     if budget == AUTO and not auto:
@@ -144,57 +229,18 @@ def prompt_ids(prompt, tokenizer, vocab, max_context):
     return ids
 
 
-def tree_width(mode, budget, drafter):
-    """Drafted nodes per round: the budget (ddtree), the chain Lb-1 (dflash), none (ar)."""
-    return {"ddtree": budget, "dflash": drafter.block_size - 1 if drafter is not None else 0, "ar": 0}[mode]
-
-
-def prefill(index, ids, target, drafter, ops, p: Params, max_len) -> Seq:
-    """Target over the prompt (MLA in ops.prefill_form); the drafter context gets the prompt features; bonus = sample
-    at the last position."""
-    tokens, positions = np.asarray(ids, np.int32), np.arange(len(ids), dtype=np.int32)
-    cache = target.new_cache(max_len)
-    layers = drafter.layer_ids if drafter is not None else ()
-    logits, hidden = target.forward(tokens, positions, cache, None, hidden_layers=layers, form=ops.prefill_form)
-    cache.commit(positions)
-    ctx = None
-    if drafter is not None:
-        ctx = drafter.new_context(max_len)
-        drafter.append(ctx, hidden, positions)
-    bonus = sample(ops, logits[-1:], p.temperature, p.seed, index, positions[-1:])[0]
-    return Seq(index, cache, ctx, len(ids), int(bonus))
-
-
-def still_decoding(run: Run) -> bool:
-    """Not finished, and a free cache row for the bonus token; a full context finishes the sequence."""
-    if run.stop_reason is None and run.seq.start >= run.seq.cache.max_len:
-        run.stop_reason = "context"
-    return run.stop_reason is None
-
-
-def push(run: Run, new, stop, max_new_tokens):
-    """Append new tokens, ending the output at the first stop token (kept) or at exactly max_new_tokens."""
-    for t in map(int, new):
-        run.tokens.append(t)
-        if t in stop:
-            run.stop_reason = "stop"
-            return
-        if len(run.tokens) >= max_new_tokens:
-            run.stop_reason = "length"
-            return
-
-
-def stats_of(run: Run, p: Params, budget, prefill_s, decode_s, timer: Timer, cal=None) -> dict:
+def stats_of(run: Run, timer: Timer, phases) -> dict:
     """Acceptance and timing of one sequence. Times (prefill, decode, phases) are of the whole batch. Budget "auto"
     adds budget_hist, nodes_mean, expected_tau, calibrated_tau and calibration (budget.Picks.stats)."""
-    taus = run.taus
+    taus, s = run.taus, timer.seconds
     hist = [0] * (max(taus, default=0) + 1)     # hist[tau] = rounds that committed tau tokens
     for t in taus:
         hist[t] += 1
-    out = dict(mode=p.mode, budget=budget, temperature=p.temperature, seed=p.seed,
-               prompt_tokens=run.prompt_len, new_tokens=len(run.tokens), stop_reason=run.stop_reason,
+    decode_s = s["decode"]
+    out = dict(mode=run.p.mode, budget=run.budget, temperature=run.p.temperature, seed=run.p.seed,
+               prompt_tokens=len(run.ids), new_tokens=len(run.tokens), stop_reason=run.stop_reason,
                rounds=len(taus), tau_mean=float(np.mean(taus)) if taus else 0.0, tau_hist=hist,
-               prefill_s=prefill_s, decode_s=decode_s,
+               prefill_s=s["prefill"], decode_s=decode_s,
                tokens_per_s=(len(run.tokens) - 1) / decode_s if decode_s > 0 else 0.0,
-               phase_s=dict(timer.seconds))
-    return {**out, **run.picks.stats(cal)} if run.picks is not None else out
+               phase_s={k: s[k] for k in phases})
+    return {**out, **run.picks.stats()} if run.picks is not None else out

@@ -1,5 +1,6 @@
-"""The cuda backend's decode loop (numbaengine/device_round.py) on a GPU: batched device rounds replayed as CUDA
-graphs give the reference's tokens. The same round runs on the simulator in test_backend_sim.py (tiny model).
+"""The cuda backend's decoding (numbaengine/device_round.py rounds, driven by generate.decode) on a GPU: batched
+device rounds replayed as CUDA graphs give the reference's tokens. The same round runs on the simulator in
+test_backend_sim.py (tiny model).
 
 Reference: the numpy backend on the same checkpoint. Greedy outputs must be equal except after a near-tie of the
 reference's logits (the kernels round differently: bf16 MoE activations, bf16 q/P in MLA), and every token must be a
@@ -110,21 +111,20 @@ def test_gpu_graph_replay_equals_eager(temperature):
     """Same round launched eagerly and replayed from the captured graph, with and without the parallel branches
     of ops.branch(): identical tokens; the graph holds our kernels, no host sync (capture would have failed), and
     the branches make its longest chain shorter than its node count."""
-    from numbaengine import device_round
     ref, dev = engines()
     out, depth = {}, {}
     try:
         for graphs, branches in ((False, False), (True, False), (False, True), (True, True)):
-            cache = {}
+            dev.rounds_cache.clear()
             dev.target.ops.branches = branches
-            res = device_round.generate_batch(dev.target, dev.drafter, dev.tokenizer, PROMPTS, 40, "ddtree", 16,
-                                              temperature, 7, [], 4096, None, cache, graphs)
+            res = dev.generate_batch(PROMPTS, 40, "ddtree", 16, temperature, 7, [], graphs=graphs)
             out[graphs, branches] = [r.tokens for r in res]
-            rounds = next(iter(cache.values()))
+            rounds = next(iter(dev.rounds_cache.values()))
             if graphs:
                 depth[branches] = (rounds.graph_depth(), len(rounds.kernel_nodes()))
     finally:
         dev.target.ops.branches = True
+        dev.rounds_cache.clear()
     assert out[True, True] == out[False, True] == out[True, False] == out[False, False]
     print("graph (depth, kernel nodes): branches", depth[True], "in order", depth[False])
     assert depth[True][0] < depth[False][0] and depth[True][1] == depth[False][1], depth
@@ -179,11 +179,12 @@ def test_gpu_sampled_ddtree_distribution_exact(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_memory_error_is_clear():
-    from numbaengine import device_round
+    from numbaengine.generate import generate_on
+    from numbaengine.rounds import DeviceSlots
     _, dev = engines()
     with pytest.raises(MemoryError, match="lower max_context") as e:
-        device_round.generate_batch(dev.target, dev.drafter, dev.tokenizer, ["x"] * 128, 1 << 22, "ddtree", 255,
-                                    0.0, 0, [], 1 << 23, None, {}, True)
+        generate_on(DeviceSlots(dev.target, dev.drafter, 1 << 23, 128), dev.tokenizer, ["x"] * 128, 1 << 22,
+                    "ddtree", 255, 0.0, 0, [])
     assert "\n" not in str(e.value)
 
 

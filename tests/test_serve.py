@@ -378,35 +378,35 @@ def test_sigterm_drains_in_flight_requests():
 class PieceRounds:
     """A backend that prefills prompts in pieces of `chunk` tokens and commits one token (5) per sequence a round;
     log: ("fill", first prompt id, tokens) and ("round", sequences) in order."""
+    PHASES = ()
 
     def __init__(self, chunk):
         self.chunk, self.log = chunk, []
 
-    def fits(self, req, busy):
+    def fits(self, run, busy):
         return True
 
-    def begin(self, req, busy):
-        from numbaengine.scheduler import Live
-        return Live(req, set(), limit=10 ** 6)
+    def begin(self, run, busy):
+        run.limit = 10 ** 6
 
-    def piece(self, x):
-        return min(len(x.req.ids), (x.filled // self.chunk + 1) * self.chunk) - x.filled
+    def piece(self, run):
+        return min(len(run.ids), (run.filled // self.chunk + 1) * self.chunk) - run.filled
 
-    def fill(self, x, n):
-        from numbaengine import generate as gen
+    def fill(self, run, n):
         from numbaengine.ddtree import Seq
-        x.filled += n
-        self.log.append(("fill", x.req.ids[0], n))
-        if x.filled < len(x.req.ids):
+        run.filled += n
+        self.log.append(("fill", run.ids[0], n))
+        if run.filled < len(run.ids):
             return False
-        x.run = gen.Run(Seq(0, None, None, len(x.req.ids), 7), len(x.req.ids))
+        run.seq = Seq(0, None, None, len(run.ids), 7)
         return True
 
-    def step(self, live):
-        self.log.append(("round", len(live)))
-        return {id(x): [5] for x in live}
+    def step(self, runs, timer):
+        from numbaengine.ddtree import RoundOut
+        self.log.append(("round", len(runs)))
+        return {id(r): RoundOut(None, None, [5], 1) for r in runs}
 
-    def retire(self, done):
+    def retire(self, runs):
         pass
 
 
@@ -417,9 +417,9 @@ def run_pieces(prompts, max_tokens, chunk, cap):
 
     from numbaengine.scheduler import Request, Scheduler
     from numbaengine.tokenizer import IdTokenizer
-    engine = types.SimpleNamespace(backend="numpy", tokenizer=IdTokenizer(), blas_threads=contextlib.nullcontext)
-    sched = Scheduler(engine, max_batch=4, prefill_chunk=cap)
-    sched.rounds = PieceRounds(chunk)
+    engine = types.SimpleNamespace(backend="numpy", tokenizer=IdTokenizer(), blas_threads=contextlib.nullcontext,
+                                   cfg=types.SimpleNamespace(eos_ids=[]), drafter=object())
+    sched = Scheduler(engine, max_batch=4, prefill_chunk=cap, rounds=PieceRounds(chunk))
     texts, done = {i: "" for i in range(len(prompts))}, threading.Semaphore(0)
 
     def emit_for(i):

@@ -1,4 +1,4 @@
-"""The server's device slots (numbaengine/scheduler.py DeviceSlots over numbaengine/device_round.py DeviceRounds)
+"""The server's device slots (numbaengine/rounds.py DeviceSlots over numbaengine/device_round.py DeviceRounds)
 and its incremental text.
 
 CPU: scheduler.settle (a TextStream decoding only recent tokens) gives the updates the full decode gives
@@ -18,6 +18,7 @@ from test_ptx import cpu_compute_capability  # noqa: F401  (fixture: sm_90 for d
 
 from numbaengine import generate as gen
 from numbaengine.ddtree import Seq
+from numbaengine.rounds import Run
 from numbaengine.scheduler import Live, Request, first_stop, held, settle
 from numbaengine.tokenizer import IdTokenizer, load_tokenizer
 from numbaengine.weights import SHIPPED_PAIR
@@ -49,7 +50,7 @@ def full_settle(tokenizer, x, state):
 
 def live(stops, max_tokens):
     req = Request([1], max_tokens, stop_strings=tuple(stops), emit=None)
-    return Live(req, set(), limit=10 ** 6, run=gen.Run(Seq(0, None, None, 1, 0), 1))
+    return Live(req, Run([1], max_tokens, set(), limit=10 ** 6, seq=Seq(0, None, None, 1, 0)))
 
 
 def stream_case(tokenizer, tokens, stops, rounds, max_tokens):
@@ -58,7 +59,7 @@ def stream_case(tokenizer, tokens, stops, rounds, max_tokens):
     got, want = [], []
     for new in rounds:
         for x in (a, b):
-            gen.push(x.run, new, set(), max_tokens)
+            gen.push(x.run, new)
         u = settle(tokenizer, a)
         got.append((u.text, u.tokens, u.finish_reason))
         want.append(full_settle(tokenizer, b, state))
@@ -146,7 +147,7 @@ def test_settle_decodes_recent_tokens_only():
     x = live(("@@stop", "?!"), 10 ** 6)                                  # never in this text
     tokens = utf8_tokens(rng, 10000)
     for i in range(0, len(tokens), 2):
-        gen.push(x.run, tokens[i:i + 2], set(), 10 ** 6)
+        gen.push(x.run, tokens[i:i + 2])
         assert settle(tok, x).finish_reason is None
     assert Counting.decoded < 10 * len(tokens), Counting.decoded
     assert x.stream.text == ByteTokenizer().decode(x.run.tokens)
@@ -218,9 +219,9 @@ def run_scheduler(engine, reqs, max_batch, prefill_chunk):
             finished.release()
     real_fill = sched.rounds.fill
 
-    def fill(x, n):                               # keep each Live (its tokens) for the check
-        lives[id(x.req)] = x
-        return real_fill(x, n)
+    def fill(run, n):                             # keep each Live (its tokens) for the check
+        lives[id(run.owner.req)] = run.owner
+        return real_fill(run, n)
     sched.rounds.fill = fill
     for r in reqs:
         r.emit = emit

@@ -402,7 +402,6 @@ def precompile_cases(engine, cases):
 def check_eager(engine, cases, new_tokens=16) -> list:
     """For each (mode, budget) of `cases` at its smallest batch: do captured rounds commit the tokens of eager
     rounds (greedy)? -> [{mode, budget, batch, same}]."""
-    from numbaengine import device_round
     out, prompt = [], list(range(1, 9))
     for mode, budget in dict.fromkeys((m, b) for m, _, b in cases):
         if budget == AUTO:
@@ -411,9 +410,7 @@ def check_eager(engine, cases, new_tokens=16) -> list:
         runs = []
         for graphs in (True, False):
             engine.rounds_cache.clear()
-            res = device_round.generate_batch(engine.target, engine.drafter, engine.tokenizer, [prompt] * batch,
-                                              new_tokens, mode, budget, stop=[], max_context=engine.max_context,
-                                              rounds_cache=engine.rounds_cache, graphs=graphs)
+            res = engine.generate_batch([prompt] * batch, new_tokens, mode, budget, stop=[], graphs=graphs)
             runs.append([r.tokens for r in res])
         engine.rounds_cache.clear()
         out.append(dict(mode=mode, budget=budget, batch=batch, same=runs[0] == runs[1]))

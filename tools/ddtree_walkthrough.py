@@ -2,7 +2,7 @@
 
   python tools/ddtree_walkthrough.py > docs/DDTREE.md
 
-The round is the engine's own: numbaengine.generate.prefill, then numbaengine.ddtree.decode_round on the numpy
+The round is the engine's own: numbaengine.ddtree.prefill, then numbaengine.ddtree.decode_round on the numpy
 backend at temperature 0, with the drafter's and the target's outputs recorded on the way. The tables are derived
 from those outputs with the functions the round calls (top_logprobs, sample, walk), and checked
 against what the round returned. Numbers are printed with 3 decimals, so the page is the same on every BLAS build
@@ -20,7 +20,7 @@ from threadpoolctl import threadpool_limits
 
 from numbaengine import ddtree
 from numbaengine.engine import Engine
-from numbaengine.generate import Timer, prefill
+from numbaengine.generate import Timer
 
 PROMPT = "def is_prime(n):\n    if n < 2:\n        return False\n    for i in range(2,"
 BUDGET = 8
@@ -65,7 +65,7 @@ def run_round(engine, prompt, budget) -> Round:
     """Prefill the prompt, then one greedy DDTree round (ddtree.decode_round) with the drafter and target recorded."""
     target, ops, p = engine.target, engine.target.ops, ddtree.Params("ddtree", 0.0, 0)
     ids = engine.tokenizer.encode(prompt)
-    seq = prefill(0, ids, target, engine.drafter, ops, p, len(ids) + 2 * budget + 2)
+    seq = ddtree.prefill(0, ids, target, engine.drafter, ops, p, len(ids) + 2 * budget + 2)
     start, bonus = seq.start, seq.bonus
     drafter, verifier = Recorder(engine.drafter, "draft"), Recorder(target, "forward")
     out = ddtree.decode_round([seq], [budget], verifier, drafter, ops, p, Timer())[0]
@@ -400,10 +400,11 @@ def pointers() -> list:
         "- `verify_inputs`: tree tokens, positions start + depth and the mask for the target forward;",
         "- `sample` and `walk`: the target's choice per node and the matching-children walk (section 5);",
         "- `commit`: cache rows and drafter context of the accepted path, and the new bonus;",
-        "- `decode_round`: the five phases in order, for a batch of sequences.",
+        "- `decode_round`: the five phases in order, for a batch of sequences, after one `prefill` of the prompt.",
         "",
-        ("`numbaengine/generate.py` runs the prefill (`prefill`) and then rounds until the output is complete. "
-         "The kernel backends run the same round batched on the device (`numbaengine/device_round.py`)."),
+        ("`numbaengine/generate.py` (`decode`) runs prefills and rounds until the output is complete, through "
+         "`numbaengine/rounds.py`: this round on the host, or the same round batched on the device "
+         "(`numbaengine/device_round.py`) on the kernel backends."),
         "",
         (f"Regenerate this page from the repository root with `{COMMAND}`; `tests/test_ddtree_doc.py` fails when "
          "it is out of date."),

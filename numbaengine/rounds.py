@@ -1,0 +1,224 @@
+"""The two implementations of a decoding round over a set of sequences, behind the small interface that the one
+decoding loop (numbaengine/generate.py `decode`) drives:
+
+  fits(run, busy)      may `run` join the runs `busy` (those being prefilled or decoding)?
+  begin(run, busy)     a place for it: its cache rows (run.limit) and, on the device, its slot
+  piece(run)           prompt tokens of its next prefill piece
+  fill(run, n)         prefill n more prompt tokens; True once the prompt is complete (run.seq holds the bonus)
+  step(runs, timer)    one round of every decoding run -> {id(run): RoundOut | the exception that run raised}
+  retire(runs)         finished runs give their places back
+
+and the attributes target, drafter, max_context, PHASES (the round's timer phases) and auto_budget (whether budget
+"auto" runs).
+
+HostRounds runs the reference round (numbaengine/ddtree.py decode_round) on the host, one sequence after another,
+with budget "auto" (numbaengine/budget.py). DeviceSlots runs the slots of one DeviceRounds (numbaengine/device_round.py)
+together: one graph launch and one small host read per round.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from numbaengine.budget import AUTO, Calibration, Picks, auto_round
+from numbaengine.ddtree import Params, RoundOut, Seq, decode_round, prefill
+
+
+@dataclass(eq=False)
+class Run:
+    """One sequence: its prompt and settings, its place in the rounds, its output so far."""
+    ids: list                          # prompt token ids (checked by generate.prompt_ids)
+    max_new: int                       # output tokens at most (exact)
+    stop: set                          # token ids that end the output (kept)
+    p: Params = Params()               # mode, temperature, seed
+    budget: int | str = 16             # ddtree: drafted nodes per round, or "auto"
+    index: int = 0                     # noise stream: the batch index in generate, 0 for a server request
+    limit: int = 0                     # cache rows (begin): prompt + max_new + one round's tree, capped by the context
+    slot: int = 0                      # device slot (begin)
+    filled: int = 0                    # prompt tokens prefilled
+    seq: Seq | None = None             # the round's state, once the prompt is prefilled
+    tokens: list = field(default_factory=list)
+    taus: list = field(default_factory=list)
+    stop_reason: str | None = None     # "stop" | "length" | "context" | "error" | "cancelled" once finished
+    picks: Picks | None = None         # budget "auto": the sizes chosen for it
+    owner: object = None               # what the caller keeps with it (the server's Live)
+
+
+def tree_width(mode, budget, drafter):
+    """Drafted nodes per round: the budget (ddtree), the chain Lb-1 (dflash), none (ar)."""
+    return {"ddtree": budget, "dflash": drafter.block_size - 1 if drafter is not None else 0, "ar": 0}[mode]
+
+
+def cache_rows(run: Run, width, max_context) -> int:
+    """The rows a sequence's cache gets: prompt + output + one round's tree, capped by the context."""
+    return min(max_context, len(run.ids) + run.max_new + width)
+
+
+# --- the host: the reference round, one sequence at a time -----------------------------------------------------------
+
+class HostRounds:
+    """Host sequences, each with its own cache; any mix of settings runs in one round (one sequence after another,
+    a failure isolated to its sequence). Budget "auto" (ddtree): each round the sizes are chosen together for all
+    the runs from their drafts and `table` (budget.auto_round), the calibration carried over rounds."""
+    PHASES = ("draft", "build", "verify", "walk", "commit")
+    auto_budget = True                          # budget "auto" (with a table)
+
+    def __init__(self, target, drafter, max_context, ops=None, table=None):
+        self.target, self.drafter, self.max_context = target, drafter, max_context
+        self.ops = ops if ops is not None else target.ops
+        self.table, self.cal = table, Calibration()
+        self.picks = []                             # every auto run's Picks: each gets the batch's calibration
+
+    def auto(self, run) -> bool:
+        return run.budget == AUTO and run.p.mode == "ddtree"
+
+    def width(self, run) -> int:
+        return max(self.table.sizes) if self.auto(run) else tree_width(run.p.mode, run.budget, self.drafter)
+
+    def fits(self, run, busy) -> bool:
+        return True
+
+    def begin(self, run, busy):
+        if self.auto(run) and self.table is None:
+            raise ValueError("budget 'auto' needs a cost table (budget.CostTable) for these rounds")
+        run.limit = cache_rows(run, self.width(run), self.max_context)
+        run.picks = Picks() if self.auto(run) else None
+        if run.picks is not None:
+            self.picks.append(run.picks)
+
+    def piece(self, run) -> int:
+        """The whole prompt: the host prefills it in one forward."""
+        return len(run.ids) - run.filled
+
+    def fill(self, run, n) -> bool:
+        run.seq = prefill(run.index, run.ids, self.target, self.drafter_of(run), self.ops, run.p, run.limit)
+        run.filled = len(run.ids)
+        return True
+
+    def drafter_of(self, run):
+        return self.drafter if run.p.mode != "ar" else None
+
+    def room(self, run) -> int:
+        """This round's tree size: the width, shrunk near a full cache."""
+        return min(self.width(run), run.seq.cache.max_len - run.seq.start - 1)
+
+    def step(self, runs, timer) -> dict:
+        if self.auto(runs[0]):                      # an auto batch (generate) shares its settings
+            return self.auto_step(runs, timer)
+        out = {}
+        for r in runs:
+            try:
+                out[id(r)] = decode_round([r.seq], [self.room(r)], self.target, self.drafter_of(r), self.ops, r.p,
+                                          timer)[0]
+            except Exception as e:                  # noqa: BLE001 - isolated per sequence
+                out[id(r)] = e
+        return out
+
+    def auto_step(self, runs, timer) -> dict:
+        choice, outs, self.cal = auto_round([r.seq for r in runs], [self.room(r) for r in runs], self.target,
+                                            self.drafter, self.ops, runs[0].p, timer, self.table, self.cal)
+        for i, r in enumerate(runs):
+            r.picks.add(choice, i)
+        for picks in self.picks:
+            picks.cal = self.cal
+        return {id(r): out for r, out in zip(runs, outs)}
+
+    def retire(self, runs):
+        pass
+
+
+# --- the device: slots of one DeviceRounds ---------------------------------------------------------------------------
+
+@dataclass
+class DeviceSlots:
+    """`batch` slots of one DeviceRounds (Replicated over `ranks`), its graph replayed every round, made for the mode
+    and tree width of the run that finds the slots empty: runs of that mode with any temperature, seed and a budget
+    up to that width share the rounds. A prompt is prefilled in pieces ending at multiples of `chunk` tokens (None:
+    whole), the same pieces whatever else runs, so the output does not depend on the load. `cache` keeps the
+    DeviceRounds (buffers and captured graph) of the last Shape between uses: one resident at a time, they are large.
+    Each sequence's tau is cut to its cache rows (run.limit), as the host round shrinks its last trees."""
+    target: object
+    drafter: object
+    max_context: int
+    batch: int
+    chunk: int | None = None
+    cache: dict = field(default_factory=dict)
+    ranks: object = None                 # several devices (numbaengine/devices.py): one replica of the round each
+    graphs: bool = True                  # capture the round as a CUDA graph (cuda)
+    dev: object = None
+    free: list = field(default_factory=list)
+    PHASES = ("round", "gpu")            # gpu: the device time of the rounds (CUDA events), part of "round"
+    auto_budget = False                  # budget "auto": not on the device (budget.AUTO_MISSING)
+
+    def width(self, run) -> int:
+        return tree_width(run.p.mode, run.budget, self.drafter)
+
+    def fits(self, run, busy) -> bool:
+        shape = self.dev.shape if self.dev is not None else None
+        return not busy or shape is None or (run.p.mode == shape.mode and self.width(run) <= shape.budget)
+
+    def begin(self, run, busy):
+        """A slot for run; rounds made for its shape when none run (or no run is busy)."""
+        from numbaengine.device_round import Shape
+        shape = Shape(self.batch, run.p.mode, self.width(run), self.max_context)
+        if self.dev is None or (not busy and self.dev.shape != shape):
+            self.build(shape)
+        run.limit = cache_rows(run, self.width(run), self.max_context)
+        run.slot = self.free.pop(0)
+
+    def build(self, shape):
+        """The rounds of `shape`: the cached ones (every slot parked) or new ones in place of the cached."""
+        from numbaengine.device_round import DeviceRounds, Replicated
+        self.dev = self.cache.get(shape)
+        if self.dev is None:
+            self.cache.clear()                       # free the old buffers first
+            self.dev = (DeviceRounds(self.target, self.drafter, shape, self.graphs) if self.ranks is None
+                        else Replicated(self.ranks, shape, self.graphs))
+            self.cache[shape] = self.dev
+        self.dev.retire(list(range(shape.batch)))
+        self.free = list(range(shape.batch))
+
+    def piece(self, run) -> int:
+        """Prompt tokens of run's next prefill piece: up to the next multiple of chunk."""
+        if self.chunk is None:
+            return len(run.ids) - run.filled
+        return min(len(run.ids), (run.filled // self.chunk + 1) * self.chunk) - run.filled
+
+    def fill(self, run, n) -> bool:
+        """Prefill the next n prompt tokens of run; True once the prompt is complete (its first token sampled)."""
+        if self.dev is None:
+            raise RuntimeError("the device rounds failed while this prompt was being prefilled")
+        end = run.filled + n
+        if end < len(run.ids):
+            self.dev.prefill_part(run.slot, run.ids, run.filled, end)
+            run.filled = end
+            return False
+        budget = self.width(run) if run.p.mode == "ddtree" else None
+        bonus = self.dev.prefill(run.slot, run.ids, run.index, run.p.temperature, run.p.seed, budget, run.filled)
+        run.seq, run.filled = Seq(run.index, None, None, len(run.ids), bonus), end
+        return True
+
+    def step(self, runs, timer) -> dict:
+        """One graph launch for every slot; out_tokens row b: tau, then the tau new tokens."""
+        gpu0 = self.dev.gpu_s
+        try:
+            with timer("round"):
+                out = self.dev.step()
+        except Exception:
+            self.cache.clear()                       # rebuilt for the next run
+            self.dev = None
+            raise
+        timer.add("gpu", self.dev.gpu_s - gpu0)
+        return {id(r): self.commit(r, out[r.slot]) for r in runs}
+
+    def commit(self, run, row) -> RoundOut:
+        tau = min(int(row[0]), run.limit - run.seq.start)
+        tokens = row[1:tau + 1].tolist()
+        run.seq.start += tau
+        run.seq.bonus = tokens[-1] if tokens else run.seq.bonus
+        return RoundOut(None, None, tokens, tau)
+
+    def retire(self, runs):
+        slots = [r.slot for r in runs]
+        if self.dev is not None and slots:
+            self.dev.retire(slots)
+            self.free = sorted(set(self.free) | set(slots))
