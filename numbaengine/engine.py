@@ -15,7 +15,7 @@ from numbaengine.config import load_config
 from numbaengine.drafter import load_drafter
 from numbaengine.model import Target
 from numbaengine.phases import span
-from numbaengine.rounds import DeviceSlots, HostRounds
+from numbaengine.rounds import PREFILL_CHUNK, DeviceSlots, HostRounds
 from numbaengine.tokenizer import load_tokenizer
 from numbaengine.weights import SHIPPED_PAIR
 from numbaengine.weights.shards import Checkpoint
@@ -109,24 +109,27 @@ class Engine:
                            graphs)
 
     def generate(self, prompt, max_new_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0, stop=None,
-                 on_round=None, cost_table=None) -> gen.Result:
+                 on_round=None, cost_table=None, prefill_chunk=PREFILL_CHUNK) -> gen.Result:
         """Decode one prompt (text or token ids): `ar`, `dflash` (chain) or `ddtree` (tree of `budget` nodes, or
         budget "auto": the size chosen each round, see generate_batch)."""
         return self.generate_batch([prompt], max_new_tokens, mode, budget, temperature, seed, stop, on_round,
-                                   cost_table)[0]
+                                   cost_table, prefill_chunk=prefill_chunk)[0]
 
     def generate_batch(self, prompts, max_new_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0, stop=None,
-                       on_round=None, cost_table=None, graphs=True) -> list[gen.Result]:
+                       on_round=None, cost_table=None, graphs=True,
+                       prefill_chunk=PREFILL_CHUNK) -> list[gen.Result]:
         """Decode several prompts together, each with its own cache and tree (generate.generate_on over `rounds`).
         On the kernel backends (cuda, sim) all sequences run in one batched round on the device
         (numbaengine/device_round.py), captured as a CUDA graph on cuda unless graphs is False. budget "auto" (numpy
         only): each round's tree size from the drafter's probabilities and `cost_table` (a budget.CostTable; None:
-        the reference round timed on this CPU once, at the first use)."""
+        the reference round timed on this CPU once, at the first use). prefill_chunk: prompt tokens per prefill
+        piece on the kernel backends (the server's --prefill-chunk; None: whole prompts)."""
         if budget == AUTO and self.backend != "numpy":
             raise NotImplementedError(AUTO_MISSING)
         with self.blas_threads():
             if budget == AUTO and mode == "ddtree" and cost_table is None and self.drafter is not None:
                 self.costs = self.costs or reference_costs(self.target, self.drafter, self.target.ops)
                 cost_table = self.costs
-            return gen.generate_on(self.rounds(len(prompts), graphs=graphs, cost_table=cost_table), self.tokenizer,
-                                   prompts, max_new_tokens, mode, budget, temperature, seed, stop, on_round)
+            rounds = self.rounds(len(prompts), prefill_chunk, graphs=graphs, cost_table=cost_table)
+            return gen.generate_on(rounds, self.tokenizer, prompts, max_new_tokens, mode, budget, temperature, seed,
+                                   stop, on_round)

@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 from numbaengine.budget import AUTO, Calibration, Picks, auto_round
 from numbaengine.ddtree import Params, RoundOut, Seq, decode_round, prefill
 
+PREFILL_CHUNK = 512      # prompt tokens per prefill piece on the kernel backends, for Engine.generate and the server
+#                          alike (so a request's pieces, and so its tokens, do not depend on who asks); the server
+#                          prefills at most this many between two rounds. Not timed against other sizes
+
 
 @dataclass(eq=False)
 class Run:

@@ -20,10 +20,8 @@ from dataclasses import dataclass
 
 from numbaengine import generate as gen
 from numbaengine.ddtree import Params
-from numbaengine.rounds import Run
+from numbaengine.rounds import PREFILL_CHUNK, Run
 from numbaengine.tokenizer import TextStream
-
-PREFILL_CHUNK = 512                    # prompt tokens prefilled between two rounds (at least one piece)
 
 
 class QueueFull(Exception):

@@ -27,7 +27,8 @@ from starlette.exceptions import HTTPException
 
 from numbaengine import generate as gen
 from numbaengine.backends import BACKENDS
-from numbaengine.scheduler import PREFILL_CHUNK, QueueFull, Request, Scheduler, Update
+from numbaengine.rounds import PREFILL_CHUNK
+from numbaengine.scheduler import QueueFull, Request, Scheduler, Update
 from numbaengine.serve_api import (
     APIError,
     ChatBody,

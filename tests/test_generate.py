@@ -337,3 +337,18 @@ def test_branches_are_joined_before_their_outputs_are_read(pair):
     assert not open_, "the drafter-context append left a branch open"
     drafter.draft(ctx, 3, 5)
     assert not open_, "the draft left a branch open"
+
+
+def test_generate_prefills_in_the_servers_pieces(monkeypatch):
+    """Engine.generate asks its rounds for prompt pieces of rounds.PREFILL_CHUNK tokens (the server's --prefill-chunk
+    default), or what prefill_chunk says: a request's pieces, and so its tokens, are the same offline and served."""
+    from numbaengine import Engine
+    from numbaengine.rounds import PREFILL_CHUNK
+    from numbaengine.serve import parser
+    engine, asked = Engine.load(), []
+    real = engine.rounds
+    monkeypatch.setattr(engine, "rounds", lambda batch, chunk=None, **kw: asked.append(chunk) or real(batch, chunk, **kw))
+    engine.generate("def f(", 2, mode="ar")
+    engine.generate("def f(", 2, mode="ar", prefill_chunk=7)
+    assert asked == [PREFILL_CHUNK, 7]
+    assert parser().parse_args([]).prefill_chunk == PREFILL_CHUNK
