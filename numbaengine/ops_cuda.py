@@ -3,7 +3,7 @@
 One class serves two backends that differ only in where arrays live:
   sim   NumPy arrays; the kernels run on numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1 set before numba is
         imported). CPU CI checks the kernel backend end to end with it.
-  cuda  CuPy arrays on the current device; every launch goes to CuPy's current stream (kernels.device.launch).
+  cuda  CuPy arrays on the current device; every launch goes to CuPy's current stream (kernels.launch.launch).
 Every op keeps the reference op's signature (backends.NUMPY) and writes into the caller's output. Scratch, both the
 kernels' (GEMM B operand and k-split partials, MoE routing plan and per-slot outputs, router logits) and the model's
 intermediates (`scratch`), is a view of one flat buffer per role, grown to the largest request and then reused: a

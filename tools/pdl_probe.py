@@ -42,7 +42,7 @@ def step_kernel():
 
 
 def pdl_launch(kern, grid, block, *args):
-    """The launch with the PDL attribute (kernels.device.pdl), whether or not the kernel waits."""
+    """The launch with the PDL attribute (kernels.launch.pdl), whether or not the kernel waits."""
     from numbaengine.kernels.launch import current_stream, pdl
     with pdl():
         kern[grid, block, current_stream(), 0](*args)

@@ -22,15 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def perturb_launches(seed):
-    """kernels.device.launch asks current_stream() for every launch: pause there now and then."""
-    import numbaengine.kernels.device as device
-    real, rng = device.current_stream, random.Random(seed)
+    """kernels.launch.launch asks current_stream() for every launch: pause there now and then."""
+    import numbaengine.kernels.launch as launch
+    real, rng = launch.current_stream, random.Random(seed)
 
     def slow():
         if rng.random() < 0.1:
             time.sleep(rng.random() * 3e-3)
         return real()
-    device.current_stream = slow
+    launch.current_stream = slow
 
 
 def main(argv=None):
@@ -48,10 +48,6 @@ def main(argv=None):
         cupy.cuda.set_allocator(None)
     if a.delay:
         perturb_launches(a.seed + 1)
-    if a.eager:
-        from numbaengine import device_round
-        init = device_round.DeviceRounds.__init__
-        device_round.DeviceRounds.__init__ = lambda self, t, d, shape, graphs=True: init(self, t, d, shape, False)
     from test_device_round import CASES, PROMPTS, assert_reference_tokens, engines
     ref, dev = engines()
     rng, want, log = random.Random(a.seed), {}, []
@@ -61,7 +57,8 @@ def main(argv=None):
             mode, budget, batch = case
             prompts = (PROMPTS * 3)[:batch]
             t = time.time()
-            got = [r.tokens for r in dev.generate_batch(prompts, 24, mode=mode, budget=budget, stop=[])]
+            got = [r.tokens for r in dev.generate_batch(prompts, 24, mode=mode, budget=budget, stop=[],
+                                                        graphs=not a.eager)]
             if case not in want:
                 want[case] = [r.tokens for r in ref.generate_batch(prompts, 24, mode=mode, budget=budget, stop=[])]
             bad = []
