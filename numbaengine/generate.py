@@ -237,7 +237,8 @@ def stats_of(run: Run, timer: Timer, phases) -> dict:
     for t in taus:
         hist[t] += 1
     decode_s = s["decode"]
-    out = dict(mode=run.p.mode, budget=run.budget, temperature=run.p.temperature, seed=run.p.seed,
+    out = dict(mode=run.p.mode, budget=run.budget if run.p.mode == "ddtree" else None,     # (unused by ar, dflash)
+               temperature=run.p.temperature, seed=run.p.seed,
                prompt_tokens=len(run.ids), new_tokens=len(run.tokens), stop_reason=run.stop_reason,
                rounds=len(taus), tau_mean=float(np.mean(taus)) if taus else 0.0, tau_hist=hist,
                prefill_s=s["prefill"], decode_s=decode_s,

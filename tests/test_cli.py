@@ -388,3 +388,13 @@ def test_token_text_is_the_decoded_token():
     symbols = [tok.token_str(i) for i in ids]
     assert any("\u010a" in s for s in symbols)                               # byte-level BPE spells \n as 'Ċ'
     assert [tok.token_text(i) for i in ids] == [s.replace("\u010a", "\n").replace("\u0120", " ") for s in symbols]
+
+
+def test_json_budget_only_for_ddtree(capsys):
+    """--json stats carry the budget only where it shapes the round (ddtree); ar and dflash say null, not 16."""
+    import json
+
+    from numbaengine import run
+    for mode, want in (("ddtree", 4), ("dflash", None), ("ar", None)):
+        assert run.main(["--prompt", "x", "--mode", mode, "--budget", "4", "--max-new-tokens", "3", "--json"]) in (0, None)
+        assert json.loads(capsys.readouterr().out)["stats"]["budget"] == want, mode
