@@ -281,7 +281,8 @@ def parser():
     ap.add_argument("--devices", type=lambda s: [int(d) for d in s.split(",")],
                     help="comma-separated GPU ids to shard over (cuda)")
     ap.add_argument("--max-context", type=int, default=4096, help="cache rows per sequence (default: %(default)s)")
-    ap.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default: %(default)s)")
+    ap.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default: %(default)s); on "
+                    "the kernel backends every round costs this many slots, busy or not")
     ap.add_argument("--max-queue", type=int, default=64, help="requests waiting for a place before new ones get "
                     "429 (default: %(default)s)")
     ap.add_argument("--mode", choices=gen.MODES, help="default speculative mode (default: ddtree with a drafter, "
