@@ -451,3 +451,20 @@ def test_short_prompts_prefilled_together():
     """Prompts that fit the cap together are prefilled before the next round; a longer one waits for it."""
     log, _ = run_pieces([[1, 1], [2], [3] * 4], [2, 2, 2], chunk=8, cap=4)
     assert log[:4] == [("fill", 1, 2), ("fill", 2, 1), ("round", 2), ("fill", 3, 4)], log
+
+
+def test_bench_serve_starts_a_server_per_level(tmp_path):
+    """tools/bench_serve.py --serve: a numpy server per concurrency level (--max-batch = the level), every request
+    answered through the openai client, each server gone after its level."""
+    import json
+
+    import httpx
+
+    from tools.bench_serve import main
+    url, out = f"http://127.0.0.1:{free_port()}", tmp_path / "serve.json"
+    main(["--serve", "--backend numpy", "--url", url, "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4",
+          "--prompts", "2", "--out", str(out)])
+    levels = json.loads(out.read_text())["levels"]
+    assert [r["concurrency"] for r in levels] == [1, 2] and all(r["errors"] == 0 and r["tokens"] > 0 for r in levels)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url + "/health", timeout=1)

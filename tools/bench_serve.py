@@ -3,6 +3,8 @@ client (AsyncOpenAI) at each concurrency of a sweep, over the held-out prompts (
 
     python -m numbaengine.serve --port 8000 &
     python -m tools.bench_serve --url http://127.0.0.1:8000 --concurrency 1,8,32,128 --out serve.json
+    python -m tools.bench_serve --serve "--backend cuda" --concurrency 1,8,32,128 --out serve.json   # a server per
+                                                                                 # level, --max-batch = concurrency
 
 Per level: TTFT (request sent -> first text), TPOT ((last text - first text) / (completion tokens - 1)), ITL (gap
 between streamed chunks: one chunk per committed round, so a chunk holds tau tokens), p50 and p99 of each, and
@@ -12,10 +14,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
+import shlex
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlparse
 
 import numpy as np
 
@@ -96,13 +103,46 @@ def table(rows) -> str:
 async def sweep(args) -> list:
     from openai import AsyncOpenAI
     client = AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key="none", max_retries=0, timeout=args.timeout)
-    model = args.model or (await client.models.list()).data[0].id
     prompts = load_prompts(args.prompts_file, args.prompts)
     rows = []
     for c in args.concurrency:
-        rows.append(await level(client, model, prompts, c, args.requests or max(2 * c, 16), args))
+        with server(args, c):
+            model = args.model or (await client.models.list()).data[0].id
+            rows.append(await level(client, model, prompts, c, args.requests or max(2 * c, 16), args))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     return rows
+
+
+@contextlib.contextmanager
+def server(args, concurrency):
+    """With --serve: `python -m numbaengine.serve ARGS --port <--url's> --max-batch <concurrency>` for one level
+    (a round on the kernel backends covers max-batch slots: each level gets rounds of its own size), stopped after
+    it (SIGTERM: drained); without, nothing (the server at --url serves every level)."""
+    if not args.serve:
+        yield
+        return
+    import httpx
+    port = str(urlparse(args.url).port or 8000)
+    cmd = [sys.executable, "-m", "numbaengine.serve", *shlex.split(args.serve), "--port", port,
+           "--max-batch", str(concurrency)]
+    proc = subprocess.Popen(cmd)
+    try:
+        until = time.monotonic() + args.timeout
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"bench_serve: the server exited with {proc.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(args.url.rstrip("/") + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > until:
+                raise SystemExit(f"bench_serve: no server at {args.url} after {args.timeout:.0f} s: {' '.join(cmd)}")
+            time.sleep(0.2)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def main(argv=None):
@@ -121,10 +161,12 @@ def main(argv=None):
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--serve", metavar="ARGS", help='start "python -m numbaengine.serve ARGS" for each level on '
+                    "--url's port, with --max-batch set to the level's concurrency, and stop it after the level")
     args = ap.parse_args(argv)
     print(table([]), flush=True)
     rows = asyncio.run(sweep(args))
-    result = dict(url=args.url, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+    result = dict(url=args.url, serve=args.serve, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                   vary_seed=args.vary_seed, mode=args.mode, budget=args.budget, levels=rows)
     if args.out:
         with open(args.out, "w") as f:
