@@ -42,6 +42,7 @@ from numbaengine.kernels.launch import contiguous, kernel, launch
 from numbaengine.kernels.mla import MLA_DEFAULT, mla_attention, mla_work
 from numbaengine.kernels.moe import (
     MAX_SLOTS,
+    MOE_DEFAULT,
     ROUTER_XS,
     device_experts,
     moe_combine,
@@ -58,16 +59,28 @@ from numbaengine.reference import Experts, InOrder, all_gather_cols, visibility_
 
 GEMM_ROWS = 8 * TILES_MAX    # token rows of one GEMM block; taller x runs as several row blocks of one launch
 TALL_PART_BYTES = 64 << 20   # k-split partials a tall GEMM may use (else a launch per row block, partials reused)
-MLA_ONE_SPLIT = 512          # caches up to this many rows run one split per sequence (no merge pass)
-MLA_SPLIT_ROWS = 256         # more query rows per sequence (a prompt) fill the GPU with row tiles: no split scratch
-KV_MIN_SPLIT = 128           # drafter attention: fewest keys per split; capacities up to this run one split. H200,
-#   pair drafter, 16 queries (python -m tools.bench_attention --only splits): one split costs ~2 us per 32 keys (15 us
-#   at 128 keys, 70 at 1024); 128-key splits + merge 19-20 us at capacity 1024 and 23-31 us at 4096, against 18-24
-#   and 34-63 us with splits of 32 keys (2 blocks per SM)
-ROUTER_MMA_FROM = 4          # router logits on the mma GEMM from this many tokens, the k-sliced GEMV below. H200, K2
-#   gate 384 x 7168 from HBM, us per call (python -m tools.bench_kernels --only moe): GEMV / mma at n = 1
-#   14.2 / 16.7 (9.0 / 7.7% of copy), n = 4 19.1 / 16.7, n = 17 44.7 / 21.8 (2.9 / 5.9%), n = 65 123.8 / 30.0
-#   (1.0 / 4.3%); n = 2, 3 not measured
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """The op table's shape rules: which path a call takes by its shapes (one MLA split or several, flash-decoding
+    splits of the drafter's attention, the router's logits GEMM). The defaults are what the engine runs, each with the
+    measurement behind it. The op table holds one (KernelOps.dispatch); tools and tests pass others."""
+    mla_one_split: int = 512     # caches up to this many rows run one split per sequence (no merge pass); not measured
+    mla_split_rows: int = 256    # more query rows per sequence (a prompt) fill the GPU with row tiles: no split
+    #                              scratch; not measured
+    kv_min_split: int = 128      # drafter attention: fewest keys per split; capacities up to this run one split. H200,
+    #                              pair drafter, 16 queries (python -m tools.bench_attention --only splits): one split
+    #                              costs ~2 us per 32 keys (15 us at 128 keys, 70 at 1024); 128-key splits + merge
+    #                              19-20 us at capacity 1024 and 23-31 us at 4096, against 18-24 and 34-63 us with
+    #                              splits of 32 keys (2 blocks per SM)
+    router_mma_from: int = 4     # router logits on the mma GEMM from this many tokens, the k-sliced GEMV below. H200,
+    #                              K2 gate 384 x 7168 from HBM, us per call (python -m tools.bench_kernels --only moe):
+    #                              GEMV / mma at n = 1 14.2 / 16.7 (9.0 / 7.7% of copy), n = 4 19.1 / 16.7, n = 17
+    #                              44.7 / 21.8 (2.9 / 5.9%), n = 65 123.8 / 30.0 (1.0 / 4.3%); n = 2, 3 not measured
+
+
+DISPATCH_DEFAULT = DispatchConfig()
 
 
 # ----------------------------------------------------------------------------------------------- glue kernels
@@ -150,10 +163,13 @@ class KernelOps:
                                  # pair naive 59.2 ms vs absorbed 26.9 ms (0.03% of its byte floor: launch-bound),
                                  # K2.6 x 2 layers 144 vs 111 ms (2.6% of its floor)
 
-    def __init__(self, name, xp, poison=False, trim_warps=False, comm=None, mla=MLA_DEFAULT, gemm_wg=WG_GEMM_DEFAULT):
+    def __init__(self, name, xp, poison=False, trim_warps=False, comm=None, mla=MLA_DEFAULT, gemm_wg=WG_GEMM_DEFAULT,
+                 dispatch=DISPATCH_DEFAULT, moe_cfg=MOE_DEFAULT):
         self.name, self.xp, self.poison, self.trim_warps = name, xp, poison, trim_warps
         self.mla = mla               # absorbed MLA's kernel choices (kernels.mla.MlaConfig)
         self.gemm_wg = gemm_wg       # the wgmma GEMM's choices (kernels.gemm_wg.WgConfig)
+        self.dispatch = dispatch     # this table's shape rules (DispatchConfig)
+        self.moe_cfg = moe_cfg       # the routed experts' layout `upload` makes (kernels.moe.MoeConfig)
         self.comm = comm         # this rank's collectives (devices.NcclComm / ThreadComm) or None: one device
         self._flat = {}          # (role, dtype) -> flat buffer grown to the largest request
         self._moe_ws = {}        # (top_k, H, I, E) -> MoeWorkspace grown by n_max
@@ -165,7 +181,8 @@ class KernelOps:
 
     def fresh(self) -> KernelOps:
         """A table over the same device with its own scratch (a captured graph owns the buffers it points at)."""
-        table = KernelOps(self.name, self.xp, self.poison, self.trim_warps, self.comm, self.mla, self.gemm_wg)
+        table = KernelOps(self.name, self.xp, self.poison, self.trim_warps, self.comm, self.mla, self.gemm_wg,
+                          self.dispatch, self.moe_cfg)
         table.branches = self.branches
         return table
 
@@ -209,7 +226,8 @@ class KernelOps:
         if isinstance(weights, np.ndarray):
             return self.asarray(np.ascontiguousarray(weights))
         if isinstance(weights, Experts):
-            return device_experts(weights, lambda a: self.asarray(np.ascontiguousarray(a)), xp=self.xp)
+            return device_experts(weights, lambda a: self.asarray(np.ascontiguousarray(a)), xp=self.xp,
+                                  cfg=self.moe_cfg)
         if isinstance(weights, list):
             return [self.upload(w) for w in weights]
         if dataclasses.is_dataclass(weights):
@@ -327,8 +345,8 @@ class KernelOps:
         blocks (flash-decoding scratch made once per shape); the simulator runs one split per sequence."""
         B, (n, h, D), r = len(visible.lengths), q.shape, out.shape[-1]
         cache = rows.reshape(B, -1, D)
-        work = None
-        if self.xp is not np and cache.shape[1] > MLA_ONE_SPLIT and n // B <= MLA_SPLIT_ROWS:
+        work, rule = None, self.dispatch
+        if self.xp is not np and cache.shape[1] > rule.mla_one_split and n // B <= rule.mla_split_rows:
             key = ("mla", B, n // B, h, r, cache.shape[1], D)
             if key not in self._work:
                 self._work[key] = mla_work(self.zeros, B, n // B, h, r, cache.shape[1], D=D, cfg=self.mla)
@@ -340,20 +358,19 @@ class KernelOps:
     def kv_attention(self, q, k, v, kv_len, scale, out):
         """kv_attention_ref on the kernels: q f32[B, n, h, d] over k/v f32[B, cap, hk, d] rows [0, kv_len[b])."""
         B, n, h, _ = q.shape
-        work = None
-        if self.xp is not np and k.shape[1] > KV_MIN_SPLIT:
+        work, min_split = None, self.dispatch.kv_min_split
+        if self.xp is not np and k.shape[1] > min_split:
             key = ("kv", B, n, h, v.shape[-1], k.shape[1])
             if key not in self._work:
-                self._work[key] = kv_attention_work(self.zeros, B, n, h, v.shape[-1], k.shape[1],
-                                                    min_split=KV_MIN_SPLIT)
+                self._work[key] = kv_attention_work(self.zeros, B, n, h, v.shape[-1], k.shape[1], min_split=min_split)
             work = self._work[key]
         return kv_attention(q, k, v, kv_len, scale, out, work)
 
     def router(self, x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out):
-        """kernels.moe.router; from ROUTER_MMA_FROM tokens (a shape, fixed per captured graph) the logits come from
-        this table's mma GEMM (x as bf16 hi + lo parts: ROUTER_XS), below from the CUDA-core GEMV in k slices."""
+        """kernels.moe.router; from dispatch.router_mma_from tokens (a shape, fixed per captured graph) the logits come
+        from this table's mma GEMM (x as bf16 hi + lo parts: ROUTER_XS), below from the CUDA-core GEMV in k slices."""
         n = x.shape[0]
-        mma = n >= ROUTER_MMA_FROM
+        mma = n >= self.dispatch.router_mma_from
         shape = (1 if mma else router_slices(x.shape[1]), n, w_gate.shape[0])
         ws = SimpleNamespace(logits=self.scratch("router.logits", shape), n_max=n)
         return router(x, w_gate, bias, top_k, n_group, topk_group, norm_topk, scaling, idx_out, w_out, ws,

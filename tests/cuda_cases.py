@@ -351,9 +351,9 @@ def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_p
     within float rounding of each other. token_blocks / k_slices: the logits' block rows / k slices (None: the
     default rules). twins: expert e + E/2 has expert e's gate row and bias (exact ties: the lower index must come
     first, the picks must equal the reference's exactly). mma="gemm": the logits from kernels.gemm.gemm (x as hi +
-    lo); mma="ops": through the simulator's op table (from ROUTER_MMA_FROM tokens the gate must go through its gemm,
-    below it must not). nan_row: x[0] is NaN (a garbage row): its picks must still be distinct expert ids; the
-    other rows as usual."""
+    lo); mma="ops": through the simulator's op table (from its dispatch.router_mma_from tokens the gate must go
+    through its gemm, below it must not). nan_row: x[0] is NaN (a garbage row): its picks must still be distinct
+    expert ids; the other rows as usual."""
     from numbaengine.kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
     from numbaengine.kernels.moe import ROUTER_XS, moe_workspace, router
     from numbaengine.reference import router_ref
@@ -368,13 +368,14 @@ def check_router(env, n, hidden, n_exp, k, n_group, topk_group, seed=0, tokens_p
     ws = moe_workspace(n, k, hidden, 64, n_exp, lambda shape, dtype: poisoned(env, shape, dtype))
     ii, ww = poisoned(env, (n, k), np.int32), poisoned(env, (n, k), np.float32)
     if mma == "ops":
-        from numbaengine.ops_cuda import ROUTER_MMA_FROM, sim_ops
+        from numbaengine.ops_cuda import sim_ops
         ops, shapes = sim_ops(), []
+        mma_from = ops.dispatch.router_mma_from
         table_gemm = ops.gemm
         ops.gemm = lambda xx, w, out, **kw: shapes.append(w.shape) or table_gemm(xx, w, out, **kw)  # noqa: E731
         ops.router(env.dev(x), env.dev(wg), env.dev(bias), k, n_group, topk_group, True, 2.827, ii, ww)
-        want = [wg.shape] if n >= ROUTER_MMA_FROM else []
-        assert shapes == want, f"router at n={n} (mma from {ROUTER_MMA_FROM}): ops.gemm saw {shapes}, not {want}"
+        want = [wg.shape] if n >= mma_from else []
+        assert shapes == want, f"router at n={n} (mma from {mma_from}): ops.gemm saw {shapes}, not {want}"
     else:
         logits_gemm = None
         if mma == "gemm":

@@ -89,8 +89,9 @@ def test_gpu_moe_int4_bulk_few_k_steps(hidden):
 @pytest.mark.gpu
 def test_gpu_moe_stamps():
     """ExpertConfig.stamps on the engine's default cuts (gate_up through the bulk rings, down on registers) at K2 widths."""
-    from numbaengine.kernels.moe import MOE_TILED, default_cuts
-    C.check_moe_stamps(Env(gpu=True), 4, 7168, 2048, 16, 8, default_cuts(MOE_TILED), tiled=MOE_TILED)
+    from numbaengine.kernels.moe import MOE_DEFAULT, default_cuts
+    tiled = MOE_DEFAULT.tiled
+    C.check_moe_stamps(Env(gpu=True), 4, 7168, 2048, 16, 8, default_cuts(tiled), tiled=tiled)
 
 
 @pytest.mark.gpu

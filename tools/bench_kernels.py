@@ -179,14 +179,14 @@ def k2_experts(cp, dv, gate_up, gus, down, ds, R):
 
 def moe_cuts(over):
     """(gate_up, down) cuts of a MOE_VARIANTS entry: the engine's defaults for its layout, fields overridden."""
-    from numbaengine.kernels.moe import MOE_TILED, default_cuts
-    gate_up, down = default_cuts(over.get("tiled", MOE_TILED))
+    from numbaengine.kernels.moe import MOE_DEFAULT, default_cuts
+    gate_up, down = default_cuts(over.get("tiled", MOE_DEFAULT.tiled))
     return replace(gate_up, **over.get("gu", {})), replace(down, **over.get("dn", {}))
 
 
 def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
     from numbaengine.kernels.moe import (
-        MOE_TILED,
+        MOE_DEFAULT,
         moe_combine,
         moe_plan,
         moe_stage,
@@ -200,7 +200,7 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
     tiled_ex, raw = {}, [gate_up, gus, down, ds]   # R -> the experts with gate_up in the bulk layout (R = 0: rows)
 
     def experts(over):
-        R = over.get("tiled", MOE_TILED)
+        R = over.get("tiled", MOE_DEFAULT.tiled)
         if R not in tiled_ex:
             tiled_ex[R] = k2_experts(cp, dv, *raw, R)
         return tiled_ex[R]
@@ -275,7 +275,7 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
 
     # router: fp32 gate GEMV + sigmoid/top-k selection; one graph runs it on ROUTER_GATES distinct gate copies (more
     # than L2 holds: the weights come from HBM as in a decode step) and the time is per call. form "mma": the logits
-    # from the dense mma GEMM (x as bf16 hi + lo; what KernelOps.router uses from ROUTER_MMA_FROM tokens)
+    # from the dense mma GEMM (x as bf16 hi + lo; what KernelOps.router uses from DispatchConfig.router_mma_from tokens)
     from numbaengine.kernels.gemm import GemmWorkspace, gemm, gemm_workspace_words
     from numbaengine.kernels.moe import ROUTER_XS
     gates = [dv(rand_bf16(cp, (E, H), 0.02)) for _ in range(ROUTER_GATES)]
@@ -489,7 +489,7 @@ def profile(case):
     from numba import cuda
 
     from numbaengine.kernels.gemm import GemmWorkspace, gemm
-    from numbaengine.kernels.moe import MOE_TILED, moe, moe_workspace, router
+    from numbaengine.kernels.moe import MOE_DEFAULT, moe, moe_workspace, router
     dv = cuda.as_cuda_array
     name, _, rest = case.partition(":")
     count, _, tag = rest.partition(":")
@@ -503,7 +503,7 @@ def profile(case):
         over = MOE_VARIANTS[tag] if tag else {}
         ex = k2_experts(cp, dv, rand_words(cp, (E, 2 * I, H // 8)), rand_bf16(cp, (E, 2 * I, H // GROUP), 0.002, 0.01),
                         rand_words(cp, (E, H, I // 8)), rand_bf16(cp, (E, H, I // GROUP), 0.002, 0.01),
-                        over.get("tiled", MOE_TILED))
+                        over.get("tiled", MOE_DEFAULT.tiled))
         gu, dn = moe_cuts(over)
         for _ in range(3):
             moe(x, di, dw, ex, out, ws, cfg_gate_up=gu, cfg_down=dn)

@@ -91,7 +91,7 @@ def run_case(n, stages, variant=None, seed=0):
     dv = cuda.as_cuda_array
     ex = k2_experts(cp, dv, rand_words(cp, (E, 2 * I, H // 8)), rand_bf16(cp, (E, 2 * I, H // GROUP), 0.002, 0.01),
                     rand_words(cp, (E, H, I // 8)), rand_bf16(cp, (E, H, I // GROUP), 0.002, 0.01),
-                    over.get("tiled", M.MOE_TILED))
+                    over.get("tiled", M.MOE_DEFAULT.tiled))
     ws = M.moe_workspace(n, TOPK, H, I, E, lambda shape, dtype: dv(cp.zeros(shape, dtype)))
     stamps = cp.zeros((M._sm_count() * max(gu_cfg.blocks_per_sm, dn_cfg.blocks_per_sm), M.STAMP_WORDS), np.int32)
     ws.stamps = dv(stamps)

@@ -137,9 +137,9 @@ def _sm90():
 
 
 def default_cut(down):
-    """The engine's cut of an expert stage on K2 shapes: gate_up on the bulk rings when MOE_TILED, down registers."""
-    from numbaengine.kernels.moe import MOE_TILED, default_cuts
-    return default_cuts(MOE_TILED)[down]
+    """The engine's cut of an expert stage on K2 shapes: gate_up on the bulk rings (MoeConfig.tiled), down registers."""
+    from numbaengine.kernels.moe import MOE_DEFAULT, default_cuts
+    return default_cuts(MOE_DEFAULT.tiled)[down]
 
 
 def expert_gemm_ptx(down, cfg=None):

@@ -124,9 +124,22 @@ class DeviceExperts:
         return self.gate_up_scale is not None or self.tiled > 0
 
 
-def device_experts(experts: Experts, to_device, tiled=None, xp=None) -> DeviceExperts:
+@dataclass(frozen=True)
+class MoeConfig:
+    """The routed experts' layout choice: the default is what the engine runs, with the measurement behind it. The op
+    table holds one (KernelOps.moe_cfg) and uploads experts with it; tools and tests pass others."""
+    tiled: int = 2   # R row tiles per chunk of gate_up's bulk layout (int4_bulk_tiles; the stage then runs the bulk
+    #                  rings, BULK_GATE_UP_CFG, whose R it must equal), 0: int4_tiles rows on the register path
+    #                  (GATE_UP_CFG). H200, gate_up alone, % of copy at n = 1 / 4 / 9 / 17 / 33 (python -m
+    #                  tools.bench_kernels --only moe): 70 / 80 / 84 / 84 / 82 against 62 / 73 / 78 / 80 / 72 on rows
+
+
+MOE_DEFAULT = MoeConfig()
+
+
+def device_experts(experts: Experts, to_device, tiled=None, xp=None, cfg: MoeConfig = MOE_DEFAULT) -> DeviceExperts:
     """Host Experts -> DeviceExperts (INT4 words re-laid by int4_tiles; with tiled = R > 0 gate_up by
-    int4_bulk_tiles; default MOE_TILED where the shapes allow it; `to_device` copies a NumPy array). xp: the array
+    int4_bulk_tiles; tiled None: cfg.tiled where the shapes allow it; `to_device` copies a NumPy array). xp: the array
     module of to_device's results, to make the bulk layout there (CuPy: on the GPU; on the host it took ~3 s per K2
     MoE layer on the H200 machine's CPU); experts already in xp's memory are re-laid there (to_device: a no-op or a
     contiguous copy)."""
@@ -137,7 +150,7 @@ def device_experts(experts: Experts, to_device, tiled=None, xp=None) -> DeviceEx
     here = xp if xp is not None and isinstance(experts.gate_up, xp.ndarray) else np
     gu, dn = (int4_tiles(w, here).view(np.uint32) for w in (experts.gate_up, experts.down))
     if tiled is None:
-        tiled = MOE_TILED if bulk_fits(gu.shape[2] * 8, gu.shape[1] // 2, MOE_TILED) else 0
+        tiled = cfg.tiled if bulk_fits(gu.shape[2] * 8, gu.shape[1] // 2, cfg.tiled) else 0
     if tiled:
         if xp is None:
             bulk = to_device(int4_bulk_tiles(gu, experts.gate_up_scale, tiled))
@@ -767,13 +780,11 @@ class ExpertConfig:
 # against 81.3; n = 1 within 0.6 points)
 GATE_UP_CFG = ExpertConfig(WR=2, WK=2, blocks_per_sm=8, min_blocks=4)
 DOWN_CFG = ExpertConfig(WR=4, WK=1, blocks_per_sm=8, min_blocks=4)
-# gate_up through bulk-copy rings of 2 slots x 2 k-steps (gate_up in the int4_bulk_tiles layout with R = MOE_TILED
-# row tiles per chunk), down on the register path. H200, gate_up alone, % of copy at n = 1 / 4 / 9 / 17 / 33
-# (python -m tools.bench_kernels --only moe): 70 / 80 / 84 / 84 / 82 against 62 / 73 / 78 / 80 / 72 on the register
-# path; down through the same rings lost (44 / 52 / 59 / 61 / 63 against 51 / 67 / 71 / 76 / 73), so it stays on
-# the register path.
+# gate_up through bulk-copy rings of 2 slots x 2 k-steps (gate_up in the int4_bulk_tiles layout with R =
+# MoeConfig.tiled row tiles per chunk; its measurement there), down on the register path. H200, % of copy at n = 1 /
+# 4 / 9 / 17 / 33 (python -m tools.bench_kernels --only moe): down through the same rings lost (44 / 52 / 59 / 61 / 63
+# against 51 / 67 / 71 / 76 / 73), so it stays on the register path.
 BULK_GATE_UP_CFG = ExpertConfig(WR=2, WK=2, U=2, S=2, blocks_per_sm=8, min_blocks=4)
-MOE_TILED = 2
 
 
 def _sm_count():
