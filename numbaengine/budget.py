@@ -10,7 +10,10 @@ verify has batch x (size + 1) rows.
 
 Choice. For each ladder size s, one best-first selection over all sequences' nodes takes the batch x s most
 probable (so confident sequences get deep trees and uncertain ones few nodes); the size with the most
-(batch + calibrated expected accepted drafts) per second of round cost wins, ties to the smaller size.
+(batch + calibrated expected accepted drafts) per second of round cost wins, ties to the smaller size. That is the
+ragged rule of the host rounds. The device verifies a rectangle of n x (s + 1) rows (numbaengine/device_round.py),
+so there every sequence gets s nodes (the rectangle rule, ragged=False); ragged trees on the device need verify
+kernels over packed rows with a row -> sequence map (MLA, the tree kernels, the sampler).
 
 Exactness. The choice reads only the drafter's probabilities, the cost table and the calibration of past rounds,
 never the current round's target samples; and any tree gives the autoregressive output for the same seed (the
@@ -43,16 +46,19 @@ LADDER = (0, 2, 4, 8, 16, 32, 64)         # drafted nodes per sequence; 0 = the 
 EDGES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)   # calibration bins of the surrogate's expected accepted drafts
 PRIOR = 1.0                               # accepted drafts' worth of observed = expected in every bin
 DECAY = 0.9                               # a bin's sums are scaled by this at each new observation in it
-AUTO_MISSING = ("budget 'auto' runs on the numpy backend only: the kernel backends need per-round switching "
-                "between captured graphs of several budgets sharing one latent cache (numbaengine/device_round.py) "
-                "and a cost table measured at warmup from those graphs; use --backend numpy or a fixed budget")
 
 
 # --- expected acceptance ------------------------------------------------------------------------------------------
 
 def expected_accepts(tree):
     """f64[n+1]: [k] = the surrogate's expected accepted drafts of the tree of the tree's first k pops."""
-    return np.concatenate([[0.0], np.cumsum(np.exp(tree.scores[1:]))])
+    return prefix_accepts(tree.scores[1:])
+
+
+def prefix_accepts(pops):
+    """f64[n+1] from the path log-probs f64[n] of a tree's pops in order: [k] = the sum of the first k's
+    probabilities."""
+    return np.concatenate([[0.0], np.cumsum(np.exp(np.asarray(pops, np.float64)))])
 
 
 @dataclass(frozen=True)
@@ -138,8 +144,8 @@ class CostTable:
 
 
 def measure(round_s, batches=(1,), sizes=LADDER, model="", device="") -> CostTable:
-    """The table from a timing function round_s(batch, size) -> seconds: on numpy `reference_round_s`; on cuda
-    (not built yet) warmup would pass one that replays the captured graph of each (batch, budget) between events."""
+    """The table from a timing function round_s(batch, size) -> seconds: on numpy `reference_round_s` (the kernel
+    backends time their rounds' graphs: device_round.DeviceRounds.costs)."""
     return CostTable(tuple(sizes), {b: tuple(round_s(b, s) for s in sizes) for b in batches}, model, device)
 
 
@@ -193,42 +199,57 @@ class Choice:
     rate: float              # expected committed tokens per second of round cost
 
 
-def shares(trees, total):
-    """Nodes per sequence of one best-first selection of `total` nodes over all the trees (each tree's nodes in pop
-    order, so every share is a prefix): larger path probability first, then lower sequence, then earlier pop."""
-    scores = np.concatenate([t.scores[1:] for t in trees])
-    seq = np.concatenate([np.full(len(t) - 1, i) for i, t in enumerate(trees)]).astype(np.int64)
-    pop = np.concatenate([np.arange(len(t) - 1) for t in trees]).astype(np.int64)
+def shares(pops, total):
+    """Nodes per sequence of one best-first selection of `total` nodes over all the sequences' pops (path log-probs
+    f64[n_i] in pop order, so every share is a prefix): larger path probability first, then lower sequence, then
+    earlier pop."""
+    scores = np.concatenate([np.asarray(p, np.float64) for p in pops] + [np.zeros(0)])
+    seq = np.concatenate([np.full(len(p), i) for i, p in enumerate(pops)] + [np.zeros(0)]).astype(np.int64)
+    pop = np.concatenate([np.arange(len(p)) for p in pops] + [np.zeros(0)]).astype(np.int64)
     order = np.lexsort((pop, seq, -scores))
-    return np.bincount(seq[order[:total]], minlength=len(trees))
+    return np.bincount(seq[order[:total]], minlength=len(pops))
 
 
-def choose(trees, table: CostTable, cal: Calibration) -> Choice:
+def choose(trees, table: CostTable, cal: Calibration, ragged=True, batch=None) -> Choice:
     """The ladder size with the most expected committed tokens per second; trees are each sequence's heap run up to
-    the largest size it may get."""
-    B, best = len(trees), None
-    prefix = [expected_accepts(t) for t in trees]
+    the largest size it may get (see choose_pops)."""
+    return choose_pops([t.scores[1:] for t in trees], table, cal, ragged, batch)
+
+
+def choose_pops(pops, table: CostTable, cal: Calibration, ragged=True, batch=None) -> Choice:
+    """choose from each sequence's pops (path log-probs in pop order, as many as its tree may have). ragged: the
+    size's batch total shared by path probability (host rounds); else every sequence gets the size (device rounds:
+    the rectangle). batch: the round's batch for the cost (default the number of sequences; the device's bucket)."""
+    B, best = len(pops), None
+    cost_batch = B if batch is None else batch
+    prefix = [prefix_accepts(p) for p in pops]
     for size in table.sizes:
-        nodes = shares(trees, B * size)
+        nodes = shares(pops, B * size) if ragged else [min(size, len(p)) for p in pops]
         raw = tuple(float(p[n]) for p, n in zip(prefix, nodes))
         calibrated = tuple(cal.apply(e) for e in raw)
-        rate = (B + sum(calibrated)) / table.round_s(B, size)
+        rate = (B + sum(calibrated)) / table.round_s(cost_batch, size)
         if best is None or rate > best.rate:
             best = Choice(size, tuple(int(n) for n in nodes), raw, calibrated, rate)
     return best
 
 
-def auto_round(seqs, caps, target, drafter, ops, p, timer, table: CostTable, cal: Calibration):
+def auto_round(seqs, caps, target, drafter, ops, p, timer, table: CostTable, cal: Calibration, ragged=True):
     """One ddtree round with the sizes chosen from its drafts: one heap run per sequence up to caps[i] nodes, the
-    choice, then verify of each tree's chosen prefix. Returns (choice, round outs, calibration after the round)."""
+    choice (ragged or the rectangle rule), then verify of each tree's chosen prefix. Returns (choice, round outs,
+    calibration after the round)."""
     trees = draft_trees(seqs, caps, drafter, p, timer)
     with timer("build"):
-        choice = choose(trees, table, cal)
+        choice = choose(trees, table, cal, ragged)
         trees = [first_nodes(t, n) for t, n in zip(trees, choice.nodes)]
     outs = verify_trees(seqs, trees, target, drafter, ops, p, timer)
-    for e, n, out in zip(choice.expected, choice.nodes, outs):
-        cal = cal.observe(e, out.tau - 1) if n > 0 else cal
-    return choice, outs, cal
+    return choice, outs, observe(cal, choice, [out.tau for out in outs])
+
+
+def observe(cal: Calibration, choice: Choice, taus) -> Calibration:
+    """The calibration after a round: each sequence that verified drafts had tau - 1 of them accepted."""
+    for e, n, tau in zip(choice.expected, choice.nodes, taus):
+        cal = cal.observe(e, tau - 1) if n > 0 else cal
+    return cal
 
 
 @dataclass

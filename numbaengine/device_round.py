@@ -3,24 +3,39 @@
 The round of numbaengine/ddtree.py (the reference: one sequence at a time, tree and walk on the host) restated
 over static device buffers, so that one round is one graph launch and the host reads one small array per round:
 
-  draft   block [bonus, MASK, ...] of every sequence -> drafter layers -> logits f32[B, Lb-1, V]
-  build   per-depth top-K -> best-first tree (kernels/tree.py) -> tokens, positions, ancestor bits [B, N]
-  verify  the target over all B*N tree rows at once (absorbed MLA reads each sequence's latent cache and bits)
-  walk    one sample per node -> accepted path, new bonus, lengths += tau; out_tokens i32[B, L+2] for the host
+  draft   block [bonus, MASK, ...] of every sequence -> drafter layers -> logits f32[n, Lb-1, V]
+  build   per-depth top-K -> best-first tree (kernels/tree.py) -> tokens, positions, ancestor bits [n, N]
+  verify  the target over all n*N tree rows at once (absorbed MLA reads each sequence's latent cache and bits)
+  walk    one sample per node -> accepted path, new bonus, lengths += tau; out_tokens i32[n, L+2] for the host
   commit  accepted latent rows moved into place; their features -> the drafter context (fc, k/v per layer)
 
 DFlash is the same round with one candidate per depth, autoregressive decoding the tree with the root alone.
 Each slot keeps its own sampling temperature and seed (device arrays read by the sampling kernel per row) and its
-own budget (at most the shape's), so sequences with any settings of one mode share the rounds. Prefill stays
-eager (one sequence at a time, whole or in chunks between rounds). Rounds of one shape share buffers; the first
-round runs eagerly (it compiles kernels and sizes scratch), the next is captured, later ones replay the graph.
+own budget (at most the shape's), so sequences with any settings of one mode share the rounds.
+
+Batch buckets: a round covers the slots [0, n) for the smallest bucket n (1, 2, 4, ..., batch) that holds every
+decoding slot (slots are handed out lowest first), so a lightly loaded server runs small rounds. Each bucket has
+its own buffers and graph (a Plan); the slot state (caches, lengths, settings) is shared, the plans view prefixes.
+
+Budget "auto" (ddtree, Shape.ladder): a round is two graphs. The probe drafts, takes the top-K and builds every
+slot's tree at the largest ladder size, writing each node's path log-probability; the host reads those, picks the
+ladder size with the most expected committed tokens per second of the measured cost of a round
+(numbaengine/budget.py, the rectangle rule: every slot gets that size, since verify rows are n x (size + 1)
+whatever the shares), and launches that size's verify graph: the tree again at that size (the prefix of the
+probe's pops), verify, walk and commit. The cost table comes from timing these graphs (DeviceRounds.costs).
+
+Prefill stays eager (one sequence at a time, whole or in chunks between rounds). A plan's first round runs eagerly
+(it compiles kernels and sizes scratch), the next is captured, later ones replay the graph.
 """
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from numbaengine.budget import CostTable
 from numbaengine.ddtree import MODES
 from numbaengine.kernels.sample import sample
 from numbaengine.kernels.tree import (
@@ -37,50 +52,93 @@ from numbaengine.phases import span
 
 @dataclass(frozen=True)
 class Shape:
-    """What a set of buffers and a captured graph are made for (sampling settings and smaller budgets are per slot)."""
-    batch: int               # sequences decoded together (B)
+    """What a set of slots and its plans are made for (sampling settings and smaller budgets are per slot)."""
+    batch: int               # slots: sequences decoded together at most (rounds cover a bucket of them)
     mode: str                # ddtree | dflash | ar
     budget: int              # drafted nodes per tree (ddtree: the most a slot may ask), chain length (dflash), 0 (ar)
     max_len: int             # committed rows a sequence may reach (its context)
+    ladder: tuple = ()       # ddtree budget "auto": the tree sizes chosen among each round (budget = the largest)
+
+
+def buckets(batch) -> tuple:
+    """Round sizes over the slots: the powers of two below batch, then batch."""
+    return tuple(1 << i for i in range(max(batch - 1, 0).bit_length()) if 1 << i < batch) + (batch,)
+
+
+class Plan:
+    """Buffers and captured graph of the rounds over slots [0, n) with trees of N nodes (N - 1 drafted at most).
+
+    stages: "draft" (drafter block -> draft_logits -> per-depth top-K), "build" (trees), "verify" (target, walk,
+    commit). A fixed-budget plan runs all three; budget auto has one probe per bucket (draft, build at the largest
+    size, node scores) and one verify plan per ladder size (build, verify) sharing the probe's draft buffers.
+    Each plan has its own op table (its scratch: a graph points into it, so no other plan may grow it)."""
+
+    def __init__(self, rounds: DeviceRounds, n, N, stages, draft: Plan | None = None):
+        self.n, self.N, self.stages = n, N, stages
+        self.ops = ops = rounds.base_target.ops.fresh()
+        self.target = rounds.base_target.with_ops(ops)
+        d = rounds.base_drafter if rounds.shape.mode != "ar" else None
+        self.drafter = d.with_ops(ops, self.target) if d is not None else None
+        cfg, V, Lb = self.target.cfg, self.target.cfg.vocab_size, rounds.Lb
+        L, F, H = max(Lb - 1, 1), len(rounds.layer_ids), cfg.hidden_size
+        self.graph, self.rounds = None, 0
+        check_memory(ops, plan_bytes(self.target, self.drafter, n, 0, N, Lb, V,
+                                     verify="verify" in stages, draft=draft is None))
+        with rounds.on_stream():
+            if draft is None:                       # its own drafter block and top-K lists
+                self.tb = tree_buffers(ops.zeros, n, L, rounds.K, N, V)
+                if self.drafter is not None:
+                    self.block_tokens = ops.zeros((n, Lb), np.int32)
+                    self.block_pos = ops.zeros(n * Lb, np.int32)
+                    self.kv_len = ops.zeros(n, np.int32)
+                    self.draft_logits = ops.zeros((n, L, V), np.float32)
+            else:                                   # the probe's top-K lists (its drafter block ran before)
+                self.tb = tree_buffers(ops.zeros, n, L, rounds.K, N, V, topk=draft.tb)
+                self.draft_logits = getattr(draft, "draft_logits", None)
+            if "verify" in stages:
+                self.logits = ops.zeros((n * N, V), np.float32)
+                self.hidden = ops.zeros((F, n * N, H), np.float32)
+                if self.drafter is not None:
+                    self.feats = ops.zeros((n, L + 1, F * H), np.float32)
+                    self.feat_pos = ops.zeros((n, L + 1), np.int32)
 
 
 class DeviceRounds:
-    """Static device state of `batch` sequences and the round over it.
+    """Static device state of `batch` slots and the rounds over them.
 
-    Device state per sequence b: latent cache rows (one array u16[layers, B, cap, D]), lengths[b] = committed
+    Device state per slot b: latent cache rows (one array u16[layers, B, cap, D]), lengths[b] = committed
     rows = position of the bonus token, bonus[b], budgets[b], seq_ids[b] (its noise stream), temps[b] (0: greedy)
     and seeds[b], and with a drafter its context K|V per layer f32[B, cap, 2 nkv, d] (key heads, then value
     heads). cap = max_len + room for one round's uncommitted rows.
 
     Slots start parked: a parked slot runs in the round with budget 0 at park_at[b] (0 when empty; a slot being
     prefilled in chunks parks at its prompt rows so far, where its round's scribbles land on rows the next chunk
-    or its decoding rewrites before reading) and its output is ignored."""
+    or its decoding rewrites before reading) and its output is ignored; rounds cover the bucket of slots
+    [0, n) holding every slot that is not parked."""
 
     def __init__(self, target, drafter, shape: Shape, graphs=True):
         if shape.mode not in MODES:
             raise ValueError(f"mode: {shape.mode!r} is not one of {', '.join(MODES)}")
+        if shape.ladder and (shape.mode != "ddtree" or max(shape.ladder) != shape.budget):
+            raise ValueError(f"ladder {shape.ladder}: budget auto needs mode ddtree and budget = its largest size")
         self.shape, self.base_target, self.base_drafter = shape, target, drafter
-        self.ops = ops = target.ops.fresh()          # the round's own scratch: graphs point into it
-        self.target = target.with_ops(ops)
-        self.drafter = drafter.with_ops(ops, self.target) if drafter is not None and shape.mode != "ar" else None
+        self.drafter = drafter if shape.mode != "ar" else None
+        self.target, ops = target, target.ops
         cfg, B, V = target.cfg, shape.batch, target.cfg.vocab_size
         self.Lb = self.drafter.block_size if self.drafter is not None else 1
         L = max(self.Lb - 1, 1)                      # depths (a dummy one in ar mode: the tree is the root)
-        K = {"ddtree": min(max(shape.budget, 1), V), "dflash": 1, "ar": 1}[shape.mode]
+        self.K = {"ddtree": min(max(shape.budget, 1), V), "dflash": 1, "ar": 1}[shape.mode]
         N = shape.budget + 1
         self.cap = shape.max_len + max(N, self.Lb, L + 1)
         self.layer_ids = self.drafter.layer_ids if self.drafter is not None else ()
-        F, H = len(self.layer_ids), cfg.hidden_size
         check_memory(ops, plan_bytes(target, self.drafter, B, self.cap, N, self.Lb, V))
         self.stream = ops.xp.cuda.Stream(non_blocking=True) if ops.xp is not np else None
-        with self._on_stream():     # zeroed on the rounds' stream: a null-stream memset is not ordered before it
+        with self.on_stream():      # zeroed on the rounds' stream: a null-stream memset is not ordered before it
             self.cache = ops.zeros((cfg.num_hidden_layers, B, self.cap, cfg.latent_dim), np.uint16)
+            self.cache32 = self.cache.view(np.uint32)                    # bf16 pairs (the commit kernel's view)
             self.rows = [self.cache[i] for i in range(cfg.num_hidden_layers)]
             self.lengths, self.bonus, self.budgets, self.seq_ids = (ops.zeros(B, np.int32) for _ in range(4))
             self.temps, self.seeds = ops.zeros(B, np.float32), ops.zeros(B, np.uint64)
-            self.tb = tree_buffers(ops.zeros, B, L, K, N, V)
-            self.logits = ops.zeros((B * N, V), np.float32)
-            self.hidden = ops.zeros((F, B * N, H), np.float32)
             if self.drafter is not None:
                 dc = self.drafter.cfg
                 nkv = dc.num_key_value_heads
@@ -88,19 +146,42 @@ class DeviceRounds:
                                for _ in range(dc.num_hidden_layers)]              # per row: nkv key heads, nkv values
                 self.ctx_k = [kv[:, :, :nkv] for kv in self.ctx_kv]
                 self.ctx_v = [kv[:, :, nkv:] for kv in self.ctx_kv]
-                self.block_tokens = ops.zeros((B, self.Lb), np.int32)
-                self.block_pos = ops.zeros(B * self.Lb, np.int32)
-                self.kv_len = ops.zeros(B, np.int32)
-                self.draft_logits = ops.zeros((B, L, V), np.float32)
-                self.feats = ops.zeros((B, L + 1, F * H), np.float32)
-                self.feat_pos = ops.zeros((B, L + 1), np.int32)
         self.graphs = graphs and ops.xp is not np    # the simulator has no graphs: it runs every round eagerly
-        self.graph = None
+        self.plans = {}                              # (n, N, stages) -> Plan
+        self.plan = None                             # the latest round's (verify) plan
+        self.table = None                            # budget auto: the cost table of these rounds (costs())
         self.rounds = 0
         self.gpu_s = 0.0                             # device time of the rounds (CUDA events around each)
         self.parked, self.park_at = set(range(B)), np.zeros(B, np.int32)   # host: parked slots and their rows
         self._parked, self._uploaded = None, False     # device (slots i32[k], rows i32[k]); whether it is current
-        self._events = (ops.xp.cuda.Event(), ops.xp.cuda.Event()) if self.stream is not None else None
+        self._timed = []                             # (start, end) CUDA events of launches not yet added to gpu_s
+        self._event_pairs = []                       # CUDA event pairs reused by launch (a round: one or two)
+
+    # the latest round's buffers (tools read them)
+    tb = property(lambda self: self.current().tb)
+    logits = property(lambda self: self.current().logits)
+    draft_logits = property(lambda self: self.current().draft_logits)
+    graph = property(lambda self: self.current().graph)
+    ops = property(lambda self: self.current().ops)
+
+    def current(self) -> Plan:
+        """The latest round's plan (before any round: the plan of a round over every slot)."""
+        return self.plan if self.plan is not None else self.get_plan(self.shape.batch, self.shape.budget + 1)
+
+    def get_plan(self, n, N, stages=("draft", "build", "verify")) -> Plan:
+        """The plan of rounds over slots [0, n) with N-node trees, made at its first use."""
+        key = (n, N, stages)
+        if key not in self.plans:
+            draft = self.get_plan(n, self.shape.budget + 1, ("draft", "build")) if stages == ("build", "verify") \
+                else None
+            self.plans[key] = Plan(self, n, N, stages, draft)
+        return self.plans[key]
+
+    def bucket(self) -> int:
+        """Slots [0, n) the next round covers: the smallest bucket holding every slot that is not parked."""
+        live = [b for b in range(self.shape.batch) if b not in self.parked]
+        top = max(live, default=0) + 1
+        return next(n for n in buckets(self.shape.batch) if n >= top)
 
     # --- prefill (eager, one sequence) -----------------------------------------------------------------------------
 
@@ -116,7 +197,7 @@ class DeviceRounds:
         ops, T = self.base_target.ops, len(ids)
         if not 0 <= start < T:
             raise ValueError(f"prefill: start {start} is not in 0..{T - 1} (the prompt's rows not yet written)")
-        with self._on_stream():
+        with self.on_stream():
             logits = self._prompt_rows(b, ids, start, T)
             for arr, value in ((self.temps, temperature), (self.seeds, seed), (self.seq_ids, seq_index),
                                (self.lengths, T), (self.budgets, budget)):
@@ -132,7 +213,7 @@ class DeviceRounds:
         stays parked at `end` meanwhile."""
         if not 0 <= start < end < len(ids):
             raise ValueError(f"prefill_part: rows [{start}, {end}) are not a piece before the last of {len(ids)}")
-        with self._on_stream():
+        with self.on_stream():
             self._prompt_rows(b, ids, start, end)
         self._set_parked(b, end)
 
@@ -155,13 +236,13 @@ class DeviceRounds:
         """The rounds' stream waits for what the null stream holds (weights and other uploads made outside it: a
         pageable copy returns before its DMA lands, and a non-blocking stream is not ordered after the null one)."""
         if self.stream is not None:
-            done = self.ops.xp.cuda.Event(disable_timing=True)
-            done.record(self.ops.xp.cuda.Stream.null)
+            done = self.base_target.ops.xp.cuda.Event(disable_timing=True)
+            done.record(self.base_target.ops.xp.cuda.Stream.null)
             self.stream.wait_event(done)
 
     def retire(self, slots):
-        """Finished (or empty) slots keep running inside the graph: they are parked at an empty context before every
-        round so they never outgrow their rows (their output is ignored)."""
+        """Finished (or empty) slots stay in the rounds of their bucket: they are parked at an empty context before
+        every round so they never outgrow their rows (their output is ignored)."""
         for b in slots:
             self._set_parked(b, 0)
 
@@ -182,11 +263,12 @@ class DeviceRounds:
             return
         self._uploaded = True
         slots = sorted(self.parked)
-        with self._on_stream():
-            self._parked = (self.ops.asarray(np.array(slots, np.int32)),
-                            self.ops.asarray(self.park_at[slots])) if slots else None
+        with self.on_stream():
+            self._parked = (self.base_target.ops.asarray(np.array(slots, np.int32)),
+                            self.base_target.ops.asarray(self.park_at[slots])) if slots else None
 
     def _park(self):
+        self._upload_parked()
         if self._parked is not None:
             slots, rows = self._parked
             self.lengths[slots] = rows
@@ -194,70 +276,124 @@ class DeviceRounds:
 
     # --- one round ---------------------------------------------------------------------------------------------------
 
-    def step(self) -> np.ndarray:
-        """One round for every slot; returns out_tokens i32[B, L+2] (row b: tau, then the tau new tokens)."""
-        self._upload_parked()
-        with self._on_stream():
-            self._park()
-            if self.graphs and self.graph is None and self.rounds >= 1:
-                with span("capture"):
-                    self.graph = self.capture()
-            if self._events:
-                self._events[0].record(self.stream)
-            if self.graph is not None:
-                self.graph.launch(self.stream)
+    def step(self, size=None) -> np.ndarray:
+        """One round over the bucket of decoding slots; returns out_tokens i32[n, L+2] (row b: tau, then the tau new
+        tokens). Budget auto: the round's second half, after probe(), with the ladder size chosen for it."""
+        with self.on_stream():
+            if not self.shape.ladder:
+                self._park()
+                plan = self.get_plan(self.bucket(), self.shape.budget + 1)
             else:
-                self.round()
-            if self._events:
-                self._events[1].record(self.stream)
+                if size not in self.shape.ladder or self._probed is None:
+                    raise ValueError(f"step: budget auto needs probe() first and a size of {self.shape.ladder}, "
+                                     f"got {size}")
+                plan, self._probed = self.get_plan(self._probed, size + 1, ("build", "verify")), None
+            self.launch(plan)
+            self.plan = plan
             self.rounds += 1
-            out = self.ops.to_host(self.tb.out_tokens)
-            if self._events:
-                self.gpu_s += self.ops.xp.cuda.get_elapsed_time(*self._events) / 1e3
+            out = self.base_target.ops.to_host(plan.tb.out_tokens)
+            self._add_gpu_time()
             return out
 
-    def round(self, mark=lambda phase: None):
-        """The launches of one round (eager, or recorded by capture). mark(phase) is called as each phase starts
-        (tools/bench.py records events there)."""
-        tb, B, N = self.tb, self.shape.batch, self.tb.tokens.shape[1]
-        if self.drafter is not None:
-            mark("draft")
-            self._draft()
-        mark("build")
-        if self.drafter is not None:
-            tree_topk(self.draft_logits, tb)
-        tree_build(tb, self.budgets, self.lengths, self.bonus, self.seq_ids)
-        mark("verify")
-        self.target.forward_into(tb.tokens.reshape(-1), tb.positions.reshape(-1), self.rows,
-                                 LatentVis(self.lengths, tb.ntok, tb.vis), self.logits, self.hidden, self.layer_ids)
-        mark("walk")
-        sample(self.logits, self.temps, self.seeds, tb.sample_seq, tb.sample_pos, tb.post, tb.sample_work, tb.ntok)
-        tree_walk(tb, self.lengths, self.bonus)                      # lengths += tau, bonus = the next token
-        mark("commit")
-        if self.drafter is None:
-            tree_commit(tb, self.cache)
-            return
-        F, H = self.hidden.shape[0], self.hidden.shape[2]
-        tree_commit(tb, self.cache, self.hidden.reshape(F, B, N, H), self.feats, self.feat_pos)
-        self._append(self.drafter, self.feats, self.feat_pos.reshape(-1), tb.start, slice(None))
+    def probe(self) -> np.ndarray:
+        """Budget auto, the first half of a round over the bucket of decoding slots: draft, top-K and every slot's
+        tree at the largest ladder size; returns scores f64[n, N] (node i's path log-probability in pop order, the
+        root 0, -inf past the slot's tree). step(size) finishes the round."""
+        if not self.shape.ladder:
+            raise ValueError("probe: only rounds made for budget auto (Shape.ladder) have a probe")
+        with self.on_stream():
+            self._park()
+            n = self.bucket()
+            plan = self.get_plan(n, self.shape.budget + 1, ("draft", "build"))
+            self.launch(plan)
+            self._probed = n
+            scores = self.base_target.ops.to_host(plan.tb.scores)
+            self._add_gpu_time()
+            return scores
 
-    def _draft(self):
-        """Drafter block of every sequence over its context -> draft_logits f32[B, Lb-1, V] (slots 1..Lb-1)."""
-        d, ops, B, Lb = self.drafter, self.ops, self.shape.batch, self.Lb
+    _probed = None                                   # the bucket probed and not yet stepped
+
+    def launch(self, plan: Plan):
+        """One run of the plan: eager the first time, captured the second, the graph replayed after; timed by CUDA
+        events on cuda."""
+        if self.graphs and plan.graph is None and plan.rounds >= 1:
+            with span("capture"):
+                plan.graph = self.capture(plan)
+        events = None
+        if self.stream is not None:
+            if len(self._timed) == len(self._event_pairs):       # (a failed round left its events unread)
+                self._event_pairs.append((plan.ops.xp.cuda.Event(), plan.ops.xp.cuda.Event()))
+            events = self._event_pairs[len(self._timed)]
+            events[0].record(self.stream)
+        if plan.graph is not None:
+            plan.graph.launch(self.stream)
+        else:
+            self.run(plan)
+        if events is not None:
+            events[1].record(self.stream)
+            self._timed.append(events)
+        plan.rounds += 1
+
+    def _add_gpu_time(self):
+        """Device seconds of the launches since the last call (their events have completed: the host read waited)."""
+        if not self._timed:
+            return
+        xp = self.base_target.ops.xp
+        for a, b in self._timed:
+            self.gpu_s += xp.cuda.get_elapsed_time(a, b) / 1e3
+        self._timed.clear()
+
+    def round(self, mark=lambda phase: None):
+        """The launches of one round of the latest plan (eager; tools/bench.py records events at each mark)."""
+        self.run(self.current(), mark)
+
+    def run(self, plan: Plan, mark=lambda phase: None):
+        """The launches of a plan's stages (eager, or recorded by capture). mark(phase) is called as each phase
+        starts."""
+        n, N, tb = plan.n, plan.N, plan.tb
+        lengths, bonus = self.lengths[:n], self.bonus[:n]
+        if "draft" in plan.stages and plan.drafter is not None:
+            mark("draft")
+            self._draft(plan)
+        mark("build")
+        if "draft" in plan.stages and plan.drafter is not None:
+            tree_topk(plan.draft_logits, tb)
+        tree_build(tb, self.budgets[:n], lengths, bonus, self.seq_ids[:n])
+        if "verify" not in plan.stages:
+            return
+        mark("verify")
+        plan.target.forward_into(tb.tokens.reshape(-1), tb.positions.reshape(-1), [r[:n] for r in self.rows],
+                                 LatentVis(lengths, tb.ntok, tb.vis), plan.logits, plan.hidden, self.layer_ids)
+        mark("walk")
+        sample(plan.logits, self.temps[:n], self.seeds[:n], tb.sample_seq, tb.sample_pos, tb.post, tb.sample_work,
+               tb.ntok)
+        tree_walk(tb, lengths, bonus)                                 # lengths += tau, bonus = the next token
+        mark("commit")
+        if plan.drafter is None:
+            tree_commit(tb, self.cache32[:, :n])
+            return
+        F, H = plan.hidden.shape[0], plan.hidden.shape[2]
+        tree_commit(tb, self.cache32[:, :n], plan.hidden.reshape(F, n, N, H), plan.feats, plan.feat_pos)
+        self._append(plan.drafter, plan.feats, plan.feat_pos.reshape(-1), tb.start, slice(0, n))
+
+    def _draft(self, plan: Plan):
+        """Drafter block of slots [0, n) over their context -> draft_logits f32[n, Lb-1, V] (slots 1..Lb-1)."""
+        d, ops, n, Lb = plan.drafter, plan.ops, plan.n, self.Lb
         nh, hd = d.cfg.num_attention_heads, d.cfg.head_dim
-        ops.block_inputs(self.bonus, self.lengths, d.mask_id, self.block_tokens, self.block_pos, self.kv_len)
-        h = self.target.embed(self.block_tokens.reshape(-1), ops.scratch("d.h", (B * Lb, d.cfg.hidden_size)))
+        lengths = self.lengths[:n]
+        ops.block_inputs(self.bonus[:n], lengths, d.mask_id, plan.block_tokens, plan.block_pos, plan.kv_len)
+        h = plan.target.embed(plan.block_tokens.reshape(-1), ops.scratch("d.h", (n * Lb, d.cfg.hidden_size)))
 
         def attend(i, q, kv):          # block keys go right after the committed context, then attend to it all
-            ops.write_rows(kv, self.ctx_kv[i], self.lengths)
-            o = ops.scratch("d.o", (B, Lb, nh, hd))
-            return ops.kv_attention(q.reshape(B, Lb, nh, hd), self.ctx_k[i], self.ctx_v[i], self.kv_len, d.scale,
-                                    o).reshape(B * Lb, nh, hd)
+            ops.write_rows(kv, self.ctx_kv[i][:n], lengths)
+            o = ops.scratch("d.o", (n, Lb, nh, hd))
+            return ops.kv_attention(q.reshape(n, Lb, nh, hd), self.ctx_k[i][:n], self.ctx_v[i][:n], plan.kv_len,
+                                    d.scale, o).reshape(n * Lb, nh, hd)
 
-        x = d.block(h, self.block_pos, attend).reshape(B, Lb, -1)[:, 1:]            # slots 1.. are the drafts
-        if B > 1:                      # rows of several blocks: contiguous for the lm_head GEMM (one row at B = 1)
+        x = d.block(h, plan.block_pos, attend).reshape(n, Lb, -1)[:, 1:]            # slots 1.. are the drafts
+        if n > 1:                      # rows of several blocks: contiguous for the lm_head GEMM (one row at n = 1)
             x = ops.copy(x, ops.scratch("d.slots", x.shape))
-        self.target.lm_head(x.reshape(B * (Lb - 1), -1), self.draft_logits.reshape(B * (Lb - 1), -1))
+        plan.target.lm_head(x.reshape(n * (Lb - 1), -1), plan.draft_logits.reshape(n * (Lb - 1), -1))
 
     def _append(self, drafter, feats, positions, start, slots):
         """Drafter context rows start[b].. of `slots` from target features feats f32[b, P, F*H] at positions
@@ -266,21 +402,61 @@ class DeviceRounds:
         drafter.context_kv(feats.reshape(nb * P, FH), positions,
                            lambda i, kv: drafter.ops.write_rows(kv, self.ctx_kv[i][slots], start))
 
+    # --- budget auto: the cost of a round ----------------------------------------------------------------------------
+
+    def costs(self, reps=3, context=16) -> CostTable:
+        """Seconds of one auto round per bucket and ladder size on this device: probe, host read and that size's
+        verify graph, the best of `reps` after the eager run and the capture, with every slot of the bucket
+        drafting full trees at `context` committed rows (zero rows: attention reads them all the same). Needs every
+        slot parked; all are parked again after."""
+        if not self.shape.ladder:
+            raise ValueError("costs: only rounds made for budget auto (Shape.ladder) choose among sizes")
+        if len(self.parked) != self.shape.batch:
+            raise RuntimeError("costs: the rounds are measured with no sequence decoding (every slot parked)")
+        warm, seconds, context = (2 if self.graphs else 1), {}, min(context, self.shape.max_len)
+        with span("costs"):
+            for n in buckets(self.shape.batch):
+                row = []
+                for size in self.shape.ladder:
+                    best = float("inf")
+                    for i in range(warm + max(reps, 1)):
+                        self._dummy_slots(n, context)
+                        t0 = time.perf_counter()
+                        self.probe()
+                        self.step(size)
+                        best = best if i < warm else min(best, time.perf_counter() - t0)
+                    row.append(best)
+                seconds[n] = tuple(row)
+            self.retire(range(self.shape.batch))
+        cfg = self.base_target.cfg
+        return CostTable(self.shape.ladder, seconds, model=f"{cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+                         f"vocab {cfg.vocab_size}", device=device_name(self.base_target.ops))
+
+    def _dummy_slots(self, n, context):
+        """Slots [0, n) decoding from `context` zero rows (bonus token 1, greedy, full budget): what costs() times."""
+        ops = self.base_target.ops
+        with self.on_stream():
+            for arr, value in ((self.lengths, context), (self.bonus, 1), (self.budgets, self.shape.budget),
+                               (self.temps, 0.0), (self.seq_ids, 0)):
+                arr[:n] = ops.asarray(np.full(n, value, arr.dtype))
+        for b in range(self.shape.batch):
+            self._set_parked(b, None if b < n else 0)
+
     # --- graphs ------------------------------------------------------------------------------------------------------
 
-    def capture(self):
-        """Record one round as a CUDA graph. Everything it touches exists already (the eager round made it); a
-        round that allocated, synchronized or copied from the host during capture is an error."""
-        pool = self.ops.xp.get_default_memory_pool()
+    def capture(self, plan: Plan):
+        """Record one run of the plan as a CUDA graph. Everything it touches exists already (the eager run made it);
+        a run that allocated, synchronized or copied from the host during capture is an error."""
+        pool = plan.ops.xp.get_default_memory_pool()
         before = pool.total_bytes()
         self.stream.begin_capture()
         try:
-            self.round()
+            self.run(plan)
         finally:
             graph = self.stream.end_capture()
         if pool.total_bytes() != before:
             raise RuntimeError("capture: a round allocated device memory while being captured (a buffer is missing "
-                               "from DeviceRounds or an op made a temporary)")
+                               "from the Plan or an op made a temporary)")
         graph.upload(self.stream)
         return graph
 
@@ -289,14 +465,14 @@ class DeviceRounds:
         return dot.decode() if isinstance(dot, bytes) else dot
 
     def kernel_nodes(self) -> list:
-        """Kernel names in the captured round's DOT dump (numba's mangled names, CuPy's elementwise kernels)."""
+        """Kernel names in the latest plan's captured graph (numba's mangled names, CuPy's elementwise kernels)."""
         if self.graph is None:
             return []
         import re
         return re.findall(r"_Z\w+|cupy_\w+", self._dot())
 
     def graph_depth(self) -> int:
-        """Nodes on the longest dependency chain of the captured round: what its launch latencies add up along
+        """Nodes on the longest dependency chain of the latest plan's graph: what its launch latencies add up along
         (parallel branches, ops.branch(), make it shorter than the node count)."""
         if self.graph is None:
             return 0
@@ -317,9 +493,16 @@ class DeviceRounds:
                     ready.append(b)
         return max(depth.values(), default=1)
 
-    def _on_stream(self):
-        import contextlib
+    def on_stream(self):
         return self.stream if self.stream is not None else contextlib.nullcontext()
+
+
+def device_name(ops) -> str:
+    if ops.xp is np:
+        return "simulator" if ops.name == "sim" else "cpu"
+    xp = ops.xp
+    name = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
 
 
 class Replicated:
@@ -338,8 +521,15 @@ class Replicated:
     def prefill_part(self, b, ids, start, end):
         self.ranks.run(lambda r: self.devs[r].prefill_part(b, ids, start, end))
 
-    def step(self) -> np.ndarray:
-        return self._agree(self.ranks.run(lambda r: self.devs[r].step()), "round")
+    def step(self, size=None) -> np.ndarray:
+        return self._agree(self.ranks.run(lambda r: self.devs[r].step(size)), "round")
+
+    def probe(self) -> np.ndarray:
+        return self._agree(self.ranks.run(lambda r: self.devs[r].probe()), "probe")
+
+    def costs(self, reps=3, context=16) -> CostTable:
+        """Rank 0's table; every rank runs the same rounds (their collectives pair up)."""
+        return self.ranks.run(lambda r: self.devs[r].costs(reps, context))[0]
 
     def retire(self, slots):
         if slots:                                    # retire([]) changes nothing: spare the thread round trip
@@ -356,16 +546,18 @@ class Replicated:
         return answers[0]
 
 
-def plan_bytes(target, drafter, B, cap, N, Lb, V) -> dict:
-    """Device bytes the round's buffers need, by role (weights are resident already)."""
+def plan_bytes(target, drafter, B, cap, N, Lb, V, verify=True, draft=True) -> dict:
+    """Device bytes of the buffers, by role (weights are resident already): the slots' state (cap > 0: latent cache
+    and drafter context of B slots) and a plan's buffers over B slots with N-node trees (its verify, its draft)."""
     cfg = target.cfg
     F = len(drafter.layer_ids) if drafter is not None else 0
-    plan = {"latent cache": cfg.num_hidden_layers * B * cap * cfg.latent_dim * 2,
-            "verify logits": B * N * V * 4, "verify activations": B * N * cfg.hidden_size * 4 * (F + 24)}
+    plan = {"latent cache": cfg.num_hidden_layers * B * cap * cfg.latent_dim * 2}
+    if verify:
+        plan |= {"verify logits": B * N * V * 4, "verify activations": B * N * cfg.hidden_size * 4 * (F + 24)}
     if drafter is not None:
         dc = drafter.cfg
         plan["drafter context"] = 2 * dc.num_hidden_layers * B * cap * dc.num_key_value_heads * dc.head_dim * 4
-        plan["draft logits"] = B * (Lb - 1) * V * 4
+        plan["draft logits"] = B * (Lb - 1) * V * 4 if draft else 0
     return plan
 
 

@@ -9,7 +9,7 @@ from threadpoolctl import threadpool_limits
 
 from numbaengine import generate as gen
 from numbaengine.backends import get_ops
-from numbaengine.budget import AUTO, AUTO_MISSING, reference_costs
+from numbaengine.budget import AUTO, reference_costs
 from numbaengine.checkpoint import load_target_weights
 from numbaengine.config import load_config
 from numbaengine.drafter import load_drafter
@@ -98,15 +98,20 @@ class Engine:
         17x384 @ 384x4096 took 3.7 ms on one thread and 15 ms on OpenBLAS's default two."""
         return threadpool_limits(1, "blas") if self.backend == "numpy" else contextlib.nullcontext()
 
-    def rounds(self, batch, chunk=None, graphs=True, cost_table=None):
+    def rounds(self, batch, chunk=None, graphs=True, cost_table=None, auto=False):
         """The round over `batch` sequences on this backend (numbaengine/rounds.py): numpy, the reference round on
-        the host (budget "auto" with cost_table); the kernel backends, the slots of one DeviceRounds (kept in
-        rounds_cache per Shape), prompts prefilled in pieces of `chunk` tokens (None: whole), the round captured as
-        a CUDA graph when `graphs` (cuda)."""
+        the host; the kernel backends, the slots of one DeviceRounds (kept in rounds_cache per Shape), prompts
+        prefilled in pieces of `chunk` tokens (None: whole), the round captured as a CUDA graph when `graphs`
+        (cuda). cost_table: budget "auto"'s seconds per batch and tree size (None: numpy, with `auto` (runs of budget
+        auto will come), the reference round timed on this CPU at the first use; kernel backends, measured from the
+        rounds' graphs when they are made)."""
         if self.backend == "numpy":
-            return HostRounds(self.target, self.drafter, self.max_context, table=cost_table)
+            if auto and cost_table is None and self.drafter is not None:
+                self.costs = self.costs or reference_costs(self.target, self.drafter, self.target.ops)
+            return HostRounds(self.target, self.drafter, self.max_context,
+                              table=cost_table if cost_table is not None else self.costs)
         return DeviceSlots(self.target, self.drafter, self.max_context, batch, chunk, self.rounds_cache, self.ranks,
-                           graphs)
+                           graphs, table=cost_table)
 
     def generate(self, prompt, max_new_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0, stop=None,
                  on_round=None, cost_table=None, prefill_chunk=PREFILL_CHUNK) -> gen.Result:
@@ -120,16 +125,13 @@ class Engine:
                        prefill_chunk=PREFILL_CHUNK) -> list[gen.Result]:
         """Decode several prompts together, each with its own cache and tree (generate.generate_on over `rounds`).
         On the kernel backends (cuda, sim) all sequences run in one batched round on the device
-        (numbaengine/device_round.py), captured as a CUDA graph on cuda unless graphs is False. budget "auto" (numpy
-        only): each round's tree size from the drafter's probabilities and `cost_table` (a budget.CostTable; None:
-        the reference round timed on this CPU once, at the first use). prefill_chunk: prompt tokens per prefill
-        piece on the kernel backends (the server's --prefill-chunk; None: whole prompts)."""
-        if budget == AUTO and self.backend != "numpy":
-            raise NotImplementedError(AUTO_MISSING)
+        (numbaengine/device_round.py), captured as a CUDA graph on cuda unless graphs is False. budget "auto": each
+        round's tree size from the drafter's probabilities and `cost_table` (a budget.CostTable; None: see
+        rounds()). prefill_chunk: prompt tokens per prefill piece on the kernel backends (the server's
+        --prefill-chunk; None: whole prompts)."""
+        auto = budget == AUTO and mode == "ddtree"
         with self.blas_threads():
-            if budget == AUTO and mode == "ddtree" and cost_table is None and self.drafter is not None:
-                self.costs = self.costs or reference_costs(self.target, self.drafter, self.target.ops)
-                cost_table = self.costs
-            rounds = self.rounds(len(prompts), prefill_chunk, graphs=graphs, cost_table=cost_table)
+            rounds = self.rounds(len(prompts), prefill_chunk, graphs=graphs, cost_table=cost_table if auto else None,
+                                 auto=auto)
             return gen.generate_on(rounds, self.tokenizer, prompts, max_new_tokens, mode, budget, temperature, seed,
                                    stop, on_round)

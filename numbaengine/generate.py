@@ -15,7 +15,7 @@ from time import perf_counter
 
 import numpy as np
 
-from numbaengine.budget import AUTO, AUTO_MISSING, reference_costs
+from numbaengine.budget import AUTO, reference_costs
 from numbaengine.ddtree import MAX_BUDGET, MODES, Params
 from numbaengine.phases import span
 from numbaengine.rounds import HostRounds, Run
@@ -130,7 +130,11 @@ def leave(rounds, runs) -> list:
 def push(run: Run, new):
     """Append new tokens, ending the output at the first stop token (kept) or at exactly max_new tokens; then a
     sequence whose cache rows are full (no row for the next bonus) ends too."""
-    for t in map(int, new):
+    new = [int(t) for t in new]
+    if len(run.tokens) + len(new) < run.max_new and run.stop.isdisjoint(new):    # most rounds: all of it
+        run.tokens += new
+        new = ()
+    for t in new:
         run.tokens.append(t)
         if t in run.stop:
             run.stop_reason = "stop"
@@ -155,7 +159,7 @@ def generate_on(rounds, tokenizer, prompts, max_new_tokens, mode="ddtree", budge
     stop: token ids that end a sequence; None = the target config's eos ids, [] = none.
     on_round(index, round_out | None, tokens): called after the prefill (None) and after every round."""
     cfg, tokenizer = rounds.target.cfg, tokenizer if tokenizer is not None else IdTokenizer()
-    check_args(mode, budget, max_new_tokens, temperature, rounds.drafter, auto=rounds.auto_budget)
+    check_args(mode, budget, max_new_tokens, temperature, rounds.drafter)
     ids = [prompt_ids(p, tokenizer, cfg.vocab_size, rounds.max_context) for p in prompts]
     stop = set(cfg.eos_ids if stop is None else (int(t) for t in stop))
     p = Params(mode, float(temperature), int(seed))
@@ -197,13 +201,10 @@ def generate_batch(target, drafter, tokenizer, prompts, max_new_tokens, mode="dd
 
 # --- arguments and stats ----------------------------------------------------------------------------------------------
 
-def check_args(mode, budget, max_new_tokens, temperature, drafter, auto=False):
-    """One-line ValueErrors for arguments out of range. auto: budget "auto" is allowed (the host rounds); elsewhere
-    it raises NotImplementedError naming what is missing."""
+def check_args(mode, budget, max_new_tokens, temperature, drafter):
+    """One-line ValueErrors for arguments out of range."""
     if mode not in MODES:
         raise ValueError(f"mode: {mode!r} is not one of {', '.join(MODES)}")
-    if budget == AUTO and not auto:
-        raise NotImplementedError(AUTO_MISSING)
     if budget != AUTO and (not isinstance(budget, (int, np.integer)) or not 0 <= budget <= MAX_BUDGET):
         raise ValueError(f"budget: {budget!r} is not an integer in 0..{MAX_BUDGET} (drafted tree nodes per round) "
                          "or 'auto'")

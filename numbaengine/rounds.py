@@ -8,18 +8,29 @@ decoding loop (numbaengine/generate.py `decode`) drives:
   step(runs, timer)    one round of every decoding run -> {id(run): RoundOut | the exception that run raised}
   retire(runs)         finished runs give their places back
 
-and the attributes target, drafter, max_context, PHASES (the round's timer phases) and auto_budget (whether budget
-"auto" runs).
+and the attributes target, drafter, max_context and PHASES (the round's timer phases).
 
-HostRounds runs the reference round (numbaengine/ddtree.py decode_round) on the host, one sequence after another,
-with budget "auto" (numbaengine/budget.py). DeviceSlots runs the slots of one DeviceRounds (numbaengine/device_round.py)
-together: one graph launch and one small host read per round.
+HostRounds runs the reference round (numbaengine/ddtree.py decode_round) on the host, one sequence after another.
+DeviceSlots runs the slots of one DeviceRounds (numbaengine/device_round.py) together: one graph launch and one
+small host read per round (budget "auto": two of each). Both run budget "auto" (numbaengine/budget.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from numbaengine.budget import AUTO, Calibration, Picks, auto_round
+import numpy as np
+
+from numbaengine.budget import (
+    AUTO,
+    LADDER,
+    Calibration,
+    CostTable,
+    Picks,
+    auto_round,
+    choose_pops,
+    observe,
+    reference_costs,
+)
 from numbaengine.ddtree import Params, RoundOut, Seq, decode_round, prefill
 
 PREFILL_CHUNK = 512      # prompt tokens per prefill piece on the kernel backends, for Engine.generate and the server
@@ -62,14 +73,14 @@ def cache_rows(run: Run, width, max_context) -> int:
 class HostRounds:
     """Host sequences, each with its own cache; any mix of settings runs in one round (one sequence after another,
     a failure isolated to its sequence). Budget "auto" (ddtree): each round the sizes are chosen together for all
-    the runs from their drafts and `table` (budget.auto_round), the calibration carried over rounds."""
+    the runs from their drafts and `table` (budget.auto_round), the calibration carried over rounds; ragged: the
+    batch total shared by path probability, else the device's rectangle rule (every run gets the size)."""
     PHASES = ("draft", "build", "verify", "walk", "commit")
-    auto_budget = True                          # budget "auto" (with a table)
 
-    def __init__(self, target, drafter, max_context, ops=None, table=None):
+    def __init__(self, target, drafter, max_context, ops=None, table=None, ragged=True):
         self.target, self.drafter, self.max_context = target, drafter, max_context
         self.ops = ops if ops is not None else target.ops
-        self.table, self.cal = table, Calibration()
+        self.table, self.cal, self.ragged = table, Calibration(), ragged
         self.picks = []                             # every auto run's Picks: each gets the batch's calibration
 
     def auto(self, run) -> bool:
@@ -82,8 +93,8 @@ class HostRounds:
         return True
 
     def begin(self, run, busy):
-        if self.auto(run) and self.table is None:
-            raise ValueError("budget 'auto' needs a cost table (budget.CostTable) for these rounds")
+        if self.auto(run) and self.table is None:           # the reference round timed now (about half a second)
+            self.table = reference_costs(self.target, self.drafter, self.ops)
         run.limit = cache_rows(run, self.width(run), self.max_context)
         run.picks = Picks() if self.auto(run) else None
         if run.picks is not None:
@@ -106,20 +117,29 @@ class HostRounds:
         return min(self.width(run), run.seq.cache.max_len - run.seq.start - 1)
 
     def step(self, runs, timer) -> dict:
-        if self.auto(runs[0]):                      # an auto batch (generate) shares its settings
-            return self.auto_step(runs, timer)
-        out = {}
+        """A round of every run: fixed budgets one sequence at a time, auto runs one auto_round per group of equal
+        settings (the choice is shared, the samples keyed by each run's settings)."""
+        out, auto = {}, {}
         for r in runs:
+            if self.auto(r):
+                auto.setdefault(r.p, []).append(r)
+                continue
             try:
                 out[id(r)] = decode_round([r.seq], [self.room(r)], self.target, self.drafter_of(r), self.ops, r.p,
                                           timer)[0]
             except Exception as e:                  # noqa: BLE001 - isolated per sequence
                 out[id(r)] = e
+        for group in auto.values():
+            try:
+                out |= self.auto_step(group, timer)
+            except Exception as e:                  # noqa: BLE001 - isolated per group
+                out |= {id(r): e for r in group}
         return out
 
     def auto_step(self, runs, timer) -> dict:
         choice, outs, self.cal = auto_round([r.seq for r in runs], [self.room(r) for r in runs], self.target,
-                                            self.drafter, self.ops, runs[0].p, timer, self.table, self.cal)
+                                            self.drafter, self.ops, runs[0].p, timer, self.table, self.cal,
+                                            self.ragged)
         for i, r in enumerate(runs):
             r.picks.add(choice, i)
         for picks in self.picks:
@@ -127,19 +147,26 @@ class HostRounds:
         return {id(r): out for r, out in zip(runs, outs)}
 
     def retire(self, runs):
-        pass
+        self.picks = [p for p in self.picks if all(p is not r.picks for r in runs)]
 
 
 # --- the device: slots of one DeviceRounds ---------------------------------------------------------------------------
 
 @dataclass
 class DeviceSlots:
-    """`batch` slots of one DeviceRounds (Replicated over `ranks`), its graph replayed every round, made for the mode
-    and tree width of the run that finds the slots empty: runs of that mode with any temperature, seed and a budget
-    up to that width share the rounds. A prompt is prefilled in pieces ending at multiples of `chunk` tokens (None:
-    whole), the same pieces whatever else runs, so the output does not depend on the load. `cache` keeps the
-    DeviceRounds (buffers and captured graph) of the last Shape between uses: one resident at a time, they are large.
-    Each sequence's tau is cut to its cache rows (run.limit), as the host round shrinks its last trees."""
+    """`batch` slots of one DeviceRounds (Replicated over `ranks`), made for the mode and tree width of the run that
+    finds the slots empty: runs of that mode with any temperature, seed and a budget up to that width share the
+    rounds (budget "auto" runs share rounds made for auto). A round covers the smallest bucket of slots holding
+    every decoding one (slots are handed out lowest first), each bucket its own captured graph. A prompt is
+    prefilled in pieces ending at multiples of `chunk` tokens (None: whole), the same pieces whatever else runs,
+    so the output does not depend on the load. `cache` keeps the DeviceRounds (buffers, graphs and, for auto,
+    the measured cost table) of the last Shape between uses: one resident at a time, they are large. Each
+    sequence's tau is cut to its cache rows (run.limit), as the host round shrinks its last trees.
+
+    Budget "auto": each round the probe's trees at the largest ladder size give every slot's expected acceptance;
+    the ladder size with the most expected tokens per second of `table` (None: measured from these rounds' graphs
+    when they are made, DeviceRounds.costs) runs (budget.choose_pops, the rectangle rule); the calibration is
+    carried over rounds."""
     target: object
     drafter: object
     max_context: int
@@ -148,29 +175,45 @@ class DeviceSlots:
     cache: dict = field(default_factory=dict)
     ranks: object = None                 # several devices (numbaengine/devices.py): one replica of the round each
     graphs: bool = True                  # capture the round as a CUDA graph (cuda)
+    table: CostTable | None = None       # budget auto: seconds per bucket and ladder size (None: measured)
+    ladder: tuple = LADDER               # budget auto: the sizes chosen among
+    cost_reps: int = 3                   # budget auto: timed runs per bucket and size when measuring the table
     dev: object = None
     free: list = field(default_factory=list)
+    cal: Calibration = field(default_factory=Calibration)
+    picks: list = field(default_factory=list)
     PHASES = ("round", "gpu")            # gpu: the device time of the rounds (CUDA events), part of "round"
-    auto_budget = False                  # budget "auto": not on the device (budget.AUTO_MISSING)
+
+    def auto(self, run) -> bool:
+        return run.budget == AUTO and run.p.mode == "ddtree"
 
     def width(self, run) -> int:
-        return tree_width(run.p.mode, run.budget, self.drafter)
+        return max(self.ladder) if self.auto(run) else tree_width(run.p.mode, run.budget, self.drafter)
+
+    def shape(self, run):
+        from numbaengine.device_round import Shape
+        return Shape(self.batch, run.p.mode, self.width(run), self.max_context,
+                     tuple(self.ladder) if self.auto(run) else ())
 
     def fits(self, run, busy) -> bool:
         shape = self.dev.shape if self.dev is not None else None
-        return not busy or shape is None or (run.p.mode == shape.mode and self.width(run) <= shape.budget)
+        return not busy or shape is None or (run.p.mode == shape.mode and bool(shape.ladder) == self.auto(run)
+                                             and self.width(run) <= shape.budget)
 
     def begin(self, run, busy):
         """A slot for run; rounds made for its shape when none run (or no run is busy)."""
-        from numbaengine.device_round import Shape
-        shape = Shape(self.batch, run.p.mode, self.width(run), self.max_context)
+        shape = self.shape(run)
         if self.dev is None or (not busy and self.dev.shape != shape):
             self.build(shape)
         run.limit = cache_rows(run, self.width(run), self.max_context)
         run.slot = self.free.pop(0)
+        run.picks = Picks() if self.auto(run) else None
+        if run.picks is not None:
+            self.picks.append(run.picks)
 
     def build(self, shape):
-        """The rounds of `shape`: the cached ones (every slot parked) or new ones in place of the cached."""
+        """The rounds of `shape`: the cached ones (every slot parked) or new ones in place of the cached; for auto
+        with no table given, their cost table measured now (every slot is parked)."""
         from numbaengine.device_round import DeviceRounds, Replicated
         self.dev = self.cache.get(shape)
         if self.dev is None:
@@ -179,6 +222,8 @@ class DeviceSlots:
                         else Replicated(self.ranks, shape, self.graphs))
             self.cache[shape] = self.dev
         self.dev.retire(list(range(shape.batch)))
+        if shape.ladder and self.table is None and getattr(self.dev, "table", None) is None:
+            self.dev.table = self.dev.costs(self.cost_reps)
         self.free = list(range(shape.batch))
 
     def piece(self, run) -> int:
@@ -202,27 +247,52 @@ class DeviceSlots:
         return True
 
     def step(self, runs, timer) -> dict:
-        """One graph launch for every slot; out_tokens row b: tau, then the tau new tokens."""
+        """One round of the bucket holding every decoding slot; out_tokens row b: tau, then the tau new tokens."""
         gpu0 = self.dev.gpu_s
         try:
             with timer("round"):
-                out = self.dev.step()
+                if self.dev.shape.ladder:
+                    choice, out = self.auto_step(runs)
+                else:
+                    out = self.dev.step()
         except Exception:
             self.cache.clear()                       # rebuilt for the next run
             self.dev = None
             raise
         timer.add("gpu", self.dev.gpu_s - gpu0)
-        return {id(r): self.commit(r, out[r.slot]) for r in runs}
+        rows = out.tolist()                          # one conversion for every slot (Python ints)
+        outs = {id(r): self.commit(r, rows[r.slot]) for r in runs}
+        if self.dev.shape.ladder:
+            self.cal = observe(self.cal, choice, [outs[id(r)].tau for r in runs])
+            for i, r in enumerate(runs):
+                r.picks.add(choice, i)
+            for picks in self.picks:
+                picks.cal = self.cal
+        return outs
+
+    def auto_step(self, runs):
+        """Budget auto: the probe, the choice from each run's pops (cut to its cache rows), that size's verify."""
+        scores = self.dev.probe()
+        pops = []
+        for r in runs:
+            row = scores[r.slot, 1:]
+            room = max(0, min(self.width(r), r.limit - r.seq.start - 1))
+            pops.append(row[np.isfinite(row)][:room])
+        table = self.table if self.table is not None else self.dev.table
+        choice = choose_pops(pops, table, self.cal, ragged=False, batch=scores.shape[0])
+        return choice, self.dev.step(choice.size)
 
     def commit(self, run, row) -> RoundOut:
-        tau = min(int(row[0]), run.limit - run.seq.start)
-        tokens = row[1:tau + 1].tolist()
+        """Row [tau, tokens...] of the round's output (a list) -> run's RoundOut, tau cut to its cache rows."""
+        tau = min(row[0], run.limit - run.seq.start)
+        tokens = row[1:tau + 1]
         run.seq.start += tau
         run.seq.bonus = tokens[-1] if tokens else run.seq.bonus
         return RoundOut(None, None, tokens, tau)
 
     def retire(self, runs):
         slots = [r.slot for r in runs]
+        self.picks = [p for p in self.picks if all(p is not r.picks for r in runs)]
         if self.dev is not None and slots:
             self.dev.retire(slots)
             self.free = sorted(set(self.free) | set(slots))

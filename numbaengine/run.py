@@ -10,13 +10,13 @@ import argparse
 import json
 import sys
 import time
-from time import perf_counter
 from pathlib import Path
+from time import perf_counter
 
 import numpy as np
 
 from numbaengine.backends import BACKENDS, gpu_ready
-from numbaengine.budget import AUTO, AUTO_MISSING, CostTable
+from numbaengine.budget import AUTO, CostTable
 from numbaengine.ddtree import MAX_BUDGET, MODES
 from numbaengine.engine import Engine
 from numbaengine.kernels import cache as kernel_cache
@@ -88,9 +88,10 @@ def parser():
                     "dflash: the drafter's chain of one block; ar: the target alone (default: %(default)s)")
     ap.add_argument("--budget", type=budget_arg, default=16,
                     help=f"drafted tree nodes per round, 0..{MAX_BUDGET}, ddtree only; auto: chosen each round from "
-                    "the drafter's probabilities and the cost table, numpy only (default: %(default)s)")
+                    "the drafter's probabilities and the cost table (default: %(default)s)")
     ap.add_argument("--cost-table", metavar="FILE", help="with --budget auto: seconds of a round per batch and tree "
-                    "size, JSON (numbaengine/budget.py CostTable) (default: the reference round timed on this CPU)")
+                    "size, JSON (numbaengine/budget.py CostTable) (default: measured, on numpy the reference round "
+                    "on this CPU, on cuda the rounds' graphs)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)s)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="sampling noise seed (default: %(default)s)")
@@ -275,9 +276,6 @@ def pick_backend(args, draft):
         Path(args.tree_svg).mkdir(parents=True, exist_ok=True)
     backend = "numpy" if host_trees else args.backend
     check_devices(args.devices, backend, host_trees)
-    if args.budget == AUTO and args.mode == "ddtree" and (backend in ("cuda", "sim") or
-                                                          backend == "auto" and gpu_ready()):
-        raise NotImplementedError(AUTO_MISSING)
     return backend
 
 

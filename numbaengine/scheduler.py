@@ -6,9 +6,9 @@ A request decodes as Engine.generate would decode it alone: sequence index 0 and
 noise, its cache has generate's size, and its round sees only its own tree. On numpy each sequence runs its own
 decode_round (HostRounds: they are sequential there anyway); on the kernel backends the requests share the slots of
 one DeviceRounds (DeviceSlots): any temperature, seed and budget up to the running tree size join it; a request of
-another mode (or a larger budget) waits until that batch drains. Between two rounds at most `prefill_chunk` prompt
-tokens are prefilled, so a long prompt (prefilled in pieces on the kernel backends) does not stall the running
-decodes for long.
+another mode (or a larger budget) waits until that batch drains. Between two rounds at most
+`prefill_chunk` prompt tokens are prefilled, so a long prompt (prefilled in pieces on the kernel backends) does not
+stall the running decodes for long.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from numbaengine import generate as gen
 from numbaengine.ddtree import Params
@@ -59,6 +59,16 @@ class Live:
     stream: TextStream | None = None   # the output's text
     seen: int = 0                      # tokens the last update covered (no stop string in their text)
     sent: int = 0                      # characters sent
+    picked: int = 0                    # budget auto: entries of run.picks already in the round stats
+
+
+@dataclass
+class AutoPick:
+    """One budget-auto sequence in one round: the tree size chosen and its drafts, expected and accepted."""
+    size: int                          # the round's ladder size (drafted nodes per sequence)
+    expected: float                    # accepted drafts the drafter's probabilities expected
+    calibrated: float                  # the same, calibrated by past rounds (what the choice weighed)
+    accepted: int                      # drafts the target accepted: tau - 1 (tau >= 1)
 
 
 @dataclass
@@ -67,6 +77,7 @@ class RoundStats:
     taus: list                         # tokens committed per sequence
     batch: int                         # sequences in the round
     queued: int                        # requests waiting after it
+    auto: list = field(default_factory=list)     # an AutoPick per budget-auto sequence of the round
 
 
 class Scheduler:
@@ -82,6 +93,7 @@ class Scheduler:
         self.on_round = on_round or (lambda stats: None)
         self.fail_ids = fail_ids           # test hook: a request with exactly these prompt ids fails in its round
         self.pending, self.active = deque(), set()     # queued; admitted and not finished (Live)
+        self.picks = []                    # the AutoPicks of the round being reported
         self.cond, self.stopping = threading.Condition(), False
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -161,6 +173,8 @@ class Scheduler:
         """Send the update of a prefill or round (or its exception); a finished sequence (stop token, length, context,
         stop string), a failed or a cancelled one ends."""
         x = run.owner
+        if out is not None and not isinstance(out, Exception):
+            self._pick(x, out.tau)
         try:
             if out is not None and x.req.ids == self.fail_ids:
                 raise RuntimeError("injected fault (--fail-prompt)")
@@ -182,9 +196,20 @@ class Scheduler:
         run.stop_reason = reason
         self.active.discard(run.owner)
 
+    def _pick(self, x: Live, tau):
+        """The round's new entry of an auto run's Picks (one per round), with the drafts it accepted."""
+        picks = x.run.picks
+        if picks is None or len(picks.sizes) == x.picked:
+            return
+        new = slice(x.picked, len(picks.sizes))
+        x.picked = len(picks.sizes)
+        self.picks.append(AutoPick(picks.sizes[-1], sum(picks.expected[new]), sum(picks.calibrated[new]),
+                                   max(tau - 1, 0)))
+
     def _stats(self, outs, seconds):
         taus = [o.tau for o in outs.values() if not isinstance(o, Exception)]
-        self.on_round(RoundStats(seconds, taus, len(outs), len(self.pending)))
+        picks, self.picks = self.picks, []
+        self.on_round(RoundStats(seconds, taus, len(outs), len(self.pending), picks))
 
 
 def settle(tokenizer, x: Live) -> Update:

@@ -3,8 +3,9 @@
 POST /v1/completions and /v1/chat/completions (plain or `stream: true` server-sent events, one chunk per
 committed round), GET /v1/models, /health and /metrics (Prometheus). One engine thread decodes every request
 in a continuously batched loop (numbaengine/scheduler.py); a request's output equals Engine.generate's for its
-prompt and settings. Extensions: `speculative: {"mode", "budget"}` and `stop_token_ids` (replacing the
-checkpoint's eos ids, as Engine.generate's `stop`). Without --model it serves the shipped pair.
+prompt and settings. Extensions: `speculative: {"mode", "budget"}` (budget: tree nodes or "auto") and
+`stop_token_ids` (replacing the checkpoint's eos ids, as Engine.generate's `stop`). Without --model it serves the
+shipped pair.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from starlette.exceptions import HTTPException
 from numbaengine import generate as gen
 from numbaengine.backends import BACKENDS
 from numbaengine.rounds import PREFILL_CHUNK
+from numbaengine.run import budget_arg
 from numbaengine.scheduler import QueueFull, Request, Scheduler, Update
 from numbaengine.serve_api import (
     APIError,
@@ -282,12 +284,14 @@ def parser():
                     help="comma-separated GPU ids to shard over (cuda)")
     ap.add_argument("--max-context", type=int, default=4096, help="cache rows per sequence (default: %(default)s)")
     ap.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default: %(default)s); on "
-                    "the kernel backends every round costs this many slots, busy or not")
+                    "the kernel backends a round covers the smallest bucket (1, 2, 4, ...) of slots holding every "
+                    "busy one")
     ap.add_argument("--max-queue", type=int, default=64, help="requests waiting for a place before new ones get "
                     "429 (default: %(default)s)")
     ap.add_argument("--mode", choices=gen.MODES, help="default speculative mode (default: ddtree with a drafter, "
                     "else ar)")
-    ap.add_argument("--budget", type=int, default=16, help="default DDTree budget (default: %(default)s)")
+    ap.add_argument("--budget", type=budget_arg, default=16, help="default DDTree budget, or auto: chosen each "
+                    "round (default: %(default)s)")
     ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens prefilled between two "
                     "decoding rounds; longer prompts go in pieces on the kernel backends (default: %(default)s)")
     ap.add_argument("--served-model-name", help="the model id clients see (default: the model folder's name)")

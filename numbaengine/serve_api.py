@@ -9,8 +9,17 @@ from pathlib import Path
 from typing import Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
+from numbaengine.budget import AUTO
 from numbaengine.ddtree import MAX_BUDGET
 
 
@@ -42,7 +51,15 @@ class Strict(BaseModel):
 class Speculative(Strict):
     model_config = ConfigDict(strict=True, extra="forbid")
     mode: Literal["ddtree", "dflash", "ar"] | None = None
-    budget: int | None = Field(None, ge=0, le=MAX_BUDGET)
+    budget: int | Literal["auto"] | None = None
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget(cls, v):
+        if v == AUTO or (type(v) is int and 0 <= v <= MAX_BUDGET):
+            return v
+        raise PydanticCustomError("budget", "an integer in 0..{max} (drafted tree nodes per round) or 'auto', "
+                                  "got {got}", dict(max=MAX_BUDGET, got=json.dumps(v)))
 
 
 class StreamOptions(Strict):

@@ -1,10 +1,12 @@
 """The server's Prometheus metrics, in a registry of their own: requests, tokens, tau, round time, batch
-occupancy, queue depth, and GPU power and memory from NVML when it is available (absent otherwise)."""
+occupancy, queue depth, budget auto's tree sizes and expected against accepted drafts, and GPU power and memory
+from NVML when it is available (absent otherwise)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from numbaengine.budget import LADDER
 from numbaengine.scheduler import RoundStats
 
 ROUND_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -25,6 +27,17 @@ class Metrics:
                                        buckets=ROUND_BUCKETS, registry=r)
         self.batch = Gauge("numbaengine_batch_occupancy", "Sequences in the last round over --max-batch", registry=r)
         self.queue = Gauge("numbaengine_queue_depth", "Requests waiting for a place in the batch", registry=r)
+        # budget auto: rate(accepted) / rate(expected) is the drafter's calibration, over calibrated its residual
+        self.auto_size = Counter("numbaengine_auto_size_rounds", "Rounds of budget auto by the tree size chosen "
+                                 "(drafted nodes per sequence)", ["size"], registry=r)
+        self.auto_expected = Counter("numbaengine_auto_expected_drafts", "Budget auto: accepted drafts the drafter's "
+                                     "probabilities expected, over sequences and rounds", registry=r)
+        self.auto_calibrated = Counter("numbaengine_auto_calibrated_drafts", "Budget auto: the expected accepted "
+                                       "drafts calibrated by past rounds (what the choice weighed)", registry=r)
+        self.auto_accepted = Counter("numbaengine_auto_accepted_drafts", "Budget auto: drafts the target accepted "
+                                     "(tau - 1), over sequences and rounds", registry=r)
+        for size in LADDER:
+            self.auto_size.labels(str(size))
         if nvml and (gpus := NvmlCollector.open()) is not None:
             r.register(gpus)
 
@@ -35,6 +48,11 @@ class Metrics:
             self.tau.observe(tau)
         self.batch.set(stats.batch / self.max_batch)
         self.queue.set(stats.queued)
+        for size in {p.size for p in stats.auto}:        # one choice per round: its sequences share the size
+            self.auto_size.labels(str(size)).inc()
+        self.auto_expected.inc(sum(p.expected for p in stats.auto))
+        self.auto_calibrated.inc(sum(p.calibrated for p in stats.auto))
+        self.auto_accepted.inc(sum(p.accepted for p in stats.auto))
 
     def done(self, path, prompt_tokens, completion_tokens):
         self.requests.labels(path, "200").inc()

@@ -5,7 +5,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "numbaengine"
-ROUND_CALLS = {"step", "decode_round", "auto_round"}          # what runs a round (or all the rounds' step)
+ROUND_CALLS = {"step", "probe", "decode_round", "auto_round"}     # what runs a round (or all the rounds' step)
 IMPLEMENTATIONS = {"ddtree.py", "budget.py", "rounds.py", "device_round.py"}
 
 
@@ -27,7 +27,8 @@ def calls(path):
 
 def test_one_loop_runs_rounds():
     """Outside the round's implementations, the only call of a round is generate.step, called by generate.decode
-    alone; inside them, a round is only called by the step that delegates to it."""
+    alone; inside them, a round is only called by the step that delegates to it, and by DeviceRounds.costs, which
+    times rounds of dummy slots (no sequence decodes) for budget auto's cost table."""
     outside, inside = set(), set()
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
@@ -37,5 +38,7 @@ def test_one_loop_runs_rounds():
             if name in ROUND_CALLS:
                 (inside if rel in IMPLEMENTATIONS else outside).add((rel, fn, name))
     assert outside == {("generate.py", "step", "step"), ("generate.py", "decode", "step")}, outside
-    assert {fn for _, fn, _ in inside} <= {"step", "auto_step"}, inside
+    assert {fn for _, fn, _ in inside} <= {"step", "probe", "auto_step", "costs"}, inside
+    assert {fn for rel, fn, _ in inside if fn == "costs"} <= {"costs"} and \
+        all(rel == "device_round.py" for rel, fn, _ in inside if fn == "costs"), inside
     assert ("rounds.py", "step", "decode_round") in inside and ("rounds.py", "auto_step", "auto_round") in inside

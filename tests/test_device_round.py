@@ -211,3 +211,43 @@ def test_gpu_slots_mixed_settings(chunk):
             assert_reference_tokens(ref, r.ids, tokens, want, f"budget {r.budget} in pieces of {chunk}")
         elif chunk >= len(r.ids):
             assert tokens == want, f"budget {r.budget} T {r.temperature} seed {r.seed}: {tokens} != {want}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_gpu_auto_equals_ar(temperature):
+    """Budget auto on cuda (probe graph, host choice, the size's verify graph; the cost table measured from the
+    rounds' own graphs at every bucket and ladder size) gives ar's tokens at batches 1, 3 and 8; every round's size
+    is recorded."""
+    from numbaengine.budget import LADDER
+    from numbaengine.device_round import buckets
+    _, dev = engines()
+    for batch in (1, 3, 8):
+        prompts = (PROMPTS * 3)[:batch]
+        want = [r.tokens for r in dev.generate_batch(prompts, 24, "ar", 0, temperature, 5, [])]
+        got = dev.generate_batch(prompts, 24, "ddtree", "auto", temperature, 5, [])
+        assert [r.tokens for r in got] == want, f"batch {batch} T {temperature}"
+        rounds = next(iter(dev.rounds_cache.values()))
+        assert rounds.table.sizes == LADDER and set(rounds.table.seconds) == set(buckets(batch)), rounds.table
+        print("auto batch", batch, "sizes", [r.stats["budget_hist"] for r in got], "table",
+              {n: [round(s * 1e3, 3) for s in row] for n, row in rounds.table.seconds.items()})
+        for r in got:
+            assert sum(r.stats["budget_hist"].values()) == r.stats["rounds"] and r.stats["budget"] == "auto"
+
+
+@pytest.mark.gpu
+def test_gpu_buckets():
+    """Three requests on eight slots finishing in reverse slot order: rounds over 4, 2 and 1 slots, each its own
+    graph; each request gives Engine.generate's tokens alone."""
+    from test_slots_sim import run_scheduler
+
+    from numbaengine.scheduler import Request
+    _, dev = engines()
+    reqs = [Request(dev.tokenizer.encode(p), n, "ddtree", 16, 0.0, 0, stop_ids=[])
+            for p, n in zip(PROMPTS, (24, 12, 6))]
+    got, sched = run_scheduler(dev, reqs, max_batch=8, prefill_chunk=512)
+    plans = sched.rounds.dev.plans
+    assert {n for n, _, _ in plans} >= {1, 2, 4} and all(p.graph is not None for p in plans.values()
+                                                         if p.rounds > 1), sorted(plans)
+    for r, tokens in zip(reqs, got):
+        assert tokens == dev.generate(r.ids, r.max_tokens, "ddtree", 16, stop=[]).tokens, f"prompt {r.ids}"

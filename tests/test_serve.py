@@ -23,6 +23,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from numbaengine.budget import LADDER
 from numbaengine.weights import SHIPPED_PAIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,6 +116,12 @@ def health(url):
     return httpx.get(url + "/health").json()
 
 
+def scrape(url) -> dict:
+    """/metrics as {'name{labels}': value}."""
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))}
+
+
 # --- outputs -----------------------------------------------------------------------------------------------------------
 
 SETTINGS = [("ddtree", 16, 0.0, 0), ("ddtree", 8, 0.8, 3), ("dflash", 0, 0.0, 0), ("ar", 0, 1.0, 7)]
@@ -203,6 +210,96 @@ def test_stop_token_ids(main):
     assert n == tokens.index(tokens[5]) + 1
 
 
+# --- budget auto ---------------------------------------------------------------------------------------------------
+
+AUTO = {"speculative": {"budget": "auto"}}
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, 0), (0.8, 5)])
+def test_auto_budget_equals_fixed(main, temperature, seed):
+    """Any tree gives the autoregressive tokens for the same seed: budget auto's output is budget 16's."""
+    r = client(main).completions.create(model="m", prompt=PROMPTS[2], max_tokens=24, temperature=temperature,
+                                        seed=seed, extra_body=AUTO)
+    want = offline(PROMPTS[2], 24, "ddtree", 16, temperature, seed)
+    assert (r.choices[0].text, r.usage.completion_tokens, r.choices[0].finish_reason) == want
+
+
+def test_auto_metrics(main):
+    """One auto request alone: /metrics counts each of its rounds once under the size chosen (every ladder size
+    listed), its accepted drafts are its taus less one each, and its expected drafts are counted."""
+    before = scrape(main)
+    r = client(main).completions.create(model="m", prompt=PROMPTS[1], max_tokens=32, temperature=0, extra_body=AUTO)
+    after = scrape(main)
+    delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)          # noqa: E731
+    sizes = {f'numbaengine_auto_size_rounds_total{{size="{s}"}}' for s in LADDER}
+    assert sizes <= set(after)
+    rounds = delta("numbaengine_round_seconds_count")
+    assert 0 < rounds <= r.usage.completion_tokens - 1          # every round commits a token at least
+    assert sum(map(delta, sizes)) == rounds == delta("numbaengine_tau_count")
+    assert delta("numbaengine_auto_accepted_drafts_total") == delta("numbaengine_tau_sum") - rounds
+    assert delta("numbaengine_auto_expected_drafts_total") > 0 and delta("numbaengine_auto_calibrated_drafts_total") > 0
+
+
+def test_auto_and_fixed_side_by_side(main):
+    """Auto requests of other temperatures and seeds and a fixed-budget one at once each get budget 16's output (on
+    numpy an auto batch samples with one setting: the scheduler keeps the others out of it)."""
+    cases = [(PROMPTS[2], 16, 0.9, 11, "auto"), (PROMPTS[3], 16, 0.0, 0, "auto"), (PROMPTS[4], 16, 0.5, 2, 8)]
+    got = {}
+
+    def ask(i, prompt, n, t, seed, budget):
+        got[i] = client(main).completions.create(model="m", prompt=prompt, max_tokens=n, temperature=t, seed=seed,
+                                                 extra_body={"speculative": {"budget": budget}})
+
+    threads = [threading.Thread(target=ask, args=(i, *c)) for i, c in enumerate(cases)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, (prompt, n, t, seed, _) in enumerate(cases):
+        assert got[i].choices[0].text == offline(prompt, n, "ddtree", 16, t, seed)[0], i
+
+
+def test_auto_round_stats_are_the_picks():
+    """In process: the metrics of one auto request's rounds are its run's Picks, entry by entry."""
+    from numbaengine.scheduler import Request, Scheduler
+    from numbaengine.serve_metrics import Metrics
+    e, metrics, done = engine(), Metrics(2, nvml=False), threading.Event()
+    sched = Scheduler(e, max_batch=2, on_round=metrics.round)
+    begun, begin = [], sched.rounds.begin
+    sched.rounds.begin = lambda run, busy: (begin(run, busy), begun.append(run))      # keep the run (its Picks)
+    sched.start()
+    sched.submit(Request(e.tokenizer.encode(PROMPTS[4]), 24, budget="auto", temperature=0.7, seed=4,
+                         emit=lambda u: u.finish_reason and done.set()))
+    assert done.wait(60)
+    sched.close(10)
+    (run,) = begun
+    picks = run.picks
+    assert sched.rounds.picks == []                                      # retired: the rounds keep no Picks
+    value = metrics.registry.get_sample_value
+    assert {s: value("numbaengine_auto_size_rounds_total", {"size": str(s)}) for s in LADDER} == \
+           {s: picks.sizes.count(s) for s in LADDER}
+    assert value("numbaengine_round_seconds_count") == len(picks.sizes) > 0
+    assert value("numbaengine_auto_expected_drafts_total") == pytest.approx(sum(picks.expected))
+    assert value("numbaengine_auto_calibrated_drafts_total") == pytest.approx(sum(picks.calibrated))
+    assert value("numbaengine_auto_accepted_drafts_total") == value("numbaengine_tau_sum") - len(picks.sizes)
+
+
+def test_budget_flags():
+    """`--budget auto` parses for the server and tools/bench_serve, which sends the budget given (none: the
+    server's); a bad one is a usage error."""
+    from numbaengine.serve import parser
+    from tools import bench_serve
+    assert parser().parse_args(["--budget", "auto"]).budget == "auto" and parser().parse_args([]).budget == 16
+    bench = bench_serve.parser()
+    assert bench_serve.extension(bench.parse_args(["--budget", "auto"])) == AUTO
+    assert bench_serve.extension(bench.parse_args(["--mode", "ddtree", "--budget", "8"])) == \
+           {"speculative": {"mode": "ddtree", "budget": 8}}
+    assert bench_serve.extension(bench.parse_args([])) == {}
+    for ap, bad in [(parser(), "many"), (parser(), "-1"), (bench, "many")]:
+        with pytest.raises(SystemExit):
+            ap.parse_args(["--budget", bad])
+
+
 # --- bad input and faults ---------------------------------------------------------------------------------------------
 
 BAD = [  # (path, body, param)
@@ -219,6 +316,8 @@ BAD = [  # (path, body, param)
     ("completions", {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
     ("completions", {"prompt": "x", "speculative": {"mode": "beam"}}, "speculative.mode"),
     ("completions", {"prompt": "x", "speculative": {"budget": 5000}}, "speculative.budget"),
+    ("completions", {"prompt": "x", "speculative": {"budget": "many"}}, "speculative.budget"),
+    ("completions", {"prompt": "x", "speculative": {"budget": -1}}, "speculative.budget"),
     ("completions", {"prompt": "x", "speculative": {"width": 3}}, "speculative.width"),
     ("completions", {"prompt": ["a", "b"]}, "prompt"),
     ("completions", {"prompt": [99999]}, "prompt"),

@@ -9,7 +9,9 @@ Simulator (backend `sim`, a child process, the tiny pair of test_backend_sim): p
 one sampling launch equal sample_ref row by row; requests with different temperatures, seeds and budgets sharing
 one DeviceRounds, one of them prefilled in pieces between the other's rounds, each give Engine.generate's tokens
 for the same prompt and settings alone; a prompt prefilled in pieces gives the tokens (and cache rows) of one
-prefill. The simulator cases take about 4 CPU minutes: marked slow (-m "not slow" leaves them out).
+prefill; batch buckets (rounds over 4, 2, then 1 slots as requests finish) and budget auto (probe, choice, the
+size's verify; a measured cost table) give ar's / Engine.generate's tokens. The simulator cases take about 11 CPU
+minutes in three children: marked slow (-m "not slow" leaves them out).
 """
 import numpy as np
 import pytest
@@ -271,11 +273,58 @@ def check_chunked_prefill(env):
     assert (r1[0] == r2[0]).all() and np.abs(r1[1] - r2[1]).max() <= 1e-5 * np.abs(r1[1]).max(), f"prompt {ids}"
 
 
-SIM_COST = {"shared_rounds": 200, "chunked_prefill": 48, "sample_rows": 2}     # CPU seconds, one core
+def check_buckets(env):
+    """Batch buckets: three requests on four slots (budget 1), finishing in reverse slot order, so the rounds cover
+    slots [0, 4), then [0, 2), then [0, 1), each bucket its own plan over the shared slot state; every request
+    gives Engine.generate's tokens alone."""
+    e = sim_engine()
+    rng = np.random.default_rng()
+    reqs = [Request(rng.integers(0, e.cfg.vocab_size, 2 + i).tolist(), n, "ddtree", 1, 0.0, 1, stop_ids=[])
+            for i, n in enumerate((5, 3, 2))]
+    got, sched = run_scheduler(e, reqs, max_batch=4, prefill_chunk=512)
+    assert {n for n, _, _ in sched.rounds.dev.plans} == {1, 2, 4}, sorted(sched.rounds.dev.plans)
+    for r, tokens in zip(reqs, got):
+        want = e.generate(r.ids, r.max_tokens, r.mode, r.budget, stop=[]).tokens
+        assert tokens == want, f"prompt {r.ids}: {tokens} != generate {want}"
+
+
+def check_auto(env):
+    """Budget auto on the device rounds (ladder 0, 2, 4; two sequences sampled with one seed; greedy auto == ar is
+    a GPU test and a host test): with tables that pick the root alone and 4 nodes, ar's tokens and every round at
+    the table's size; rounds made without a table (one slot, ladder 0, 2) measure one from their own rounds and
+    still give ar's tokens."""
+    from numbaengine.budget import CostTable
+    from numbaengine.rounds import DeviceSlots
+    e = sim_engine()
+    rng = np.random.default_rng()
+    seed = int(rng.integers(2 ** 31))
+    prompts = [rng.integers(0, e.cfg.vocab_size, 3).tolist(), rng.integers(0, e.cfg.vocab_size, 2).tolist()]
+    ladder = (0, 2, 4)
+    for temperature in (0.9,):
+        want = [r.tokens for r in e.generate_batch(prompts, 4, mode="ar", temperature=temperature, seed=seed,
+                                                   stop=[])]
+        for pick, secs in ((0, (1.0, 9.0, 9.0)), (4, (9.0, 9.0, 1.0))):
+            slots = DeviceSlots(e.target, e.drafter, e.max_context, 2, table=CostTable(ladder, {2: secs}),
+                                ladder=ladder, graphs=False)
+            res = gen.generate_on(slots, None, prompts, 4, "ddtree", "auto", temperature, seed, stop=[])
+            where = f"T {temperature} seed {seed} table {secs} prompts {prompts}"
+            assert [r.tokens for r in res] == want, f"{where}: {[r.tokens for r in res]} != ar {want}"
+            assert all(r.stats["budget_hist"] == {pick: r.stats["rounds"]} for r in res), where
+    slots = DeviceSlots(e.target, e.drafter, e.max_context, 1, ladder=(0, 2), graphs=False, cost_reps=1)
+    res = gen.generate_on(slots, None, prompts[:1], 3, "ddtree", "auto", 0.0, seed, stop=[])
+    table = slots.dev.table
+    assert table.sizes == (0, 2) and set(table.seconds) == {1} and min(table.seconds[1]) > 0, table
+    assert res[0].tokens == e.generate(prompts[0], 3, mode="ar", stop=[]).tokens, f"prompt {prompts[0]}"
+
+
+SIM_PARTS = 3
+SIM_COST = {"shared_rounds": 200, "chunked_prefill": 48, "sample_rows": 2, "buckets": 190, "auto": 230}
 SIM_CASES = {
     "sample_rows": lambda env: check_sample_rows(env),
     "chunked_prefill": lambda env: check_chunked_prefill(env),
     "shared_rounds": lambda env: check_shared_rounds(env),
+    "buckets": lambda env: check_buckets(env),
+    "auto": lambda env: check_auto(env),
 }
 
-test_simulator = pytest.mark.slow(simulator_test(__name__))     # ~4 CPU minutes in all (SIM_COST)
+test_simulator = pytest.mark.slow(simulator_test(__name__))     # ~11 CPU minutes in all (SIM_COST)

@@ -33,6 +33,7 @@ the collectives it stood in, each at that latency.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import tempfile
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from numbaengine.budget import AUTO, LADDER
+from numbaengine.budget import AUTO, LADDER, Calibration, choose_pops
 from numbaengine.kernels import cache as kernel_cache
 from numbaengine.phases import record, span
 from numbaengine.rank_shard import ALL_REDUCE_STAND_INS, set_drafter
@@ -209,6 +210,12 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp, hold_s=0.0):
                tau_prompt_mean=float(np.mean([r.stats["tau_mean"] for r in res])),
                **round_columns(engine, dev, rounds, round_ms, gpu_ms, mean_len, copy_bw, cp),
                gpu_ms_per_device=[(d.gpu_s - g) / rounds * 1e3 for d, g in zip(devs, gpu0)])
+    if budget == AUTO:                 # the sizes chosen (rounds of every prompt) and the table they came from
+        hist = collections.Counter()
+        for r in res:
+            hist.update({int(k): v for k, v in r.stats["budget_hist"].items()})
+        row |= dict(budget_hist=dict(sorted(hist.items())), cost_table=dev.table and dev.table.to_dict(),
+                    expected_tau=float(np.mean([r.stats["expected_tau"] for r in res])))
     print_row(row)
     return row
 
@@ -254,22 +261,36 @@ def run_context_case(engine, mode, budget, batch, context, rounds, copy_bw, cp, 
     dev = next(iter(engine.rounds_cache.values()))
     for b in range(batch):                                                   # slots live again, budgets set
         dev.prefill(b, prompt, b)
-    taus, step_s, gpu0, t_end = [], 0.0, dev.gpu_s, time.perf_counter() + hold_s
+    taus, step_s, gpu0, t_end, sizes = [], 0.0, dev.gpu_s, time.perf_counter() + hold_s, []
     with span("decode"):
         while not taus or time.perf_counter() < t_end:
             with dev.stream:                                                 # ordered before the rounds
                 dev.lengths.fill(context)
             t1 = time.perf_counter()
             for _ in range(rounds):
-                taus.append(dev.step()[:, 0].copy())
+                taus.append(context_step(dev, sizes)[:, 0].copy())
             step_s += time.perf_counter() - t1
     n, tau = len(taus), float(np.mean(taus))
     round_ms, gpu_ms = step_s / n * 1e3, (dev.gpu_s - gpu0) / n * 1e3
     row = dict(mode=mode, budget=budget, batch=batch, context=context, new_tokens=int(np.sum(taus)), wall_s=step_s,
                tokens_per_s=batch * tau / round_ms * 1e3, tau=tau,
                **round_columns(engine, dev, n, round_ms, gpu_ms, context + int(rounds * tau / 2), copy_bw, cp))
+    if sizes:
+        row["budget_hist"] = {s: sizes.count(s) for s in sorted(set(sizes))}
     print_row(row)
     return row
+
+
+def context_step(dev, sizes):
+    """One round of the rounds `dev`; budget auto: the probe, the rectangle rule's choice from its trees (the
+    rounds' measured table, no calibration: the synthetic drafter is random), the chosen size appended to sizes."""
+    if not dev.shape.ladder:
+        return dev.step()
+    scores = dev.probe()
+    choice = choose_pops([row[np.isfinite(row)] for row in scores[:, 1:]], dev.table, Calibration(), ragged=False,
+                         batch=len(scores))
+    sizes.append(choice.size)
+    return dev.step(choice.size)
 
 
 def prefill_times(engine, tokens, cp, reps=3) -> dict:
@@ -488,7 +509,11 @@ def main(argv=None):
                     "batch eagerly and record whether the graph replays give the same tokens")
     ap.add_argument("--allreduce-us", type=float, help="with --rank-of: add the N-GPU ESTIMATE, the measured round "
                     "plus every stood-in collective at this latency (microseconds)")
-    ap.add_argument("--allreduce-source", default="not stated", help="where --allreduce-us comes from")
+    ap.add_argument("--allreduce-source", default="not stated", help="where --allreduce-us comes from (written into "
+                    "each ESTIMATE note). For 8 H200s over NVLink use NCCL in a CUDA graph, 8 GPUs, from "
+                    "github.com/sgl-project/sglang/pull/22734: 20 us for 1-token rounds (32 KiB: 19.63 us), 21 us "
+                    "for 17-row rounds (512 KiB: 20.86 us); none found at 15.6 MB (batch 32 x 17 rows): >= 60 us, "
+                    "a lower bound from the ~275 GB/s peak algbw (docs/PERFORMANCE.md, '8-GPU estimate')")
     ap.add_argument("--no-precompile", action="store_true", help="compile kernels as the cases meet them instead of "
                     "in parallel workers first (default: precompile what the kernel cache lacks)")
     ap.add_argument("--out", default="bench.json")

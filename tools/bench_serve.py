@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from numbaengine.run import budget_arg
 from tools.acceptance import DEFAULT_PROMPTS, load_prompts
 
 
@@ -40,11 +41,10 @@ class Sample:
 
 async def one(client, model, prompt, args, seed) -> Sample:
     s, t0, last = Sample(), time.perf_counter(), None
-    extra = {"speculative": {"mode": args.mode, "budget": args.budget}} if args.mode else {}
     try:
         stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens,
                                                  temperature=args.temperature, seed=seed, stream=True,
-                                                 stream_options={"include_usage": True}, extra_body=extra)
+                                                 stream_options={"include_usage": True}, extra_body=extension(args))
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
@@ -62,6 +62,12 @@ async def one(client, model, prompt, args, seed) -> Sample:
     except Exception as e:  # noqa: BLE001 - a failed request is counted, the sweep goes on
         s.error = f"{type(e).__name__}: {e}"
     return s
+
+
+def extension(args) -> dict:
+    """The requests' extra body: the speculative mode and budget given (those not given: the server's)."""
+    spec = {k: v for k, v in (("mode", args.mode), ("budget", args.budget)) if v is not None}
+    return {"speculative": spec} if spec else {}
 
 
 async def level(client, model, prompts, concurrency, n, args) -> dict:
@@ -145,7 +151,7 @@ def server(args, concurrency):
         proc.wait(timeout=60)
 
 
-def main(argv=None):
+def parser():
     ap = argparse.ArgumentParser(prog="python -m tools.bench_serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", help="model id (default: the server's first)")
@@ -158,12 +164,17 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vary-seed", action="store_true", help="request i samples with seed + i (one batch mixes seeds)")
     ap.add_argument("--mode", choices=("ddtree", "dflash", "ar"), help="speculative mode (default: the server's)")
-    ap.add_argument("--budget", type=int, default=16)
+    ap.add_argument("--budget", type=budget_arg, help="DDTree budget, or auto: chosen each round (default: the "
+                    "server's)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--serve", metavar="ARGS", help='start "python -m numbaengine.serve ARGS" for each level on '
                     "--url's port, with --max-batch set to the level's concurrency, and stop it after the level")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     print(table([]), flush=True)
     rows = asyncio.run(sweep(args))
     result = dict(url=args.url, serve=args.serve, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,

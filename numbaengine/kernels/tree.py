@@ -29,6 +29,7 @@ from numbaengine.kernels.topk import (
     topk_launch,
 )
 
+NEG_INF64 = float64(-np.inf)
 NODE_MAX = 1025                 # largest tree: MAX_BUDGET 1024 drafted nodes + the root
 DEPTH_MAX = 64                  # largest L (drafter block size - 1)
 VIS_WORDS = (NODE_MAX + 31) // 32
@@ -104,14 +105,15 @@ def _tie_break(fkey, top, live, fpar, frank, fdepth, npar, nrank):
 
 
 @cuda.jit(device=True, inline="always")
-def _write_nodes(b, t, nt, nodes, start, N, W, ids, bonus, seq_ids, npar, ndepth, nrank, tokens, parents, depths,
-                 positions, vis, sample_seq, sample_pos):
+def _write_nodes(b, t, nt, nodes, start, N, W, ids, bonus, seq_ids, npar, ndepth, nrank, nscore, tokens, parents,
+                 depths, positions, vis, sample_seq, sample_pos, scores):
     """build_kernel's output rows of sequence b from its node arrays (every thread of the block, rows t, t + nt,
-    ...): tokens, parents, depths, positions, the sampling keys, and the visibility bits (one walk to the root per
-    node); rows past `nodes` are padding."""
+    ...): tokens, parents, depths, positions, path scores, the sampling keys, and the visibility bits (one walk to
+    the root per node); rows past `nodes` are padding (score -inf)."""
     for i in range(t, N, nt):
         live_i = i < nodes
         dep = ndepth[i] if live_i else 0
+        scores[b, i] = nscore[i] if live_i else NEG_INF64
         tok = 0
         if i == 0:
             tok = bonus[b]
@@ -183,16 +185,17 @@ def _push(add, lane, live, be, g, K, es, ep, ed, er, ps, lps, row, fscore, fkey,
 
 @kernel()
 def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, depths, positions, vis, ntok,
-                 sample_seq, sample_pos):
+                 sample_seq, sample_pos, scores):
     """Block per sequence b (BUILD_THREADS): warp 0 pops the budgets[b] best prefixes of the candidate lists
     ids/lp i32/f32[B, L, K] in the reference heap's pop order (scores summed root to leaf in float64, compared
     as uint64 keys; rank tuples only on equal scores), one argmax plus a sibling or chain run (up to 31 more
     pops) per step (module docstring), then the block writes tokens, parents, depths, positions
     (= lengths[b] + depth) i32[B, N], vis u32[B, N, W] (bit j of row i: node j is i or an ancestor),
-    ntok[b] = nodes incl. the root, and per node the sampling keys sample_seq / sample_pos (= position + 1)
-    i32[B*N]. Rows past ntok[b] are padding (token 0, parent -1, no visibility). Dynamic shared memory
-    (build_smem): frontier and node arrays (48 B per node) and lp[b, :, :min(K, N)]. Launch: grid B, block
-    BUILD_THREADS. Moves lp[b, :, :min(K, N)] (4 L min(K, N) bytes) and the N popped ids in, N*(6 + W)*4 out."""
+    ntok[b] = nodes incl. the root, per node the sampling keys sample_seq / sample_pos (= position + 1)
+    i32[B*N] and its path log-probability scores f64[B, N] (budget auto's expected acceptance). Rows past
+    ntok[b] are padding (token 0, parent -1, no visibility, score -inf). Dynamic shared memory (build_smem):
+    frontier and node arrays (48 B per node) and lp[b, :, :min(K, N)]. Launch: grid B, block BUILD_THREADS.
+    Moves lp[b, :, :min(K, N)] (4 L min(K, N) bytes) and the N popped ids in, N*(8 + W)*4 out."""
     grid_dep()
     b, t, nt = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
     lane = t & 31
@@ -287,8 +290,8 @@ def build_kernel(ids, lp, budgets, lengths, bonus, seq_ids, tokens, parents, dep
             nsh[0] = nodes
     cuda.syncthreads()
     nodes = nsh[0]
-    _write_nodes(b, t, nt, nodes, lengths[b], N, W, ids, bonus, seq_ids, npar, ndepth, nrank, tokens, parents,
-                 depths, positions, vis, sample_seq, sample_pos)
+    _write_nodes(b, t, nt, nodes, lengths[b], N, W, ids, bonus, seq_ids, npar, ndepth, nrank, nscore, tokens,
+                 parents, depths, positions, vis, sample_seq, sample_pos, scores)
     if t == 0:
         ntok[b] = nodes
 
@@ -410,19 +413,25 @@ class TreeBuffers:
     start: object        # i32[B]
     out_tokens: object   # i32[B, L+2]
     sample_work: object  # u64[B*N, SAMPLE_CHUNKS] kernels.sample.sample's workspace for the B*N node rows
+    scores: object       # f64[B, N] path log-probability of each node (pop order), -inf past ntok
 
 
-def tree_buffers(zeros, B, L, K, N, V):
-    """Allocate TreeBuffers for vocabulary V (zeros = np.zeros, cupy.zeros or a numba allocator)."""
+def tree_buffers(zeros, B, L, K, N, V, topk=None):
+    """Allocate TreeBuffers for vocabulary V (zeros = np.zeros, cupy.zeros or a numba allocator); topk: buffers
+    whose top-K part (ids, lp, cand, cstats) these share (trees of another size over the same candidate lists)."""
     if K > TOPK_MAX or N > NODE_MAX or L > DEPTH_MAX or K > V:
         raise ValueError(f"tree_buffers: K {K} > min(V {V}, {TOPK_MAX}), N {N} > {NODE_MAX} or L {L} > {DEPTH_MAX}")
     i32, C = np.int32, topk_chunks(V, K)
-    return TreeBuffers(zeros((B, L, K), i32), zeros((B, L, K), np.float32), zeros((B, L, C, topk_cap(K)), np.uint64),
-                       zeros((B, L, TOPK_STAT + 3 * C), np.float32), zeros((B, N), i32), zeros((B, N), i32),
+    if topk is not None and topk.ids.shape != (B, L, K):
+        raise ValueError(f"tree_buffers: shared top-K lists {topk.ids.shape} are not [{B}, {L}, {K}]")
+    part = ((topk.ids, topk.lp, topk.cand, topk.cstats) if topk is not None else
+            (zeros((B, L, K), i32), zeros((B, L, K), np.float32), zeros((B, L, C, topk_cap(K)), np.uint64),
+             zeros((B, L, TOPK_STAT + 3 * C), np.float32)))
+    return TreeBuffers(*part, zeros((B, N), i32), zeros((B, N), i32),
                        zeros((B, N), i32), zeros((B, N), i32), zeros((B, N, -(-N // 32)), np.uint32),
                        zeros(B, i32), zeros(B * N, i32), zeros(B * N, i32), zeros(B * N, i32),
                        zeros((B, L + 1), i32), zeros(B, i32), zeros(B, i32), zeros((B, L + 2), i32),
-                       sample_work(zeros, B * N))
+                       sample_work(zeros, B * N), zeros((B, N), np.float64))
 
 
 def tree_topk(logits, tb: TreeBuffers):
@@ -447,7 +456,7 @@ def tree_build(tb: TreeBuffers, budgets, lengths, bonus, seq_ids):
     smem = build_smem(L, K, N)
     launch_smem(build_kernel, B, BUILD_THREADS, smem if smem + 64 <= 48 * 1024 else max(smem, 48 * 1024 + 8),
                 (tb.ids, tb.lp, budgets, lengths, bonus, seq_ids, tb.tokens, tb.parents, tb.depths, tb.positions,
-                 tb.vis, tb.ntok, tb.sample_seq, tb.sample_pos))
+                 tb.vis, tb.ntok, tb.sample_seq, tb.sample_pos, tb.scores))
 
 
 def tree_walk(tb: TreeBuffers, lengths, bonus):
@@ -458,11 +467,13 @@ def tree_walk(tb: TreeBuffers, lengths, bonus):
 
 
 def tree_commit(tb: TreeBuffers, cache, hidden=None, feats=None, feat_pos=None):
-    """commit: move the accepted latent rows of every layer (cache u16[layers, B, cap, D]) and, with a drafter,
-    gather the accepted nodes' features hidden f32[F, B, N, H] into feats f32[B, L+1, F*H] at feat_pos."""
+    """commit: move the accepted latent rows of every layer (cache u16[layers, B, cap, D], or its bf16-pair view
+    u32[layers, B, cap, D/2]: a slot prefix of a larger cache) and, with a drafter, gather the accepted nodes'
+    features hidden f32[F, B, N, H] into feats f32[B, L+1, F*H] at feat_pos."""
     B, P = tb.path.shape
-    launch_smem(commit_kernel, (cache.shape[0], B), COMMIT_THREADS, 2 * P * cache.shape[3],
-                (cache.view(np.uint32), tb.path, tb.nacc, tb.start))
+    words = cache if cache.dtype == np.uint32 else cache.view(np.uint32)
+    launch_smem(commit_kernel, (cache.shape[0], B), COMMIT_THREADS, 4 * P * words.shape[3],
+                (words, tb.path, tb.nacc, tb.start))
     if hidden is not None:
         chunks = -(-hidden.shape[0] * hidden.shape[3] // (4 * GATHER_THREADS))
         launch(gather_kernel, (chunks, P, B), GATHER_THREADS, hidden, tb.path, tb.nacc, tb.start, feats, feat_pos)
