@@ -24,8 +24,9 @@ ladder size with the most expected committed tokens per second of the measured c
 whatever the shares), and launches that size's verify graph: the tree again at that size (the prefix of the
 probe's pops), verify, walk and commit. The cost table comes from timing these graphs (DeviceRounds.costs).
 
-Prefill stays eager (one sequence at a time, whole or in chunks between rounds). A plan's first round runs eagerly
-(it compiles kernels and sizes scratch), the next is captured, later ones replay the graph.
+Prefill: one sequence at a time, whole or in pieces between rounds; a piece of up to 512 tokens is one graph launch
+on a staging slot (PrefillPlan), then its rows are copied into the sequence's slot. A plan's first run is eager (it
+compiles kernels and sizes scratch), the next is captured, later ones replay the graph.
 """
 from __future__ import annotations
 
@@ -103,6 +104,28 @@ class Plan:
                     self.feat_pos = ops.zeros((n, L + 1), np.int32)
 
 
+class PrefillPlan:
+    """Buffers and captured graph of a prompt piece of up to T tokens into the staging slot: tokens, positions and
+    the rows before it uploaded together (inputs i32[2T + 1]); a shorter piece is padded (its padding rows land
+    past the piece, where the next piece or the decoding rewrites them before reading)."""
+
+    def __init__(self, rounds: DeviceRounds, T):
+        self.T, self.graph, self.rounds = T, None, 0
+        self.ops = ops = rounds.base_target.ops.fresh()
+        self.target = rounds.base_target.with_ops(ops)
+        self.drafter = rounds.base_drafter.with_ops(ops, self.target) if rounds.drafter is not None else None
+        cfg, F = self.target.cfg, len(rounds.layer_ids)
+        check_memory(ops, {"prefill logits": T * cfg.vocab_size * 4,
+                           "prefill activations": T * cfg.hidden_size * 4 * (2 * F + 24)})
+        with rounds.on_stream():
+            self.inputs = ops.zeros(2 * T + 1, np.int32)
+            self.tokens, self.positions, self.start = self.inputs[:T], self.inputs[T:2 * T], self.inputs[2 * T:]
+            self.ntok = ops.asarray(np.array([T], np.int32))
+            self.logits = ops.zeros((T, cfg.vocab_size), np.float32)
+            self.hidden = ops.zeros((F, T, cfg.hidden_size), np.float32)
+            self.feats = ops.zeros((1, T, F * cfg.hidden_size), np.float32) if self.drafter is not None else None
+
+
 class DeviceRounds:
     """Static device state of `batch` slots and the rounds over them.
 
@@ -114,7 +137,16 @@ class DeviceRounds:
     Slots start parked: a parked slot runs in the round with budget 0 at park_at[b] (0 when empty; a slot being
     prefilled in chunks parks at its prompt rows so far, where its round's scribbles land on rows the next chunk
     or its decoding rewrites before reading) and its output is ignored; rounds cover the bucket of slots
-    [0, n) holding every slot that is not parked."""
+    [0, n) holding every slot that is not parked.
+
+    Prompt pieces of up to max(prefill_rows) tokens (kernel MLA in the absorbed form) run as captured graphs on a
+    staging slot (index `batch`, outside every round) that mirrors the slot being prefilled: its earlier rows are
+    copied in when another slot was staged last, each piece's rows copied out to the slot after it (a few
+    launches of a few bytes per row). So a prompt is a few graph launches whichever slot it goes to."""
+
+    prefill_rows = (8, 32, 128, 512)   # prefill graph sizes: a piece runs in the smallest that holds it (padded),
+    #                                    longer pieces eagerly; Engine.generate and the server cut prompts in pieces of
+    #                                    rounds.PREFILL_CHUNK = 512. Not timed against other ladders
 
     def __init__(self, target, drafter, shape: Shape, graphs=True):
         if shape.mode not in MODES:
@@ -134,7 +166,7 @@ class DeviceRounds:
         check_memory(ops, plan_bytes(target, self.drafter, B, self.cap, N, self.Lb, V))
         self.stream = ops.xp.cuda.Stream(non_blocking=True) if ops.xp is not np else None
         with self.on_stream():      # zeroed on the rounds' stream: a null-stream memset is not ordered before it
-            self.cache = ops.zeros((cfg.num_hidden_layers, B, self.cap, cfg.latent_dim), np.uint16)
+            self.cache = ops.zeros((cfg.num_hidden_layers, B + 1, self.cap, cfg.latent_dim), np.uint16)   # +staging
             self.cache32 = self.cache.view(np.uint32)                    # bf16 pairs (the commit kernel's view)
             self.rows = [self.cache[i] for i in range(cfg.num_hidden_layers)]
             self.lengths, self.bonus, self.budgets, self.seq_ids = (ops.zeros(B, np.int32) for _ in range(4))
@@ -142,12 +174,14 @@ class DeviceRounds:
             if self.drafter is not None:
                 dc = self.drafter.cfg
                 nkv = dc.num_key_value_heads
-                self.ctx_kv = [ops.zeros((B, self.cap, 2 * nkv, dc.head_dim), np.float32)
+                self.ctx_kv = [ops.zeros((B + 1, self.cap, 2 * nkv, dc.head_dim), np.float32)
                                for _ in range(dc.num_hidden_layers)]              # per row: nkv key heads, nkv values
                 self.ctx_k = [kv[:, :, :nkv] for kv in self.ctx_kv]
                 self.ctx_v = [kv[:, :, nkv:] for kv in self.ctx_kv]
         self.graphs = graphs and ops.xp is not np    # the simulator has no graphs: it runs every round eagerly
         self.plans = {}                              # (n, N, stages) -> Plan
+        self.prefill_plans = {}                      # T -> PrefillPlan
+        self.staged = None                           # (slot, rows): the staging slot holds that slot's rows [0, rows)
         self.plan = None                             # the latest round's (verify) plan
         self.table = None                            # budget auto: the cost table of these rounds (costs())
         self.rounds = 0
@@ -219,8 +253,53 @@ class DeviceRounds:
 
     def _prompt_rows(self, b, ids, start, end):
         """Target forward over ids[start:end] at positions start.. after the slot's rows [0, start) -> logits
-        f32[end - start, V]; latent rows and drafter context rows start..end - 1 of slot b written."""
+        f32[end - start, V]; latent rows and drafter context rows start..end - 1 of slot b written. Through a
+        prefill graph on the staging slot where one holds the piece, else eagerly into the slot."""
+        T, ops = end - start, self.base_target.ops
+        size = next((n for n in self.prefill_rows if n >= T), None)
+        if size is None or start + size > self.cap or ops.prefill_form != "absorbed":
+            return self._prompt_rows_eager(b, ids, start, end)
+        plan = self.prefill_plans.get(size)
+        if plan is None:
+            plan = self.prefill_plans[size] = PrefillPlan(self, size)
+        self._stage(b, start)
+        inputs = np.zeros(2 * size + 1, np.int32)
+        inputs[:T], inputs[size:2 * size], inputs[2 * size] = ids[start:end], np.arange(start, start + size), start
+        self._after_null_stream()
+        plan.inputs[...] = ops.asarray(inputs)
+        self.launch(plan, lambda: self._prefill_run(plan), timed=False)
+        S = self.shape.batch                         # the piece's rows into the slot
+        self.cache[:, b, start:end] = self.cache[:, S, start:end]
+        for kv in getattr(self, "ctx_kv", ()):
+            kv[b, start:end] = kv[S, start:end]
+        self.staged = (b, end)
+        return plan.logits[:T]
+
+    def _stage(self, b, start):
+        """The staging slot holds slot b's rows [0, start) (copied in when another slot or prompt was staged)."""
+        if start == 0 or self.staged == (b, start):
+            return
+        S = self.shape.batch
+        self.cache[:, S, :start] = self.cache[:, b, :start]
+        for kv in getattr(self, "ctx_kv", ()):
+            kv[S, :start] = kv[b, :start]
+
+    def _prefill_run(self, plan: PrefillPlan):
+        """The launches of a prefill graph: the target over the piece's T rows on the staging slot, their features
+        into its drafter context."""
+        S = self.shape.batch
+        plan.target.forward_into(plan.tokens, plan.positions, [r[S] for r in self.rows],
+                                 LatentVis(plan.start, plan.ntok, None), plan.logits, plan.hidden, self.layer_ids)
+        if plan.drafter is not None:
+            F, T, H = plan.hidden.shape
+            plan.ops.copy(plan.hidden.transpose(1, 0, 2), plan.feats.reshape(T, F, H))
+            self._append(plan.drafter, plan.feats, plan.positions, plan.start, slice(S, S + 1))
+
+    def _prompt_rows_eager(self, b, ids, start, end):
+        """_prompt_rows launch by launch, straight into slot b."""
         ops = self.base_target.ops
+        if self.staged is not None and self.staged[0] == b:          # the staging slot no longer mirrors it
+            self.staged = None
         tokens, positions = np.asarray(ids[start:end], np.int32), np.arange(start, end, dtype=np.int32)
         self._after_null_stream()
         cache = LatentCache([rows[b] for rows in self.rows], start)
@@ -245,6 +324,8 @@ class DeviceRounds:
         every round so they never outgrow their rows (their output is ignored)."""
         for b in slots:
             self._set_parked(b, 0)
+            if self.staged is not None and self.staged[0] == b:
+                self.staged = None
 
     def _set_parked(self, b, rows):
         """Park slot b at `rows` committed rows, or (None) let it decode."""
@@ -313,14 +394,15 @@ class DeviceRounds:
 
     _probed = None                                   # the bucket probed and not yet stepped
 
-    def launch(self, plan: Plan):
-        """One run of the plan: eager the first time, captured the second, the graph replayed after; timed by CUDA
-        events on cuda."""
+    def launch(self, plan, body=None, timed=True):
+        """One run of a plan (body: its launches, default run(plan)): eager the first time, captured the second, the
+        graph replayed after; timed (into gpu_s) by CUDA events on cuda."""
+        body = body or (lambda: self.run(plan))
         if self.graphs and plan.graph is None and plan.rounds >= 1:
             with span("capture"):
-                plan.graph = self.capture(plan)
+                plan.graph = self.capture(plan, body)
         events = None
-        if self.stream is not None:
+        if self.stream is not None and timed:
             if len(self._timed) == len(self._event_pairs):       # (a failed round left its events unread)
                 self._event_pairs.append((plan.ops.xp.cuda.Event(), plan.ops.xp.cuda.Event()))
             events = self._event_pairs[len(self._timed)]
@@ -328,7 +410,7 @@ class DeviceRounds:
         if plan.graph is not None:
             plan.graph.launch(self.stream)
         else:
-            self.run(plan)
+            body()
         if events is not None:
             events[1].record(self.stream)
             self._timed.append(events)
@@ -444,14 +526,14 @@ class DeviceRounds:
 
     # --- graphs ------------------------------------------------------------------------------------------------------
 
-    def capture(self, plan: Plan):
-        """Record one run of the plan as a CUDA graph. Everything it touches exists already (the eager run made it);
-        a run that allocated, synchronized or copied from the host during capture is an error."""
+    def capture(self, plan, body):
+        """Record one run of the plan (body()) as a CUDA graph. Everything it touches exists already (the eager run
+        made it); a run that allocated, synchronized or copied from the host during capture is an error."""
         pool = plan.ops.xp.get_default_memory_pool()
         before = pool.total_bytes()
         self.stream.begin_capture()
         try:
-            self.run(plan)
+            body()
         finally:
             graph = self.stream.end_capture()
         if pool.total_bytes() != before:

@@ -251,3 +251,24 @@ def test_gpu_buckets():
                                                          if p.rounds > 1), sorted(plans)
     for r, tokens in zip(reqs, got):
         assert tokens == dev.generate(r.ids, r.max_tokens, "ddtree", 16, stop=[]).tokens, f"prompt {r.ids}"
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_graphs(monkeypatch):
+    """Prompt pieces as captured graphs on the staging slot (each graph size; a 700-token prompt: pieces of 512 and
+    188) give the tokens of the eager prefill straight into the slot, greedy, also when a graph replays (the second
+    prompt of a size), against the reference where the two differ (GEMMs of padded row counts round otherwise)."""
+    from numbaengine.device_round import DeviceRounds
+    ref, dev = engines()
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, dev.cfg.vocab_size, n).tolist() for n in (5, 7, 20, 100, 300, 700)]
+    got = [dev.generate(p, 16, "ddtree", 16, stop=[]).tokens for p in prompts]
+    rounds = next(iter(dev.rounds_cache.values()))
+    assert {8, 32, 128, 512} <= set(rounds.prefill_plans) and rounds.prefill_plans[8].graph is not None
+    monkeypatch.setattr(DeviceRounds, "prefill_rows", ())
+    dev.rounds_cache.clear()
+    eager = [dev.generate(p, 16, "ddtree", 16, stop=[]).tokens for p in prompts]
+    dev.rounds_cache.clear()
+    for p, g, w in zip(prompts, got, eager):
+        if g != w:
+            assert_reference_tokens(ref, p, g, w, f"prefill graphs, prompt of {len(p)}")

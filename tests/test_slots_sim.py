@@ -10,7 +10,8 @@ one sampling launch equal sample_ref row by row; requests with different tempera
 one DeviceRounds, one of them prefilled in pieces between the other's rounds, each give Engine.generate's tokens
 for the same prompt and settings alone; a prompt prefilled in pieces gives the tokens (and cache rows) of one
 prefill; batch buckets (rounds over 4, 2, then 1 slots as requests finish) and budget auto (probe, choice, the
-size's verify; a measured cost table) give ar's / Engine.generate's tokens. The simulator cases take about 11 CPU
+size's verify; a measured cost table) give ar's / Engine.generate's tokens; prompt pieces through the staging slot
+(the prefill graphs' path) equal pieces launched straight into the slot. The simulator cases take about 15 CPU
 minutes in three children: marked slow (-m "not slow" leaves them out).
 """
 import numpy as np
@@ -317,14 +318,44 @@ def check_auto(env):
     assert res[0].tokens == e.generate(prompts[0], 3, mode="ar", stop=[]).tokens, f"prompt {prompts[0]}"
 
 
+def check_staged_prefill(env):
+    """Prompt pieces through the staging slot (the prefill graphs' path, eager under the simulator) == the pieces
+    launched straight into their slot: slot 1's 6-token prompt in pieces [0, 4) and [4, 6) with slot 0's whole
+    3-token prompt between them (the staging slot copies slot 1's rows back in); with graphs of 2 rows the first
+    pieces run eagerly and the last through the staging slot. First tokens, latent and drafter context rows, and
+    the next round's tokens."""
+    from numbaengine.device_round import DeviceRounds, Shape
+    e = sim_engine()
+    rng = np.random.default_rng()
+    a, c = rng.integers(0, e.cfg.vocab_size, 6).tolist(), rng.integers(0, e.cfg.vocab_size, 3).tolist()
+    outs = []
+    for rows in ((), DeviceRounds.prefill_rows, (2,)):
+        dev = DeviceRounds(e.target, e.drafter, Shape(2, "ddtree", 2, 16), graphs=False)
+        dev.prefill_rows = rows
+        dev.prefill_part(1, a, 0, 4)
+        firsts = (dev.prefill(0, c, 0), dev.prefill(1, a, 1, start=4))
+        cache = (np.array(dev.cache[:, 0, :3]), np.array(dev.cache[:, 1, :6]))
+        ctx = (np.array(dev.ctx_kv[0][0, :3]), np.array(dev.ctx_kv[0][1, :6]))
+        outs.append((rows, firsts, cache, ctx, dev.step()[:2].tolist()))
+    (_, f, cache, ctx, step), where = outs[0], f"prompts {a} {c}"
+    for rows, f2, cache2, ctx2, step2 in outs[1:]:
+        assert (f2, step2) == (f, step), f"{where}: graphs {rows}: {f2} {step2}, eager {f} {step}"
+        for x, y in zip(cache, cache2):
+            assert (x == y).all(), f"{where}: graphs {rows}: latent rows differ"
+        for x, y in zip(ctx, ctx2):
+            assert np.abs(x - y).max() <= 1e-5 * np.abs(x).max(), f"{where}: graphs {rows}: drafter context"
+
+
 SIM_PARTS = 3
-SIM_COST = {"shared_rounds": 200, "chunked_prefill": 48, "sample_rows": 2, "buckets": 190, "auto": 230}
+SIM_COST = {"shared_rounds": 200, "chunked_prefill": 85, "sample_rows": 2, "buckets": 190, "auto": 230,
+            "staged_prefill": 160}
 SIM_CASES = {
     "sample_rows": lambda env: check_sample_rows(env),
     "chunked_prefill": lambda env: check_chunked_prefill(env),
     "shared_rounds": lambda env: check_shared_rounds(env),
     "buckets": lambda env: check_buckets(env),
     "auto": lambda env: check_auto(env),
+    "staged_prefill": lambda env: check_staged_prefill(env),
 }
 
-test_simulator = pytest.mark.slow(simulator_test(__name__))     # ~11 CPU minutes in all (SIM_COST)
+test_simulator = pytest.mark.slow(simulator_test(__name__))     # ~15 CPU minutes in all (SIM_COST)
