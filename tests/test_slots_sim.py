@@ -291,8 +291,8 @@ def check_buckets(env):
 
 def check_auto(env):
     """Budget auto on the device rounds (ladder 0, 2, 4; two sequences sampled with one seed; greedy auto == ar is
-    a GPU test and a host test): with tables that pick the root alone and 4 nodes, ar's tokens and every round at
-    the table's size; rounds made without a table (one slot, ladder 0, 2) measure one from their own rounds and
+    a GPU test and a host test): with a table that picks 4 nodes, ar's tokens and every round at that size; rounds
+    made without a table (one slot, ladder 0, 2) measure one from their own rounds (every size, 0 included) and
     still give ar's tokens."""
     from numbaengine.budget import CostTable
     from numbaengine.rounds import DeviceSlots
@@ -304,7 +304,7 @@ def check_auto(env):
     for temperature in (0.9,):
         want = [r.tokens for r in e.generate_batch(prompts, 4, mode="ar", temperature=temperature, seed=seed,
                                                    stop=[])]
-        for pick, secs in ((0, (1.0, 9.0, 9.0)), (4, (9.0, 9.0, 1.0))):
+        for pick, secs in ((4, (9.0, 9.0, 1.0)),):           # (size 0 runs in the measured table below)
             slots = DeviceSlots(e.target, e.drafter, e.max_context, 2, table=CostTable(ladder, {2: secs}),
                                 ladder=ladder, graphs=False)
             res = gen.generate_on(slots, None, prompts, 4, "ddtree", "auto", temperature, seed, stop=[])
@@ -347,8 +347,8 @@ def check_staged_prefill(env):
 
 
 SIM_PARTS = 3
-SIM_COST = {"shared_rounds": 200, "chunked_prefill": 85, "sample_rows": 2, "buckets": 190, "auto": 230,
-            "staged_prefill": 160}
+SIM_COST = {"shared_rounds": 200, "chunked_prefill": 56, "sample_rows": 2, "buckets": 165, "auto": 170,
+            "staged_prefill": 110}
 SIM_CASES = {
     "sample_rows": lambda env: check_sample_rows(env),
     "chunked_prefill": lambda env: check_chunked_prefill(env),
