@@ -52,7 +52,11 @@ def pytest_configure(config):
 
 
 def save(folder: Path) -> int:
+    """The suite's PTX cases into folder, its earlier .ptx files removed first (stale ones would read as
+    differences)."""
     folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*.ptx"):
+        old.unlink()
     env = dict(os.environ, PTX_DIFF_OUT=str(folder.resolve()))
     tests = [t for t in TESTS if Path(t).exists()]
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tools.ptx_diff",
