@@ -171,6 +171,7 @@ class DeviceRounds:
             self.rows = [self.cache[i] for i in range(cfg.num_hidden_layers)]
             self.lengths, self.bonus, self.budgets, self.seq_ids = (ops.zeros(B, np.int32) for _ in range(4))
             self.temps, self.seeds = ops.zeros(B, np.float32), ops.zeros(B, np.uint64)
+            self.ctx_kv = []                         # the drafter context per layer (none in ar mode)
             if self.drafter is not None:
                 dc = self.drafter.cfg
                 nkv = dc.num_key_value_heads
@@ -270,7 +271,7 @@ class DeviceRounds:
         self.launch(plan, lambda: self._prefill_run(plan), timed=False)
         S = self.shape.batch                         # the piece's rows into the slot
         self.cache[:, b, start:end] = self.cache[:, S, start:end]
-        for kv in getattr(self, "ctx_kv", ()):
+        for kv in self.ctx_kv:
             kv[b, start:end] = kv[S, start:end]
         self.staged = (b, end)
         return plan.logits[:T]
@@ -281,7 +282,7 @@ class DeviceRounds:
             return
         S = self.shape.batch
         self.cache[:, S, :start] = self.cache[:, b, :start]
-        for kv in getattr(self, "ctx_kv", ()):
+        for kv in self.ctx_kv:
             kv[S, :start] = kv[b, :start]
 
     def _prefill_run(self, plan: PrefillPlan):
