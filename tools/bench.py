@@ -507,8 +507,8 @@ def main(argv=None):
     ap.add_argument("--synth-dir", help="with --synth-k2: write the checkpoint to this folder and keep it; a later run "
                                         "with the same folder and layer count reuses it")
     ap.add_argument("--modes", default="ar,dflash,ddtree")
-    ap.add_argument("--budgets", type=budget_list, default="4,16,64,256", help="ddtree budgets; 'auto' is "
-                    "refused on cuda with the line saying what it lacks (default: 4,16,64,256)")
+    ap.add_argument("--budgets", type=budget_list, default="4,16,64,256", help="ddtree budgets; 'auto' picks "
+                    "each round's tree size from a measured cost table (default: 4,16,64,256)")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--hold-seconds", type=float, default=0.0, metavar="S",
