@@ -15,6 +15,11 @@ ragged rule of the host rounds. The device verifies a rectangle of n x (s + 1) r
 so there every sequence gets s nodes (the rectangle rule, ragged=False); ragged trees on the device need verify
 kernels over packed rows with a row -> sequence map (MLA, the tree kernels, the sampler).
 
+Coasting. Where trees do not pay (large batches: the drafter costs more than it saves) the probe itself is the
+waste: after a probe that chose the root alone the next rounds verify the root alone without drafting, 1, 2, 4, ..
+COAST_MAX of them as size-0 choices repeat, until a probe chooses a tree (or a sequence joins or leaves). There an
+auto round costs an ar round plus one probe per COAST_MAX rounds.
+
 Exactness. The choice reads only the drafter's probabilities, the cost table and the calibration of past rounds,
 never the current round's target samples; and any tree gives the autoregressive output for the same seed (the
 target's sampling noise is keyed by seed, sequence, position and token id, not by the tree), so auto's output
@@ -46,6 +51,8 @@ LADDER = (0, 2, 4, 8, 16, 32, 64)         # drafted nodes per sequence; 0 = the 
 EDGES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)   # calibration bins of the surrogate's expected accepted drafts
 PRIOR = 1.0                               # accepted drafts' worth of observed = expected in every bin
 DECAY = 0.9                               # a bin's sums are scaled by this at each new observation in it
+COAST_MAX = 64                            # most rounds without a probe after a probe chose size 0 (a probe there
+                                          # costs a draft and a heap: 1/64 of it is the most a coast adds)
 
 
 # --- expected acceptance ------------------------------------------------------------------------------------------
@@ -197,6 +204,7 @@ class Choice:
     expected: tuple          # surrogate expected accepted drafts of each sequence's tree
     calibrated: tuple        # the same, calibrated
     rate: float              # expected committed tokens per second of round cost
+    probed: bool = True      # False: a coasting round, the root alone without a draft (root_choice)
 
 
 def shares(pops, total):
@@ -233,16 +241,43 @@ def choose_pops(pops, table: CostTable, cal: Calibration, ragged=True, batch=Non
     return best
 
 
-def auto_round(seqs, caps, target, drafter, ops, p, timer, table: CostTable, cal: Calibration, ragged=True):
+def root_choice(n) -> Choice:
+    """A coasting round's choice: the root alone for each of n sequences, not probed."""
+    return Choice(0, (0,) * n, (0.0,) * n, (0.0,) * n, 0.0, probed=False)
+
+
+@dataclass(frozen=True)
+class Coast:
+    """Rounds left without a probe (left) and the length of the current coast (span): see "Coasting" above."""
+    left: int = 0
+    span: int = 0
+
+    def after(self, choice: Choice) -> "Coast":
+        """The coast after a round: a probed size 0 starts one twice the last (1 first, COAST_MAX at most), a
+        coasting round counts down, a tree ends it."""
+        if not choice.probed:
+            return Coast(max(0, self.left - 1), self.span)
+        if choice.size:
+            return Coast()
+        span = min(max(1, 2 * self.span), COAST_MAX)
+        return Coast(span, span)
+
+
+def auto_round(seqs, caps, target, drafter, ops, p, timer, table: CostTable, cal: Calibration, ragged=True,
+               coast=Coast()):
     """One ddtree round with the sizes chosen from its drafts: one heap run per sequence up to caps[i] nodes, the
-    choice (ragged or the rectangle rule), then verify of each tree's chosen prefix. Returns (choice, round outs,
-    calibration after the round)."""
-    trees = draft_trees(seqs, caps, drafter, p, timer)
-    with timer("build"):
-        choice = choose(trees, table, cal, ragged)
-        trees = [first_nodes(t, n) for t, n in zip(trees, choice.nodes)]
+    choice (ragged or the rectangle rule), then verify of each tree's chosen prefix; while coasting, the root alone
+    without drafting. Returns (choice, round outs, calibration and coast after the round)."""
+    if coast.left:
+        choice = root_choice(len(seqs))
+        trees = draft_trees(seqs, [0] * len(seqs), drafter, p, timer)
+    else:
+        trees = draft_trees(seqs, caps, drafter, p, timer)
+        with timer("build"):
+            choice = choose(trees, table, cal, ragged)
+            trees = [first_nodes(t, n) for t, n in zip(trees, choice.nodes)]
     outs = verify_trees(seqs, trees, target, drafter, ops, p, timer)
-    return choice, outs, observe(cal, choice, [out.tau for out in outs])
+    return choice, outs, observe(cal, choice, [out.tau for out in outs]), coast.after(choice)
 
 
 def observe(cal: Calibration, choice: Choice, taus) -> Calibration:
@@ -260,18 +295,20 @@ class Picks:
     nodes: list = field(default_factory=list)
     expected: list = field(default_factory=list)
     calibrated: list = field(default_factory=list)
+    probes: int = 0                     # rounds that drafted to choose (the others coasted: budget.Coast)
     cal: Calibration = field(default_factory=Calibration)
 
     def add(self, choice: Choice, i):
+        self.probes += choice.probed
         self.sizes.append(choice.size)
         self.nodes.append(choice.nodes[i])
         self.expected.append(choice.expected[i])
         self.calibrated.append(choice.calibrated[i])
 
     def stats(self) -> dict:
-        """budget_hist {size: rounds}, mean nodes verified, expected tau (surrogate and calibrated; the observed one
+        """budget_hist {size: rounds}, probes (rounds that drafted), mean nodes verified, expected tau (surrogate and calibrated; the observed one
         is tau_mean) and the calibration at the end."""
-        return dict(budget_hist={s: self.sizes.count(s) for s in sorted(set(self.sizes))},
+        return dict(budget_hist={s: self.sizes.count(s) for s in sorted(set(self.sizes))}, probes=self.probes,
                     nodes_mean=mean(self.nodes), expected_tau=1 + mean(self.expected),
                     calibrated_tau=1 + mean(self.calibrated), calibration=self.cal.state())
 

@@ -360,15 +360,19 @@ class DeviceRounds:
 
     def step(self, size=None) -> np.ndarray:
         """One round over the bucket of decoding slots; returns out_tokens i32[n, L+2] (row b: tau, then the tau new
-        tokens). Budget auto: the round's second half, after probe(), with the ladder size chosen for it."""
+        tokens). Budget auto: the round's second half, after probe(), with the ladder size chosen for it; or size 0
+        without a probe (the root alone: a coasting round)."""
         with self.on_stream():
             if not self.shape.ladder:
                 self._park()
                 plan = self.get_plan(self.bucket(), self.shape.budget + 1)
+            elif size == 0 and self._probed is None:       # coasting: the root alone, no draft (budget.Coast)
+                self._park()
+                plan = self.get_plan(self.bucket(), 1, ("build", "verify"))
             else:
                 if size not in self.shape.ladder or self._probed is None:
-                    raise ValueError(f"step: budget auto needs probe() first and a size of {self.shape.ladder}, "
-                                     f"got {size}")
+                    raise ValueError(f"step: budget auto needs probe() first and a size of {self.shape.ladder} (or "
+                                     f"size 0 alone), got {size}")
                 plan, self._probed = self.get_plan(self._probed, size + 1, ("build", "verify")), None
             self.launch(plan)
             self.plan = plan

@@ -24,12 +24,14 @@ from numbaengine.budget import (
     AUTO,
     LADDER,
     Calibration,
+    Coast,
     CostTable,
     Picks,
     auto_round,
     choose_pops,
     observe,
     reference_costs,
+    root_choice,
 )
 from numbaengine.ddtree import Params, RoundOut, Seq, decode_round, prefill
 
@@ -81,6 +83,7 @@ class HostRounds:
         self.target, self.drafter, self.max_context = target, drafter, max_context
         self.ops = ops if ops is not None else target.ops
         self.table, self.cal, self.ragged = table, Calibration(), ragged
+        self.coast = Coast()                        # auto: rounds left without a probe (budget.Coast)
         self.picks = []                             # every auto run's Picks: each gets the batch's calibration
 
     def auto(self, run) -> bool:
@@ -99,6 +102,7 @@ class HostRounds:
         run.picks = Picks() if self.auto(run) else None
         if run.picks is not None:
             self.picks.append(run.picks)
+            self.coast = Coast()                    # a new sequence: probe at the next round
 
     def piece(self, run) -> int:
         """The whole prompt: the host prefills it in one forward."""
@@ -137,9 +141,9 @@ class HostRounds:
         return out
 
     def auto_step(self, runs, timer) -> dict:
-        choice, outs, self.cal = auto_round([r.seq for r in runs], [self.room(r) for r in runs], self.target,
-                                            self.drafter, self.ops, runs[0].p, timer, self.table, self.cal,
-                                            self.ragged)
+        choice, outs, self.cal, self.coast = auto_round([r.seq for r in runs], [self.room(r) for r in runs],
+                                                        self.target, self.drafter, self.ops, runs[0].p, timer,
+                                                        self.table, self.cal, self.ragged, self.coast)
         for i, r in enumerate(runs):
             r.picks.add(choice, i)
         for picks in self.picks:
@@ -148,6 +152,7 @@ class HostRounds:
 
     def retire(self, runs):
         self.picks = [p for p in self.picks if all(p is not r.picks for r in runs)]
+        self.coast = Coast()
 
 
 # --- the device: slots of one DeviceRounds ---------------------------------------------------------------------------
@@ -181,6 +186,7 @@ class DeviceSlots:
     dev: object = None
     free: list = field(default_factory=list)
     cal: Calibration = field(default_factory=Calibration)
+    coast: Coast = field(default_factory=Coast)   # budget auto: rounds left without a probe (budget.Coast)
     picks: list = field(default_factory=list)
     PHASES = ("round", "gpu")            # gpu: the device time of the rounds (CUDA events), part of "round"
 
@@ -210,6 +216,7 @@ class DeviceSlots:
         run.picks = Picks() if self.auto(run) else None
         if run.picks is not None:
             self.picks.append(run.picks)
+            self.coast = Coast()                     # a new sequence: probe at the next round
 
     def build(self, shape):
         """The rounds of `shape`: the cached ones (every slot parked) or new ones in place of the cached; for auto
@@ -264,6 +271,7 @@ class DeviceSlots:
         outs = {id(r): self.commit(r, rows[r.slot]) for r in runs}
         if self.dev.shape.ladder:
             self.cal = observe(self.cal, choice, [outs[id(r)].tau for r in runs])
+            self.coast = self.coast.after(choice)
             for i, r in enumerate(runs):
                 r.picks.add(choice, i)
             for picks in self.picks:
@@ -271,7 +279,10 @@ class DeviceSlots:
         return outs
 
     def auto_step(self, runs):
-        """Budget auto: the probe, the choice from each run's pops (cut to its cache rows), that size's verify."""
+        """Budget auto: the probe, the choice from each run's pops (cut to its cache rows), that size's verify; while
+        coasting, the root alone without the probe."""
+        if self.coast.left:
+            return root_choice(len(runs)), self.dev.step(0)
         scores = self.dev.probe()
         pops = []
         for r in runs:
@@ -293,6 +304,7 @@ class DeviceSlots:
     def retire(self, runs):
         slots = [r.slot for r in runs]
         self.picks = [p for p in self.picks if all(p is not r.picks for r in runs)]
+        self.coast = Coast()
         if self.dev is not None and slots:
             self.dev.retire(slots)
             self.free = sorted(set(self.free) | set(slots))

@@ -8,14 +8,17 @@ from test_generate import Oracle, pair  # noqa: F401  (pair: the tiny K2-style t
 
 from numbaengine import run
 from numbaengine.budget import (
+    COAST_MAX,
     LADDER,
     Calibration,
+    Coast,
     CostTable,
     choose,
     choose_pops,
     expected_accepts,
     measure,
     reference_costs,
+    root_choice,
     shares,
 )
 from numbaengine.ddtree import build_tree, draft_tree, first_nodes
@@ -231,6 +234,78 @@ def test_batch_allocation_gives_the_confident_sequence_more_nodes():
         assert got.sum() == min(total, 128) and np.all(got >= shares(pops, max(0, total - 7)))
 
 
+# --- coasting: no probe while trees do not pay ------------------------------------------------------------------
+
+def coasted_probes(rounds):
+    """Probed rounds among the first `rounds` when every probe chooses size 0: probe, coast 1, probe, coast 2, ..."""
+    probes, r, span = 0, 0, 0
+    while r < rounds:
+        probes, r = probes + 1, r + 1
+        span = min(max(1, 2 * span), COAST_MAX)
+        r += span
+    return probes
+
+
+def test_coast_doubles_up_to_the_cap_and_a_tree_ends_it():
+    zero, tree = Choice_of(0), Choice_of(2)
+    c, lefts = Coast(), []
+    for _ in range(300):
+        c = c.after(zero if c.left == 0 else root_choice(3))
+        lefts.append(c.left)
+    starts = [x for prev, x in zip([0] + lefts, lefts) if x > prev]
+    assert starts[:8] == [1, 2, 4, 8, 16, 32, 64, 64] and max(lefts) == COAST_MAX, starts
+    assert Coast(5, 8).after(tree) == Coast() and Coast(5, 8).after(root_choice(1)) == Coast(4, 8)
+    assert coasted_probes(1) == 1 and coasted_probes(3) == coasted_probes(5) == 2 and coasted_probes(6) == 3 and coasted_probes(15) == 4
+
+
+def Choice_of(size):
+    """A probed choice of `size` for one sequence."""
+    return choose_pops([np.zeros(size)], CostTable((0, size) if size else (0,), {1: (1.0, 0.5) if size else (1.0,)}),
+                       Calibration())
+
+
+class CoastDev:
+    """DeviceRounds stand-in for DeviceSlots: records probe() and step(size); every sequence commits one token."""
+    def __init__(self, ladder, n):
+        from numbaengine.device_round import Shape
+        self.shape, self.n, self.calls, self.gpu_s = Shape(n, "ddtree", max(ladder), 64, ladder), n, [], 0.0
+
+    def probe(self):
+        self.calls.append("probe")
+        return np.zeros((self.n, max(self.shape.ladder) + 1))        # every pop certain (log-prob 0)
+
+    def step(self, size):
+        self.calls.append(size)
+        return np.array([[1, 7] + [0] * 3] * self.n, np.int32)
+
+
+@pytest.mark.parametrize("cheap", [0, 2])
+def test_device_slots_coast_without_probes(cheap):
+    """DeviceSlots with a table where size 0 pays: probe + step(0), then step(0) alone for 1, 2, 4, .. rounds (no
+    probe); where size 2 pays every round probes; a new sequence or a retired one ends a coast."""
+    from numbaengine.budget import Picks
+    from numbaengine.ddtree import Params, Seq
+    from numbaengine.generate import Timer
+    from numbaengine.rounds import DeviceSlots, Run
+    ladder = (0, 2)
+    slots = DeviceSlots(None, None, 64, 2, table=CostTable(ladder, {2: (1.0, 9.0) if cheap == 0 else (9.0, 1.0)}),
+                        ladder=ladder)
+    slots.dev = dev = CoastDev(ladder, 2)
+    runs = [Run([1], 200, set(), Params(mode="ddtree"), "auto", i, 200, i, 1, Seq(i, None, None, 1, 0), picks=Picks())
+            for i in range(2)]
+    for _ in range(15):
+        slots.step(runs, Timer(DeviceSlots.PHASES))
+    probes = dev.calls.count("probe")
+    if cheap == 0:
+        assert probes == coasted_probes(15) == 4 and dev.calls[:5] == ["probe", 0, 0, "probe", 0], dev.calls
+        assert runs[0].picks.stats()["probes"] == 4 and runs[0].picks.stats()["budget_hist"] == {0: 15}
+        slots.retire([])                                         # a sequence leaves: probe at the next round
+        slots.step(runs, Timer(DeviceSlots.PHASES))
+        assert dev.calls[-2:] == ["probe", 0]
+    else:
+        assert probes == 15 and set(dev.calls[1::2]) == {2}, dev.calls
+
+
 # --- exactness: auto output == autoregressive output -----------------------------------------------------------------
 
 def gen(pair_, prompts, budget, drafter=None, n=N_NEW, **kw):  # noqa: F811
@@ -251,6 +326,8 @@ def test_auto_equals_ar(pair, batch, temperature):  # noqa: F811
             assert [r.tokens for r in results] == want, (name, type(drafter).__name__)
             for r in results:
                 assert r.stats["budget_hist"] == {PICKED[name]: r.stats["rounds"]} and r.stats["budget"] == "auto"
+                want_probes = coasted_probes(r.stats["rounds"]) if name == "ar" else r.stats["rounds"]
+                assert r.stats["probes"] == want_probes, (name, r.stats["rounds"], r.stats["probes"])
                 if isinstance(drafter, Oracle) and name == "large":
                     assert r.stats["tau_mean"] > 3                         # the trees were walked deep
 

@@ -218,8 +218,8 @@ def test_gpu_slots_mixed_settings(chunk):
 def test_gpu_auto_equals_ar(temperature):
     """Budget auto on cuda (probe graph, host choice, the size's verify graph; the cost table measured from the
     rounds' own graphs at every bucket and ladder size) gives ar's tokens at batches 1, 3 and 8; every round's size
-    is recorded."""
-    from numbaengine.budget import LADDER
+    is recorded; with a table where size 0 pays, rounds coast (no probe) and still give ar's tokens."""
+    from numbaengine.budget import LADDER, CostTable
     from numbaengine.device_round import buckets
     _, dev = engines()
     for batch in (1, 3, 8):
@@ -233,6 +233,12 @@ def test_gpu_auto_equals_ar(temperature):
               {n: [round(s * 1e3, 3) for s in row] for n, row in rounds.table.seconds.items()})
         for r in got:
             assert sum(r.stats["budget_hist"].values()) == r.stats["rounds"] and r.stats["budget"] == "auto"
+    coast = CostTable(LADDER, {n: (1.0,) + (9.0,) * (len(LADDER) - 1) for n in buckets(3)})
+    got = dev.generate_batch((PROMPTS * 3)[:3], 24, "ddtree", "auto", temperature, 5, [], cost_table=coast)
+    want = [r.tokens for r in dev.generate_batch((PROMPTS * 3)[:3], 24, "ar", 0, temperature, 5, [])]
+    assert [r.tokens for r in got] == want, f"coasting, T {temperature}"     # size 0 without probes (budget.Coast)
+    assert all(r.stats["budget_hist"] == {0: r.stats["rounds"]} and r.stats["probes"] < r.stats["rounds"] / 2
+               for r in got), [r.stats for r in got]
 
 
 @pytest.mark.gpu
