@@ -6,7 +6,8 @@ run up to the largest ladder size gives every size at once (prefix sums). A Cali
 what the target actually accepted in past rounds.
 
 Cost. A CostTable maps (batch, ladder size = drafted nodes per sequence) to the seconds of one round; a round's
-verify has batch x (size + 1) rows.
+verify has batch x (size + 1) rows. Size 0 is a round without drafting (what choosing 0 leads to: coasting, below),
+so at a probe the choice weighs drafting at all against plain rounds.
 
 Choice. For each ladder size s, one best-first selection over all sequences' nodes takes the batch x s most
 probable (so confident sequences get deep trees and uncertain ones few nodes); the size with the most
@@ -158,9 +159,9 @@ def measure(round_s, batches=(1,), sizes=LADDER, model="", device="") -> CostTab
 
 def reference_round_s(target, drafter, ops, reps=3, prompt_len=8):
     """round_s for the numpy reference: the best of `reps` timings of `batch` rounds of one sequence (the reference
-    runs a batch's sequences one after another) as an auto round runs them at every size, 0 included: the draft and
-    the heap run to the largest ladder size (the choice reads them), then verify of size + 1 rows after an 8-token
-    prompt and the samples."""
+    runs a batch's sequences one after another) as an auto round runs them: the draft and the heap to the largest
+    ladder size (the choice reads them), then verify of size + 1 rows after an 8-token prompt and the samples; size
+    0 without the draft (a coasting round)."""
     width = max(LADDER) + 1
     cache, ctx = target.new_cache(prompt_len + width), drafter.new_context(prompt_len + width)
     positions = np.arange(prompt_len, dtype=np.int32)
@@ -170,7 +171,8 @@ def reference_round_s(target, drafter, ops, reps=3, prompt_len=8):
     drafter.append(ctx, hidden, positions)
 
     def one(size):
-        tree = first_nodes(draft_tree("ddtree", 0, drafter.draft(ctx, 0, prompt_len), max(LADDER)), size)
+        tree = first_nodes(draft_tree("ddtree", 0, drafter.draft(ctx, 0, prompt_len), max(LADDER)), size) if size \
+            else draft_tree("ar", 0, None, 0)
         tokens, positions, mask = verify_inputs(tree, prompt_len)
         logits, _ = target.forward(tokens, positions, cache, mask, hidden_layers=drafter.layer_ids)
         sample(ops, logits, 0.0, 0, 0, positions)

@@ -493,7 +493,7 @@ class DeviceRounds:
 
     def costs(self, reps=3, context=16) -> CostTable:
         """Seconds of one auto round per bucket and ladder size on this device: probe, host read and that size's
-        verify graph, the best of `reps` after the eager run and the capture, with every slot of the bucket
+        verify graph (size 0: the verify graph alone, a round without drafting: budget.Coast), the best of `reps` after the eager run and the capture, with every slot of the bucket
         drafting full trees at `context` committed rows (zero rows: attention reads them all the same). Needs every
         slot parked; all are parked again after."""
         if not self.shape.ladder:
@@ -509,7 +509,8 @@ class DeviceRounds:
                     for i in range(warm + max(reps, 1)):
                         self._dummy_slots(n, context)
                         t0 = time.perf_counter()
-                        self.probe()
+                        if size:                       # size 0: a round without drafting, as coasting runs it
+                            self.probe()
                         self.step(size)
                         best = best if i < warm else min(best, time.perf_counter() - t0)
                     row.append(best)

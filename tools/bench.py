@@ -42,7 +42,14 @@ from pathlib import Path
 
 import numpy as np
 
-from numbaengine.budget import AUTO, LADDER, Calibration, choose_pops
+from numbaengine.budget import (
+    AUTO,
+    LADDER,
+    Calibration,
+    Coast,
+    choose_pops,
+    root_choice,
+)
 from numbaengine.kernels import cache as kernel_cache
 from numbaengine.phases import record, span
 from numbaengine.rank_shard import ALL_REDUCE_STAND_INS, set_drafter
@@ -215,7 +222,8 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp, hold_s=0.0):
         hist = collections.Counter()
         for r in res:
             hist.update({int(k): v for k, v in r.stats["budget_hist"].items()})
-        row |= dict(budget_hist=dict(sorted(hist.items())), cost_table=dev.table and dev.table.to_dict(),
+        row |= dict(budget_hist=dict(sorted(hist.items())), probes=sum(r.stats["probes"] for r in res),
+                    cost_table=dev.table and dev.table.to_dict(),
                     expected_tau=float(np.mean([r.stats["expected_tau"] for r in res])))
     print_row(row)
     return row
@@ -262,14 +270,15 @@ def run_context_case(engine, mode, budget, batch, context, rounds, copy_bw, cp, 
     dev = next(iter(engine.rounds_cache.values()))
     for b in range(batch):                                                   # slots live again, budgets set
         dev.prefill(b, prompt, b)
-    taus, step_s, gpu0, t_end, sizes = [], 0.0, dev.gpu_s, time.perf_counter() + hold_s, []
+    taus, step_s, gpu0, t_end, sizes, coast = [], 0.0, dev.gpu_s, time.perf_counter() + hold_s, [], Coast()
     with span("decode"):
         while not taus or time.perf_counter() < t_end:
             with dev.stream:                                                 # ordered before the rounds
                 dev.lengths.fill(context)
             t1 = time.perf_counter()
             for _ in range(rounds):
-                taus.append(context_step(dev, sizes)[:, 0].copy())
+                out, coast = context_step(dev, sizes, coast)
+                taus.append(out[:, 0].copy())
             step_s += time.perf_counter() - t1
     n, tau = len(taus), float(np.mean(taus))
     round_ms, gpu_ms = step_s / n * 1e3, (dev.gpu_s - gpu0) / n * 1e3
@@ -282,16 +291,20 @@ def run_context_case(engine, mode, budget, batch, context, rounds, copy_bw, cp, 
     return row
 
 
-def context_step(dev, sizes):
+def context_step(dev, sizes, coast):
     """One round of the rounds `dev`; budget auto: the probe, the rectangle rule's choice from its trees (the
-    rounds' measured table, no calibration: the synthetic drafter is random), the chosen size appended to sizes."""
+    rounds' measured table, no calibration: the synthetic drafter is random), the chosen size appended to sizes;
+    no probe while coasting (budget.Coast). Returns (out tokens, coast after the round)."""
     if not dev.shape.ladder:
-        return dev.step()
-    scores = dev.probe()
-    choice = choose_pops([row[np.isfinite(row)] for row in scores[:, 1:]], dev.table, Calibration(), ragged=False,
-                         batch=len(scores))
+        return dev.step(), coast
+    if coast.left:
+        choice = root_choice(dev.bucket())
+    else:
+        scores = dev.probe()
+        choice = choose_pops([row[np.isfinite(row)] for row in scores[:, 1:]], dev.table, Calibration(),
+                             ragged=False, batch=len(scores))
     sizes.append(choice.size)
-    return dev.step(choice.size)
+    return dev.step(choice.size), coast.after(choice)
 
 
 def prefill_times(engine, tokens, cp, reps=3) -> dict:
