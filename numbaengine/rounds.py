@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from numbaengine.budget import (
     AUTO,
     LADDER,
@@ -28,7 +26,7 @@ from numbaengine.budget import (
     CostTable,
     Picks,
     auto_round,
-    choose_pops,
+    choose_rect,
     observe,
     reference_costs,
     root_choice,
@@ -170,7 +168,7 @@ class DeviceSlots:
 
     Budget "auto": each round the probe's trees at the largest ladder size give every slot's expected acceptance;
     the ladder size with the most expected tokens per second of `table` (None: measured from these rounds' graphs
-    when they are made, DeviceRounds.costs) runs (budget.choose_pops, the rectangle rule); the calibration is
+    when they are made, DeviceRounds.costs) runs (budget.choose_rect, the rectangle rule); the calibration is
     carried over rounds."""
     target: object
     drafter: object
@@ -284,13 +282,9 @@ class DeviceSlots:
         if self.coast.left:
             return root_choice(len(runs)), self.dev.step(0)
         scores = self.dev.probe()
-        pops = []
-        for r in runs:
-            row = scores[r.slot, 1:]
-            room = max(0, min(self.width(r), r.limit - r.seq.start - 1))
-            pops.append(row[np.isfinite(row)][:room])
+        rooms = [max(0, min(self.width(r), r.limit - r.seq.start - 1)) for r in runs]
         table = self.table if self.table is not None else self.dev.table
-        choice = choose_pops(pops, table, self.cal, ragged=False, batch=scores.shape[0])
+        choice = choose_rect(scores[[r.slot for r in runs], 1:], rooms, table, self.cal, scores.shape[0])
         return choice, self.dev.step(choice.size)
 
     def commit(self, run, row) -> RoundOut:

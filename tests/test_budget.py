@@ -15,6 +15,7 @@ from numbaengine.budget import (
     CostTable,
     choose,
     choose_pops,
+    choose_rect,
     expected_accepts,
     measure,
     reference_costs,
@@ -177,6 +178,14 @@ def test_rectangle_chooser_is_the_argmax(case):
     assert (got.size, got.nodes) == brute_rectangle(trees, t, cal, bucket), f"case {case}"
     pops = choose_pops([tr.scores[1:] for tr in trees], t, cal, ragged=False, batch=bucket)
     assert pops == got
+    rooms = rng.integers(0, 70, len(trees))                  # the device's form: a padded score matrix, cache rooms
+    scores = np.full((len(trees), 80), -np.inf)
+    for i, tr in enumerate(trees):
+        scores[i, :len(tr) - 1] = tr.scores[1:]
+    cut = [first_nodes(tr, min(int(r), len(tr) - 1)) for tr, r in zip(trees, rooms)]
+    got = choose_rect(scores, rooms, t, cal, bucket)
+    assert (got.size, got.nodes) == brute_rectangle(cut, t, cal, bucket), f"case {case} rooms {rooms}"
+    assert got.rate == pytest.approx((len(trees) + sum(got.calibrated)) / t.round_s(bucket, got.size), rel=1e-12)
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -47,7 +47,7 @@ from numbaengine.budget import (
     LADDER,
     Calibration,
     Coast,
-    choose_pops,
+    choose_rect,
     root_choice,
 )
 from numbaengine.kernels import cache as kernel_cache
@@ -301,8 +301,8 @@ def context_step(dev, sizes, coast):
         choice = root_choice(dev.bucket())
     else:
         scores = dev.probe()
-        choice = choose_pops([row[np.isfinite(row)] for row in scores[:, 1:]], dev.table, Calibration(),
-                             ragged=False, batch=len(scores))
+        choice = choose_rect(scores[:, 1:], np.full(len(scores), scores.shape[1]), dev.table, Calibration(),
+                             len(scores))
     sizes.append(choice.size)
     return dev.step(choice.size), coast.after(choice)
 
