@@ -128,9 +128,13 @@ class CostTable:
             raise ValueError("cost table: no batch rows")
 
     def round_s(self, batch, size) -> float:
+        return float(self.row(batch)[self.sizes.index(size)])
+
+    def row(self, batch):
+        """f64[sizes]: the seconds of a round of `batch` sequences at each size."""
         listed = sorted(self.seconds)
         b = next((x for x in listed if x >= batch), listed[-1])
-        return self.seconds[b][self.sizes.index(size)] * max(1.0, batch / b)
+        return np.asarray(self.seconds[b], np.float64) * max(1.0, batch / b)
 
     @classmethod
     def from_dict(cls, d) -> "CostTable":
@@ -265,10 +269,9 @@ def choose_rect(scores, rooms, table: CostTable, cal: Calibration, batch) -> Cho
     prefix = np.zeros((n, N + 1))
     np.cumsum(np.exp(scores), axis=1, out=prefix[:, 1:])
     nodes = np.minimum(np.asarray(table.sizes)[:, None], avail[None, :])                # [sizes, n]
-    raw = np.take_along_axis(prefix, nodes.T, axis=1).T
+    raw = prefix[np.arange(n), nodes]
     calibrated = cal.apply_all(raw)
-    cost = np.array([table.round_s(batch, size) for size in table.sizes])
-    rates = (n + calibrated.sum(axis=1)) / cost
+    rates = (n + calibrated.sum(axis=1)) / table.row(batch)
     k = int(np.argmax(rates))                                                          # ties: the smaller size
     return Choice(table.sizes[k], tuple(nodes[k].tolist()), tuple(raw[k].tolist()), tuple(calibrated[k].tolist()),
                   float(rates[k]))
