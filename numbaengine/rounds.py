@@ -81,7 +81,7 @@ class HostRounds:
         self.target, self.drafter, self.max_context = target, drafter, max_context
         self.ops = ops if ops is not None else target.ops
         self.table, self.cal, self.ragged = table, Calibration(), ragged
-        self.coast = Coast()                        # auto: rounds left without a probe (budget.Coast)
+        self.coasts = {}                            # auto: Params -> its group's Coast (budget.Coast)
         self.picks = []                             # every auto run's Picks: each gets the batch's calibration
 
     def auto(self, run) -> bool:
@@ -100,7 +100,7 @@ class HostRounds:
         run.picks = Picks() if self.auto(run) else None
         if run.picks is not None:
             self.picks.append(run.picks)
-            self.coast = Coast()                    # a new sequence: probe at the next round
+            self.coasts = {}                        # a new sequence: probe at the next round
 
     def piece(self, run) -> int:
         """The whole prompt: the host prefills it in one forward."""
@@ -139,9 +139,10 @@ class HostRounds:
         return out
 
     def auto_step(self, runs, timer) -> dict:
-        choice, outs, self.cal, self.coast = auto_round([r.seq for r in runs], [self.room(r) for r in runs],
-                                                        self.target, self.drafter, self.ops, runs[0].p, timer,
-                                                        self.table, self.cal, self.ragged, self.coast)
+        p = runs[0].p
+        choice, outs, self.cal, self.coasts[p] = auto_round([r.seq for r in runs], [self.room(r) for r in runs],
+                                                            self.target, self.drafter, self.ops, p, timer, self.table,
+                                                            self.cal, self.ragged, self.coasts.get(p, Coast()))
         for i, r in enumerate(runs):
             r.picks.add(choice, i)
         for picks in self.picks:
@@ -150,7 +151,7 @@ class HostRounds:
 
     def retire(self, runs):
         self.picks = [p for p in self.picks if all(p is not r.picks for r in runs)]
-        self.coast = Coast()
+        self.coasts = {}
 
 
 # --- the device: slots of one DeviceRounds ---------------------------------------------------------------------------
