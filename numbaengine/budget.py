@@ -259,10 +259,11 @@ def choose_pops(pops, table: CostTable, cal: Calibration, ragged=True, batch=Non
 
 
 def choose_rect(scores, rooms, table: CostTable, cal: Calibration, batch) -> Choice:
-    """The rectangle rule in array operations (the device rounds' choice: on a 2-core CI machine 39 us at batch 32
-    and 79 us at 128, against 180 us and 0.67 ms for a loop over sequences and sizes): scores f64[n, N], each row its pops' path log-probs in pop
-    order, -inf past its tree; rooms i64[n], the nodes each sequence may get (cache rows left); batch: the bucket
-    whose cost the round pays. Every sequence gets min(size, its pops, its room) nodes."""
+    """The rectangle rule in array operations (the device rounds' choice; on a 2-core x86 machine 33-39 us at
+    batch 32 and 74-79 us at 128, against 180 us and 0.67 ms for a loop over sequences and sizes): scores
+    f64[n, N], each row its pops' path log-probs in pop order, -inf past its tree; rooms i64[n], the nodes each
+    sequence may get (cache rows left); batch: the bucket whose cost the round pays. Every sequence gets
+    min(size, its pops, its room) nodes."""
     scores = np.asarray(scores, np.float64)
     n, N = scores.shape
     avail = np.minimum(np.isfinite(scores).sum(axis=1), np.asarray(rooms))
@@ -342,8 +343,8 @@ class Picks:
         self.calibrated.append(choice.calibrated[i])
 
     def stats(self) -> dict:
-        """budget_hist {size: rounds}, probes (rounds that drafted), mean nodes verified, expected tau (surrogate and calibrated; the observed one
-        is tau_mean) and the calibration at the end."""
+        """budget_hist {size: rounds}, probes (rounds that drafted), mean nodes verified, expected tau (surrogate
+        and calibrated; the observed one is tau_mean) and the calibration at the end."""
         return dict(budget_hist={s: self.sizes.count(s) for s in sorted(set(self.sizes))}, probes=self.probes,
                     nodes_mean=mean(self.nodes), expected_tau=1 + mean(self.expected),
                     calibrated_tau=1 + mean(self.calibrated), calibration=self.cal.state())

@@ -493,9 +493,10 @@ class DeviceRounds:
 
     def costs(self, reps=3, context=16) -> CostTable:
         """Seconds of one auto round per bucket and ladder size on this device: probe, host read and that size's
-        verify graph (size 0: the verify graph alone, a round without drafting: budget.Coast), the best of `reps` after the eager run and the capture, with every slot of the bucket
-        drafting full trees at `context` committed rows (zero rows: attention reads them all the same). Needs every
-        slot parked; all are parked again after."""
+        verify graph (size 0: the verify graph alone, a round without drafting: budget.Coast), the best of `reps`
+        after the eager run and the capture, with every slot of the bucket drafting full trees at `context`
+        committed rows (zero rows: attention reads them all the same). Needs every slot parked; all are parked
+        again after."""
         if not self.shape.ladder:
             raise ValueError("costs: only rounds made for budget auto (Shape.ladder) choose among sizes")
         if len(self.parked) != self.shape.batch:
