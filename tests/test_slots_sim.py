@@ -291,7 +291,8 @@ def check_buckets(env):
 
 def check_auto(env):
     """Budget auto on the device rounds (ladder 0, 2, 4; two sequences sampled with one seed; greedy auto == ar is
-    a GPU test and a host test): with a table that picks 4 nodes, ar's tokens and every round at that size; rounds
+    a GPU test and a host test): with a table that picks 4 nodes, ar's tokens and every round at that size; with
+    one that picks 0, ar's tokens from rounds that coast after the first probe (verify without a probe); rounds
     made without a table (one slot, ladder 0, 2) measure one from their own rounds (every size, 0 included) and
     still give ar's tokens."""
     from numbaengine.budget import CostTable
@@ -302,15 +303,16 @@ def check_auto(env):
     prompts = [rng.integers(0, e.cfg.vocab_size, 3).tolist(), rng.integers(0, e.cfg.vocab_size, 2).tolist()]
     ladder = (0, 2, 4)
     for temperature in (0.9,):
-        want = [r.tokens for r in e.generate_batch(prompts, 4, mode="ar", temperature=temperature, seed=seed,
+        want = [r.tokens for r in e.generate_batch(prompts, 3, mode="ar", temperature=temperature, seed=seed,
                                                    stop=[])]
-        for pick, secs in ((4, (9.0, 9.0, 1.0)),):           # (size 0 runs in the measured table below)
+        for pick, secs in ((4, (9.0, 9.0, 1.0)), (0, (1.0, 9.0, 9.0))):      # 0: rounds coast (no probe)
             slots = DeviceSlots(e.target, e.drafter, e.max_context, 2, table=CostTable(ladder, {2: secs}),
                                 ladder=ladder, graphs=False)
-            res = gen.generate_on(slots, None, prompts, 4, "ddtree", "auto", temperature, seed, stop=[])
+            res = gen.generate_on(slots, None, prompts, 3, "ddtree", "auto", temperature, seed, stop=[])
             where = f"T {temperature} seed {seed} table {secs} prompts {prompts}"
             assert [r.tokens for r in res] == want, f"{where}: {[r.tokens for r in res]} != ar {want}"
             assert all(r.stats["budget_hist"] == {pick: r.stats["rounds"]} for r in res), where
+            assert all(r.stats["probes"] == (1 if pick == 0 else r.stats["rounds"]) for r in res), where
     slots = DeviceSlots(e.target, e.drafter, e.max_context, 1, ladder=(0, 2), graphs=False, cost_reps=1)
     res = gen.generate_on(slots, None, prompts[:1], 3, "ddtree", "auto", 0.0, seed, stop=[])
     table = slots.dev.table
@@ -347,7 +349,7 @@ def check_staged_prefill(env):
 
 
 SIM_PARTS = 3
-SIM_COST = {"shared_rounds": 200, "chunked_prefill": 56, "sample_rows": 2, "buckets": 165, "auto": 170,
+SIM_COST = {"shared_rounds": 200, "chunked_prefill": 56, "sample_rows": 2, "buckets": 165, "auto": 205,
             "staged_prefill": 110}
 SIM_CASES = {
     "sample_rows": lambda env: check_sample_rows(env),
