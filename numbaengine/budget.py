@@ -18,7 +18,8 @@ kernels over packed rows with a row -> sequence map (MLA, the tree kernels, the 
 
 Coasting. Where trees do not pay (large batches: the drafter costs more than it saves) the probe itself is the
 waste: after a probe that chose the root alone the next rounds verify the root alone without drafting, 1, 2, 4, ..
-COAST_MAX of them as size-0 choices repeat, until a probe chooses a tree (or a sequence joins or leaves). There an
+COAST_MAX of them as size-0 choices repeat, until a probe chooses a tree or the batch changes (a sequence starts
+decoding or leaves: its first round probes). There an
 auto round costs an ar round plus one probe per COAST_MAX rounds.
 
 Exactness. The choice reads only the drafter's probabilities, the cost table and the calibration of past rounds,

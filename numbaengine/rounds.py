@@ -81,7 +81,7 @@ class HostRounds:
         self.target, self.drafter, self.max_context = target, drafter, max_context
         self.ops = ops if ops is not None else target.ops
         self.table, self.cal, self.ragged = table, Calibration(), ragged
-        self.coasts = {}                            # auto: Params -> its group's Coast (budget.Coast)
+        self.coasts = {}                            # auto: Params -> (its group's runs, their Coast)
         self.picks = []                             # every auto run's Picks: each gets the batch's calibration
 
     def auto(self, run) -> bool:
@@ -100,7 +100,6 @@ class HostRounds:
         run.picks = Picks() if self.auto(run) else None
         if run.picks is not None:
             self.picks.append(run.picks)
-            self.coasts = {}                        # a new sequence: probe at the next round
 
     def piece(self, run) -> int:
         """The whole prompt: the host prefills it in one forward."""
@@ -139,10 +138,12 @@ class HostRounds:
         return out
 
     def auto_step(self, runs, timer) -> dict:
-        p = runs[0].p
-        choice, outs, self.cal, self.coasts[p] = auto_round([r.seq for r in runs], [self.room(r) for r in runs],
-                                                            self.target, self.drafter, self.ops, p, timer, self.table,
-                                                            self.cal, self.ragged, self.coasts.get(p, Coast()))
+        p, ids = runs[0].p, tuple(id(r) for r in runs)
+        was, coast = self.coasts.get(p, ((), Coast()))
+        choice, outs, self.cal, coast = auto_round([r.seq for r in runs], [self.room(r) for r in runs], self.target,
+                                                   self.drafter, self.ops, p, timer, self.table, self.cal,
+                                                   self.ragged, coast if was == ids else Coast())
+        self.coasts[p] = (ids, coast)
         for i, r in enumerate(runs):
             r.picks.add(choice, i)
         for picks in self.picks:
@@ -151,7 +152,6 @@ class HostRounds:
 
     def retire(self, runs):
         self.picks = [p for p in self.picks if all(p is not r.picks for r in runs)]
-        self.coasts = {}
 
 
 # --- the device: slots of one DeviceRounds ---------------------------------------------------------------------------
@@ -186,6 +186,7 @@ class DeviceSlots:
     free: list = field(default_factory=list)
     cal: Calibration = field(default_factory=Calibration)
     coast: Coast = field(default_factory=Coast)   # budget auto: rounds left without a probe (budget.Coast)
+    coasting: tuple = ()                          # budget auto: the slots the coast was chosen for
     picks: list = field(default_factory=list)
     PHASES = ("round", "gpu")            # gpu: the device time of the rounds (CUDA events), part of "round"
 
@@ -215,7 +216,6 @@ class DeviceSlots:
         run.picks = Picks() if self.auto(run) else None
         if run.picks is not None:
             self.picks.append(run.picks)
-            self.coast = Coast()                     # a new sequence: probe at the next round
 
     def build(self, shape):
         """The rounds of `shape`: the cached ones (every slot parked) or new ones in place of the cached; for auto
@@ -280,6 +280,9 @@ class DeviceSlots:
     def auto_step(self, runs):
         """Budget auto: the probe, the choice from each run's pops (cut to its cache rows), that size's verify; while
         coasting, the root alone without the probe."""
+        slots = tuple(r.slot for r in runs)
+        if self.coasting != slots:                   # a sequence joined or left: probe now
+            self.coast, self.coasting = Coast(), slots
         if self.coast.left:
             return root_choice(len(runs)), self.dev.step(0)
         scores = self.dev.probe()
@@ -299,7 +302,6 @@ class DeviceSlots:
     def retire(self, runs):
         slots = [r.slot for r in runs]
         self.picks = [p for p in self.picks if all(p is not r.picks for r in runs)]
-        self.coast = Coast()
         if self.dev is not None and slots:
             self.dev.retire(slots)
             self.free = sorted(set(self.free) | set(slots))

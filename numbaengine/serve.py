@@ -292,6 +292,9 @@ def parser():
                     "else ar)")
     ap.add_argument("--budget", type=budget_arg, default=16, help="default DDTree budget, or auto: chosen each "
                     "round (default: %(default)s)")
+    ap.add_argument("--cost-table", metavar="FILE", help="budget auto's seconds of a round per batch and tree size, "
+                    "JSON (numbaengine/budget.py CostTable) (default: measured at the first auto request on numpy, "
+                    "when the rounds are made on cuda)")
     ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens prefilled between two "
                     "decoding rounds; longer prompts go in pieces on the kernel backends (default: %(default)s)")
     ap.add_argument("--served-model-name", help="the model id clients see (default: the model folder's name)")
@@ -305,7 +308,13 @@ def main(argv=None):
     if args.prefill_chunk < 1:
         print(f"error: --prefill-chunk: must be a positive number of tokens, got {args.prefill_chunk}", file=sys.stderr)
         return 2
+    from numbaengine.budget import CostTable
     from numbaengine.engine import Engine
+    try:
+        table = CostTable.load(args.cost_table) if args.cost_table else None
+    except (ValueError, OSError) as e:
+        print(f"error: --cost-table: {e}", file=sys.stderr)
+        return 2
     model, draft = args.model, args.draft
     if model is None:
         model, draft = SHIPPED_PAIR / "target", draft or SHIPPED_PAIR / "draft"
@@ -317,7 +326,8 @@ def main(argv=None):
     name = args.served_model_name or ("numbaengine-default" if args.model is None else str(model).rstrip("/").split("/")[-1])
     metrics = Metrics(args.max_batch)
     fail_ids = engine.tokenizer.encode(args.fail_prompt) if args.fail_prompt else None
-    scheduler = Scheduler(engine, args.max_batch, args.max_queue, metrics.round, fail_ids, args.prefill_chunk)
+    scheduler = Scheduler(engine, args.max_batch, args.max_queue, metrics.round, fail_ids, args.prefill_chunk,
+                          rounds=engine.rounds(args.max_batch, args.prefill_chunk, cost_table=table))
     defaults = dict(mode=args.mode or ("ddtree" if engine.drafter is not None else "ar"), budget=args.budget)
     app = build_app(engine, scheduler, metrics, name, defaults, load_chat_template(model))
     print(f"serving {name} ({engine.backend}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)

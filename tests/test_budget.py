@@ -291,7 +291,7 @@ class CoastDev:
 @pytest.mark.parametrize("cheap", [0, 2])
 def test_device_slots_coast_without_probes(cheap):
     """DeviceSlots with a table where size 0 pays: probe + step(0), then step(0) alone for 1, 2, 4, .. rounds (no
-    probe); where size 2 pays every round probes; a new sequence or a retired one ends a coast."""
+    probe); where size 2 pays every round probes; a sequence leaving or joining the decoding ends a coast."""
     from numbaengine.budget import Picks
     from numbaengine.ddtree import Params, Seq
     from numbaengine.generate import Timer
@@ -308,8 +308,11 @@ def test_device_slots_coast_without_probes(cheap):
     if cheap == 0:
         assert probes == coasted_probes(15) == 4 and dev.calls[:5] == ["probe", 0, 0, "probe", 0], dev.calls
         assert runs[0].picks.stats()["probes"] == 4 and runs[0].picks.stats()["budget_hist"] == {0: 15}
-        slots.retire([])                                         # a sequence leaves: probe at the next round
-        slots.step(runs, Timer(DeviceSlots.PHASES))
+        slots.step(runs[:1], Timer(DeviceSlots.PHASES))          # a sequence left: probe now
+        assert dev.calls[-2:] == ["probe", 0]
+        slots.step(runs[:1], Timer(DeviceSlots.PHASES))
+        assert dev.calls[-1:] == [0]
+        slots.step(runs, Timer(DeviceSlots.PHASES))              # it is back (a new one joined): probe now
         assert dev.calls[-2:] == ["probe", 0]
     else:
         assert probes == 15 and set(dev.calls[1::2]) == {2}, dev.calls

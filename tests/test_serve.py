@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from numbaengine.budget import LADDER
+from numbaengine.budget import LADDER, CostTable
 from numbaengine.weights import SHIPPED_PAIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,10 +99,24 @@ def chat_model():
 
 
 @pytest.fixture(scope="module")
-def main(chat_model):
+def main(chat_model, tmp_path_factory):
+    """The chat model with the shipped drafter; budget auto picks 16 nodes every round (--cost-table), so its
+    metrics do not depend on this CPU's timings."""
+    table = tmp_path_factory.mktemp("costs") / "table.json"
+    CostTable(LADDER, {8: tuple(1.0 if s == 16 else 9.0 for s in LADDER)}).save(table)
     with server("--model", chat_model, "--draft", SHIPPED_PAIR / "draft", "--max-batch", 8,
-                "--fail-prompt", FAIL) as (url, _):
+                "--fail-prompt", FAIL, "--cost-table", table) as (url, _):
         yield url
+
+
+def test_bad_cost_table_is_one_line(tmp_path, capsys):
+    from numbaengine.serve import main as serve_main
+    bad = tmp_path / "t.json"
+    bad.write_text('{"sizes": [0, 2], "seconds": {"1": [1.0]}}')
+    for path in (bad, tmp_path / "missing.json"):
+        assert serve_main(["--cost-table", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --cost-table:") and err.count("\n") == 1, err
 
 
 @pytest.fixture(scope="module")
