@@ -51,6 +51,7 @@ from numbaengine.kernels.moe import (
     moe_workspace,
     router,
     router_slices,
+    stage_cuts,
 )
 from numbaengine.kernels.norm import add_rmsnorm, rmsnorm
 from numbaengine.kernels.rope import qk_norm_rope, rope
@@ -406,7 +407,8 @@ class KernelOps:
         ws = self._moe_ws.get(key)
         if ws is None or ws.n_max < n:
             ws = self._moe_ws[key] = moe_workspace(n, top_k, x.shape[1], inter, n_exp, self._alloc)
-        moe_experts(x, idx, wts, experts, ws)          # kernels.moe.moe, with the join before the combine
+        cuts = stage_cuts(experts, n, top_k, self.moe_cfg)      # token tiles by n (a shape fixed per graph)
+        moe_experts(x, idx, wts, experts, ws, *cuts)            # kernels.moe.moe, with the join before the combine
         if after is not None:
             after.join()
         moe_combine(out, shared, ws, idx, experts)

@@ -2,6 +2,7 @@
 (a child process, tiny shapes) and on a GPU (K2 shapes, marked gpu). Routing cases: random, an expert with no tokens,
 all tokens on one expert (several work items for it), a shared-expert add."""
 import cuda_cases as C
+import numpy as np
 import pytest
 from cudasim import Env, simulator_test
 
@@ -15,6 +16,11 @@ BULK = (ExpertConfig(R=2, WR=1, WK=1, T=1, U=2, S=2, blocks_per_sm=2), SMALL[1])
 # gate_up through bulk rings with more warps along k than k-steps (H = 128: one step for WK = 2, the engine's cut on
 # the tiny test models): the warp with no step must issue no (zero-byte) copy
 BULK_WK2 = (ExpertConfig(R=2, WR=1, WK=2, T=1, U=2, S=2, blocks_per_sm=2), SMALL[1])
+# token tiles (T = 2: items of up to 16 slots, each dequantized weight fragment applied to two 8-slot tiles): gate_up
+# through the bulk rings, checked against moe_ref and bit for bit against the register path at the same T (one
+# expert holds all 20 tokens: an item of 16 slots and one of 4)
+TILES2 = (ExpertConfig(R=2, WR=1, WK=1, T=2, U=2, S=2, blocks_per_sm=2),
+          ExpertConfig(R=2, WR=1, WK=1, T=2, blocks_per_sm=2))
 STAMPED = (ExpertConfig(R=1, WR=1, WK=1, T=1, blocks_per_sm=2), ExpertConfig(R=1, WR=2, WK=1, T=1, blocks_per_sm=1))
 SIM_CASES = {
     "moe_int4_bulk_warp_without_k_steps": lambda env: C.check_moe(env, 3, 128, 64, 4, 2, "random", cfgs=BULK_WK2,
@@ -32,11 +38,16 @@ SIM_CASES = {
                                                               seed=3),
     "moe_int4_70_experts_plan_scans_3_warps": lambda env: C.check_moe(env, 3, 128, 64, 70, 2, "random",
                                                                       cfgs=SMALL, seed=5, warp_slots=0),
+    "moe_int4_token_tiles_2": lambda env: C.check_moe(env, 20, 128, 64, 4, 2, "one_hot", cfgs=TILES2, tiled=2,
+                                                      seed=13),
     # more units than blocks (4 per block at gate_up: 8 past STAMP_UNITS are counted only), both stages
     "moe_stamps": lambda env: C.check_moe_stamps(env, 3, 128, 64, 4, 2, STAMPED),
     "plan_warp_32_slots": lambda env: C.check_plan(env, 16, 40, 2, "one_hot", held=(0, 24), seed=6),  # 2 items
     "plan_warp_one_token_held": lambda env: C.check_plan(env, 1, 384, 8, "random", held=(100, 200), seed=7),
     "plan_block_33_slots": lambda env: C.check_plan(env, 11, 40, 3, "one_hot", held=(0, 32), seed=8),
+    # 600 slots over two warps' segments of 320 and 280 (10 and 9 rounds of 32): counts, places, items
+    "plan_block_segments": lambda env: C.check_plan(env, 150, 70, 4, "one_hot", held=(0, 70), warp_slots=0,
+                                                    seed=11),
     "plan_block_forced_held": lambda env: C.check_plan(env, 5, 70, 4, "random", held=(8, 40), warp_slots=0, seed=9),
     "router_one_group_ragged_block": lambda env: C.check_router(env, 3, 64, 18, 4, 1, 1),   # 8 experts per block
     "router_grouped": lambda env: C.check_router(env, 3, 64, 16, 4, 4, 2),
@@ -55,7 +66,7 @@ SIM_CASES = {
     "router_nan_row_picks_experts": lambda env: C.check_router(env, 2, 64, 16, 4, 1, 1, seed=4, nan_row=True),
 }
 
-SIM_COST = {"moe_int4_bulk_rings": 25, "moe_int4_prep_2_blocks_per_row": 30, "moe_stamps": 15,
+SIM_COST = {"moe_int4_bulk_rings": 25, "moe_int4_token_tiles_2": 9, "moe_int4_prep_2_blocks_per_row": 30, "moe_stamps": 15,
             "moe_int4_70_experts_plan_scans_3_warps": 45,
             "router_twin_experts_exact_ties": 10, "router_mma_logits": 8,
             "router_mma_through_the_op_table": 11, "router_picks_past_the_kept_groups": 6}
@@ -84,6 +95,40 @@ def test_gpu_moe_int4_bulk_few_k_steps(hidden):
     """The engine's default cuts (bulk gate_up, WK = 2) where H has 1 or 2 k-steps: a warp with no step issues no
     copy (H = 128 faulted the tiny engine's prefill: CUDA_ERROR_LAUNCH_FAILED)."""
     C.check_moe(Env(gpu=True), 9, hidden, 64, 4, 2, "random", tiled=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [2, 8])
+def test_gpu_moe_int4_token_tiles(T):
+    """Prompt-sized MoE at K2 widths (288 tokens, 16 experts: about 144 slots each) with T token tiles per item on
+    the engine's layout, cut as kernels.moe.stage_cuts cuts T > 1: against moe_ref and bit for bit the register path
+    at the same T (T = 8 spills registers: correct, not fast)."""
+    from dataclasses import replace
+
+    from numbaengine.kernels.moe import MOE_DEFAULT, default_cuts
+    cuts = tuple(replace(c, T=T, min_blocks=2, blocks_per_sm=4) for c in default_cuts(MOE_DEFAULT.tiled))
+    C.check_moe(Env(gpu=True), 288, 7168, 2048, 16, 8, "random", cfgs=cuts, tiled=MOE_DEFAULT.tiled, seed=T)
+
+
+@pytest.mark.gpu
+def test_gpu_plan_4096_tokens():
+    """The routing plan of a 4,096-token K2 prompt (32,768 slots over 384 experts: every warp segment full)."""
+    C.check_plan(Env(gpu=True), 4096, 384, 8, "random", seed=14)
+
+
+def test_token_tiles_rule():
+    """T is the fewest power-of-two tiles holding an expert's mean share of the slots, capped; both cuts take it."""
+    from numbaengine.kernels.moe import (
+        DeviceExperts,
+        MoeConfig,
+        stage_cuts,
+        token_tiles,
+    )
+    assert [token_tiles(n, 8, 384, 8) for n in (1, 17, 384, 385, 512, 1536, 4096)] == [1, 1, 1, 2, 2, 4, 8]
+    assert token_tiles(4096, 8, 384, 1) == 1 and token_tiles(4096, 8, 384, 4) == 4
+    ex = DeviceExperts(np.zeros((384, 2 * 64, 128 // 8), np.uint32), None, np.zeros(1), tiled=0)
+    gate_up, down = stage_cuts(ex, 1536, 8, MoeConfig(token_tiles=8))
+    assert gate_up.T == down.T == 4 and stage_cuts(ex, 1536, 8)[0].T == 1
 
 
 @pytest.mark.gpu

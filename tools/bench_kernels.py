@@ -40,6 +40,9 @@ MOE_VARIANTS = {
     "bound2_8w": dict(tiled=0, gu=dict(WR=4, WK=2, blocks_per_sm=4, min_blocks=2),   # register gate_up, 8-warp
                       dn=dict(WR=8, WK=1, blocks_per_sm=4, min_blocks=2)),           # blocks, 2 per SM
 }
+# many-token MoE (issue 49: prompts): token counts, and the kernels.moe.MoeConfig.token_tiles values compared there
+MANY_NS = (512, 4096)          # about 11 and 85 slots per K2 expert: bytes decide, then arithmetic
+MANY_TILES = (1, 2)
 # tag -> (token counts it is timed at, overrides of gemm_config's cut); xs=2: the activations as hi + lo bf16 parts
 GEMM_MS = (1, 9, 17, 33, 65)
 GEMM_VARIANTS = {"mma": (GEMM_MS, dict(WG=0)),      # the mma path (gemm_config's cut without WG) against wgmma
@@ -305,6 +308,63 @@ def bench_moe(cp, cuda, results, copy_bw, quick, tags=None, sweep_ns=(1, 17)):
 
 
 # -------------------------------------------------------------------------------------------------------- dense
+def dense_peak(cp, n=8192, reps=10):
+    """FLOP/s of cuBLAS's fp16 n x n x n GEMM (CuPy; the tensor cores' bf16 rate is the same): the rate of the FLOP
+    floors, measured in the same run."""
+    a = cp.random.standard_normal((n, n), dtype=cp.float32).astype(cp.float16)
+    b, c = a.T.copy(), cp.empty((n, n), cp.float16)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        cp.matmul(a, b, out=c)
+        ms = event_time(cp, lambda: cp.matmul(a, b, out=c), reps, s)
+    return 2 * n ** 3 / (ms * 1e-3)
+
+
+def bench_moe_many(cp, cuda, results, copy_bw):
+    """The INT4 MoE layer (plan + prep, gate_up, down, combine: one graph) at prompt sizes, beside the larger of its
+    byte floor (live experts' weights + x in + out, at copy bandwidth) and its FLOP floor (2 * n * k * 3 * H * I at
+    the dense peak), for each token-tile count the engine can pick (kernels.moe.stage_cuts)."""
+    from numbaengine.kernels.moe import (
+        MOE_DEFAULT,
+        MoeConfig,
+        moe_combine,
+        moe_experts,
+        moe_workspace,
+        stage_cuts,
+    )
+    peak = dense_peak(cp)
+    results["dense_peak_tflops"] = peak / 1e12
+    print(f"dense peak (cuBLAS fp16 8192^3): {peak / 1e12:.0f} TFLOP/s", flush=True)
+    rng = np.random.default_rng(1)
+    dv = cuda.as_cuda_array
+    ex = k2_experts(cp, dv, rand_words(cp, (E, 2 * I, H // 8)), rand_bf16(cp, (E, 2 * I, H // GROUP), 0.002, 0.01),
+                    rand_words(cp, (E, H, I // 8)), rand_bf16(cp, (E, H, I // GROUP), 0.002, 0.01), MOE_DEFAULT.tiled)
+    ws = moe_workspace(max(MANY_NS), TOPK, H, I, E, lambda shape, dtype: dv(cp.zeros(shape, dtype)))
+    rows = results.setdefault("moe_many", [])
+    for n in MANY_NS:
+        idx, wts = routing(rng, n)
+        x, out = dv(cp.random.standard_normal((n, H), dtype=cp.float32)), dv(cp.zeros((n, H), cp.float32))
+        di, dw = dv(cp.asarray(idx)), dv(cp.asarray(wts))
+        distinct = len(np.unique(idx))
+        nbytes, flops = distinct * EXPERT_BYTES + 2 * n * H * 4, 2 * n * TOPK * 3 * H * I
+        byte_ms, flop_ms = nbytes / copy_bw / 1e6, flops / peak * 1e3
+        for t in MANY_TILES:
+            cuts = stage_cuts(ex, n, TOPK, MoeConfig(tiled=MOE_DEFAULT.tiled, token_tiles=t))
+
+            def layer():
+                moe_experts(x, di, dw, ex, ws, *cuts)
+                moe_combine(out, None, ws, di, ex)
+            g_ms, e_ms = timed(cp, layer, 3)
+            row = dict(op="moe_int4_many", n=n, T=cuts[0].T, distinct_experts=distinct, bytes=nbytes, flops=flops,
+                       graph_ms=g_ms, eager_ms=e_ms, byte_floor_ms=byte_ms, flop_floor_ms=flop_ms,
+                       pct_floor=100 * max(byte_ms, flop_ms) / g_ms, tflops=flops / g_ms / 1e9,
+                       gate_up_cfg=cuts[0].__dict__, down_cfg=cuts[1].__dict__)
+            rows.append(row)
+            print(f"moe many n={n:5d} T={row['T']} experts={distinct:3d} graph {g_ms:8.3f} ms  floors: bytes "
+                  f"{byte_ms:.3f} ms, FLOPs {flop_ms:.3f} ms -> {row['pct_floor']:5.1f}% of the larger  "
+                  f"{row['tflops']:6.1f} TFLOP/s", flush=True)
+
+
 def bench_gemm(cp, cuda, results, copy_bw, quick, tags=None, shapes=None):
     """Each K2 shape at GEMM_MS tokens: the default cut and the variants at their token counts (the best per m is
     reported); then the per-head GEMMs."""
@@ -472,6 +532,8 @@ def summary(results):
     for r in moe:
         goal = " (goal >= 75%, target 85%)" if r["n"] <= 17 else ""
         lines.append(f"MoE INT4 n={r['n']:2d}: {r['pct_copy']:5.1f}% of copy{goal}")
+    for r in results.get("moe_many", []):
+        lines.append(f"MoE INT4 n={r['n']} T={r['T']}: {r['pct_floor']:5.1f}% of its floor (goal >= 50%)")
     best = {}
     for r in results.get("gemm", []):
         key = (r["name"], r["m"])
@@ -530,7 +592,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_kernels.json")
     ap.add_argument("--quick", action="store_true", help="default cuts only")
-    ap.add_argument("--only", choices=("moe", "gemm", "attention"), action="append")
+    ap.add_argument("--only", choices=("moe", "moe_many", "gemm", "attention"), action="append")
     ap.add_argument("--variants", help="comma-separated MOE_VARIANTS / GEMM_VARIANTS tags to sweep (default: all)")
     ap.add_argument("--gemm-shapes", help="comma-separated K2_GEMMS names to time (default: all)")
     ap.add_argument("--moe-sweep-ns", default="1,17", help="token counts the MoE variants are compared at")
@@ -550,9 +612,10 @@ def main(argv=None):
     copy_bw, copies = copy_bandwidth(cp)
     results = dict(device=dev["name"].decode(), sms=dev["multiProcessorCount"], copy_gbps=copy_bw, copies=copies)
     print(f"device {results['device']}: copy {copy_bw:.0f} GB/s (read + write) {copies}", flush=True)
-    only = set(args.only or ("moe", "gemm", "attention"))
+    only = set(args.only or ("moe", "moe_many", "gemm", "attention"))
     tags = set(args.variants.split(",")) if args.variants is not None else None
     sections = [("moe", lambda: bench_moe(cp, cuda, results, copy_bw, args.quick, tags, sweep_ns)),
+                ("moe_many", lambda: bench_moe_many(cp, cuda, results, copy_bw)),
                 ("gemm", lambda: bench_gemm(cp, cuda, results, copy_bw, args.quick, tags,
                                                     args.gemm_shapes and args.gemm_shapes.split(",")))]
     if importlib.util.find_spec("tools.bench_attention") is not None:

@@ -153,6 +153,10 @@ if SIM:
     def lane_id():
         return threading.current_thread().thread_id % 32
 
+    def match_rank(value):
+        values, lane = collective(value, list)
+        return sum(v == value for v in values[:lane]), sum(v == value for v in values)
+
     def syncwarp():
         """The simulator's warp exchange is a barrier of the warp (and its shared memory is one array)."""
         collective(0, list)
@@ -429,6 +433,12 @@ else:
     @cuda.jit(device=True, forceinline=True)
     def lane_id():
         return int32(cuda.laneid)
+
+    @cuda.jit(device=True, forceinline=True)
+    def match_rank(value):
+        """(lanes below this one holding the same value, lanes holding it): match.any and two popc."""
+        m = cuda.match_any_sync(FULL, value)
+        return int32(cuda.popc(m & cuda.lanemask_lt())), int32(cuda.popc(m))
 
     @cuda.jit(device=True, forceinline=True)
     def syncwarp():

@@ -7,10 +7,10 @@ The NumPy reference is reference.router_ref / moe_ref; here the router, the rout
 bf16) run on the mma GEMM core of kernels/gemm.py.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, uint16, uint32, uint64
 
 from numbaengine.kernels.bulk import (
     bulk_load,
@@ -29,6 +29,7 @@ from numbaengine.kernels.device import (
     grid_dep,
     lane_id,
     ld16,
+    match_rank,
     pack_bf16x2,
     shfl_idx,
     stamp_point,
@@ -52,7 +53,8 @@ from numbaengine.kernels.prep import build_prep_unit
 from numbaengine.reference import Experts
 
 MAX_E = 1024          # experts per layer the router/plan kernels handle (one thread each)
-MAX_SLOTS = 4096      # tokens * top_k the plan kernel handles
+MAX_SLOTS = 32768     # tokens * top_k the plan kernel handles (its per-segment counts are uint16)
+PLAN_SEGS = 16        # warps of the block plan, each ranking one contiguous segment of the slots
 PLAN_WARP_SLOTS = 32  # routings of up to this many slots (<= 32) are planned by one warp without barriers (H200,
 #                       K2, n = 1: 4.8-5.2 us against 7.9-8.5 for the block plan)
 NEG_INF = float32(-np.inf)
@@ -132,6 +134,10 @@ class MoeConfig:
     #                  rings, BULK_GATE_UP_CFG, whose R it must equal), 0: int4_tiles rows on the register path
     #                  (GATE_UP_CFG). H200, gate_up alone, % of copy at n = 1 / 4 / 9 / 17 / 33 (python -m
     #                  tools.bench_kernels --only moe): 70 / 80 / 84 / 84 / 82 against 62 / 73 / 78 / 80 / 72 on rows
+    token_tiles: int = 1   # most token tiles (8 slots each) of one work item (`token_tiles`): an item applies each
+    #                        dequantized weight fragment to up to 8 * T slots of its expert (many-token prompts).
+    #                        1 until T = 2 is timed (python -m tools.bench_kernels --only moe_many); T >= 4 spills
+    #                        registers in this kernel even at 255 (ptxas sm_90a: 36-244 bytes)
 
 
 MOE_DEFAULT = MoeConfig()
@@ -440,6 +446,17 @@ def _plan_warp(idx, ns, top_k, e0, n_exp, cap, sorted_slot, item_e, item_start, 
         n_items[0] = total
 
 
+@device
+def _held(idx, i, ns, top_k, e0, n_exp):
+    """Local expert of slot i (t * top_k + j), or -1 past the slots or for an expert of another device."""
+    e = int32(-1)
+    if i < ns:
+        e = int32(idx[i // top_k, i % top_k] - e0)
+        if e < 0 or e >= n_exp:
+            e = int32(-1)
+    return e
+
+
 def _build_plan(perm, warp_slots):
     """The plan kernel; routings of <= warp_slots slots take _plan_warp (PLAN_WARP_SLOTS)."""
     prep_unit = cached(build_prep_unit, 1, perm, 0)
@@ -448,7 +465,10 @@ def _build_plan(perm, warp_slots):
     def plan(idx, n, top_k, e0, n_exp, cap, sorted_slot, item_e, item_start, item_len, n_items, x, xb, kdim):
         """Block 0: the routing plan: slots (t * k + j) of the experts held here (global ids e0 .. e0+n_exp-1)
         grouped by local expert (stable: slot order inside an expert), and work items of <= cap slots per expert,
-        in expert order. Outputs sized n_max*k (fixed); n_items[0] = live items. Blocks 1..: the B operand of
+        in expert order. Outputs sized n_max*k (fixed); n_items[0] = live items. Above warp_slots slots, each of
+        PLAN_SEGS warps takes a contiguous segment: it counts its slots per expert (match_rank per 32 slots), the
+        counts give each segment its first place inside each expert, and a second pass writes the slots there in
+        order (no atomics: stable, the same plan every run). Blocks 1..: the B operand of
         gate_up, xb = prep of x f32[n, kdim] (gemm's prep: bf16 pairs, perm=1 the INT4 column order), row
         (b - 1) // per_row. Launch: grid 1 + n * ceil(kdim / 8 / block), block 1024 (>= n_exp). Moves the
         routing (n*k*4 bytes) in and the plan (about 4*n*k*4) out; x once (n*kdim*4) and xb once (n*kdim*2)."""
@@ -464,35 +484,45 @@ def _build_plan(perm, warp_slots):
             if tid < 32:
                 _plan_warp(idx, ns, top_k, e0, n_exp, cap, sorted_slot, item_e, item_start, item_len, n_items, tid)
             return
-        sh_idx = cuda.shared.array(MAX_SLOTS, int32)
+        seg = cuda.shared.array((PLAN_SEGS, MAX_E), uint16)   # per (warp, expert): slots, then first place
         cnt = cuda.shared.array(MAX_E, int32)
         inc = cuda.shared.array(MAX_E, int32)
         iinc = cuda.shared.array(MAX_E, int32)
-        for i in range(tid, ns, bs):
-            e = idx[i // top_k, i % top_k] - e0
-            sh_idx[i] = e if e >= 0 and e < n_exp else -1                # -1: an expert of another device
-        for e in range(tid, n_exp, bs):
-            cnt[e] = 0
+        warp, lane = tid // 32, lane_id()
+        nseg = min(PLAN_SEGS, bs // 32)
+        seg_len = (ns + 32 * nseg - 1) // (32 * nseg) * 32                # warp w ranks slots [w, w+1) * seg_len
+        s0, s1 = warp * seg_len, min((warp + 1) * seg_len, ns)
+        for i in range(tid, nseg * n_exp, bs):
+            seg[i // n_exp, i % n_exp] = 0
         cuda.syncthreads()
-        for i in range(tid, ns, bs):
-            if sh_idx[i] >= 0:
-                cuda.atomic.add(cnt, sh_idx[i], 1)
+        if warp < nseg:                                                  # count each expert's slots per segment
+            for c in range(s0, s1, 32):
+                e = _held(idx, c + lane, ns, top_k, e0, n_exp)
+                rank, same = match_rank(e)
+                if e >= 0 and rank == 0:
+                    seg[warp, e] += same
+                syncwarp()
         cuda.syncthreads()
-        for e in range(tid, n_exp, bs):
-            inc[e] = cnt[e]
-            iinc[e] = (cnt[e] + cap - 1) // cap
+        for e in range(tid, n_exp, bs):                                  # segments' first places inside the expert
+            run = 0
+            for w in range(nseg):
+                c = int32(seg[w, e])
+                seg[w, e] = run
+                run += c
+            cnt[e], inc[e], iinc[e] = run, run, (run + cap - 1) // cap
         cuda.syncthreads()
         _scan_shared(inc, n_exp)
         _scan_shared(iinc, n_exp)
-        for i in range(tid, ns, bs):
-            e = sh_idx[i]
-            if e < 0:
-                continue
-            rank = 0
-            for j in range(i):
-                if sh_idx[j] == e:
-                    rank += 1
-            sorted_slot[inc[e] - cnt[e] + rank] = i
+        if warp < nseg:                                                  # place the slots, in order
+            for c in range(s0, s1, 32):
+                e = _held(idx, c + lane, ns, top_k, e0, n_exp)
+                rank, same = match_rank(e)
+                if e >= 0:
+                    sorted_slot[inc[e] - cnt[e] + int32(seg[warp, e]) + rank] = c + lane
+                syncwarp()
+                if e >= 0 and rank == 0:
+                    seg[warp, e] += same
+                syncwarp()
         for e in range(tid, n_exp, bs):
             c, first = cnt[e], inc[e] - cnt[e]
             it = iinc[e] - (c + cap - 1) // cap
@@ -794,6 +824,27 @@ def _sm_count():
 def default_cuts(tiled):
     """(gate_up, down) cuts the engine uses for gate_up in the bulk layout (tiled = R > 0) or in rows (0)."""
     return (BULK_GATE_UP_CFG if tiled else GATE_UP_CFG), DOWN_CFG
+
+
+def token_tiles(n, top_k, n_exp, most):
+    """Token tiles per work item for n tokens: the fewest (a power of two, <= most) whose 8 * T slots hold an
+    expert's mean share of the n * top_k slots, so each expert's weights are dequantized once per item, not once
+    per 8 slots."""
+    t = 1
+    while t < most and 8 * t * n_exp < n * top_k:
+        t *= 2
+    return t
+
+
+def stage_cuts(experts, n, top_k, cfg: MoeConfig = MOE_DEFAULT):
+    """(gate_up, down) cuts of the experts' layout for n tokens, T = token_tiles (the plan's items follow it). T > 1
+    takes 2 blocks per SM (up to 255 registers): at the default's 4 (128 registers) T = 2 spills 168-232 bytes, at 2
+    it fits (243-246 registers; ptxas sm_90a)."""
+    gate_up, down = default_cuts(experts.tiled)
+    t = token_tiles(n, top_k, moe_dims(experts)[1], cfg.token_tiles)
+    if t == 1:
+        return gate_up, down
+    return (replace(gate_up, T=t, min_blocks=2, blocks_per_sm=4), replace(down, T=t, min_blocks=2, blocks_per_sm=4))
 
 
 def _cfgs(experts, cfg_gate_up, cfg_down):
