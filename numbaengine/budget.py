@@ -335,6 +335,7 @@ class Picks:
     calibrated: list = field(default_factory=list)
     probes: int = 0                     # rounds that drafted to choose (the others coasted: budget.Coast)
     cal: Calibration = field(default_factory=Calibration)
+    table_from: str = ""                # where the cost table came from: "given", "measured" or its saved file
 
     def add(self, choice: Choice, i):
         self.probes += choice.probed
@@ -345,10 +346,11 @@ class Picks:
 
     def stats(self) -> dict:
         """budget_hist {size: rounds}, probes (rounds that drafted), mean nodes verified, expected tau (surrogate
-        and calibrated; the observed one is tau_mean) and the calibration at the end."""
+        and calibrated; the observed one is tau_mean), the calibration at the end and the cost table's origin."""
         return dict(budget_hist={s: self.sizes.count(s) for s in sorted(set(self.sizes))}, probes=self.probes,
                     nodes_mean=mean(self.nodes), expected_tau=1 + mean(self.expected),
-                    calibrated_tau=1 + mean(self.calibrated), calibration=self.cal.state())
+                    calibrated_tau=1 + mean(self.calibrated), calibration=self.cal.state(),
+                    cost_table_from=self.table_from)
 
 
 def mean(xs) -> float:

@@ -81,6 +81,7 @@ class HostRounds:
         self.target, self.drafter, self.max_context = target, drafter, max_context
         self.ops = ops if ops is not None else target.ops
         self.table, self.cal, self.ragged = table, Calibration(), ragged
+        self.table_from = "given"
         self.coasts = {}                            # auto: Params -> (its group's runs, their Coast)
         self.picks = []                             # every auto run's Picks: each gets the batch's calibration
 
@@ -95,9 +96,9 @@ class HostRounds:
 
     def begin(self, run, busy):
         if self.auto(run) and self.table is None:           # the reference round timed now (about half a second)
-            self.table = reference_costs(self.target, self.drafter, self.ops)
+            self.table, self.table_from = reference_costs(self.target, self.drafter, self.ops), "measured"
         run.limit = cache_rows(run, self.width(run), self.max_context)
-        run.picks = Picks() if self.auto(run) else None
+        run.picks = Picks(table_from=self.table_from) if self.auto(run) else None
         if run.picks is not None:
             self.picks.append(run.picks)
 
@@ -169,8 +170,8 @@ class DeviceSlots:
 
     Budget "auto": each round the probe's trees at the largest ladder size give every slot's expected acceptance;
     the ladder size with the most expected tokens per second of `table` (None: measured from these rounds' graphs
-    when they are made, DeviceRounds.costs) runs (budget.choose_rect, the rectangle rule); the calibration is
-    carried over rounds."""
+    when they are made, DeviceRounds.costs, and kept in the kernel cache folder: numbaengine/cost_store.py) runs
+    (budget.choose_rect, the rectangle rule); the calibration is carried over rounds."""
     target: object
     drafter: object
     max_context: int
@@ -213,13 +214,16 @@ class DeviceSlots:
             self.build(shape)
         run.limit = cache_rows(run, self.width(run), self.max_context)
         run.slot = self.free.pop(0)
-        run.picks = Picks() if self.auto(run) else None
+        table_from = "given" if self.table is not None else getattr(self.dev, "table_from", "measured")
+        run.picks = Picks(table_from=table_from) if self.auto(run) else None
         if run.picks is not None:
             self.picks.append(run.picks)
 
     def build(self, shape):
         """The rounds of `shape`: the cached ones (every slot parked) or new ones in place of the cached; for auto
-        with no table given, their cost table measured now (every slot is parked)."""
+        with no table given, their cost table read from the kernel cache folder or measured now (every slot is
+        parked) and saved there (numbaengine/cost_store.py)."""
+        from numbaengine.cost_store import rounds_key, table_for
         from numbaengine.device_round import DeviceRounds, Replicated
         self.dev = self.cache.get(shape)
         if self.dev is None:
@@ -229,7 +233,8 @@ class DeviceSlots:
             self.cache[shape] = self.dev
         self.dev.retire(list(range(shape.batch)))
         if shape.ladder and self.table is None and getattr(self.dev, "table", None) is None:
-            self.dev.table = self.dev.costs(self.cost_reps)
+            key = rounds_key(self.target, self.drafter, shape, self.ranks, self.graphs)
+            self.dev.table, self.dev.table_from = table_for(key, lambda: self.dev.costs(self.cost_reps))
         self.free = list(range(shape.batch))
 
     def piece(self, run) -> int:

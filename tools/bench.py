@@ -223,7 +223,7 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp, hold_s=0.0):
         for r in res:
             hist.update({int(k): v for k, v in r.stats["budget_hist"].items()})
         row |= dict(budget_hist=dict(sorted(hist.items())), probes=sum(r.stats["probes"] for r in res),
-                    cost_table=dev.table and dev.table.to_dict(),
+                    cost_table=dev.table and dev.table.to_dict(), cost_table_from=getattr(dev, "table_from", "given"),
                     expected_tau=float(np.mean([r.stats["expected_tau"] for r in res])))
     print_row(row)
     return row

@@ -45,6 +45,8 @@ MAGIC = b"NBEKRNL\n"
 _HEADER = struct.Struct("<8sI32s32sQ")       # magic, format, key, sha256(payload), payload bytes
 _ENTRY = re.compile(r"[0-9a-f]{64}\.nbk")
 _TEMP = re.compile(r"\.[0-9a-f]{64}\..+\.tmp")
+_TABLE = re.compile(r"[0-9a-f]{64}\.json")
+COST_TABLES = "cost_tables"                  # budget auto's measured cost tables (numbaengine/cost_store.py)
 _LIBRARIES = ("numba", "numba_cuda", "llvmlite", "numpy", "cuda")
 _PACKAGES = ("numba", "numba-cuda", "llvmlite", "numpy", "cuda-bindings", "cuda-core", "nvidia-nvvm",
              "nvidia-nvjitlink", "nvidia-cuda-nvcc")
@@ -343,11 +345,17 @@ def usage(directory) -> tuple[int, int]:
 
 
 def clear(directory) -> int:
-    """Remove the files this cache wrote in `directory` (nothing else) -> how many."""
+    """Remove the files this cache wrote in `directory` and the cost tables kept beside them (nothing else)
+    -> how many."""
+    tables = Path(directory) / COST_TABLES
     files = cache_files(directory)
+    if tables.is_dir():
+        files += [p for p in tables.iterdir() if _TABLE.fullmatch(p.name) or _TEMP.fullmatch(p.name)]
     for p in files:
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
+    with contextlib.suppress(OSError):
+        tables.rmdir()                       # only when empty
     return len(files)
 
 
