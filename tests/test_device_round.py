@@ -260,6 +260,19 @@ def test_gpu_buckets():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 100, 2000])
+def test_gpu_prompt_lengths_match_numpy(n):
+    """Prompts of 1, 100 and 2,000 tokens (2,000: three 512-row prefill graphs and one of 464 rows padded to 512,
+    then rounds) give the reference's greedy tokens."""
+    ref, dev = engines()
+    prompt = np.random.default_rng(n).integers(0, dev.cfg.vocab_size, n).tolist()
+    got = dev.generate(prompt, 16, "ddtree", 16, stop=[]).tokens
+    want = ref.generate(prompt, 16, "ddtree", 16, stop=[]).tokens
+    assert len(got) == 16
+    assert_reference_tokens(ref, prompt, got, want, f"prompt of {n} tokens")
+
+
+@pytest.mark.gpu
 def test_gpu_prefill_graphs(monkeypatch):
     """Prompt pieces as captured graphs on the staging slot (each graph size; a 700-token prompt: pieces of 512 and
     188) give the tokens of the eager prefill straight into the slot, greedy, also when a graph replays (the second
