@@ -1,0 +1,72 @@
+"""tools/report.py: the tables and the goals they decide, from bench / bench_serve JSON drawn at random (seeded)."""
+import json
+
+import numpy as np
+import pytest
+
+from tools import report
+
+BATCHES = (1, 8, 32, 128)
+FIXED = (("ar", 0), ("dflash", 0), ("ddtree", 4), ("ddtree", 16), ("ddtree", 64))
+
+
+def bench(rng, auto_share):
+    """A bench result whose auto rows are auto_share[batch] x the best fixed case, plus a context row (left out)."""
+    rows = [dict(mode=m, budget=b, batch=n, tokens_per_s=float(rng.uniform(1e3, 1e5))) for m, b in FIXED
+            for n in BATCHES]
+    best = {n: max(r["tokens_per_s"] for r in rows if r["batch"] == n) for n in BATCHES}
+    rows += [dict(mode="ddtree", budget="auto", batch=n, tokens_per_s=best[n] * auto_share[n]) for n in BATCHES]
+    rows.append(dict(mode="ar", budget=0, batch=1, context=8192, tokens_per_s=1.0))
+    return dict(rows=rows, gpu="H200", model="pair", date="2026-12-05"), best
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_auto_verdict(seed):
+    rng = np.random.default_rng(seed)
+    share = {n: float(rng.uniform(0.975, 1.2)) for n in BATCHES}
+    result, _ = bench(rng, share)
+    ratios = report.auto_ratios(report.throughput(result))
+    assert ratios.keys() == set(BATCHES) and all(abs(ratios[n] - share[n]) < 1e-12 for n in BATCHES), seed
+    text = report.bench_table(result)
+    assert "at every batch: yes" in text, (seed, text)
+    low = BATCHES[int(rng.integers(len(BATCHES)))]
+    share[low] = 0.96
+    result, _ = bench(np.random.default_rng(seed), share)
+    text = report.bench_table(result)
+    assert f"at every batch: no (lowest 0.960 at batch {low})" in text, (seed, text)
+
+
+def test_table_cells():
+    """Each fixed case's cell is its tokens/s and its ratio to AR at that batch; the context row is not a case."""
+    rng = np.random.default_rng(5)
+    result, _ = bench(rng, dict.fromkeys(BATCHES, 1.0))
+    tps = report.throughput(result)
+    assert sorted(tps, key=report._order) == ["ar", "dflash", "ddtree-4", "ddtree-16", "ddtree-64", "auto"]
+    assert tps["ar"][1] != 1.0                                        # the context row did not replace it
+    lines = report.bench_table(result).splitlines()
+    row8 = next(line for line in lines if line.startswith("| 8 |")).split(" | ")
+    ar, d16 = tps["ar"][8], tps["ddtree-16"][8]
+    assert row8[1] == f"{ar:,.0f}" and row8[4] == f"{d16:,.0f} ({d16 / ar:.2f}x)", row8
+
+
+def test_serve_goals(tmp_path, capsys):
+    rng = np.random.default_rng(7)
+    result, _ = bench(rng, dict.fromkeys(BATCHES, 1.0))
+    b16 = report.throughput(result)["ddtree-16"]
+    levels = [{"concurrency": c, "tokens_per_s": b16[c] * s, "ttft_ms": {"p50": t, "p99": 2 * t},
+               "tpot_ms": {"p50": 1.0, "p99": 2.0}} for c, s, t in ((1, 0.9, 25.0), (8, 0.9, 40.0), (32, 0.8, 60.0))]
+    serve = dict(mode="ddtree", budget=16, levels=levels)
+    text = report.serve_table(serve, result)
+    assert "concurrency 32: no (0.80)" in text and "concurrency 1 <= 30 ms: yes (25.0 ms)" in text, text
+    (tmp_path / "b.json").write_text(json.dumps(result))
+    (tmp_path / "s.json").write_text(json.dumps(serve))
+    report.main([str(tmp_path / "b.json"), "--serve", str(tmp_path / "s.json")])
+    assert "| 32 |" in capsys.readouterr().out
+
+
+def test_bad_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "b.json").write_text("{not json")
+    with pytest.raises(SystemExit) as e:
+        report.main([str(tmp_path / "b.json")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: JSONDecodeError") and err.count("\n") == 1, err
