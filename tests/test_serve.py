@@ -575,9 +575,69 @@ def test_bench_serve_starts_a_server_per_level(tmp_path):
 
     from tools.bench_serve import main
     url, out = f"http://127.0.0.1:{free_port()}", tmp_path / "serve.json"
-    main(["--serve", "--backend numpy", "--url", url, "--concurrency", "1,2", "--requests", "2", "--max-tokens", "4",
-          "--prompts", "2", "--out", str(out)])
+    main(["--serve", "--backend numpy", "--url", url, "--concurrency", "1,2", "--requests", "3", "--max-tokens", "4",
+          "--prompts", "2", "--processes", "2", "--out", str(out)])
     levels = json.loads(out.read_text())["levels"]
     assert [r["concurrency"] for r in levels] == [1, 2] and all(r["errors"] == 0 and r["tokens"] > 0 for r in levels)
+    assert [r["processes"] for r in levels] == [1, 2] and all(r["tokens"] == 3 * 4 for r in levels), levels
     with pytest.raises(httpx.HTTPError):
         httpx.get(url + "/health", timeout=1)
+
+
+def events(updates, first, include_usage=False):
+    """The SSE lines serve.stream sends for `first` with `updates` already queued behind it."""
+    from numbaengine.serve import Reply, stream
+    from numbaengine.serve_metrics import Metrics
+
+    async def run():
+        q = asyncio.Queue()
+        for u in updates:
+            q.put_nowait(u)
+        return [e async for e in stream(first, q, Reply("completion", "/v1/completions", "m", 3), include_usage,
+                                        Metrics(2))]
+    return asyncio.run(run())
+
+
+def test_stream_sends_queued_rounds_as_one_chunk():
+    """Rounds a stream is behind on go out as one chunk (text joined, the last count and finish reason); an error
+    queued behind text is sent after that text; a stream that keeps up sends a chunk per update."""
+    import json
+
+    from numbaengine.scheduler import Update
+    parse = lambda lines: [json.loads(e[6:]) for e in lines if e != "data: [DONE]\n\n"]   # noqa: E731
+    got = parse(events([Update(" b", 2), Update(" c", 3, "length")], Update("a", 1), include_usage=True))
+    assert [c["choices"][0]["text"] if c["choices"] else None for c in got] == ["a b c", None], got
+    assert got[0]["choices"][0]["finish_reason"] == "length" and got[1]["usage"]["completion_tokens"] == 3, got
+    got = parse(events([Update(" b", 2), Update(tokens=2, finish_reason="error", error="boom"), Update(" c", 3)],
+                       Update("a", 1)))
+    assert got[0]["choices"][0]["text"] == "a b" and "boom" in got[1]["error"]["message"] and len(got) == 2, got
+
+
+def test_mailbox_wakes_the_loop_once_per_burst():
+    """Updates posted from another thread while the loop is busy arrive in order on their queues, with one wake-up."""
+    from numbaengine.serve import Mailbox
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        box, queues, wakes = Mailbox(loop), [asyncio.Queue() for _ in range(3)], []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(1), real(*a))
+        worker = threading.Thread(target=lambda: [box.post(queues[i % 3], i) for i in range(30)])
+        worker.start()
+        worker.join()                           # the loop is held meanwhile: one burst
+        await asyncio.sleep(0.05)
+        return [[q.get_nowait() for _ in range(q.qsize())] for q in queues], len(wakes)
+    got, wakes = asyncio.run(run())
+    assert got == [list(range(k, 30, 3)) for k in range(3)] and wakes == 1, (got, wakes)
+
+
+def test_stand_in_rounds_decode_through_device_slots():
+    """tools/serve_overhead.py's stand-in: DeviceSlots over it decode every prompt to its length, tau tokens a
+    round, none of them an eos id (the stand-in must not end sequences early)."""
+    from numbaengine import generate as gen
+    from tools.serve_overhead import stand_in_slots
+    e = engine()
+    slots = stand_in_slots(e, 3, 0.0, 3)
+    res = gen.generate_on(slots, e.tokenizer, [e.tokenizer.encode(p) for p in PROMPTS[:3]], 10, "ddtree", 16)
+    assert [len(r.tokens) for r in res] == [10] * 3 and all(r.stats["rounds"] == 3 for r in res), res
+    assert not {t for r in res for t in r.tokens} & set(e.cfg.eos_ids)

@@ -8,7 +8,9 @@ client (AsyncOpenAI) at each concurrency of a sweep, over the held-out prompts (
 
 Per level: TTFT (request sent -> first text), TPOT ((last text - first text) / (completion tokens - 1)), ITL (gap
 between streamed chunks: one chunk per committed round, so a chunk holds tau tokens), p50 and p99 of each, and
-tokens/s = completion tokens of all requests over the level's wall time. JSON + a table.
+tokens/s = completion tokens of all requests over the level's wall time. JSON + a table. The streams of a level are
+dealt among load-generator processes (--processes; default one per 16 streams, at most half the cores), since one
+Python process parsing 32 or more streams falls behind a fast server.
 """
 from __future__ import annotations
 
@@ -17,10 +19,13 @@ import asyncio
 import contextlib
 import json
 import math
+import multiprocessing
+import os
 import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -70,17 +75,52 @@ def extension(args) -> dict:
     return {"speculative": spec} if spec else {}
 
 
-async def level(client, model, prompts, concurrency, n, args) -> dict:
-    """n requests (prompts in turn), at most `concurrency` in flight."""
+async def requests(client, model, prompts, concurrency, indices, args) -> list:
+    """Requests `indices` (prompt and seed by index), at most `concurrency` in flight -> their Samples."""
     gate = asyncio.Semaphore(concurrency)
 
     async def gated(i):
         async with gate:
             return await one(client, model, prompts[i % len(prompts)], args, args.seed + (i if args.vary_seed else 0))
+    return await asyncio.gather(*(gated(i) for i in indices))
 
+
+def share(model, prompts, concurrency, indices, args, start_at) -> tuple:
+    """One load-generator process of a level: its requests from wall-clock time start_at -> (Samples, end time)."""
+    from openai import AsyncOpenAI
+
+    async def run():
+        client = AsyncOpenAI(base_url=args.url.rstrip("/") + "/v1", api_key="none", max_retries=0,
+                             timeout=args.timeout)
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        return await requests(client, model, prompts, concurrency, indices, args)
+    samples = asyncio.run(run())
+    return samples, time.time()
+
+
+def processes_for(concurrency, asked) -> int:
+    """Load-generator processes of a level: `asked`, or (None) one per 16 streams, at most half the cores: one
+    Python process parsing the streams of 32 or more falls behind a fast server and under-reports it."""
+    if asked is not None:
+        return max(1, min(asked, concurrency))
+    return max(1, min(math.ceil(concurrency / 16), (os.cpu_count() or 2) // 2))
+
+
+async def level(client, model, prompts, concurrency, n, args) -> dict:
+    """n requests (prompts in turn), at most `concurrency` in flight, from processes_for(...) processes (the
+    concurrency and the requests dealt among them)."""
+    procs = processes_for(concurrency, args.processes)
     t0 = time.perf_counter()
-    samples = await asyncio.gather(*(gated(i) for i in range(n)))
-    wall = time.perf_counter() - t0
+    if procs == 1:
+        samples = await requests(client, model, prompts, concurrency, range(n), args)
+        wall = time.perf_counter() - t0
+    else:
+        start_at = time.time() + 2.0                     # every process made and its client ready by then
+        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            jobs = [pool.submit(share, model, prompts, len(range(p, concurrency, procs)), range(p, n, procs), args,
+                                start_at) for p in range(procs)]
+            done = [await asyncio.wrap_future(j) for j in jobs]
+        samples, wall = [s for d in done for s in d[0]], max(d[1] for d in done) - start_at
     ok = [s for s in samples if s.error is None]
 
     def pct(values):
@@ -88,7 +128,7 @@ async def level(client, model, prompts, concurrency, n, args) -> dict:
         return dict(p50=float(np.percentile(v, 50)), p99=float(np.percentile(v, 99))) if len(v) else {}
 
     tokens = sum(s.tokens for s in ok)
-    return dict(concurrency=concurrency, requests=n, errors=len(samples) - len(ok),
+    return dict(concurrency=concurrency, requests=n, processes=procs, errors=len(samples) - len(ok),
                 first_error=next((s.error for s in samples if s.error), None), wall_s=wall,
                 tokens=tokens, tokens_per_s=tokens / wall, requests_per_s=len(ok) / wall,
                 ttft_ms=pct(s.ttft for s in ok), tpot_ms=pct(s.tpot for s in ok),
@@ -166,6 +206,8 @@ def parser():
     ap.add_argument("--mode", choices=("ddtree", "dflash", "ar"), help="speculative mode (default: the server's)")
     ap.add_argument("--budget", type=budget_arg, help="DDTree budget, or auto: chosen each round (default: the "
                     "server's)")
+    ap.add_argument("--processes", type=int, help="load-generator processes per level (default: one per 16 "
+                    "streams, at most half the cores)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--serve", metavar="ARGS", help='start "python -m numbaengine.serve ARGS" for each level on '
