@@ -127,13 +127,26 @@ def int_list(text):
     return values
 
 
+def budget_list(text):
+    """Comma-separated tree budgets: positive integers, or auto (the size chosen each round)."""
+    from numbaengine.budget import AUTO
+    try:
+        values = [v if v == AUTO else int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want positive integers or {AUTO}, separated by commas") from None
+    if any(v != AUTO and v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: budgets must be positive")
+    return values
+
+
 def parser():
     from numbaengine.ddtree import MODES
     ap = Parser(prog="python -m numbaengine.warmup", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="target checkpoint folder (default: the shipped toy target)")
     ap.add_argument("--draft", help="DFlash drafter folder (default: the shipped drafter with the shipped target)")
     ap.add_argument("--batches", type=int_list, default=[1], help="batch sizes (default: 1)")
-    ap.add_argument("--budgets", type=int_list, default=[16], help="tree budgets of ddtree / dflash (default: 16)")
+    ap.add_argument("--budgets", type=budget_list, default=[16], help="tree budgets of ddtree / dflash, or auto "
+                    "(ddtree; its round cost table is measured and kept too) (default: 16)")
     ap.add_argument("--modes", default="ddtree", help=f"comma-separated, of {', '.join(MODES)} (default: ddtree)")
     ap.add_argument("--max-context", type=int, default=4096, help="cache rows per sequence (default: 4096)")
     ap.add_argument("--workers", type=int, help="compiling processes (default: one per core)")
@@ -145,14 +158,16 @@ def parser():
 
 
 def shapes(args) -> list[tuple[str, int, int]]:
-    """(mode, batch, budget) to warm: every mode x batch, times the budgets for the modes that draft."""
+    """(mode, batch, budget) to warm: every mode x batch, times the budgets for the modes that draft (auto: ddtree
+    only)."""
+    from numbaengine.budget import AUTO
     from numbaengine.ddtree import MODES
     modes = args.modes.split(",")
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise UsageError(f"--modes: {bad[0]!r} is not one of {', '.join(MODES)}")
     return [(m, b, k if m != "ar" else 0) for m in modes for b in args.batches
-            for k in (args.budgets if m != "ar" else [0])]
+            for k in (args.budgets if m != "ar" else [0]) if m == "ddtree" or k != AUTO]
 
 
 @dataclass
@@ -189,7 +204,8 @@ def report() -> str:
 
 
 def warm(args):
-    """Load the engine on the GPU, precompile every shape's kernels, then run each shape once for real."""
+    """Load the engine on the GPU, precompile every shape's kernels, then run each shape once for real (a budget
+    auto shape measures its round cost table there and keeps it beside the kernels: numbaengine/cost_store.py)."""
     from numbaengine.engine import Engine
     from numbaengine.weights import SHIPPED_PAIR
     todo = shapes(args)

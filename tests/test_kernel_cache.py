@@ -400,11 +400,21 @@ def test_warmup_size_and_clear(tmp_path):
 
 
 @pytest.mark.parametrize("argv, words", [(["--batches", "1,x"], "--batches"), (["--modes", "ar,tree"], "'tree'"),
-                                         (["--model", "/nonexistent"], "--model")])
+                                         (["--model", "/nonexistent"], "--model"), (["--budgets", "16,x"], "auto"),
+                                         (["--budgets", "0"], "positive")])
 def test_warmup_bad_input_is_one_line(argv, words):
     r = subprocess.run([sys.executable, "-c", "from numbaengine.warmup import main; raise SystemExit(main())",
                         *argv], capture_output=True, text=True, check=False, cwd=ROOT)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and words in r.stderr, r.stderr
+
+
+def test_warmup_budget_auto_shapes():
+    """--budgets takes auto beside integers: ddtree shapes get it (their cost table is measured when they run), the
+    modes without a tree budget do not."""
+    from numbaengine.warmup import parser, shapes
+    args = parser().parse_args(["--budgets", "16,auto", "--modes", "ar,dflash,ddtree", "--batches", "1,8"])
+    assert shapes(args) == [("ar", 1, 0), ("ar", 8, 0), ("dflash", 1, 16), ("dflash", 8, 16), ("ddtree", 1, 16),
+                            ("ddtree", 1, "auto"), ("ddtree", 8, 16), ("ddtree", 8, "auto")]
 
 
 def test_warmup_without_gpu_says_so(tmp_path):
@@ -461,6 +471,20 @@ def test_gpu_precompile_fills_the_cache(tmp_path):
     """)
     out = json.loads(_python(script, env={"NUMBAENGINE_CACHE_DIR": str(tmp_path)}).splitlines()[-1])
     assert (out["misses"], out["hits"]) == (0, 2)
+
+
+@pytest.mark.gpu
+def test_gpu_warmup_keeps_the_auto_cost_table(tmp_path):
+    """warmup --budgets auto measures the shipped pair's round costs and keeps them; a later CLI run with budget auto
+    (same batch and context) reads that table instead of timing its rounds."""
+    env = {"NUMBAENGINE_CACHE_DIR": str(tmp_path)}
+    _python("from numbaengine.warmup import main; raise SystemExit(main())", "--batches", "1", "--budgets", "auto",
+            env=env)
+    tables = list((tmp_path / "cost_tables").glob("*.json"))
+    assert len(tables) == 1, tables
+    out = _python("from numbaengine.run import main; raise SystemExit(main())", "--prompt", "def f(x):", "--backend",
+                  "cuda", "--budget", "auto", "--max-new-tokens", "16", "--json", env=env)
+    assert json.loads(out)["stats"]["cost_table_from"] == str(tables[0]), out[-500:]
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
