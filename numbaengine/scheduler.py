@@ -40,6 +40,9 @@ class Request:
     stop_strings: tuple = ()           # the text ends before the first one found
     emit: Callable = print             # emit(Update), called on the engine thread
     cancelled: bool = False
+    decode: bool = True                # the engine thread makes each update's text (settle); False (no stop
+    #                                    strings): updates carry the new token ids and the receiver makes the text
+    #                                    (Receiver), off the engine thread's path between two rounds
 
 
 @dataclass
@@ -49,6 +52,7 @@ class Update:
     tokens: int = 0                    # completion tokens so far
     finish_reason: str | None = None   # "stop" | "length" once finished
     error: str | None = None           # the engine failed this request (finish_reason is "error")
+    ids: list | None = None            # Request.decode False: the token ids added since the last update (no text)
 
 
 @dataclass(eq=False)
@@ -183,7 +187,7 @@ class Scheduler:
             if x.req.cancelled:
                 self._end(run, "cancelled")
                 return
-            update = settle(self.engine.tokenizer, x)
+            update = settle(self.engine.tokenizer, x) if x.req.decode else new_ids(x)
             if update.finish_reason is not None:
                 self.active.discard(x)
             x.req.emit(update)
@@ -212,6 +216,33 @@ class Scheduler:
         self.on_round(RoundStats(seconds, taus, len(outs), len(self.pending), picks))
 
 
+def finish_of(run) -> str | None:
+    return None if run.stop_reason is None else ("length" if run.stop_reason in ("length", "context") else "stop")
+
+
+def new_ids(x: Live) -> Update:
+    """The Update of a request whose receiver makes the text: the tokens added since the last update."""
+    ids, x.seen = x.run.tokens[x.seen:], len(x.run.tokens)
+    return Update(tokens=x.seen, finish_reason=finish_of(x.run), ids=ids)
+
+
+class Receiver:
+    """The text of a Request.decode = False stream, made where its updates arrive: settle over the ids received so
+    far (no stop strings: only a character split between tokens is held back)."""
+
+    def __init__(self, tokenizer, req: Request):
+        self.tokenizer, self.x = tokenizer, Live(req, Run([], 0, set()))
+
+    def text(self, u: Update) -> Update:
+        """u with its ids made text (an update without ids, such as an error, as it is)."""
+        if u.ids is None:
+            return u
+        run = self.x.run
+        run.tokens += u.ids
+        run.stop_reason = {None: None, "length": "length"}.get(u.finish_reason, "stop")
+        return settle(self.tokenizer, self.x)
+
+
 def settle(tokenizer, x: Live) -> Update:
     """The Update for a sequence's tokens so far. A stop string ends it: the tokens are cut after the one that
     completed it and the text before it. Unfinished, text that may still change is held back: a trailing U+FFFD
@@ -236,7 +267,7 @@ def settle(tokenizer, x: Live) -> Update:
         head, tail = s.stable, s.pending
         end = len(head) + len(tail)
     x.seen = len(run.tokens)
-    finish = None if run.stop_reason is None else ("length" if run.stop_reason in ("length", "context") else "stop")
+    finish = finish_of(run)
     if finish is None:                                           # held back: only the end of the text may go
         last = head[max(0, len(head) - longest):] + tail
         end -= len(last) - len(held(last, stops))

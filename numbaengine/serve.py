@@ -3,9 +3,10 @@
 POST /v1/completions and /v1/chat/completions (plain or `stream: true` server-sent events, one chunk per
 committed round; rounds a stream has fallen behind on go out as one chunk), GET /v1/models, /health and /metrics
 (Prometheus). One engine thread decodes every request in a continuously batched loop (numbaengine/scheduler.py); a
-request's output equals Engine.generate's for its prompt and settings. Extensions: `speculative: {"mode", "budget"}` (budget: tree nodes or "auto") and
-`stop_token_ids` (replacing the checkpoint's eos ids, as Engine.generate's `stop`). Without --model it serves the
-shipped pair.
+request's output equals Engine.generate's for its prompt and settings. Extensions: `speculative: {"mode",
+"budget"}` (budget: tree nodes or "auto") and `stop_token_ids` (replacing the checkpoint's eos ids, as
+Engine.generate's `stop`). Without --model it serves the shipped pair. The text of a request without stop strings
+is decoded on the event loop (scheduler.Receiver), off the engine thread's path between rounds.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from numbaengine import generate as gen
 from numbaengine.backends import BACKENDS
 from numbaengine.rounds import PREFILL_CHUNK
 from numbaengine.run import budget_arg
-from numbaengine.scheduler import QueueFull, Request, Scheduler, Update
+from numbaengine.scheduler import QueueFull, Receiver, Request, Scheduler, Update
 from numbaengine.serve_api import (
     APIError,
     ChatBody,
@@ -122,6 +123,7 @@ def build_app(engine, scheduler: Scheduler, metrics: Metrics, name: str, default
 
     async def serve(http, body, ids, max_tokens, kind):
         req, updates = scheduler_request(engine, body, ids, max_tokens, defaults, http.app.state.mailbox)
+        receiver = Receiver(engine.tokenizer, req)
         try:
             scheduler.submit(req)
         except QueueFull as e:
@@ -134,11 +136,12 @@ def build_app(engine, scheduler: Scheduler, metrics: Metrics, name: str, default
                 return failed(metrics, reply, first)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                events = stream(first, updates, reply, include_usage, metrics)
+                events = stream(first, updates, reply, include_usage, metrics, receiver)
                 return SSEResponse(events, on_close=lambda: reply.close(scheduler, req, metrics))
-            u, text = first, [first.text]
+            u = receiver.text(first)
+            text = [u.text]
             while u.finish_reason is None:
-                u = await next_update(updates, http, scheduler, req)
+                u = receiver.text(await next_update(updates, http, scheduler, req))
                 text.append(u.text)
         except BaseException:           # this handler was cancelled: its request leaves the batch
             scheduler.cancel(req)
@@ -180,7 +183,7 @@ def scheduler_request(engine, body, ids, max_tokens, defaults, mailbox):
     updates = asyncio.Queue()
     stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     req = Request(ids, max_tokens, mode, budget, body.temperature, body.seed, body.stop_token_ids, stops,
-                  functools.partial(mailbox.post, updates))
+                  functools.partial(mailbox.post, updates), decode=bool(stops))   # no stop strings: text made here
     return req, updates
 
 
@@ -226,11 +229,11 @@ def failed(metrics, reply, u) -> JSONResponse:
     return APIError(500, f"the engine failed this request: {u.error}", type="server_error").response()
 
 
-async def stream(first, updates, reply, include_usage, metrics):
+async def stream(first, updates, reply, include_usage, metrics, receiver):
     """Server-sent events: a chunk per update with new text (the first names the role), the finish reason on
     the last, a usage chunk when asked, then [DONE]. Updates already queued behind one (the stream is behind the
-    rounds) go out as one chunk: under load the chunks grow instead of the backlog. An engine error mid-stream is
-    sent as an error event."""
+    rounds) go out as one chunk: under load the chunks grow instead of the backlog (and their ids are decoded once,
+    by the receiver). An engine error mid-stream is sent as an error event."""
     u, held = first, None
     while True:
         while u.error is None and u.finish_reason is None and held is None and not updates.empty():
@@ -238,7 +241,8 @@ async def stream(first, updates, reply, include_usage, metrics):
             if v.error is not None:
                 held = v
             else:
-                u = Update(u.text + v.text, v.tokens, v.finish_reason)
+                u = Update(u.text + v.text, v.tokens, v.finish_reason, ids=None if u.ids is None else u.ids + v.ids)
+        u = receiver.text(u)
         if u.error is not None:
             metrics.requests.labels(reply.path, "500").inc()
             reply.finished = True

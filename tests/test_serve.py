@@ -584,17 +584,30 @@ def test_bench_serve_starts_a_server_per_level(tmp_path):
         httpx.get(url + "/health", timeout=1)
 
 
-def events(updates, first, include_usage=False):
-    """The SSE lines serve.stream sends for `first` with `updates` already queued behind it."""
+def events(updates, first, include_usage=False, decode=True, paced=False):
+    """The SSE lines serve.stream sends for `first` with `updates` already queued behind it, or (paced) arriving one
+    at a time as the stream waits for them (decode False: updates of token ids, made text by a scheduler.Receiver)."""
+    from numbaengine.scheduler import Receiver, Request
     from numbaengine.serve import Reply, stream
     from numbaengine.serve_metrics import Metrics
+    receiver = Receiver(engine().tokenizer, Request([1], 64, decode=decode))
 
     async def run():
         q = asyncio.Queue()
-        for u in updates:
-            q.put_nowait(u)
-        return [e async for e in stream(first, q, Reply("completion", "/v1/completions", "m", 3), include_usage,
-                                        Metrics(2))]
+
+        async def feed():
+            for u in updates:
+                q.put_nowait(u)
+                if paced:
+                    while not q.empty():
+                        await asyncio.sleep(0)
+        task = asyncio.create_task(feed())
+        if not paced:
+            await task
+        out = [e async for e in stream(first, q, Reply("completion", "/v1/completions", "m", 3), include_usage,
+                                       Metrics(2), receiver)]
+        await task
+        return out
     return asyncio.run(run())
 
 
@@ -611,6 +624,25 @@ def test_stream_sends_queued_rounds_as_one_chunk():
     got = parse(events([Update(" b", 2), Update(tokens=2, finish_reason="error", error="boom"), Update(" c", 3)],
                        Update("a", 1)))
     assert got[0]["choices"][0]["text"] == "a b" and "boom" in got[1]["error"]["message"] and len(got) == 2, got
+
+
+def test_stream_makes_the_text_of_token_ids():
+    """Updates of token ids (a request without stop strings) become text at the receiver: chunks join to the
+    decode of every id, characters split between tokens held back until whole, queued updates decoded as one."""
+    import json
+
+    from numbaengine.scheduler import Update
+    tok = engine().tokenizer
+    ids = tok.encode("def f(x):\n    return 'é中😀' + x  # done")
+    assert any("\ufffd" in tok.decode(ids[:k]) for k in range(len(ids))), "no character split between tokens"
+    ups = [Update(tokens=k + 1, ids=[t]) for k, t in enumerate(ids)]        # a token per update
+    ups[-1].finish_reason = "length"
+    for paced in (True, False):                     # one at a time, or all queued behind the first (one chunk)
+        lines = events(ups[1:], ups[0], decode=False, paced=paced)
+        chunks = [json.loads(e[6:]) for e in lines if e != "data: [DONE]\n\n"]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        assert (text, chunks[-1]["choices"][0]["finish_reason"]) == (tok.decode(ids), "length"), (paced, chunks)
+        assert "\ufffd" not in text and (len(chunks) > 2 if paced else len(chunks) == 1), (paced, chunks)
 
 
 def test_mailbox_wakes_the_loop_once_per_burst():
