@@ -156,7 +156,7 @@ def commit(seq, tree, path, bonus, hidden, drafter):
 
 # --- 4. prefill, then rounds ---------------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(slots=True)
 class RoundOut:
     """What one round did for one sequence."""
     tree: Tree

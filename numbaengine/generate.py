@@ -130,7 +130,8 @@ def leave(rounds, runs) -> list:
 def push(run: Run, new):
     """Append new tokens, ending the output at the first stop token (kept) or at exactly max_new tokens; then a
     sequence whose cache rows are full (no row for the next bonus) ends too."""
-    new = [int(t) for t in new]
+    if new and type(new[0]) is not int:        # numpy ints (host rounds); a device round's are Python ints
+        new = [int(t) for t in new]
     if len(run.tokens) + len(new) < run.max_new and run.stop.isdisjoint(new):    # most rounds: all of it
         run.tokens += new
         new = ()

@@ -36,6 +36,10 @@ class StandInRounds:
         self.shape, self.round_s, self.tau, self.gpu_s = shape, round_s, tau, 0.0
         self.rng = np.random.default_rng(seed)
         self.pool = np.setdiff1d(np.arange(vocab), list(avoid)).astype(np.int32)
+        self.outs = np.zeros((64, shape.batch, tau + 2), np.int32)     # rounds handed out in turn: no host work
+        self.outs[:, :, 0] = tau                                       # of the stand-in's own in the loop
+        self.outs[:, :, 1:tau + 1] = self.rng.choice(self.pool, (64, shape.batch, tau))
+        self.rounds = 0
 
     def retire(self, slots):
         pass
@@ -47,12 +51,11 @@ class StandInRounds:
         return int(self.rng.choice(self.pool))
 
     def step(self, size=None) -> np.ndarray:
-        time.sleep(self.round_s)
+        if self.round_s > 0:
+            time.sleep(self.round_s)
         self.gpu_s += self.round_s
-        out = np.zeros((self.shape.batch, self.tau + 2), np.int32)
-        out[:, 0] = self.tau
-        out[:, 1:self.tau + 1] = self.rng.choice(self.pool, (self.shape.batch, self.tau))
-        return out
+        self.rounds += 1
+        return self.outs[self.rounds % len(self.outs)]
 
 
 def stand_in_slots(engine, batch, round_s, tau) -> DeviceSlots:
