@@ -137,7 +137,11 @@ class WarpBarrier:
 
 
 def _warp_state():
+    """(this thread's warp state, its lane), kept on the thread after the first call (no shared lock per step)."""
     t = threading.current_thread()                      # the simulator's BlockThread
+    state = getattr(t, "warp_state", None)
+    if state is not None:
+        return state
     nthreads = int(np.prod(t._manager._block_dim))
     warp, lane = divmod(t.thread_id, 32)
     with _WARPS_LOCK:
@@ -146,7 +150,8 @@ def _warp_state():
             n = min(32, nthreads - 32 * warp)
             per_block[warp] = (WarpBarrier(n, timeout=300), ([None] * 32, [None] * 32), [(-1, None)] * 2,
                                [0] * 32, threading.Lock())
-    return per_block[warp], lane
+    t.warp_state = (per_block[warp], lane)
+    return t.warp_state
 
 
 def collective(value, fn):
