@@ -239,7 +239,7 @@ class Receiver:
             return u
         run = self.x.run
         run.tokens += u.ids
-        run.stop_reason = {None: None, "length": "length"}.get(u.finish_reason, "stop")
+        run.stop_reason = u.finish_reason                  # None, "length" or "stop": what finish_of gives back
         return settle(self.tokenizer, self.x)
 
 

@@ -70,8 +70,8 @@ def build_app(engine, scheduler: Scheduler, metrics: Metrics, name: str, default
     @asynccontextmanager
     async def lifespan(app):
         app.state.mailbox = Mailbox(asyncio.get_running_loop())
-        gc.freeze()         # the engine's objects stay out of full collections: a 65 ms pause of every stream
-        #                     otherwise (tools.serve_overhead, shipped pair, 32 streams)
+        gc.freeze()         # the engine's objects stay out of full collections: one took 65 ms, a pause of every
+        #                     stream (tools.serve_overhead on a 2-core CPU, shipped pair's tokenizer, 32 streams)
         scheduler.start()
         yield
         await asyncio.to_thread(scheduler.close)     # uvicorn drained the requests: the engine thread ends
