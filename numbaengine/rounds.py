@@ -161,7 +161,8 @@ class HostRounds:
 class DeviceSlots:
     """`batch` slots of one DeviceRounds (Replicated over `ranks`), made for the mode and tree width of the run that
     finds the slots empty: runs of that mode with any temperature, seed and a budget up to that width share the
-    rounds (budget "auto" runs share rounds made for auto). A round covers the smallest bucket of slots holding
+    rounds (budget "auto" runs share rounds made for auto), and so do ar runs in ddtree rounds (a slot budget of 0:
+    the root alone) and fixed budgets in auto rounds (a slot budget capping the chosen size) (`fits`). A round covers the smallest bucket of slots holding
     every decoding one (slots are handed out lowest first), each bucket its own captured graph. A prompt is
     prefilled in pieces ending at multiples of `chunk` tokens (None: whole), the same pieces whatever else runs,
     so the output does not depend on the load. `cache` keeps the DeviceRounds (buffers, graphs and, for auto,
@@ -203,9 +204,15 @@ class DeviceSlots:
                      tuple(self.ladder) if self.auto(run) else ())
 
     def fits(self, run, busy) -> bool:
+        """Whether run can join the busy runs' rounds: the same mode and kind of budget with a tree no wider, or an
+        ar run in ddtree rounds (its slot's trees are the root alone: ar's round), or a fixed budget in auto rounds
+        (its slot's trees get at most that many nodes, and each round's chosen size at most)."""
         shape = self.dev.shape if self.dev is not None else None
-        return not busy or shape is None or (run.p.mode == shape.mode and bool(shape.ladder) == self.auto(run)
-                                             and self.width(run) <= shape.budget)
+        if not busy or shape is None:
+            return True
+        if shape.mode == "ddtree" and (run.p.mode == "ar" or (shape.ladder and run.p.mode == "ddtree")):
+            return self.width(run) <= shape.budget
+        return run.p.mode == shape.mode and bool(shape.ladder) == self.auto(run) and self.width(run) <= shape.budget
 
     def begin(self, run, busy):
         """A slot for run; rounds made for its shape when none run (or no run is busy)."""
@@ -252,7 +259,7 @@ class DeviceSlots:
             self.dev.prefill_part(run.slot, run.ids, run.filled, end)
             run.filled = end
             return False
-        budget = self.width(run) if run.p.mode == "ddtree" else None
+        budget = self.width(run) if self.dev.shape.mode == "ddtree" else None      # an ar run in ddtree rounds: 0
         bonus = self.dev.prefill(run.slot, run.ids, run.index, run.p.temperature, run.p.seed, budget, run.filled)
         run.seq, run.filled = Seq(run.index, None, None, len(run.ids), bonus), end
         return True
@@ -277,7 +284,8 @@ class DeviceSlots:
             self.cal = observe(self.cal, choice, [outs[id(r)].tau for r in runs])
             self.coast = self.coast.after(choice)
             for i, r in enumerate(runs):
-                r.picks.add(choice, i)
+                if r.picks is not None:              # (not an ar or fixed-budget run sharing the auto rounds)
+                    r.picks.add(choice, i)
             for picks in self.picks:
                 picks.cal = self.cal
         return outs

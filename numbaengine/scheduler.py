@@ -5,8 +5,9 @@ cancelled.
 A request decodes as Engine.generate would decode it alone: sequence index 0 and its own seed key its sampling
 noise, its cache has generate's size, and its round sees only its own tree. On numpy each sequence runs its own
 decode_round (HostRounds: they are sequential there anyway); on the kernel backends the requests share the slots of
-one DeviceRounds (DeviceSlots): any temperature, seed and budget up to the running tree size join it; a request of
-another mode (or a larger budget) waits until that batch drains. Between two rounds at most
+one DeviceRounds (DeviceSlots): any temperature, seed and budget up to the running tree size join it, and so do ar
+requests in ddtree rounds and fixed budgets in auto rounds (DeviceSlots.fits); any other waits until that batch
+drains. Between two rounds at most
 `prefill_chunk` prompt tokens are prefilled, so a long prompt (prefilled in pieces on the kernel backends) does not
 stall the running decodes for long.
 """

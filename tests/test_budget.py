@@ -318,6 +318,33 @@ def test_device_slots_coast_without_probes(cheap):
         assert probes == 15 and set(dev.calls[1::2]) == {2}, dev.calls
 
 
+def test_device_slots_fits_settings():
+    """Which runs join busy device rounds: in ddtree rounds of 16, ar runs and budgets up to 16 (not 17, dflash or
+    auto); in auto rounds (ladder up to 64), auto runs, ar runs and fixed budgets up to 64; in ar rounds ar only;
+    with nothing busy anything (the rounds are remade for it)."""
+    from numbaengine.ddtree import Params
+    from numbaengine.device_round import Shape
+    from numbaengine.rounds import DeviceSlots, Run
+
+    class Drafter:
+        block_size = 16
+    slots = DeviceSlots(None, Drafter(), 64, 2)
+
+    def run(mode, budget=16):
+        return Run([1], 8, set(), Params(mode=mode), budget)
+    busy = [run("ddtree")]
+    cases = {Shape(2, "ddtree", 16, 64): {("ar", 16): True, ("ddtree", 16): True, ("ddtree", 4): True,
+                                          ("ddtree", 17): False, ("ddtree", "auto"): False, ("dflash", 16): False},
+             Shape(2, "ddtree", 64, 64, (0, 2, 64)): {("ar", 16): True, ("ddtree", "auto"): True, ("ddtree", 64): True,
+                                                       ("ddtree", 2): True, ("ddtree", 65): False, ("dflash", 16): False},
+             Shape(2, "ar", 0, 64): {("ar", 16): True, ("ddtree", 16): False, ("ddtree", "auto"): False}}
+    for shape, want in cases.items():
+        slots.dev = type("Dev", (), {"shape": shape})()
+        got = {k: slots.fits(run(*k), busy) for k in want}
+        assert got == want, f"{shape}: {got}"
+        assert all(slots.fits(run(*k), []) for k in want), shape
+
+
 # --- exactness: auto output == autoregressive output -----------------------------------------------------------------
 
 def gen(pair_, prompts, budget, drafter=None, n=N_NEW, **kw):  # noqa: F811

@@ -320,6 +320,45 @@ def check_auto(env):
     assert res[0].tokens == e.generate(prompts[0], 3, mode="ar", stop=[]).tokens, f"prompt {prompts[0]}"
 
 
+def check_mixed_settings(env):
+    """Runs of other settings sharing auto rounds without waiting for them to drain (ladder 0, 2, 4, a table that
+    picks 4 nodes): an auto run starts them, a sampled ar run and a greedy fixed budget-2 run join, and all three
+    decode in rounds of 3 slots. Each gives ar's tokens (Engine.generate, its temperature and seed); every round's
+    trees have 4 drafted nodes (auto), none (ar: the root alone), 2 (budget 2)."""
+    from numbaengine.budget import CostTable
+    from numbaengine.ddtree import Params
+    from numbaengine.rounds import DeviceSlots
+    e = sim_engine()
+    rng = np.random.default_rng()
+    seed = int(rng.integers(2 ** 31))
+    slots = DeviceSlots(e.target, e.drafter, e.max_context, 3, table=CostTable((0, 2, 4), {3: (9.0, 9.0, 1.0)}),
+                        ladder=(0, 2, 4), graphs=False)
+    settings = (("ddtree", "auto", 0.0), ("ar", 16, 0.9), ("ddtree", 2, 0.0))
+    runs = []
+    for mode, budget, temperature in settings:
+        run = Run(rng.integers(0, e.cfg.vocab_size, 3).tolist(), 4, set(), Params(mode, temperature, seed), budget)
+        assert slots.fits(run, runs), f"{mode} budget {budget} does not join the auto rounds"
+        slots.begin(run, runs)
+        runs.append(run)
+    nodes = []                                    # drafted nodes of each slot's tree, per round of 3 slots
+
+    def report(run, out):
+        if isinstance(out, Exception):
+            raise out
+
+    def on_round(outs, seconds):
+        if len(outs) == 3:
+            nodes.append((slots.dev.base_target.ops.to_host(slots.dev.plan.tb.ntok)[:3] - 1).tolist())
+    gen.decode(slots, runs, report, gen.Timer(("prefill", "decode") + slots.PHASES), on_round=on_round)
+    where = f"seed {seed} prompts {[r.ids for r in runs]}"
+    want = [r.tokens for r in e.generate_batch([runs[0].ids, runs[2].ids], 4, mode="ar", stop=[])]
+    want.insert(1, e.generate(runs[1].ids, 4, mode="ar", temperature=0.9, seed=seed, stop=[]).tokens)
+    for r, w in zip(runs, want):
+        assert r.tokens == w, f"{r.p.mode} budget {r.budget} {where}: {r.tokens} != ar {w}"
+    assert nodes and all(n == [4, 0, 2] for n in nodes), f"{where}: drafted nodes per round {nodes}"
+    assert runs[0].picks.sizes and runs[1].picks is None and runs[2].picks is None, where
+
+
 def check_staged_prefill(env):
     """Prompt pieces through the staging slot (the prefill graphs' path, eager under the simulator) == the pieces
     launched straight into their slot: slot 1's 6-token prompt in pieces [0, 4) and [4, 6) with slot 0's whole
@@ -350,7 +389,7 @@ def check_staged_prefill(env):
 
 SIM_PARTS = 3
 SIM_COST = {"shared_rounds": 200, "chunked_prefill": 56, "sample_rows": 2, "buckets": 165, "auto": 205,
-            "staged_prefill": 110}
+            "staged_prefill": 110, "mixed_settings": 210}
 SIM_CASES = {
     "sample_rows": lambda env: check_sample_rows(env),
     "chunked_prefill": lambda env: check_chunked_prefill(env),
@@ -358,6 +397,7 @@ SIM_CASES = {
     "buckets": lambda env: check_buckets(env),
     "auto": lambda env: check_auto(env),
     "staged_prefill": lambda env: check_staged_prefill(env),
+    "mixed_settings": lambda env: check_mixed_settings(env),
 }
 
 test_simulator = pytest.mark.slow(simulator_test(__name__))     # ~15 CPU minutes in all (SIM_COST)
