@@ -362,6 +362,11 @@ class DeviceRounds:
         """One round over the bucket of decoding slots; returns out_tokens i32[n, L+2] (row b: tau, then the tau new
         tokens). Budget auto: the round's second half, after probe(), with the ladder size chosen for it; or size 0
         without a probe (the root alone: a coasting round)."""
+        self.start(size)
+        return self.finish()
+
+    def start(self, size=None):
+        """step's launches without waiting for them: the round runs while the host goes on; finish() reads it."""
         with self.on_stream():
             if not self.shape.ladder:
                 self._park()
@@ -377,7 +382,11 @@ class DeviceRounds:
             self.launch(plan)
             self.plan = plan
             self.rounds += 1
-            out = self.base_target.ops.to_host(plan.tb.out_tokens)
+
+    def finish(self) -> np.ndarray:
+        """out_tokens of the round start() launched (waits for it)."""
+        with self.on_stream():
+            out = self.base_target.ops.to_host(self.plan.tb.out_tokens)
             self._add_gpu_time()
             return out
 

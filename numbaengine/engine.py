@@ -43,6 +43,8 @@ class Engine:
         self.ranks = ranks           # kernel backends over a device list: every rank (numbaengine/devices.py)
         self.rounds_cache = {}       # kernel backends: DeviceRounds (buffers + captured graph) of the last shape
         self.costs = None            # numpy, budget "auto": the reference round timed at its first use
+        self.overlap = False         # kernel backends: launch the next round before reading this one's tokens
+        #                              (rounds.DeviceSlots.overlap; not yet timed on a GPU)
 
     @classmethod
     def load(cls, model_dir=None, draft_dir=None, backend="auto", max_context=4096, cache_dtype="bf16",
@@ -111,7 +113,7 @@ class Engine:
             return HostRounds(self.target, self.drafter, self.max_context,
                               table=cost_table if cost_table is not None else self.costs)
         return DeviceSlots(self.target, self.drafter, self.max_context, batch, chunk, self.rounds_cache, self.ranks,
-                           graphs, table=cost_table)
+                           graphs, table=cost_table, overlap=self.overlap)
 
     def generate(self, prompt, max_new_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0, stop=None,
                  on_round=None, cost_table=None, prefill_chunk=PREFILL_CHUNK) -> gen.Result:

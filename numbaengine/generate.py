@@ -103,13 +103,16 @@ def prefill(rounds, waiting, chunk, report) -> list:
 
 
 def step(rounds, live, report, timer) -> dict:
-    """One round of every live run: its tokens pushed and reported. Returns id(run) -> RoundOut | exception."""
+    """One round of every live run: its tokens pushed and reported. Returns id(run) -> RoundOut | exception (a run
+    may have none: it joined after the round, launched ahead, that the rounds read now; DeviceSlots.overlap)."""
     try:
         outs = rounds.step(live, timer)
     except Exception as e:              # noqa: BLE001 - a shared round failed: every sequence in it fails
         outs = {id(r): e for r in live}
     for r in live:
-        out = outs[id(r)]
+        out = outs.get(id(r))
+        if out is None:
+            continue
         if isinstance(out, Exception):
             r.stop_reason = "error"
         else:

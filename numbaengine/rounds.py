@@ -16,6 +16,7 @@ small host read per round (budget "auto": two of each). Both run budget "auto" (
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from numbaengine.budget import (
@@ -61,6 +62,14 @@ class Run:
 def tree_width(mode, budget, drafter):
     """Drafted nodes per round: the budget (ddtree), the chain Lb-1 (dflash), none (ar)."""
     return {"ddtree": budget, "dflash": drafter.block_size - 1 if drafter is not None else 0, "ar": 0}[mode]
+
+
+def ends(run: Run, tokens) -> bool:
+    """Whether pushing this round's tokens (generate.push, before it) ends run: a stop token, max_new reached, or no
+    cache row left for the next bonus (run.seq already committed). The server's stop strings and cancellations
+    are not foreseen: an overlapped round runs for nothing then."""
+    return (len(run.tokens) + len(tokens) >= run.max_new or not run.stop.isdisjoint(tokens)
+            or run.seq.start >= run.limit)
 
 
 def cache_rows(run: Run, width, max_context) -> int:
@@ -184,6 +193,9 @@ class DeviceSlots:
     table: CostTable | None = None       # budget auto: seconds per bucket and ladder size (None: measured)
     ladder: tuple = LADDER               # budget auto: the sizes chosen among
     cost_reps: int = 3                   # budget auto: timed runs per bucket and size when measuring the table
+    overlap: bool = False                # launch the next fixed-budget round before the host handles this one's
+    #                                      tokens (step); not yet timed on a GPU, so off
+    ahead: list | None = None            # overlap: the runs of the round launched ahead, not yet read
     dev: object = None
     free: list = field(default_factory=list)
     cal: Calibration = field(default_factory=Calibration)
@@ -232,6 +244,9 @@ class DeviceSlots:
         parked) and saved there (numbaengine/cost_store.py)."""
         from numbaengine.cost_store import rounds_key, table_for
         from numbaengine.device_round import DeviceRounds, Replicated
+        if self.ahead is not None and self.dev is not None:
+            self.dev.finish()                        # the round launched ahead is done before any slot is reset
+            self.ahead = None
         self.dev = self.cache.get(shape)
         if self.dev is None:
             self.cache.clear()                       # free the old buffers first
@@ -265,21 +280,37 @@ class DeviceSlots:
         return True
 
     def step(self, runs, timer) -> dict:
-        """One round of the bucket holding every decoding slot; out_tokens row b: tau, then the tau new tokens."""
+        """One round of the bucket holding every decoding slot; out_tokens row b: tau, then the tau new tokens.
+        With `overlap`, a round launched ahead by the last step is read instead (its runs: a run that joined since
+        gets no out this time), and unless one of its runs ends with it the next round is launched before this
+        returns, so the GPU decodes while the host handles these tokens (fixed budgets on one device)."""
         gpu0 = self.dev.gpu_s
+        members = runs
         try:
             with timer("round"):
                 if self.dev.shape.ladder:
                     choice, out = self.auto_step(runs)
+                elif self.ahead is not None:
+                    members, self.ahead = self.ahead, None
+                    out = self.dev.finish()
                 else:
                     out = self.dev.step()
         except Exception:
-            self.cache.clear()                       # rebuilt for the next run
-            self.dev = None
+            self.drop()
             raise
         timer.add("gpu", self.dev.gpu_s - gpu0)
         rows = out.tolist()                          # one conversion for every slot (Python ints)
-        outs = {id(r): self.commit(r, rows[r.slot]) for r in runs}
+        live = {id(r) for r in runs}
+        outs = {id(r): self.commit(r, rows[r.slot]) for r in members if id(r) in live}
+        if self.overlap and self.ranks is None and not self.dev.shape.ladder \
+                and not any(ends(r, outs[id(r)].tokens) for r in members if id(r) in outs):
+            try:
+                with timer("round"):
+                    self.dev.start()
+            except Exception:
+                self.drop()
+                raise
+            self.ahead = list(runs)
         if self.dev.shape.ladder:
             self.cal = observe(self.cal, choice, [outs[id(r)].tau for r in runs])
             self.coast = self.coast.after(choice)
@@ -303,6 +334,16 @@ class DeviceSlots:
         table = self.table if self.table is not None else self.dev.table
         choice = choose_rect(scores[[r.slot for r in runs], 1:], rooms, table, self.cal, scores.shape[0])
         return choice, self.dev.step(choice.size)
+
+    def drop(self):
+        """Forget the rounds (after a failure, or before others are made): a round still running is waited for
+        first, so that no buffer it writes is handed out again under it."""
+        if self.ahead is not None and self.dev is not None:
+            with contextlib.suppress(Exception):        # its failure is not this call's
+                self.dev.finish()
+        self.ahead = None
+        self.cache.clear()                           # rebuilt for the next run
+        self.dev = None
 
     def commit(self, run, row) -> RoundOut:
         """Row [tau, tokens...] of the round's output (a list) -> run's RoundOut, tau cut to its cache rows."""

@@ -242,6 +242,30 @@ def test_gpu_auto_equals_ar(temperature):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode,budget,temperature", [("ar", 0, 0.0), ("ddtree", 16, 0.0), ("ddtree", 16, 1.0)])
+def test_gpu_overlap_same_tokens(mode, budget, temperature):
+    """Engine.overlap (each round launched before the host handles the last one's tokens): the tokens of the rounds
+    without it, for 8 prompts of different output lengths (so rounds where some end launch nothing ahead), and
+    through the scheduler with requests joining the running rounds."""
+    from test_slots_sim import run_scheduler
+
+    from numbaengine.scheduler import Request
+    _, dev = engines()
+    prompts = (PROMPTS * 3)[:8]
+    want = [dev.generate(p, 6 + 5 * i, mode, budget, temperature, 3, stop=[]).tokens for i, p in enumerate(prompts)]
+    dev.overlap = True
+    try:
+        reqs = [Request(dev.tokenizer.encode(p), 6 + 5 * i, mode, budget, temperature, 3, stop_ids=[])
+                for i, p in enumerate(prompts)]
+        got, _ = run_scheduler(dev, reqs, max_batch=8, prefill_chunk=512)
+        batch = [r.tokens for r in dev.generate_batch(prompts[:1], 40, mode, budget, temperature, 3, [])]
+    finally:
+        dev.overlap = False
+    assert got == want, f"{mode} {budget} T {temperature}: scheduler with overlap"
+    assert batch == [dev.generate(prompts[0], 40, mode, budget, temperature, 3, stop=[]).tokens], "generate"
+
+
+@pytest.mark.gpu
 def test_gpu_buckets():
     """Three requests on eight slots finishing in reverse slot order: rounds over 4, 2 and 1 slots, each its own
     graph; each request gives Engine.generate's tokens alone."""

@@ -276,13 +276,16 @@ def check_chunked_prefill(env):
 
 def check_buckets(env):
     """Batch buckets: three requests on four slots (budget 1), finishing in reverse slot order, so the rounds cover
-    slots [0, 4), then [0, 2), then [0, 1), each bucket its own plan over the shared slot state; every request
-    gives Engine.generate's tokens alone."""
+    slots [0, 4), then [0, 2), then [0, 1), each bucket its own plan over the shared slot state, each round
+    launched before the last one's tokens are handled (Engine.overlap) where none ends with it; every request gives
+    Engine.generate's tokens alone (without overlap)."""
     e = sim_engine()
     rng = np.random.default_rng()
     reqs = [Request(rng.integers(0, e.cfg.vocab_size, 2 + i).tolist(), n, "ddtree", 1, 0.0, 1, stop_ids=[])
             for i, n in enumerate((5, 3, 2))]
+    e.overlap = True
     got, sched = run_scheduler(e, reqs, max_batch=4, prefill_chunk=512)
+    e.overlap = False
     assert {n for n, _, _ in sched.rounds.dev.plans} == {1, 2, 4}, sorted(sched.rounds.dev.plans)
     for r, tokens in zip(reqs, got):
         want = e.generate(r.ids, r.max_tokens, r.mode, r.budget, stop=[]).tokens

@@ -550,6 +550,8 @@ def main(argv=None):
                     "github.com/sgl-project/sglang/pull/22734: 20 us for 1-token rounds (32 KiB: 19.63 us), 21 us "
                     "for 17-row rounds (512 KiB: 20.86 us); none found at 15.6 MB (batch 32 x 17 rows): >= 60 us, "
                     "a lower bound from the ~275 GB/s peak algbw (docs/PERFORMANCE.md, '8-GPU estimate')")
+    ap.add_argument("--overlap", action="store_true", help="launch each fixed-budget round before the host handles "
+                    "the last one's tokens (Engine.overlap; default off)")
     ap.add_argument("--no-precompile", action="store_true", help="compile kernels as the cases meet them instead of "
                     "in parallel workers first (default: precompile what the kernel cache lacks)")
     ap.add_argument("--out", default="bench.json")
@@ -587,6 +589,7 @@ def main(argv=None):
             model, draft = synth_k2(args.synth_k2, Path(args.synth_dir or tmp.name))
         devices = [int(d) for d in args.devices.split(",")] if args.devices else None
         engine = Engine.load(model, draft, backend="cuda", max_context=max_context, devices=devices)
+    engine.overlap = args.overlap
     print(f"loaded in {time.perf_counter() - t0:.1f} s", flush=True)
     rows, checks, first_round_s = [], [], None
     for i, layout in enumerate(layouts):
@@ -620,6 +623,7 @@ def main(argv=None):
     result = dict(copy_gbs=copy_bw, prefill=prefill, model=name, first_case_done_s=first_round_s,
                   kernels=kernel_cache.stats(), eager_checks=checks,
                   layers=engine.cfg.num_hidden_layers, rows=rows, date=time.strftime("%Y-%m-%d"), devices=devices,
+                  overlap=args.overlap,
                   gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode())
     if shard is not None:
         result["model"] = f"{name}, rank {shard.rank} of {shard.of}"

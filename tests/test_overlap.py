@@ -1,0 +1,150 @@
+"""DeviceSlots.overlap: the next round launched before the host handles this one's tokens. A toy device decodes by a
+rule of each slot's state (the way the GPU round reads and advances lengths and bonus), so the loop's bookkeeping
+can be checked on the CPU: the same tokens with and without overlap, whatever joins, ends or is cut short, and no
+round launched ahead of a round that ends one of its runs."""
+import numpy as np
+import pytest
+
+from numbaengine import generate as gen
+from numbaengine.ddtree import Params
+from numbaengine.device_round import Shape
+from numbaengine.rounds import DeviceSlots, Run, ends
+
+L = 4          # most tokens a round commits
+
+
+class ToyDev:
+    """DeviceRounds stand-in: slot b at committed length n with bonus t commits tau = 1 + (n + t) % L tokens, token
+    i of them (31 t + 7 (n + i) + seed_b) % 997. start() computes the round from the slot state and advances it, as
+    the device does; finish() hands the round's out_tokens over. log: "start", "finish", "prefill b"."""
+
+    def __init__(self, batch):
+        self.shape, self.gpu_s, self.log = Shape(batch, "ddtree", L - 1, 4096), 0.0, []
+        self.length, self.bonus, self.seed = np.zeros(batch, int), np.zeros(batch, int), np.zeros(batch, int)
+        self.parked, self.out = set(range(batch)), None
+
+    def prefill(self, b, ids, seq_index, temperature=0.0, seed=0, budget=None, start=0):
+        self.log.append(f"prefill {b}")
+        self.parked.discard(b)
+        self.length[b], self.seed[b] = len(ids), sum(ids) % 101
+        self.bonus[b] = (self.seed[b] * 3 + len(ids)) % 997
+        return int(self.bonus[b])
+
+    def retire(self, slots):
+        self.parked |= set(slots)
+
+    def start(self, size=None):
+        assert self.out is None, "a round launched before the last one was read"
+        self.log.append("start")
+        out = np.zeros((self.shape.batch, L + 2), np.int32)
+        for b in range(self.shape.batch):
+            if b in self.parked:
+                continue
+            n, t = self.length[b], self.bonus[b]
+            tau = 1 + (n + t) % L
+            toks = [(31 * t + 7 * (n + i) + self.seed[b]) % 997 for i in range(tau)]
+            out[b, 0], out[b, 1:tau + 1] = tau, toks
+            self.length[b], self.bonus[b] = n + tau, toks[-1]
+        self.out = out
+
+    def finish(self):
+        self.log.append("finish")
+        out, self.out = self.out, None
+        return out
+
+    def step(self, size=None):
+        self.start(size)
+        return self.finish()
+
+
+def decode(overlap, prompts, max_new, stop_after=None, join=None, batch=4):
+    """Decode runs over ToyDev slots; stop_after {run index: tokens}: report ends that run as a stop string would
+    (not foreseen by the rounds); join: (at which pass, or "stop": the pass a run is stopped so, prompt, max_new)
+    of a run that arrives later. -> (tokens of each run, the device's log, the slots)."""
+    slots = DeviceSlots(None, None, 4096, batch, overlap=overlap)
+    slots.dev = ToyDev(batch)
+    slots.free = list(range(batch))
+    runs = []
+    for i, (p, n) in enumerate(zip(prompts, max_new)):
+        runs.append(Run(p, n, {5}, Params(mode="ddtree"), L - 1, index=i))
+        slots.begin(runs[-1], runs[:-1])
+    everyone, passes = list(runs), [0]
+
+    def report(run, out):
+        if isinstance(out, Exception):
+            raise out
+        if stop_after and run.index in stop_after and len(run.tokens) >= stop_after[run.index]:
+            run.stop_reason = "stop"
+
+    def admit(waiting, live):
+        passes[0] += 1
+        stopped = any(r.stop_reason == "stop" for r in everyone)
+        if join is not None and len(everyone) == len(prompts) and (passes[0] == join[0] or join[0] == "stop" and
+                                                                    stopped):
+            run = Run(join[1], join[2], {5}, Params(mode="ddtree"), L - 1, index=len(everyone))
+            slots.begin(run, [r for r in waiting + live if r.stop_reason is None])
+            everyone.append(run)
+            return [run]
+        return [] if waiting or live else None
+    gen.decode(slots, runs, report, gen.Timer(("prefill", "decode") + slots.PHASES), admit)
+    return [r.tokens for r in everyone], slots.dev.log, slots
+
+
+CASES = {
+    "lengths": dict(prompts=[[1, 2], [3, 4, 5], [6], [7, 8]], max_new=[9, 20, 14, 3]),
+    "stop strings": dict(prompts=[[1, 2], [3, 4, 5], [6]], max_new=[30, 30, 30], stop_after={0: 4, 2: 11}),
+    "join": dict(prompts=[[1, 2], [3, 4, 5]], max_new=[25, 6], join=(4, [9, 9, 9, 9], 12)),
+    "join a freed slot": dict(prompts=[[1, 2], [3, 4, 5]], max_new=[40, 40], stop_after={1: 3},
+                              join=("stop", [2], 10), batch=2),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_overlap_same_tokens(case):
+    """Every run's tokens with overlap == without; rounds were launched ahead (a start right after a finish, with no
+    prefill between), and never two without a finish between (ToyDev asserts)."""
+    want, plain_log, _ = decode(False, **CASES[case])
+    got, log, slots = decode(True, **CASES[case])
+    assert got == want, f"{case}: {got} != {want}"
+    ahead = sum(a == "finish" and b == "start" for a, b in zip(log, log[1:]))
+    assert ahead > 0 and ahead < log.count("start"), f"{case}: {log}"
+    assert "start" not in plain_log[-1:] and all(a == "start" for a, b in zip(plain_log, plain_log[1:])
+                                                 if b == "finish"), plain_log
+    assert all(len(t) <= n for t, n in zip(got, CASES[case]["max_new"] + [99])), got
+
+
+def test_overlap_no_round_ahead_of_an_end():
+    """A round in which a run reaches max_new, a stop token or its last cache row launches nothing ahead: a run
+    that ends by a foreseeable rule never costs an extra round, and the last round of generate leaves nothing
+    running."""
+    _, log, slots = decode(True, prompts=[[1, 2], [3]], max_new=[7, 13])
+    assert slots.ahead is None and slots.dev.out is None and log[-1] == "finish", log
+
+
+def test_ends_matches_push():
+    """ends() foresees exactly what generate.push decides (stop token, max_new, cache rows), for random rounds."""
+    rng = np.random.default_rng()
+    seed = int(rng.integers(2 ** 31))
+    rng = np.random.default_rng(seed)
+    for _ in range(500):
+        run = Run([1], int(rng.integers(1, 12)), {int(rng.integers(0, 8))}, Params(), 4)
+        run.tokens = rng.integers(0, 8, int(rng.integers(0, run.max_new))).tolist()
+        run.limit = int(rng.integers(4, 30))
+        run.seq = type("Seq", (), {"start": int(rng.integers(0, run.limit + 1))})()
+        new = rng.integers(0, 8, int(rng.integers(1, 5))).tolist()
+        said = ends(run, new)
+        gen.push(run, new)
+        assert said == (run.stop_reason is not None), f"seed {seed}: {run.tokens} {new} {run.stop_reason}"
+
+
+def test_build_waits_for_the_round_ahead():
+    """Remaking the rounds (another shape, or the same one reset) first reads the round launched ahead, so that no
+    slot is reset under it."""
+    slots = DeviceSlots(None, None, 4096, 2, overlap=True)
+    dev = ToyDev(2)
+    slots.cache[dev.shape] = slots.dev = dev
+    dev.prefill(0, [1, 2], 0)
+    dev.start()
+    slots.ahead = []
+    slots.build(dev.shape)
+    assert dev.log[-1] == "finish" and dev.out is None and slots.ahead is None, dev.log
