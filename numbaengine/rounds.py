@@ -171,10 +171,10 @@ class DeviceSlots:
     """`batch` slots of one DeviceRounds (Replicated over `ranks`), made for the mode and tree width of the run that
     finds the slots empty: runs of that mode with any temperature, seed and a budget up to that width share the
     rounds (budget "auto" runs share rounds made for auto), and so do ar runs in ddtree rounds (a slot budget of 0:
-    the root alone) and fixed budgets in auto rounds (a slot budget capping the chosen size) (`fits`). A round covers the smallest bucket of slots holding
-    every decoding one (slots are handed out lowest first), each bucket its own captured graph. A prompt is
-    prefilled in pieces ending at multiples of `chunk` tokens (None: whole), the same pieces whatever else runs,
-    so the output does not depend on the load. `cache` keeps the DeviceRounds (buffers, graphs and, for auto,
+    the root alone) and fixed budgets in auto rounds (a slot budget capping the chosen size) (`fits`). A round
+    covers the smallest bucket of slots holding every decoding one (slots are handed out lowest first), each bucket
+    its own captured graph. A prompt is prefilled in pieces ending at multiples of `chunk` tokens (None: whole),
+    the same pieces whatever else runs, so the output does not depend on the load. `cache` keeps the DeviceRounds (buffers, graphs and, for auto,
     the measured cost table) of the last Shape between uses: one resident at a time, they are large. Each
     sequence's tau is cut to its cache rows (run.limit), as the host round shrinks its last trees.
 

@@ -335,8 +335,9 @@ def test_device_slots_fits_settings():
     busy = [run("ddtree")]
     cases = {Shape(2, "ddtree", 16, 64): {("ar", 16): True, ("ddtree", 16): True, ("ddtree", 4): True,
                                           ("ddtree", 17): False, ("ddtree", "auto"): False, ("dflash", 16): False},
-             Shape(2, "ddtree", 64, 64, (0, 2, 64)): {("ar", 16): True, ("ddtree", "auto"): True, ("ddtree", 64): True,
-                                                       ("ddtree", 2): True, ("ddtree", 65): False, ("dflash", 16): False},
+             Shape(2, "ddtree", 64, 64, (0, 2, 64)): {("ar", 16): True, ("ddtree", "auto"): True,
+                                                       ("ddtree", 64): True, ("ddtree", 2): True,
+                                                       ("ddtree", 65): False, ("dflash", 16): False},
              Shape(2, "ar", 0, 64): {("ar", 16): True, ("ddtree", 16): False, ("ddtree", "auto"): False}}
     for shape, want in cases.items():
         slots.dev = type("Dev", (), {"shape": shape})()
