@@ -281,18 +281,19 @@ class DeviceSlots:
 
     def step(self, runs, timer) -> dict:
         """One round of the bucket holding every decoding slot; out_tokens row b: tau, then the tau new tokens.
-        With `overlap`, a round launched ahead by the last step is read instead (its runs: a run that joined since
-        gets no out this time), and unless one of its runs ends with it the next round is launched before this
-        returns, so the GPU decodes while the host handles these tokens (fixed budgets on one device)."""
+        With `overlap` (one device), a round launched ahead by the last step is read instead (its runs: a run that
+        joined since gets no out this time), and unless one of its runs ends with it the next round is launched
+        before this returns, so the GPU decodes while the host handles these tokens: fixed budgets, and budget
+        auto's coasting rounds (no probe to wait for) while the same runs coast."""
         gpu0 = self.dev.gpu_s
-        members = runs
+        members, ladder = runs, self.dev.shape.ladder
         try:
             with timer("round"):
-                if self.dev.shape.ladder:
-                    choice, out = self.auto_step(runs)
-                elif self.ahead is not None:
+                if self.ahead is not None:           # (budget auto: a coasting round)
                     members, self.ahead = self.ahead, None
-                    out = self.dev.finish()
+                    choice, out = root_choice(len(members)), self.dev.finish()
+                elif ladder:
+                    choice, out = self.auto_step(runs)
                 else:
                     out = self.dev.step()
         except Exception:
@@ -302,23 +303,25 @@ class DeviceSlots:
         rows = out.tolist()                          # one conversion for every slot (Python ints)
         live = {id(r) for r in runs}
         outs = {id(r): self.commit(r, rows[r.slot]) for r in members if id(r) in live}
-        if self.overlap and self.ranks is None and not self.dev.shape.ladder \
+        if ladder:
+            read = [r for r in members if id(r) in outs]
+            self.cal = observe(self.cal, choice, [outs[id(r)].tau for r in read])
+            self.coast = self.coast.after(choice)
+            for i, r in enumerate(members):
+                if id(r) in outs and r.picks is not None:    # (not an ar or fixed-budget run in the auto rounds)
+                    r.picks.add(choice, i)
+            for picks in self.picks:
+                picks.cal = self.cal
+        coasts = ladder and self.coast.left and self.coasting == tuple(r.slot for r in runs)
+        if self.overlap and self.ranks is None and (not ladder or coasts) \
                 and not any(ends(r, outs[id(r)].tokens) for r in members if id(r) in outs):
             try:
                 with timer("round"):
-                    self.dev.start()
+                    self.dev.start(0 if ladder else None)
             except Exception:
                 self.drop()
                 raise
             self.ahead = list(runs)
-        if self.dev.shape.ladder:
-            self.cal = observe(self.cal, choice, [outs[id(r)].tau for r in runs])
-            self.coast = self.coast.after(choice)
-            for i, r in enumerate(runs):
-                if r.picks is not None:              # (not an ar or fixed-budget run sharing the auto rounds)
-                    r.picks.add(choice, i)
-            for picks in self.picks:
-                picks.cal = self.cal
         return outs
 
     def auto_step(self, runs):

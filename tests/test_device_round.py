@@ -237,6 +237,12 @@ def test_gpu_auto_equals_ar(temperature):
     got = dev.generate_batch((PROMPTS * 3)[:3], 24, "ddtree", "auto", temperature, 5, [], cost_table=coast)
     want = [r.tokens for r in dev.generate_batch((PROMPTS * 3)[:3], 24, "ar", 0, temperature, 5, [])]
     assert [r.tokens for r in got] == want, f"coasting, T {temperature}"     # size 0 without probes (budget.Coast)
+    dev.overlap = True                                                       # coasting rounds launched ahead
+    try:
+        ahead = dev.generate_batch((PROMPTS * 3)[:3], 24, "ddtree", "auto", temperature, 5, [], cost_table=coast)
+    finally:
+        dev.overlap = False
+    assert [r.tokens for r in ahead] == want, f"coasting with overlap, T {temperature}"
     assert all(r.stats["budget_hist"] == {0: r.stats["rounds"]} and r.stats["probes"] < r.stats["rounds"] / 2
                for r in got), [r.stats for r in got]
 

@@ -295,7 +295,8 @@ def check_buckets(env):
 def check_auto(env):
     """Budget auto on the device rounds (ladder 0, 2, 4; two sequences sampled with one seed; greedy auto == ar is
     a GPU test and a host test): with a table that picks 4 nodes, ar's tokens and every round at that size; with
-    one that picks 0, ar's tokens from rounds that coast after the first probe (verify without a probe); rounds
+    one that picks 0, ar's tokens from rounds that coast after the first probe (verify without a probe), each
+    launched before the last one's tokens are handled (overlap); rounds
     made without a table (one slot, ladder 0, 2) measure one from their own rounds (every size, 0 included) and
     still give ar's tokens."""
     from numbaengine.budget import CostTable
@@ -310,7 +311,7 @@ def check_auto(env):
                                                    stop=[])]
         for pick, secs in ((4, (9.0, 9.0, 1.0)), (0, (1.0, 9.0, 9.0))):      # 0: rounds coast (no probe)
             slots = DeviceSlots(e.target, e.drafter, e.max_context, 2, table=CostTable(ladder, {2: secs}),
-                                ladder=ladder, graphs=False)
+                                ladder=ladder, graphs=False, overlap=pick == 0)      # coasting rounds launched ahead
             res = gen.generate_on(slots, None, prompts, 3, "ddtree", "auto", temperature, seed, stop=[])
             where = f"T {temperature} seed {seed} table {secs} prompts {prompts}"
             assert [r.tokens for r in res] == want, f"{where}: {[r.tokens for r in res]} != ar {want}"
