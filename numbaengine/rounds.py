@@ -301,20 +301,19 @@ class DeviceSlots:
             raise
         timer.add("gpu", self.dev.gpu_s - gpu0)
         rows = out.tolist()                          # one conversion for every slot (Python ints)
-        live = {id(r) for r in runs}
-        outs = {id(r): self.commit(r, rows[r.slot]) for r in members if id(r) in live}
+        if members is not runs:                      # a round launched ahead: its runs still decoding
+            live = {id(r) for r in runs}
+            members = [r for r in members if id(r) in live]
+        outs = {id(r): self.commit(r, rows[r.slot]) for r in members}
         if ladder:
-            read = [r for r in members if id(r) in outs]
-            self.cal = observe(self.cal, choice, [outs[id(r)].tau for r in read])
+            self.cal = observe(self.cal, choice, [outs[id(r)].tau for r in members])
             self.coast = self.coast.after(choice)
             for i, r in enumerate(members):
-                if id(r) in outs and r.picks is not None:    # (not an ar or fixed-budget run in the auto rounds)
+                if r.picks is not None:              # (not an ar or fixed-budget run sharing the auto rounds)
                     r.picks.add(choice, i)
             for picks in self.picks:
                 picks.cal = self.cal
-        coasts = ladder and self.coast.left and self.coasting == tuple(r.slot for r in runs)
-        if self.overlap and self.ranks is None and (not ladder or coasts) \
-                and not any(ends(r, outs[id(r)].tokens) for r in members if id(r) in outs):
+        if self.overlap and self.ranks is None and self.ahead_ok(ladder, runs, members, outs):
             try:
                 with timer("round"):
                     self.dev.start(0 if ladder else None)
@@ -323,6 +322,12 @@ class DeviceSlots:
                 raise
             self.ahead = list(runs)
         return outs
+
+    def ahead_ok(self, ladder, runs, members, outs) -> bool:
+        """Whether the next round may be launched now: fixed budgets, or auto rounds coasting on over the same
+        runs; and none of the round's runs ends with it."""
+        coasting = not ladder or (self.coast.left and self.coasting == tuple(r.slot for r in runs))
+        return coasting and not any(ends(r, outs[id(r)].tokens) for r in members)
 
     def auto_step(self, runs):
         """Budget auto: the probe, the choice from each run's pops (cut to its cache rows), that size's verify; while
