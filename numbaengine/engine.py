@@ -43,8 +43,8 @@ class Engine:
         self.ranks = ranks           # kernel backends over a device list: every rank (numbaengine/devices.py)
         self.rounds_cache = {}       # kernel backends: DeviceRounds (buffers + captured graph) of the last shape
         self.costs = None            # numpy, budget "auto": the reference round timed at its first use
-        self.overlap = False         # kernel backends: launch the next round before reading this one's tokens
-        #                              (rounds.DeviceSlots.overlap; not yet timed on a GPU)
+        self.overlap = True          # kernel backends: launch the next round before the host handles this one's
+        #                              tokens (rounds.DeviceSlots.overlap, where its measurement is)
 
     @classmethod
     def load(cls, model_dir=None, draft_dir=None, backend="auto", max_context=4096, cache_dtype="bf16",

@@ -91,7 +91,7 @@ class HostRounds:
         self.ops = ops if ops is not None else target.ops
         self.table, self.cal, self.ragged = table, Calibration(), ragged
         self.table_from = "given"
-        self.coasts = {}                            # auto: Params -> (its group's runs, their Coast)
+        self.coasts = {}                            # auto: Params -> (its group's cost row, their Coast)
         self.picks = []                             # every auto run's Picks: each gets the batch's calibration
 
     def auto(self, run) -> bool:
@@ -148,12 +148,12 @@ class HostRounds:
         return out
 
     def auto_step(self, runs, timer) -> dict:
-        p, ids = runs[0].p, tuple(id(r) for r in runs)
-        was, coast = self.coasts.get(p, ((), Coast()))
+        p, row = runs[0].p, self.table.listed(len(runs))            # the cost row the group's rounds pay
+        was, coast = self.coasts.get(p, (None, Coast()))
         choice, outs, self.cal, coast = auto_round([r.seq for r in runs], [self.room(r) for r in runs], self.target,
                                                    self.drafter, self.ops, p, timer, self.table, self.cal,
-                                                   self.ragged, coast if was == ids else Coast())
-        self.coasts[p] = (ids, coast)
+                                                   self.ragged, coast if was == row else Coast())
+        self.coasts[p] = (row, coast)
         for i, r in enumerate(runs):
             r.picks.add(choice, i)
         for picks in self.picks:
@@ -193,14 +193,17 @@ class DeviceSlots:
     table: CostTable | None = None       # budget auto: seconds per bucket and ladder size (None: measured)
     ladder: tuple = LADDER               # budget auto: the sizes chosen among
     cost_reps: int = 3                   # budget auto: timed runs per bucket and size when measuring the table
-    overlap: bool = False                # launch the next fixed-budget round before the host handles this one's
-    #                                      tokens (step); not yet timed on a GPU, so off
+    overlap: bool = True                 # launch the next round before the host handles this one's tokens (step).
+    #                                      H200, shipped pair, tools.bench, tokens/s on against off (two calls on one
+    #                                      machine): ar batch 1 / 8 / 32 / 128 2,923 / 19,672 / 60,151 / 168,412
+    #                                      against 2,768 / 20,012 / 53,651 / 130,380; ddtree-16 4,609 / 11,883 /
+    #                                      37,647 / 58,242 against 4,575 / 12,817 / 36,252 / 61,460
     ahead: list | None = None            # overlap: the runs of the round launched ahead, not yet read
     dev: object = None
     free: list = field(default_factory=list)
     cal: Calibration = field(default_factory=Calibration)
     coast: Coast = field(default_factory=Coast)   # budget auto: rounds left without a probe (budget.Coast)
-    coasting: tuple = ()                          # budget auto: the slots the coast was chosen for
+    coasting: int = 0                             # budget auto: the cost row (bucket) the coast was chosen for
     picks: list = field(default_factory=list)
     PHASES = ("round", "gpu")            # gpu: the device time of the rounds (CUDA events), part of "round"
 
@@ -284,7 +287,7 @@ class DeviceSlots:
         With `overlap` (one device), a round launched ahead by the last step is read instead (its runs: a run that
         joined since gets no out this time), and unless one of its runs ends with it the next round is launched
         before this returns, so the GPU decodes while the host handles these tokens: fixed budgets, and budget
-        auto's coasting rounds (no probe to wait for) while the same runs coast."""
+        auto's coasting rounds (no probe to wait for) while the coast goes on."""
         gpu0 = self.dev.gpu_s
         members, ladder = runs, self.dev.shape.ladder
         try:
@@ -324,17 +327,22 @@ class DeviceSlots:
         return outs
 
     def ahead_ok(self, ladder, runs, members, outs) -> bool:
-        """Whether the next round may be launched now: fixed budgets, or auto rounds coasting on over the same
-        runs; and none of the round's runs ends with it."""
-        coasting = not ladder or (self.coast.left and self.coasting == tuple(r.slot for r in runs))
+        """Whether the next round may be launched now: fixed budgets, or auto rounds whose coast goes on (the same
+        cost row); and none of the round's runs ends with it."""
+        coasting = not ladder or (self.coast.left and self.coasting == self.cost_row())
         return coasting and not any(ends(r, outs[id(r)].tokens) for r in members)
+
+    def cost_row(self) -> int:
+        """The cost table's batch that the next round pays (its bucket of slots)."""
+        table = self.table if self.table is not None else self.dev.table
+        return table.listed(self.dev.bucket())
 
     def auto_step(self, runs):
         """Budget auto: the probe, the choice from each run's pops (cut to its cache rows), that size's verify; while
         coasting, the root alone without the probe."""
-        slots = tuple(r.slot for r in runs)
-        if self.coasting != slots:                   # a sequence joined or left: probe now
-            self.coast, self.coasting = Coast(), slots
+        row = self.cost_row()
+        if self.coasting != row:                     # the rounds pay another cost row: probe now
+            self.coast, self.coasting = Coast(), row
         if self.coast.left:
             return root_choice(len(runs)), self.dev.step(0)
         scores = self.dev.probe()

@@ -278,6 +278,11 @@ class CoastDev:
     def __init__(self, ladder, n):
         from numbaengine.device_round import Shape
         self.shape, self.n, self.calls, self.gpu_s = Shape(n, "ddtree", max(ladder), 64, ladder), n, [], 0.0
+        self.parked = set()
+
+    def bucket(self):
+        top = max(set(range(self.n)) - self.parked, default=0) + 1
+        return min(self.n, 1 << (top - 1).bit_length())
 
     def probe(self):
         self.calls.append("probe")
@@ -291,14 +296,15 @@ class CoastDev:
 @pytest.mark.parametrize("cheap", [0, 2])
 def test_device_slots_coast_without_probes(cheap):
     """DeviceSlots with a table where size 0 pays: probe + step(0), then step(0) alone for 1, 2, 4, .. rounds (no
-    probe); where size 2 pays every round probes; a sequence leaving or joining the decoding ends a coast."""
+    probe); where size 2 pays every round probes; a sequence leaving within the bucket keeps the coast, a change of
+    bucket (the round pays another row of the table) ends it."""
     from numbaengine.budget import Picks
     from numbaengine.ddtree import Params, Seq
     from numbaengine.generate import Timer
     from numbaengine.rounds import DeviceSlots, Run
     ladder = (0, 2)
-    slots = DeviceSlots(None, None, 64, 2, table=CostTable(ladder, {2: (1.0, 9.0) if cheap == 0 else (9.0, 1.0)}),
-                        ladder=ladder)
+    row = (1.0, 9.0) if cheap == 0 else (9.0, 1.0)
+    slots = DeviceSlots(None, None, 64, 2, table=CostTable(ladder, {1: row, 2: row}), ladder=ladder, overlap=False)
     slots.dev = dev = CoastDev(ladder, 2)
     runs = [Run([1], 200, set(), Params(mode="ddtree"), "auto", i, 200, i, 1, Seq(i, None, None, 1, 0), picks=Picks())
             for i in range(2)]
@@ -308,11 +314,15 @@ def test_device_slots_coast_without_probes(cheap):
     if cheap == 0:
         assert probes == coasted_probes(15) == 4 and dev.calls[:5] == ["probe", 0, 0, "probe", 0], dev.calls
         assert runs[0].picks.stats()["probes"] == 4 and runs[0].picks.stats()["budget_hist"] == {0: 15}
-        slots.step(runs[:1], Timer(DeviceSlots.PHASES))          # a sequence left: probe now
+        slots.step(runs[:1], Timer(DeviceSlots.PHASES))          # a sequence left, slot 1 not yet parked
+        assert dev.calls[-1:] == [0], dev.calls
+        dev.parked = {1}                                         # parked: the rounds cover bucket 1, probe now
+        slots.step(runs[:1], Timer(DeviceSlots.PHASES))
         assert dev.calls[-2:] == ["probe", 0]
         slots.step(runs[:1], Timer(DeviceSlots.PHASES))
         assert dev.calls[-1:] == [0]
-        slots.step(runs, Timer(DeviceSlots.PHASES))              # it is back (a new one joined): probe now
+        dev.parked = set()                                       # it is back (bucket 2): probe now
+        slots.step(runs, Timer(DeviceSlots.PHASES))
         assert dev.calls[-2:] == ["probe", 0]
     else:
         assert probes == 15 and set(dev.calls[1::2]) == {2}, dev.calls

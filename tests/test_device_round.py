@@ -235,14 +235,14 @@ def test_gpu_auto_equals_ar(temperature):
         for r in got:
             assert sum(r.stats["budget_hist"].values()) == r.stats["rounds"] and r.stats["budget"] == "auto"
     coast = CostTable(LADDER, {n: (1.0,) + (9.0,) * (len(LADDER) - 1) for n in buckets(3)})
-    got = dev.generate_batch((PROMPTS * 3)[:3], 24, "ddtree", "auto", temperature, 5, [], cost_table=coast)
     want = [r.tokens for r in dev.generate_batch((PROMPTS * 3)[:3], 24, "ar", 0, temperature, 5, [])]
-    assert [r.tokens for r in got] == want, f"coasting, T {temperature}"     # size 0 without probes (budget.Coast)
-    dev.overlap = True                                                       # coasting rounds launched ahead
+    dev.overlap = False                                                      # coasting rounds read one by one
     try:
-        ahead = dev.generate_batch((PROMPTS * 3)[:3], 24, "ddtree", "auto", temperature, 5, [], cost_table=coast)
+        got = dev.generate_batch((PROMPTS * 3)[:3], 24, "ddtree", "auto", temperature, 5, [], cost_table=coast)
     finally:
-        dev.overlap = False
+        dev.overlap = True
+    assert [r.tokens for r in got] == want, f"coasting, T {temperature}"     # size 0 without probes (budget.Coast)
+    ahead = dev.generate_batch((PROMPTS * 3)[:3], 24, "ddtree", "auto", temperature, 5, [], cost_table=coast)
     assert [r.tokens for r in ahead] == want, f"coasting with overlap, T {temperature}"
     assert all(r.stats["budget_hist"] == {0: r.stats["rounds"]} and r.stats["probes"] < r.stats["rounds"] / 2
                for r in got), [r.stats for r in got]
@@ -251,25 +251,26 @@ def test_gpu_auto_equals_ar(temperature):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,budget,temperature", [("ar", 0, 0.0), ("ddtree", 16, 0.0), ("ddtree", 16, 1.0)])
 def test_gpu_overlap_same_tokens(mode, budget, temperature):
-    """Engine.overlap (each round launched before the host handles the last one's tokens): the tokens of the rounds
-    without it, for 8 prompts of different output lengths (so rounds where some end launch nothing ahead), and
+    """Engine.overlap (on by default: each round launched before the host handles the last one's tokens): the
+    tokens of the rounds without it, for 8 prompts of different output lengths (so rounds where some end launch nothing ahead), and
     through the scheduler with requests joining the running rounds."""
     from test_slots_sim import run_scheduler
 
     from numbaengine.scheduler import Request
     _, dev = engines()
     prompts = (PROMPTS * 3)[:8]
-    want = [dev.generate(p, 6 + 5 * i, mode, budget, temperature, 3, stop=[]).tokens for i, p in enumerate(prompts)]
-    dev.overlap = True
+    dev.overlap = False
     try:
-        reqs = [Request(dev.tokenizer.encode(p), 6 + 5 * i, mode, budget, temperature, 3, stop_ids=[])
+        want = [dev.generate(p, 6 + 5 * i, mode, budget, temperature, 3, stop=[]).tokens
                 for i, p in enumerate(prompts)]
-        got, _ = run_scheduler(dev, reqs, max_batch=8, prefill_chunk=512)
-        batch = [r.tokens for r in dev.generate_batch(prompts[:1], 40, mode, budget, temperature, 3, [])]
+        want_long = dev.generate(prompts[0], 40, mode, budget, temperature, 3, stop=[]).tokens
     finally:
-        dev.overlap = False
+        dev.overlap = True
+    reqs = [Request(dev.tokenizer.encode(p), 6 + 5 * i, mode, budget, temperature, 3, stop_ids=[])
+            for i, p in enumerate(prompts)]
+    got, _ = run_scheduler(dev, reqs, max_batch=8, prefill_chunk=512)
     assert got == want, f"{mode} {budget} T {temperature}: scheduler with overlap"
-    assert batch == [dev.generate(prompts[0], 40, mode, budget, temperature, 3, stop=[]).tokens], "generate"
+    assert dev.generate(prompts[0], 40, mode, budget, temperature, 3, stop=[]).tokens == want_long, "generate"
 
 
 @pytest.mark.gpu

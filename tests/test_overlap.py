@@ -35,6 +35,11 @@ class ToyDev:
     def retire(self, slots):
         self.parked |= set(slots)
 
+    def bucket(self):
+        """DeviceRounds.bucket: the smallest power of two (or the batch) holding every slot not parked."""
+        top = max(set(range(self.shape.batch)) - self.parked, default=0) + 1
+        return min(self.shape.batch, 1 << (top - 1).bit_length())
+
     def start(self, size=None):
         assert self.out is None, "a round launched before the last one was read"
         self.log.append("start")

@@ -283,8 +283,7 @@ def check_buckets(env):
     rng = np.random.default_rng()
     reqs = [Request(rng.integers(0, e.cfg.vocab_size, 2 + i).tolist(), n, "ddtree", 1, 0.0, 1, stop_ids=[])
             for i, n in enumerate((5, 3, 2))]
-    e.overlap = True
-    got, sched = run_scheduler(e, reqs, max_batch=4, prefill_chunk=512)
+    got, sched = run_scheduler(e, reqs, max_batch=4, prefill_chunk=512)      # (Engine.overlap: on)
     e.overlap = False
     assert {n for n, _, _ in sched.rounds.dev.plans} == {1, 2, 4}, sorted(sched.rounds.dev.plans)
     for r, tokens in zip(reqs, got):

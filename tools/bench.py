@@ -550,8 +550,8 @@ def main(argv=None):
                     "github.com/sgl-project/sglang/pull/22734: 20 us for 1-token rounds (32 KiB: 19.63 us), 21 us "
                     "for 17-row rounds (512 KiB: 20.86 us); none found at 15.6 MB (batch 32 x 17 rows): >= 60 us, "
                     "a lower bound from the ~275 GB/s peak algbw (docs/PERFORMANCE.md, '8-GPU estimate')")
-    ap.add_argument("--overlap", action="store_true", help="launch each fixed-budget round before the host handles "
-                    "the last one's tokens (Engine.overlap; default off)")
+    ap.add_argument("--no-overlap", dest="overlap", action="store_false", help="read each round's tokens before "
+                    "launching the next (default: the next round is launched first, Engine.overlap)")
     ap.add_argument("--no-precompile", action="store_true", help="compile kernels as the cases meet them instead of "
                     "in parallel workers first (default: precompile what the kernel cache lacks)")
     ap.add_argument("--out", default="bench.json")

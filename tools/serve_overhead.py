@@ -29,8 +29,9 @@ BUDGET = 16
 
 
 class StandInRounds:
-    """DeviceRounds' interface for DeviceSlots: prefill returns a token at once, step() sleeps round_s and commits
-    tau tokens (random ids, no eos) for every slot."""
+    """DeviceRounds' interface for DeviceSlots: prefill returns a token at once, a round commits tau tokens (random
+    ids, no eos) for every slot and takes round_s: start() launches it (notes the time), finish() waits until
+    round_s after the launch, as a GPU round runs while the host goes on."""
 
     def __init__(self, shape, round_s, tau, vocab, avoid, seed=0):
         self.shape, self.round_s, self.tau, self.gpu_s = shape, round_s, tau, 0.0
@@ -39,7 +40,7 @@ class StandInRounds:
         self.outs = np.zeros((64, shape.batch, tau + 2), np.int32)     # rounds handed out in turn: no host work
         self.outs[:, :, 0] = tau                                       # of the stand-in's own in the loop
         self.outs[:, :, 1:tau + 1] = self.rng.choice(self.pool, (64, shape.batch, tau))
-        self.rounds = 0
+        self.rounds, self.launched = 0, 0.0
 
     def retire(self, slots):
         pass
@@ -50,12 +51,20 @@ class StandInRounds:
     def prefill(self, b, ids, seq_index, temperature=0.0, seed=0, budget=None, start=0) -> int:
         return int(self.rng.choice(self.pool))
 
-    def step(self, size=None) -> np.ndarray:
-        if self.round_s > 0:
-            time.sleep(self.round_s)
+    def start(self, size=None):
+        self.launched = time.perf_counter()
+
+    def finish(self) -> np.ndarray:
+        left = self.launched + self.round_s - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
         self.gpu_s += self.round_s
         self.rounds += 1
         return self.outs[self.rounds % len(self.outs)]
+
+    def step(self, size=None) -> np.ndarray:
+        self.start(size)
+        return self.finish()
 
 
 def stand_in_slots(engine, batch, round_s, tau) -> DeviceSlots:
