@@ -298,6 +298,13 @@ def test_auto_round_stats_are_the_picks():
     assert value("numbaengine_auto_accepted_drafts_total") == value("numbaengine_tau_sum") - len(picks.sizes)
 
 
+def test_queue_limit_holds_a_batch():
+    """--max-queue by default queues twice --max-batch (at least 64); given, it is kept."""
+    from numbaengine.serve import parser, queue_limit
+    given = ([], ["--max-batch", "128"], ["--max-batch", "128", "--max-queue", "5"])
+    assert [queue_limit(parser().parse_args(a)) for a in given] == [64, 256, 5]
+
+
 def test_budget_flags():
     """`--budget auto` parses for the server and tools/bench_serve, which sends the budget given (none: the
     server's); a bad one is a usage error."""

@@ -154,6 +154,8 @@ async def sweep(args) -> list:
     for c in args.concurrency:
         with server(args, c):
             model = args.model or (await client.models.list()).data[0].id
+            for _ in range(args.warmup):            # untimed: the server's first rounds at this load
+                await requests(client, model, prompts, c, range(c), args)
             rows.append(await level(client, model, prompts, c, args.requests or max(2 * c, 16), args))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     return rows
@@ -208,6 +210,9 @@ def parser():
                     "server's)")
     ap.add_argument("--processes", type=int, help="load-generator processes per level (default: one per 16 "
                     "streams, at most half the cores)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed passes of `concurrency` requests before each "
+                    "level's timed ones, so a fresh server's first rounds (graph captures, kernels) are not timed "
+                    "(default: %(default)s)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--serve", metavar="ARGS", help='start "python -m numbaengine.serve ARGS" for each level on '
@@ -220,7 +225,7 @@ def main(argv=None):
     print(table([]), flush=True)
     rows = asyncio.run(sweep(args))
     result = dict(url=args.url, serve=args.serve, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                  vary_seed=args.vary_seed, mode=args.mode, budget=args.budget, levels=rows)
+                  vary_seed=args.vary_seed, mode=args.mode, budget=args.budget, warmup=args.warmup, levels=rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
