@@ -14,6 +14,7 @@ import time
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
+from numbaengine import phases
 from numbaengine.kernels import cache
 
 PROMPT = "def fibonacci(n):"
@@ -45,7 +46,8 @@ def precompile(run_once, workers=None, progress=True) -> Precompiled:
                 run_once()
             except Exception:  # host code reading results that were never computed
                 pass
-        failed = _collect(jobs, progress)
+        with phases.span("compile"):
+            failed = _collect(jobs, progress)
     if failed:
         cache.warn(f"{len(failed)} of {len(jobs)} kernels left to compile on first use (first: {failed[0]})")
     return Precompiled(len(jobs), len(jobs) - len(failed), tuple(failed), round(time.perf_counter() - t0, 3))

@@ -358,10 +358,16 @@ def run_once():
 if __name__ == "__main__":
     dev.F1 = np.float32(2.0)
     cache.configure(sys.argv[1])
-    done = precompile(run_once, workers=2)
+    from numbaengine import phases
+
+    def in_prefill():                    # as the CLI's dry run: the engine's phases open around the launches
+        with phases.span("prefill"):
+            run_once()
+    done = precompile(in_prefill, workers=2)
+    spent = phases.totals()
     for c in (2.0, 3.0):
         make(c).compile((cache._argtypes("void(float32[::1])")))
-    print(json.dumps([done.found, done.compiled, list(done.failed), cache.stats()]))
+    print(json.dumps([done.found, done.compiled, list(done.failed), cache.stats(), spent]))
 """
 
 
@@ -369,19 +375,21 @@ def test_precompile_compiles_in_worker_processes(tmp_path):
     """The dry run meets five kernels, one compiled by the host itself (it waits for its worker and loads the
     entry); two workers compile three (functions pickled by value, keys checked in the worker). One fails to
     compile, and one reads a module attribute the parent changed at run time (its key differs in the worker): both
-    are left to the lazy path with one warning line; the run after loads the entries. (A CPU machine compiles as
-    for sm_90 in the parent and the workers: POOL_SCRIPT.)"""
+    are left to the lazy path with one warning line; the run after loads the entries. The time spent waiting for
+    the workers counts as compile, not as the phase the dry run was in. (A CPU machine compiles as for sm_90 in the
+    parent and the workers: POOL_SCRIPT.)"""
     script = tmp_path / "pool.py"
     script.write_text(POOL_SCRIPT)
     r = subprocess.run([sys.executable, str(script), str(tmp_path / "kernels")], capture_output=True, text=True,
                        check=False, cwd=ROOT, env=_env())
     assert r.returncode == 0, r.stderr[-3000:]
-    found, compiled, failed, stats = json.loads(r.stdout.splitlines()[-1])
+    found, compiled, failed, stats, spent = json.loads(r.stdout.splitlines()[-1])
     assert (found, compiled, len(failed)) == (5, 3, 2), failed
     assert sorted(f.split(":")[0] for f in failed) == ["broken", "flagged"]
     assert any("TypingError" in f for f in failed) and any("differs" in f and "function" in f for f in failed)
     assert "compiling kernels 5/5" in r.stderr and r.stderr.count("left to compile on first use") == 1
     assert (stats["hits"], stats["misses"]) == (3, 0) and len(cache.cache_files(tmp_path / "kernels")) == 3
+    assert spent.get("compile", 0) > spent.get("prefill", 0), f"waiting for the workers is compile time: {spent}"
 
 
 def test_warmup_size_and_clear(tmp_path):

@@ -498,7 +498,8 @@ class KernelCache:
         if future is None:
             return False
         try:
-            future.result()
+            with phases.span("compile"):            # waiting for a worker is compile time, not the caller's phase
+                future.result()
         except Exception:  # the worker could not compile it: compile here
             return False
         return self.fetch(argtypes)
