@@ -33,7 +33,9 @@ def precompile(run_once, workers=None, progress=True) -> Precompiled:
     lacks. run_once runs as a dry run: nothing is launched, so what it computes is garbage. Its errors are ignored,
     it must end on its own (bound its loops), and state it leaves behind (buffers, captured graphs) must be dropped.
     Each missing kernel goes to the pool as the dry run meets it; one the host compiles itself (to query it) waits
-    for its worker. A kernel a worker cannot compile is left to the lazy path (one warning line)."""
+    for its worker. A kernel a worker cannot compile is left to the lazy path (one warning line). Every kernel the
+    dry run met, cached or just compiled, is loaded before this returns (phase "load"), so the real run after it
+    loads nothing at first launch."""
     t0 = time.perf_counter()
     if not cache.enabled():
         return Precompiled(0, 0, (), 0.0)
@@ -41,13 +43,14 @@ def precompile(run_once, workers=None, progress=True) -> Precompiled:
     pool = ProcessPoolExecutor(workers or os.cpu_count() or 1, mp_context=multiprocessing.get_context("spawn"),
                                initializer=cache.configure, initargs=(str(cache.cache_dir()),))
     with pool:
-        with cache.recording(lambda key, kc, argtypes: _submit(pool, jobs, key, kc, argtypes)):
+        with cache.recording(lambda key, kc, argtypes: _submit(pool, jobs, key, kc, argtypes)) as found:
             try:
                 run_once()
             except Exception:  # host code reading results that were never computed
                 pass
         with phases.span("compile"):
             failed = _collect(jobs, progress)
+    cache.load_compiled(found)
     if failed:
         cache.warn(f"{len(failed)} of {len(jobs)} kernels left to compile on first use (first: {failed[0]})")
     return Precompiled(len(jobs), len(jobs) - len(failed), tuple(failed), round(time.perf_counter() - t0, 3))

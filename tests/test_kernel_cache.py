@@ -302,19 +302,20 @@ def test_cache_dir_settings(monkeypatch, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- dry run, warmup
 def test_dry_run_records_missing_kernels_and_launches_nothing(as_sm90, kernel_dir):
-    cached, missing = make_kernel(7.5), make_kernel(8.5)
+    cached, missing, fresh = make_kernel(7.5), make_kernel(8.5), make_kernel(7.5)
     cached.compile(SIG)
     x = np.ones(4, np.float32)
     with cache.recording() as found:
-        for k in (make_kernel(7.5), missing, missing):
+        for k in (fresh, missing, missing):
             kl.launch(k, 1, 32, x)
     assert [(kc.py_func, argtypes) for kc, argtypes, _ in found.values()] == [(missing.py_func, SIG)]
     assert not missing.overloads                                 # not compiled
+    assert SIG in fresh.overloads                                # its entry loaded now, not at its first launch
     assert not cache.dry_run() and (x == 1).all()
 
 
 POOL_SCRIPT = """
-import json, sys
+import functools, json, sys
 import numpy as np
 import numba.cuda.codegen as codegen
 import numba.cuda.dispatcher as dispatcher
@@ -331,6 +332,7 @@ from numbaengine.kernels import cache
 from numbaengine.kernels.launch import kernel, launch
 from numbaengine.warmup import precompile
 
+@functools.cache                 # as the kernel families: one dispatcher per set of constants
 def make(c):
     @kernel()
     def scale_k(x):
@@ -365,8 +367,7 @@ if __name__ == "__main__":
             run_once()
     done = precompile(in_prefill, workers=2)
     spent = phases.totals()
-    for c in (2.0, 3.0):
-        make(c).compile((cache._argtypes("void(float32[::1])")))
+    assert all(make(c).overloads for c in (2.0, 3.0)), "the workers' kernels are loaded by precompile"
     print(json.dumps([done.found, done.compiled, list(done.failed), cache.stats(), spent]))
 """
 
@@ -375,8 +376,8 @@ def test_precompile_compiles_in_worker_processes(tmp_path):
     """The dry run meets five kernels, one compiled by the host itself (it waits for its worker and loads the
     entry); two workers compile three (functions pickled by value, keys checked in the worker). One fails to
     compile, and one reads a module attribute the parent changed at run time (its key differs in the worker): both
-    are left to the lazy path with one warning line; the run after loads the entries. The time spent waiting for
-    the workers counts as compile, not as the phase the dry run was in. (A CPU machine compiles as for sm_90 in the
+    are left to the lazy path with one warning line; precompile loads the entries the workers wrote (phase load).
+    The time spent waiting for the workers counts as compile, not as the phase the dry run was in. (A CPU machine compiles as for sm_90 in the
     parent and the workers: POOL_SCRIPT.)"""
     script = tmp_path / "pool.py"
     script.write_text(POOL_SCRIPT)
@@ -390,6 +391,7 @@ def test_precompile_compiles_in_worker_processes(tmp_path):
     assert "compiling kernels 5/5" in r.stderr and r.stderr.count("left to compile on first use") == 1
     assert (stats["hits"], stats["misses"]) == (3, 0) and len(cache.cache_files(tmp_path / "kernels")) == 3
     assert spent.get("compile", 0) > spent.get("prefill", 0), f"waiting for the workers is compile time: {spent}"
+    assert spent.get("load", 0) > 0, spent
 
 
 def test_warmup_size_and_clear(tmp_path):
@@ -441,6 +443,7 @@ from numba import cuda
 from numbaengine.kernels import cache
 from numbaengine.kernels.launch import kernel, launch
 
+@functools.cache                 # as the kernel families: one dispatcher per set of constants
 def make(c):
     @kernel()
     def scale_k(x):
