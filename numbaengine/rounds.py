@@ -222,18 +222,22 @@ class DeviceSlots:
         """Whether run can join the busy runs' rounds: the same mode and kind of budget with a tree no wider, or an
         ar run in ddtree rounds (its slot's trees are the root alone: ar's round), or a fixed budget in auto rounds
         (its slot's trees get at most that many nodes, and each round's chosen size at most)."""
+        return not busy or self.joins(run)
+
+    def joins(self, run) -> bool:
+        """Whether run can take a slot of the rounds made now (fits' rule)."""
         shape = self.dev.shape if self.dev is not None else None
-        if not busy or shape is None:
-            return True
+        if shape is None:
+            return False
         if shape.mode == "ddtree" and (run.p.mode == "ar" or (shape.ladder and run.p.mode == "ddtree")):
             return self.width(run) <= shape.budget
         return run.p.mode == shape.mode and bool(shape.ladder) == self.auto(run) and self.width(run) <= shape.budget
 
     def begin(self, run, busy):
-        """A slot for run; rounds made for its shape when none run (or no run is busy)."""
-        shape = self.shape(run)
-        if self.dev is None or (not busy and self.dev.shape != shape):
-            self.build(shape)
+        """A slot for run; rounds made for its shape when there are none, or when no run is busy and run cannot join
+        the rounds made (a server keeps its warmed-up rounds, graphs captured, for every run that fits them)."""
+        if self.dev is None or (not busy and not self.joins(run)):
+            self.build(self.shape(run))
         run.limit = cache_rows(run, self.width(run), self.max_context)
         run.slot = self.free.pop(0)
         table_from = "given" if self.table is not None else getattr(self.dev, "table_from", "measured")

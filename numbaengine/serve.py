@@ -44,6 +44,7 @@ from numbaengine.serve_api import (
     parse_body,
 )
 from numbaengine.serve_metrics import Metrics
+from numbaengine.warmup import warm_rounds
 from numbaengine.weights import SHIPPED_PAIR
 
 GONE = "the client disconnected"
@@ -334,6 +335,9 @@ def parser():
                     "when the rounds are made on cuda)")
     ap.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens prefilled between two "
                     "decoding rounds; longer prompts go in pieces on the kernel backends (default: %(default)s)")
+    ap.add_argument("--no-warmup", action="store_true", help="cuda: take requests at once, compiling kernels and "
+                    "capturing each batch bucket's graph at its first use (default: both done before serving, for "
+                    "the default --mode and --budget)")
     ap.add_argument("--served-model-name", help="the model id clients see (default: the model folder's name)")
     ap.add_argument("--log-level", default="warning")
     ap.add_argument("--fail-prompt", help=argparse.SUPPRESS)    # tests: a request with this prompt fails in a round
@@ -363,9 +367,17 @@ def main(argv=None):
     name = args.served_model_name or ("numbaengine-default" if args.model is None else str(model).rstrip("/").split("/")[-1])
     metrics = Metrics(args.max_batch)
     fail_ids = engine.tokenizer.encode(args.fail_prompt) if args.fail_prompt else None
-    scheduler = Scheduler(engine, args.max_batch, queue_limit(args), metrics.round, fail_ids, args.prefill_chunk,
-                          rounds=engine.rounds(args.max_batch, args.prefill_chunk, cost_table=table))
     defaults = dict(mode=args.mode or ("ddtree" if engine.drafter is not None else "ar"), budget=args.budget)
+
+    def rounds_of():
+        return engine.rounds(args.max_batch, args.prefill_chunk, cost_table=table)
+    try:
+        rounds = rounds_of() if args.no_warmup else warm_rounds(engine, rounds_of, args.max_batch, **defaults)
+    except (ValueError, MemoryError) as e:
+        print(f"error: warming up: {e}", file=sys.stderr)
+        return 2
+    scheduler = Scheduler(engine, args.max_batch, queue_limit(args), metrics.round, fail_ids, args.prefill_chunk,
+                          rounds=rounds)
     app = build_app(engine, scheduler, metrics, name, defaults, load_chat_template(model))
     print(f"serving {name} ({engine.backend}) on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, drained)

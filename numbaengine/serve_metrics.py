@@ -1,12 +1,16 @@
 """The server's Prometheus metrics, in a registry of their own: requests, tokens, tau, round time, batch
-occupancy, queue depth, budget auto's tree sizes and expected against accepted drafts, and GPU power and memory
-from NVML when it is available (absent otherwise)."""
+occupancy, queue depth, budget auto's tree sizes and expected against accepted drafts, the process's seconds per
+phase (load, compile, capture, prefill, decode) and kernels loaded or compiled, and GPU power and memory from NVML
+when it is available (absent otherwise)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from numbaengine import phases
 
 from numbaengine.budget import LADDER
+from numbaengine.kernels import cache as kernel_cache
 from numbaengine.scheduler import RoundStats
 
 ROUND_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -38,6 +42,7 @@ class Metrics:
                                      "(tau - 1), over sequences and rounds", registry=r)
         for size in LADDER:
             self.auto_size.labels(str(size))
+        r.register(ProcessCollector())
         if nvml and (gpus := NvmlCollector.open()) is not None:
             r.register(gpus)
 
@@ -58,6 +63,24 @@ class Metrics:
         self.requests.labels(path, "200").inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
+
+
+class ProcessCollector:
+    """Where the process's time went (numbaengine/phases.py) and what the kernel cache did, read at each scrape: a
+    warmed-up server's compile and capture seconds stay flat while it serves."""
+
+    def collect(self):
+        seconds = CounterMetricFamily("numbaengine_phase_seconds", "Exclusive seconds spent per phase since start",
+                                      labels=["phase"])
+        for name, s in sorted({**dict.fromkeys(phases.PHASES, 0.0), **phases.totals()}.items()):
+            seconds.add_metric([name], s)
+        kernels = CounterMetricFamily("numbaengine_kernels", "Kernels loaded from the cache or compiled",
+                                      labels=["how"])
+        counts = kernel_cache.stats()
+        kernels.add_metric(["loaded"], counts["hits"])
+        kernels.add_metric(["compiled"], counts["misses"])
+        yield seconds
+        yield kernels
 
 
 class NvmlCollector:

@@ -203,6 +203,41 @@ def precompile_shapes(engine, todo, workers=None, progress=True) -> Precompiled:
     return done
 
 
+def warm_rounds(engine, rounds_of, batch, mode, budget, progress=True):
+    """A server's rounds made ready before its first request (cuda): the kernels of every bucket of up to `batch`
+    sequences precompiled (a dry run on throwaway rounds), then each bucket run once for real on the rounds that
+    rounds_of() returns, so that every bucket's graph is captured and, for budget auto, the cost table measured.
+    -> those rounds (other backends: rounds_of() as is)."""
+    from numbaengine.budget import AUTO, LADDER
+    from numbaengine.device_round import buckets
+    from numbaengine.generate import generate_on
+    from numbaengine.rounds import tree_width
+    if engine.backend != "cuda":
+        return rounds_of()
+    width = tree_width(mode, max(LADDER) if budget == AUTO else budget, engine.drafter)
+    new = 3 * (width + 1)                # three rounds at least: eager, captured, replayed
+
+    def run(rounds, n, on_round=None):
+        generate_on(rounds, engine.tokenizer, [PROMPT] * n, new, mode, budget, stop=(), on_round=on_round)
+
+    def dry_run():
+        for n in buckets(batch):
+            try:
+                run(rounds_of(), n, RoundLimit(3))       # new slots: a run cut short keeps its slot
+            except Exception:  # garbage results (or the round limit): the next bucket still records its kernels
+                pass
+    t0 = time.perf_counter()
+    precompile(dry_run, progress=progress)
+    engine.rounds_cache.clear()          # the dry run's buffers and graphs hold garbage
+    rounds = rounds_of()
+    for n in buckets(batch):
+        run(rounds, n)
+    if progress:
+        print(f"rounds ready for batches {', '.join(map(str, buckets(batch)))} ({mode}, budget {budget}) in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return rounds
+
+
 def report() -> str:
     entries, size = cache.usage(cache.cache_dir())
     return f"kernel cache {cache.cache_dir()}: {entries} entries, {size / 1e6:.1f} MB"

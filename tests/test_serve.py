@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def server(*args):
+def server(*args, start_s=60):
     """`python -m numbaengine.serve ARGS` on a free port; yields (base url, process) once /health answers."""
     port = free_port()
     log = tempfile.TemporaryFile()
@@ -67,7 +68,7 @@ def server(*args):
                              "--max-context", str(CONTEXT), *map(str, args)], cwd=ROOT, stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + start_s
         while True:
             try:
                 if httpx.get(url + "/health", timeout=1).status_code == 200:
@@ -466,6 +467,40 @@ def test_models_health_metrics(main):
                  "numbaengine_generation_tokens_total", 'status="400"'):
         assert name in text
     assert "numbaengine_gpu_" not in text                # no NVML on a CPU machine: absent, not zero
+    seconds = {p: metric(text, f'numbaengine_phase_seconds_total{{phase="{p}"}}')
+               for p in ("load", "compile", "capture", "prefill", "decode")}
+    assert seconds["load"] > 0 and seconds["prefill"] > 0 and seconds["decode"] > 0, seconds
+    assert seconds["compile"] == seconds["capture"] == 0, seconds          # numpy: nothing compiled or captured
+    assert metric(text, 'numbaengine_kernels_total{how="compiled"}') == 0
+
+
+@pytest.mark.gpu
+def test_gpu_server_warms_up_every_bucket():
+    """cuda: the server compiles its kernels and captures every bucket's graph before it answers /health, so requests
+    at every concurrency up to --max-batch compile and capture nothing (/metrics' phase seconds stay flat), and
+    their outputs equal ar's, each prompt alone (greedy)."""
+    def complete(url, prompt, mode="ddtree"):
+        return client(url).completions.create(model="m", prompt=prompt, max_tokens=24, temperature=0,
+                                              extra_body={"speculative": {"mode": mode}}).choices[0].text
+    with server("--backend", "cuda", "--max-batch", 4, start_s=300) as (url, _):
+        before = httpx.get(url + "/metrics").text
+        assert metric(before, 'numbaengine_phase_seconds_total{phase="capture"}') > 0   # captured at startup
+        want = [complete(url, p, "ar") for p in PROMPTS[:4]]
+        for n in (1, 2, 3, 4):
+            with ThreadPoolExecutor(n) as pool:
+                got = list(pool.map(lambda p: complete(url, p), PROMPTS[:n]))
+            assert got == want[:n], n
+        after = httpx.get(url + "/metrics").text
+    for name in ('numbaengine_phase_seconds_total{phase="compile"}', 'numbaengine_phase_seconds_total{phase="capture"}',
+                 'numbaengine_kernels_total{how="compiled"}'):
+        assert metric(after, name) == metric(before, name), name
+
+
+def metric(text, name) -> float:
+    """The value of one sample line of a Prometheus text page."""
+    line = next((x for x in text.splitlines() if x.startswith(name + " ")), None)
+    assert line is not None, f"{name} missing from /metrics"
+    return float(line.split()[-1])
 
 
 def test_sigterm_drains_in_flight_requests():
