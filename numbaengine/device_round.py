@@ -66,16 +66,20 @@ def buckets(batch) -> tuple:
     return tuple(1 << i for i in range(max(batch - 1, 0).bit_length()) if 1 << i < batch) + (batch,)
 
 
+PROBE, VERIFY, SCORED = ("draft", "build"), ("build", "verify"), ("probe", "build", "verify")   # budget auto's stages
+
+
 class Plan:
     """Buffers and captured graph of the rounds over slots [0, n) with trees of N nodes (N - 1 drafted at most).
 
     stages: "draft" (drafter block -> draft_logits -> per-depth top-K), "build" (trees), "verify" (target, walk,
     commit). A fixed-budget plan runs all three; budget auto has one probe per bucket (draft, build at the largest
-    size, node scores) and one verify plan per ladder size (build, verify) sharing the probe's draft buffers.
+    size, node scores) and per ladder size a verify plan (build, verify) sharing the probe's draft buffers, run
+    after the probe, and a scored plan ("probe", build, verify) whose graph runs the probe and the verify in one.
     Each plan has its own op table (its scratch: a graph points into it, so no other plan may grow it)."""
 
     def __init__(self, rounds: DeviceRounds, n, N, stages, draft: Plan | None = None):
-        self.n, self.N, self.stages = n, N, stages
+        self.n, self.N, self.stages, self.probe = n, N, stages, draft
         self.ops = ops = rounds.base_target.ops.fresh()
         self.target = rounds.base_target.with_ops(ops)
         d = rounds.base_drafter if rounds.shape.mode != "ar" else None
@@ -207,8 +211,7 @@ class DeviceRounds:
         """The plan of rounds over slots [0, n) with N-node trees, made at its first use."""
         key = (n, N, stages)
         if key not in self.plans:
-            draft = self.get_plan(n, self.shape.budget + 1, ("draft", "build")) if stages == ("build", "verify") \
-                else None
+            draft = self.get_plan(n, self.shape.budget + 1, PROBE) if stages in (VERIFY, SCORED) else None
             self.plans[key] = Plan(self, n, N, stages, draft)
         return self.plans[key]
 
@@ -358,14 +361,15 @@ class DeviceRounds:
 
     # --- one round ---------------------------------------------------------------------------------------------------
 
-    def step(self, size=None) -> np.ndarray:
+    def step(self, size=None, scored=False) -> np.ndarray:
         """One round over the bucket of decoding slots; returns out_tokens i32[n, L+2] (row b: tau, then the tau new
-        tokens). Budget auto: the round's second half, after probe(), with the ladder size chosen for it; or size 0
-        without a probe (the root alone: a coasting round)."""
-        self.start(size)
+        tokens). Budget auto: the round's second half, after probe(), with the ladder size chosen for it; size 0
+        without a probe (the root alone: a coasting round); or, scored, a whole round of that size whose probe runs
+        in the same graph (scores() reads its node scores after)."""
+        self.start(size, scored)
         return self.finish()
 
-    def start(self, size=None):
+    def start(self, size=None, scored=False):
         """step's launches without waiting for them: the round runs while the host goes on; finish() reads it."""
         with self.on_stream():
             if not self.shape.ladder:
@@ -373,12 +377,18 @@ class DeviceRounds:
                 plan = self.get_plan(self.bucket(), self.shape.budget + 1)
             elif size == 0 and self._probed is None:       # coasting: the root alone, no draft (budget.Coast)
                 self._park()
-                plan = self.get_plan(self.bucket(), 1, ("build", "verify"))
+                plan = self.get_plan(self.bucket(), 1, VERIFY)
+            elif scored:
+                if size not in self.shape.ladder or not size or self._probed is not None:
+                    raise ValueError(f"step: a scored round needs a size of {self.shape.ladder[1:]} and no probe "
+                                     f"pending, got {size}")
+                self._park()
+                plan = self.get_plan(self.bucket(), size + 1, SCORED)
             else:
                 if size not in self.shape.ladder or self._probed is None:
                     raise ValueError(f"step: budget auto needs probe() first and a size of {self.shape.ladder} (or "
                                      f"size 0 alone), got {size}")
-                plan, self._probed = self.get_plan(self._probed, size + 1, ("build", "verify")), None
+                plan, self._probed = self.get_plan(self._probed, size + 1, VERIFY), None
             self.launch(plan)
             self.plan = plan
             self.rounds += 1
@@ -390,6 +400,11 @@ class DeviceRounds:
             self._add_gpu_time()
             return out
 
+    def scores(self) -> np.ndarray:
+        """After a scored round (or probe() and its step): its probe's node scores f64[n, N], as probe() returns."""
+        with self.on_stream():
+            return self.base_target.ops.to_host(self.plan.probe.tb.scores)
+
     def probe(self) -> np.ndarray:
         """Budget auto, the first half of a round over the bucket of decoding slots: draft, top-K and every slot's
         tree at the largest ladder size; returns scores f64[n, N] (node i's path log-probability in pop order, the
@@ -399,7 +414,7 @@ class DeviceRounds:
         with self.on_stream():
             self._park()
             n = self.bucket()
-            plan = self.get_plan(n, self.shape.budget + 1, ("draft", "build"))
+            plan = self.get_plan(n, self.shape.budget + 1, PROBE)
             self.launch(plan)
             self._probed = n
             scores = self.base_target.ops.to_host(plan.tb.scores)
@@ -448,6 +463,8 @@ class DeviceRounds:
         starts."""
         n, N, tb = plan.n, plan.N, plan.tb
         lengths, bonus = self.lengths[:n], self.bonus[:n]
+        if "probe" in plan.stages:
+            self.run(plan.probe, mark)
         if "draft" in plan.stages and plan.drafter is not None:
             mark("draft")
             self._draft(plan)
@@ -501,8 +518,8 @@ class DeviceRounds:
     # --- budget auto: the cost of a round ----------------------------------------------------------------------------
 
     def costs(self, reps=3, context=16) -> CostTable:
-        """Seconds of one auto round per bucket and ladder size on this device: probe, host read and that size's
-        verify graph (size 0: the verify graph alone, a round without drafting: budget.Coast), the best of `reps`
+        """Seconds of one auto round per bucket and ladder size on this device: that size's scored graph and the
+        host reads (size 0: the verify graph alone, a round without drafting: budget.Coast), the best of `reps`
         after the eager run and the capture, with every slot of the bucket drafting full trees at `context`
         committed rows (zero rows: attention reads them all the same). Needs every slot parked; all are parked
         again after."""
@@ -519,9 +536,9 @@ class DeviceRounds:
                     for i in range(warm + max(reps, 1)):
                         self._dummy_slots(n, context)
                         t0 = time.perf_counter()
-                        if size:                       # size 0: a round without drafting, as coasting runs it
-                            self.probe()
-                        self.step(size)
+                        self.step(size, scored=size > 0)     # size 0: a round without drafting, as coasting runs it
+                        if size:
+                            self.scores()
                         best = best if i < warm else min(best, time.perf_counter() - t0)
                     row.append(best)
                 seconds[n] = tuple(row)
@@ -619,8 +636,11 @@ class Replicated:
     def prefill_part(self, b, ids, start, end):
         self.ranks.run(lambda r: self.devs[r].prefill_part(b, ids, start, end))
 
-    def step(self, size=None) -> np.ndarray:
-        return self._agree(self.ranks.run(lambda r: self.devs[r].step(size)), "round")
+    def step(self, size=None, scored=False) -> np.ndarray:
+        return self._agree(self.ranks.run(lambda r: self.devs[r].step(size, scored)), "round")
+
+    def scores(self) -> np.ndarray:
+        return self._agree(self.ranks.run(lambda r: self.devs[r].scores()), "scores")
 
     def probe(self) -> np.ndarray:
         return self._agree(self.ranks.run(lambda r: self.devs[r].probe()), "probe")

@@ -12,7 +12,8 @@ and the attributes target, drafter, max_context and PHASES (the round's timer ph
 
 HostRounds runs the reference round (numbaengine/ddtree.py decode_round) on the host, one sequence after another.
 DeviceSlots runs the slots of one DeviceRounds (numbaengine/device_round.py) together: one graph launch and one
-small host read per round (budget "auto": two of each). Both run budget "auto" (numbaengine/budget.py).
+small host read per round (budget "auto": the size chosen from the last round's drafts, so also one launch; two
+after a probe, when there is no last round to choose from). Both run budget "auto" (numbaengine/budget.py).
 """
 from __future__ import annotations
 
@@ -204,6 +205,9 @@ class DeviceSlots:
     cal: Calibration = field(default_factory=Calibration)
     coast: Coast = field(default_factory=Coast)   # budget auto: rounds left without a probe (budget.Coast)
     coasting: int = 0                             # budget auto: the cost row (bucket) the coast was chosen for
+    next: tuple | None = None                     # budget auto: (ids of the runs, Choice) for the next round, chosen
+    #                                               from this round's drafts: it runs as one scored graph, no probe
+    ahead_choice: object = None                   # budget auto: the Choice of the round launched ahead
     picks: list = field(default_factory=list)
     PHASES = ("round", "gpu")            # gpu: the device time of the rounds (CUDA events), part of "round"
 
@@ -291,14 +295,14 @@ class DeviceSlots:
         With `overlap` (one device), a round launched ahead by the last step is read instead (its runs: a run that
         joined since gets no out this time), and unless one of its runs ends with it the next round is launched
         before this returns, so the GPU decodes while the host handles these tokens: fixed budgets, and budget
-        auto's coasting rounds (no probe to wait for) while the coast goes on."""
+        auto's rounds whose size is known (coasting, or chosen from this round's drafts)."""
         gpu0 = self.dev.gpu_s
         members, ladder = runs, self.dev.shape.ladder
         try:
             with timer("round"):
-                if self.ahead is not None:           # (budget auto: a coasting round)
+                if self.ahead is not None:
                     members, self.ahead = self.ahead, None
-                    choice, out = root_choice(len(members)), self.dev.finish()
+                    choice, out = self.ahead_choice, self.dev.finish()
                 elif ladder:
                     choice, out = self.auto_step(runs)
                 else:
@@ -320,10 +324,18 @@ class DeviceSlots:
                     r.picks.add(choice, i)
             for picks in self.picks:
                 picks.cal = self.cal
+            self.next = self.choose_next(members, outs, choice)
         if self.overlap and self.ranks is None and self.ahead_ok(ladder, runs, members, outs):
             try:
                 with timer("round"):
-                    self.dev.start(0 if ladder else None)
+                    if not ladder:
+                        self.dev.start()
+                    elif self.coast.left:
+                        self.ahead_choice = root_choice(len(runs))
+                        self.dev.start(0)
+                    else:
+                        self.ahead_choice, self.next = self.next[1], None
+                        self.dev.start(self.ahead_choice.size, scored=self.ahead_choice.size > 0)
             except Exception:
                 self.drop()
                 raise
@@ -331,10 +343,31 @@ class DeviceSlots:
         return outs
 
     def ahead_ok(self, ladder, runs, members, outs) -> bool:
-        """Whether the next round may be launched now: fixed budgets, or auto rounds whose coast goes on (the same
-        cost row); and none of the round's runs ends with it."""
-        coasting = not ladder or (self.coast.left and self.coasting == self.cost_row())
-        return coasting and not any(ends(r, outs[id(r)].tokens) for r in members)
+        """Whether the next round may be launched now: fixed budgets, or auto rounds of the same cost row whose
+        coast goes on or whose size is chosen already (self.next, for these runs); and none of the round's runs
+        ends with it."""
+        if any(ends(r, outs[id(r)].tokens) for r in members):
+            return False
+        return not ladder or (self.coasting == self.cost_row() and bool(
+            self.coast.left or (self.next is not None and self.next[0] == [id(r) for r in runs])))
+
+    def choose_next(self, members, outs, choice):
+        """Budget auto, after a round that drafted (not coasting): the next round's choice from this round's node
+        scores for the runs that go on, each with the cache rows it has left then. The drafts are one round old
+        when that round runs: the calibration (observe) learns what they foretell about it. None while coasting."""
+        from numbaengine.device_round import buckets
+        if not choice.probed or self.coast.left:
+            return None
+        going = [r for r in members if not ends(r, outs[id(r)].tokens)]
+        if not going:
+            return None
+        scores = self.dev.scores()
+        rooms = [max(0, min(self.width(r), r.limit - r.seq.start - 1)) for r in going]
+        table = self.table if self.table is not None else self.dev.table
+        top = max(r.slot for r in going) + 1
+        bucket = next(n for n in buckets(self.batch) if n >= top)
+        return [id(r) for r in going], choose_rect(scores[[r.slot for r in going], 1:], rooms, table, self.cal,
+                                                   bucket)
 
     def cost_row(self) -> int:
         """The cost table's batch that the next round pays (its bucket of slots)."""
@@ -342,13 +375,17 @@ class DeviceSlots:
         return table.listed(self.dev.bucket())
 
     def auto_step(self, runs):
-        """Budget auto: the probe, the choice from each run's pops (cut to its cache rows), that size's verify; while
-        coasting, the root alone without the probe."""
+        """Budget auto: the size chosen from the last round's drafts (self.next) as one scored graph; without one
+        (the first round, after a coast, or other runs than those it was chosen for) the probe, the choice from each
+        run's pops (cut to its cache rows), that size's verify; while coasting, the root alone without the probe."""
         row = self.cost_row()
         if self.coasting != row:                     # the rounds pay another cost row: probe now
-            self.coast, self.coasting = Coast(), row
+            self.coast, self.coasting, self.next = Coast(), row, None
         if self.coast.left:
             return root_choice(len(runs)), self.dev.step(0)
+        if self.next is not None and self.next[0] == [id(r) for r in runs]:
+            choice, self.next = self.next[1], None
+            return choice, self.dev.step(choice.size, scored=choice.size > 0)
         scores = self.dev.probe()
         rooms = [max(0, min(self.width(r), r.limit - r.seq.start - 1)) for r in runs]
         table = self.table if self.table is not None else self.dev.table

@@ -40,9 +40,9 @@ class ToyDev:
         top = max(set(range(self.shape.batch)) - self.parked, default=0) + 1
         return min(self.shape.batch, 1 << (top - 1).bit_length())
 
-    def start(self, size=None):
+    def start(self, size=None, scored=False):
         assert self.out is None, "a round launched before the last one was read"
-        self.log.append("start")
+        self.log.append("start scored" if scored else "start")
         out = np.zeros((self.shape.batch, L + 2), np.int32)
         for b in range(self.shape.batch):
             if b in self.parked:
@@ -57,6 +57,9 @@ class ToyDev:
     def probe(self):
         """Budget auto's first half: every pop certain (log-probability 0)."""
         self.log.append("probe")
+        return self.scores()
+
+    def scores(self):
         return np.zeros((self.shape.batch, self.shape.budget + 1))
 
     def finish(self):
@@ -64,19 +67,20 @@ class ToyDev:
         out, self.out = self.out, None
         return out
 
-    def step(self, size=None):
-        self.start(size)
+    def step(self, size=None, scored=False):
+        self.start(size, scored)
         return self.finish()
 
 
-def decode(overlap, prompts, max_new, stop_after=None, join=None, batch=4, auto=False):
+def decode(overlap, prompts, max_new, stop_after=None, join=None, batch=4, auto=False, trees=False):
     """Decode runs over ToyDev slots; stop_after {run index: tokens}: report ends that run as a stop string would
     (not foreseen by the rounds); join: (at which pass, or "stop": the pass a run is stopped so, prompt, max_new)
-    of a run that arrives later; auto: budget auto with a table where size 0 pays (rounds coast after a probe).
+    of a run that arrives later; auto: budget auto with a table where size 0 pays (rounds coast after a probe), or
+    with trees, one where size 2 pays (a probe, then scored rounds chosen from the last one's drafts).
     -> (tokens of each run, the device's log, the slots)."""
     ladder, budget = ((0, 2), "auto") if auto else ((), L - 1)
     slots = DeviceSlots(None, None, 4096, batch, overlap=overlap, ladder=ladder or LADDER,
-                        table=CostTable((0, 2), {batch: (1.0, 9.0)}) if auto else None)
+                        table=CostTable((0, 2), {batch: (1.0, 1.5 if trees else 9.0)}) if auto else None)
     slots.dev = ToyDev(batch, ladder)
     slots.free = list(range(batch))
     runs = []
@@ -114,6 +118,9 @@ CASES = {
     "auto, coasting": dict(prompts=[[1, 2], [3, 4, 5], [6]], max_new=[60, 45, 50], auto=True),
     "auto, join and stop": dict(prompts=[[1, 2], [3, 4, 5]], max_new=[60, 60], stop_after={1: 20},
                                 join=(9, [7, 7], 30), auto=True),
+    "auto, scored trees": dict(prompts=[[1, 2], [3, 4, 5], [6]], max_new=[60, 45, 50], auto=True, trees=True),
+    "auto, scored trees, join and stop": dict(prompts=[[1, 2], [3, 4, 5]], max_new=[60, 60], stop_after={1: 20},
+                                              join=(9, [7, 7], 30), auto=True, trees=True),
 }
 
 
@@ -124,15 +131,19 @@ def test_overlap_same_tokens(case):
     want, plain_log, _ = decode(False, **CASES[case])
     got, log, slots = decode(True, **CASES[case])
     assert got == want, f"{case}: {got} != {want}"
-    ahead = sum(a == "finish" and b == "start" for a, b in zip(log, log[1:]))
-    assert ahead > 0 and ahead < log.count("start"), f"{case}: {log}"
-    assert "start" not in plain_log[-1:] and all(a == "start" for a, b in zip(plain_log, plain_log[1:])
-                                                 if b == "finish"), plain_log
+    starts = sum(x.startswith("start") for x in log)
+    ahead = sum(a == "finish" and b.startswith("start") for a, b in zip(log, log[1:]))
+    assert ahead > 0 and ahead < starts, f"{case}: {log}"
+    assert not plain_log[-1].startswith("start") and all(a.startswith("start") for a, b in zip(plain_log, plain_log[1:])
+                                                         if b == "finish"), plain_log
     assert all(len(t) <= n for t, n in zip(got, CASES[case]["max_new"] + [99])), got
     if CASES[case].get("auto"):        # the same coast while nobody joins or leaves early (then a probe may come a
         #                                  round later: the round launched ahead coasted before the change was seen)
         alone = "join" not in CASES[case] and "stop_after" not in CASES[case]
         assert log.count("probe") > 0 and (not alone or log.count("probe") == plain_log.count("probe")), log
+    if CASES[case].get("trees"):       # after the first probe, rounds chosen from the last one's drafts, ahead
+        assert log.count("start scored") > log.count("probe"), log
+        assert any(a == "finish" and b == "start scored" for a, b in zip(log, log[1:])), log
 
 
 def test_overlap_no_round_ahead_of_an_end():

@@ -293,12 +293,14 @@ def check_buckets(env):
 
 def check_auto(env):
     """Budget auto on the device rounds (ladder 0, 2, 4; two sequences sampled with one seed; greedy auto == ar is
-    a GPU test and a host test): with a table that picks 4 nodes, ar's tokens and every round at that size; with
-    one that picks 0, ar's tokens from rounds that coast after the first probe (verify without a probe), each
-    launched before the last one's tokens are handled (overlap); rounds
+    a GPU test and a host test): with a table that picks 4 nodes, ar's tokens and every round at that size (after
+    the first probe, rounds chosen from the last one's drafts: one scored graph each); with
+    one that picks 0, ar's tokens from rounds that coast after the first probe (verify without a probe); both
+    with rounds launched before the last one's tokens are handled (overlap); rounds
     made without a table (one slot, ladder 0, 2) measure one from their own rounds (every size, 0 included) and
     still give ar's tokens."""
     from numbaengine.budget import CostTable
+    from numbaengine.device_round import SCORED
     from numbaengine.rounds import DeviceSlots
     e = sim_engine()
     rng = np.random.default_rng()
@@ -306,21 +308,32 @@ def check_auto(env):
     prompts = [rng.integers(0, e.cfg.vocab_size, 3).tolist(), rng.integers(0, e.cfg.vocab_size, 2).tolist()]
     ladder = (0, 2, 4)
     for temperature in (0.9,):
-        want = [r.tokens for r in e.generate_batch(prompts, 3, mode="ar", temperature=temperature, seed=seed,
+        want = [r.tokens for r in e.generate_batch(prompts, 4, mode="ar", temperature=temperature, seed=seed,
                                                    stop=[])]
         for pick, secs in ((4, (9.0, 9.0, 1.0)), (0, (1.0, 9.0, 9.0))):      # 0: rounds coast (no probe)
             slots = DeviceSlots(e.target, e.drafter, e.max_context, 2, table=CostTable(ladder, {2: secs}),
-                                ladder=ladder, graphs=False, overlap=pick == 0)      # coasting rounds launched ahead
-            res = gen.generate_on(slots, None, prompts, 3, "ddtree", "auto", temperature, seed, stop=[])
+                                ladder=ladder, graphs=False)
+            res = gen.generate_on(slots, None, prompts, 4, "ddtree", "auto", temperature, seed, stop=[])
             where = f"T {temperature} seed {seed} table {secs} prompts {prompts}"
             assert [r.tokens for r in res] == want, f"{where}: {[r.tokens for r in res]} != ar {want}"
             assert all(r.stats["budget_hist"] == {pick: r.stats["rounds"]} for r in res), where
-            assert all(r.stats["probes"] == (1 if pick == 0 else r.stats["rounds"]) for r in res), where
+            assert all(r.stats["probes"] == (coast_probes(r.stats["rounds"]) if pick == 0 else r.stats["rounds"])
+                       for r in res), where
+            scored = any(stages == SCORED for _, _, stages in slots.dev.plans)
+            assert scored == (pick > 0 and max(r.stats["rounds"] for r in res) > 1), (where, [r.stats for r in res])
     slots = DeviceSlots(e.target, e.drafter, e.max_context, 1, ladder=(0, 2), graphs=False, cost_reps=1)
     res = gen.generate_on(slots, None, prompts[:1], 3, "ddtree", "auto", 0.0, seed, stop=[])
     table = slots.dev.table
     assert table.sizes == (0, 2) and set(table.seconds) == {1} and min(table.seconds[1]) > 0, table
     assert res[0].tokens == e.generate(prompts[0], 3, mode="ar", stop=[]).tokens, f"prompt {prompts[0]}"
+
+
+def coast_probes(rounds) -> int:
+    """Rounds that draft among `rounds` when every choice is 0: one, then coasts of 1, 2, 4, ... rounds between."""
+    probes, done, span = 0, 0, 1
+    while done < rounds:
+        probes, done, span = probes + 1, done + 1 + span, 2 * span
+    return probes
 
 
 def check_mixed_settings(env):
