@@ -302,14 +302,16 @@ def test_cache_dir_settings(monkeypatch, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- dry run, warmup
 def test_dry_run_records_missing_kernels_and_launches_nothing(as_sm90, kernel_dir):
-    cached, missing, fresh = make_kernel(7.5), make_kernel(8.5), make_kernel(7.5)
+    cached, missing, fresh, big = make_kernel(7.5), make_kernel(8.5), make_kernel(7.5), make_kernel(9.5)
     cached.compile(SIG)
     x = np.ones(4, np.float32)
     with cache.recording() as found:
         for k in (fresh, missing, missing):
             kl.launch(k, 1, 32, x)
-    assert [(kc.py_func, argtypes) for kc, argtypes, _ in found.values()] == [(missing.py_func, SIG)]
-    assert not missing.overloads                                 # not compiled
+        kl.launch_smem(big, 1, 32, 96 * 1024, (x,))             # no compile to raise its shared memory limit
+    assert [(kc.py_func, argtypes) for kc, argtypes, _ in found.values()] == [(missing.py_func, SIG),
+                                                                              (big.py_func, SIG)]
+    assert not missing.overloads and not big.overloads           # not compiled
     assert SIG in fresh.overloads                                # its entry loaded now, not at its first launch
     assert not cache.dry_run() and (x == 1).all()
 

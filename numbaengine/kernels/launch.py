@@ -196,6 +196,9 @@ def raise_smem_limit(kern, args, smem):
 
 def launch_smem(kern, grid, threads, smem, args, cluster=None):
     """device.launch with `smem` bytes of dynamic shared memory (raise_smem_limit first), thread-block clusters of
-    `cluster` blocks."""
-    raise_smem_limit(kern, args, smem)
+    `cluster` blocks. In precompile's dry run the limit is left alone: raising it needs the compiled kernel, and
+    waiting for each one's compile would make the dry run meet the next kernel only after it."""
+    from numbaengine.kernels import cache as kernel_cache
+    if not kernel_cache.dry_run():
+        raise_smem_limit(kern, args, smem)
     launch(kern, grid, threads, *args, shmem=smem, cluster=cluster)

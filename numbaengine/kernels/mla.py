@@ -9,6 +9,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
 import numbaengine.kernels.mla_wg as _wg
+from numbaengine.kernels import cache as kernel_cache
 from numbaengine.kernels.attention import MERGE_DEFAULT, MergeConfig, merge_splits
 from numbaengine.kernels.cluster import max_clusters
 from numbaengine.kernels.device import (
@@ -539,6 +540,9 @@ def pick_cluster(sizes, kernel_args, threads, smem, blocks, tag):
     dev = cuda.get_current_device()
     key = (tag, tuple(sizes), blocks, threads, smem, dev.id)
     if key not in _MERGE_PICK:
+        if kernel_cache.dry_run():                # precompile: every candidate to the workers at once, then ask
+            for c in sizes:
+                kernel_cache.record_launch(*kernel_args(c))
         slots = dev.MULTIPROCESSOR_COUNT * max(1, MLA_SMEM // smem)
         _MERGE_PICK[key] = next((c for c in sizes if cluster_pays(
             blocks, c, max_clusters(raise_smem_limit(*kernel_args(c), smem), threads, smem, (1, c, 1)), slots)), 0)
