@@ -274,7 +274,8 @@ def Choice_of(size):
 
 
 class CoastDev:
-    """DeviceRounds stand-in for DeviceSlots: records probe() and step(size); every sequence commits one token."""
+    """DeviceRounds stand-in for DeviceSlots: records probe(), step(size) and scored steps ("scored", size); every
+    sequence commits one token."""
     def __init__(self, ladder, n):
         from numbaengine.device_round import Shape
         self.shape, self.n, self.calls, self.gpu_s = Shape(n, "ddtree", max(ladder), 64, ladder), n, [], 0.0
@@ -288,16 +289,20 @@ class CoastDev:
         self.calls.append("probe")
         return np.zeros((self.n, max(self.shape.ladder) + 1))        # every pop certain (log-prob 0)
 
-    def step(self, size):
-        self.calls.append(size)
+    def scores(self):
+        return np.zeros((self.n, max(self.shape.ladder) + 1))
+
+    def step(self, size, scored=False):
+        self.calls.append(("scored", size) if scored else size)
         return np.array([[1, 7] + [0] * 3] * self.n, np.int32)
 
 
 @pytest.mark.parametrize("cheap", [0, 2])
 def test_device_slots_coast_without_probes(cheap):
     """DeviceSlots with a table where size 0 pays: probe + step(0), then step(0) alone for 1, 2, 4, .. rounds (no
-    probe); where size 2 pays every round probes; a sequence leaving within the bucket keeps the coast, a change of
-    bucket (the round pays another row of the table) ends it."""
+    probe); where size 2 pays, one probe, then every round a scored round of size 2 (chosen from the last round's
+    drafts); a sequence leaving within the bucket keeps the coast, a change of bucket (the round pays another row
+    of the table) ends it."""
     from numbaengine.budget import Picks
     from numbaengine.ddtree import Params, Seq
     from numbaengine.generate import Timer
@@ -325,7 +330,10 @@ def test_device_slots_coast_without_probes(cheap):
         slots.step(runs, Timer(DeviceSlots.PHASES))
         assert dev.calls[-2:] == ["probe", 0]
     else:
-        assert probes == 15 and set(dev.calls[1::2]) == {2}, dev.calls
+        assert probes == 1 and dev.calls == ["probe", 2] + [("scored", 2)] * 14, dev.calls
+        assert runs[0].picks.stats()["budget_hist"] == {2: 15}
+        slots.step(runs[:1], Timer(DeviceSlots.PHASES))          # other runs than it was chosen for: probe
+        assert dev.calls[-2:] == ["probe", 2], dev.calls
 
 
 def test_device_slots_fits_settings():
