@@ -156,7 +156,7 @@ async def sweep(args) -> list:
             model = args.model or (await client.models.list()).data[0].id
             for _ in range(args.warmup):            # untimed: the server's first rounds at this load
                 await requests(client, model, prompts, c, range(c), args)
-            rows.append(await level(client, model, prompts, c, args.requests or max(2 * c, 16), args))
+            rows.append(await level(client, model, prompts, c, args.requests or max(8 * c, 32), args))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     return rows
 
@@ -198,7 +198,8 @@ def parser():
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--model", help="model id (default: the server's first)")
     ap.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 32, 128])
-    ap.add_argument("--requests", type=int, help="requests per level (default: twice the concurrency, at least 16)")
+    ap.add_argument("--requests", type=int, help="requests per level (default: 8 x the concurrency, at least 32: "
+                    "each stream runs 8 requests back to back, so ramp-up and drain are a small part of the level)")
     ap.add_argument("--prompts-file", default=str(DEFAULT_PROMPTS))
     ap.add_argument("--prompts", type=int, default=64, help="held-out prompts to cycle through")
     ap.add_argument("--max-tokens", type=int, default=128)
