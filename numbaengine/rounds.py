@@ -317,13 +317,7 @@ class DeviceSlots:
             members = [r for r in members if id(r) in live]
         outs = {id(r): self.commit(r, rows[r.slot]) for r in members}
         if ladder:
-            self.cal = observe(self.cal, choice, [outs[id(r)].tau for r in members])
             self.coast = self.coast.after(choice)
-            for i, r in enumerate(members):
-                if r.picks is not None:              # (not an ar or fixed-budget run sharing the auto rounds)
-                    r.picks.add(choice, i)
-            for picks in self.picks:
-                picks.cal = self.cal
             self.next = self.choose_next(members, outs, choice)
         if self.overlap and self.ranks is None and self.ahead_ok(ladder, runs, members, outs):
             try:
@@ -340,6 +334,13 @@ class DeviceSlots:
                 self.drop()
                 raise
             self.ahead = list(runs)
+        if ladder:                                   # (after the launch: the GPU does not wait for the bookkeeping)
+            self.cal = observe(self.cal, choice, [outs[id(r)].tau for r in members])
+            for i, r in enumerate(members):
+                if r.picks is not None:              # (not an ar or fixed-budget run sharing the auto rounds)
+                    r.picks.add(choice, i)
+            for picks in self.picks:
+                picks.cal = self.cal
         return outs
 
     def ahead_ok(self, ladder, runs, members, outs) -> bool:
@@ -353,8 +354,9 @@ class DeviceSlots:
 
     def choose_next(self, members, outs, choice):
         """Budget auto, after a round that drafted (not coasting): the next round's choice from this round's node
-        scores for the runs that go on, each with the cache rows it has left then. The drafts are one round old
-        when that round runs: the calibration (observe) learns what they foretell about it. None while coasting."""
+        scores for the runs that go on, each with the cache rows it has left then, and the calibration before this
+        round's. The drafts are one round old when that round runs: the calibration (observe) learns what they
+        foretell about it. None while coasting."""
         from numbaengine.device_round import buckets
         if not choice.probed or self.coast.left:
             return None
