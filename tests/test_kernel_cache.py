@@ -429,6 +429,41 @@ def test_warmup_budget_auto_shapes():
                             ("ddtree", 1, "auto"), ("ddtree", 8, 16), ("ddtree", 8, "auto")]
 
 
+def test_warm_rounds_dry_run_then_every_bucket(monkeypatch):
+    """A server's warmup (warmup.warm_rounds, cuda): a dry run of every bucket of up to the batch, each on new slots
+    and cut after 3 rounds, its rounds dropped; then every bucket once for real, long enough for 3 rounds, on the
+    rounds it returns (those the server keeps). Other backends: the rounds as they are."""
+    import numbaengine.generate as gen
+    import numbaengine.warmup as warmup
+    calls, made = [], []
+
+    class Engine:
+        backend, tokenizer, drafter, rounds_cache = "cuda", None, None, {"dry run's": 1}
+
+    def rounds_of():
+        made.append(object())
+        return made[-1]
+
+    def generate_on(rounds, tokenizer, prompts, max_new, mode, budget, stop=None, on_round=None):
+        calls.append((made.index(rounds), len(prompts), max_new, cache.dry_run(), type(on_round).__name__,
+                      bool(Engine.rounds_cache)))
+        if on_round is not None:
+            raise RuntimeError("round limit")               # as RoundLimit does after 3 rounds
+    monkeypatch.setattr(gen, "generate_on", generate_on)
+
+    def precompile(run_once, progress):                     # the dry run without the worker pool
+        with cache.recording():
+            run_once()
+    monkeypatch.setattr(warmup, "precompile", precompile)
+    rounds = warmup.warm_rounds(Engine(), rounds_of, 4, "ddtree", 16, progress=False)
+    assert rounds is made[-1] and len(made) == 4, made
+    assert calls == [(0, 1, 51, True, "RoundLimit", True), (1, 2, 51, True, "RoundLimit", True),
+                     (2, 4, 51, True, "RoundLimit", True), (3, 1, 51, False, "NoneType", False),
+                     (3, 2, 51, False, "NoneType", False), (3, 4, 51, False, "NoneType", False)], calls
+    Engine.backend = "numpy"
+    assert warmup.warm_rounds(Engine(), rounds_of, 4, "ddtree", 16) is made[-1] and len(made) == 5
+
+
 def test_warmup_without_gpu_says_so(tmp_path):
     if cuda.is_available():
         pytest.skip("a GPU is present")
