@@ -379,8 +379,8 @@ def test_precompile_compiles_in_worker_processes(tmp_path):
     entry); two workers compile three (functions pickled by value, keys checked in the worker). One fails to
     compile, and one reads a module attribute the parent changed at run time (its key differs in the worker): both
     are left to the lazy path with one warning line; precompile loads the entries the workers wrote (phase load).
-    The time spent waiting for the workers counts as compile, not as the phase the dry run was in. (A CPU machine compiles as for sm_90 in the
-    parent and the workers: POOL_SCRIPT.)"""
+    The time spent waiting for the workers counts as compile, not as the phase the dry run was in. (A CPU machine
+    compiles as for sm_90 in the parent and the workers: POOL_SCRIPT.)"""
     script = tmp_path / "pool.py"
     script.write_text(POOL_SCRIPT)
     r = subprocess.run([sys.executable, str(script), str(tmp_path / "kernels")], capture_output=True, text=True,
