@@ -336,6 +336,20 @@ def test_device_slots_coast_without_probes(cheap):
         assert dev.calls[-2:] == ["probe", 2], dev.calls
 
 
+def test_bench_context_step_runs_auto_as_the_slots_do():
+    """tools.bench's context rounds run auto as DeviceSlots: a probe first, then rounds chosen from the last one's
+    trees as scored graphs; where size 0 pays, coasts without probes."""
+    from tools.bench import context_step
+    for row, want in (((9.0, 1.0), ["probe", 2] + [("scored", 2)] * 5),
+                      ((1.0, 9.0), ["probe", 0, 0, "probe", 0, 0, 0, "probe", 0])):      # coasts of 1, then 2
+        dev = CoastDev((0, 2), 2)
+        dev.table = CostTable((0, 2), {1: row, 2: row})
+        sizes, state = [], (Coast(), None)
+        for _ in range(6):
+            _, state = context_step(dev, sizes, *state)
+        assert dev.calls == want and sizes == [want[1]] * 6, (row, dev.calls, sizes)
+
+
 def test_device_slots_fits_settings():
     """Which runs join busy device rounds: in ddtree rounds of 16, ar runs and budgets up to 16 (not 17, dflash or
     auto); in auto rounds (ladder up to 64), auto runs, ar runs and fixed budgets up to 64; in ar rounds ar only;

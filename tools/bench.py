@@ -270,14 +270,14 @@ def run_context_case(engine, mode, budget, batch, context, rounds, copy_bw, cp, 
     dev = next(iter(engine.rounds_cache.values()))
     for b in range(batch):                                                   # slots live again, budgets set
         dev.prefill(b, prompt, b)
-    taus, step_s, gpu0, t_end, sizes, coast = [], 0.0, dev.gpu_s, time.perf_counter() + hold_s, [], Coast()
+    taus, step_s, gpu0, t_end, sizes, state = [], 0.0, dev.gpu_s, time.perf_counter() + hold_s, [], (Coast(), None)
     with span("decode"):
         while not taus or time.perf_counter() < t_end:
             with dev.stream:                                                 # ordered before the rounds
                 dev.lengths.fill(context)
             t1 = time.perf_counter()
             for _ in range(rounds):
-                out, coast = context_step(dev, sizes, coast)
+                out, state = context_step(dev, sizes, *state)
                 taus.append(out[:, 0].copy())
             step_s += time.perf_counter() - t1
     n, tau = len(taus), float(np.mean(taus))
@@ -291,20 +291,28 @@ def run_context_case(engine, mode, budget, batch, context, rounds, copy_bw, cp, 
     return row
 
 
-def context_step(dev, sizes, coast):
-    """One round of the rounds `dev`; budget auto: the probe, the rectangle rule's choice from its trees (the
-    rounds' measured table, no calibration: the synthetic drafter is random), the chosen size appended to sizes;
-    no probe while coasting (budget.Coast). Returns (out tokens, coast after the round)."""
+def context_step(dev, sizes, coast, chosen):
+    """One round of the rounds `dev`; budget auto as DeviceSlots runs it: the size `chosen` from the last round's
+    trees as one scored graph, or (none chosen) the probe and the choice from its trees; no probe while coasting
+    (budget.Coast). Choices follow the rectangle rule with the rounds' measured table and no calibration (the
+    synthetic drafter is random); each round's size is appended to sizes. Returns (out tokens, (coast, the next
+    round's choice))."""
     if not dev.shape.ladder:
-        return dev.step(), coast
+        return dev.step(), (coast, None)
+
+    def choose(scores):
+        return choose_rect(scores[:, 1:], np.full(len(scores), scores.shape[1]), dev.table, Calibration(),
+                           len(scores))
     if coast.left:
-        choice = root_choice(dev.bucket())
+        choice, out = root_choice(dev.bucket()), dev.step(0)
+    elif chosen is not None:
+        choice, out = chosen, dev.step(chosen.size, scored=chosen.size > 0)
     else:
-        scores = dev.probe()
-        choice = choose_rect(scores[:, 1:], np.full(len(scores), scores.shape[1]), dev.table, Calibration(),
-                             len(scores))
+        choice = choose(dev.probe())
+        out = dev.step(choice.size)
     sizes.append(choice.size)
-    return dev.step(choice.size), coast.after(choice)
+    coast = coast.after(choice)
+    return out, (coast, choose(dev.scores()) if choice.probed and not coast.left else None)
 
 
 def prefill_times(engine, tokens, cp, reps=3) -> dict:
