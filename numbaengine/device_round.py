@@ -521,8 +521,9 @@ class DeviceRounds:
         """Seconds of one auto round per bucket and ladder size on this device: that size's scored graph and the
         host reads (size 0: the verify graph alone, a round without drafting: budget.Coast), the best of `reps`
         after the eager run and the capture, with every slot of the bucket drafting full trees at `context`
-        committed rows (zero rows: attention reads them all the same). Needs every slot parked; all are parked
-        again after."""
+        committed rows (zero rows: attention reads them all the same). The probe path's graphs (probe, then the
+        size's verify) are made and captured here too, untimed, so no round captures later. Needs every slot
+        parked; all are parked again after."""
         if not self.shape.ladder:
             raise ValueError("costs: only rounds made for budget auto (Shape.ladder) choose among sizes")
         if len(self.parked) != self.shape.batch:
@@ -532,6 +533,10 @@ class DeviceRounds:
             for n in buckets(self.shape.batch):
                 row = []
                 for size in self.shape.ladder:
+                    for _ in range(warm if size else 0):   # the probe path (first rounds) made and captured too
+                        self._dummy_slots(n, context)
+                        self.probe()
+                        self.step(size)
                     best = float("inf")
                     for i in range(warm + max(reps, 1)):
                         self._dummy_slots(n, context)
