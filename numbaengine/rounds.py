@@ -208,6 +208,7 @@ class DeviceSlots:
     next: tuple | None = None                     # budget auto: (ids of the runs, Choice) for the next round, chosen
     #                                               from this round's drafts: it runs as one scored graph, no probe
     ahead_choice: object = None                   # budget auto: the Choice of the round launched ahead
+    probed: object = None                         # budget auto: the scores probe() returned this round (else None)
     picks: list = field(default_factory=list)
     PHASES = ("round", "gpu")            # gpu: the device time of the rounds (CUDA events), part of "round"
 
@@ -300,6 +301,7 @@ class DeviceSlots:
         members, ladder = runs, self.dev.shape.ladder
         try:
             with timer("round"):
+                self.probed = None
                 if self.ahead is not None:
                     members, self.ahead = self.ahead, None
                     choice, out = self.ahead_choice, self.dev.finish()
@@ -363,7 +365,7 @@ class DeviceSlots:
         going = [r for r in members if not ends(r, outs[id(r)].tokens)]
         if not going:
             return None
-        scores = self.dev.scores()
+        scores = self.probed if self.probed is not None else self.dev.scores()      # (a probe's: read already)
         rooms = [max(0, min(self.width(r), r.limit - r.seq.start - 1)) for r in going]
         table = self.table if self.table is not None else self.dev.table
         top = max(r.slot for r in going) + 1
@@ -388,7 +390,7 @@ class DeviceSlots:
         if self.next is not None and self.next[0] == [id(r) for r in runs]:
             choice, self.next = self.next[1], None
             return choice, self.dev.step(choice.size, scored=choice.size > 0)
-        scores = self.dev.probe()
+        scores = self.probed = self.dev.probe()
         rooms = [max(0, min(self.width(r), r.limit - r.seq.start - 1)) for r in runs]
         table = self.table if self.table is not None else self.dev.table
         choice = choose_rect(scores[[r.slot for r in runs], 1:], rooms, table, self.cal, scores.shape[0])

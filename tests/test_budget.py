@@ -279,7 +279,7 @@ class CoastDev:
     def __init__(self, ladder, n):
         from numbaengine.device_round import Shape
         self.shape, self.n, self.calls, self.gpu_s = Shape(n, "ddtree", max(ladder), 64, ladder), n, [], 0.0
-        self.parked = set()
+        self.parked, self.reads = set(), 0                            # reads: scores() calls
 
     def bucket(self):
         top = max(set(range(self.n)) - self.parked, default=0) + 1
@@ -290,6 +290,7 @@ class CoastDev:
         return np.zeros((self.n, max(self.shape.ladder) + 1))        # every pop certain (log-prob 0)
 
     def scores(self):
+        self.reads += 1
         return np.zeros((self.n, max(self.shape.ladder) + 1))
 
     def step(self, size, scored=False):
@@ -331,6 +332,7 @@ def test_device_slots_coast_without_probes(cheap):
         assert dev.calls[-2:] == ["probe", 0]
     else:
         assert probes == 1 and dev.calls == ["probe", 2] + [("scored", 2)] * 14, dev.calls
+        assert dev.reads == 14                                   # the probe's scores are not read twice
         assert runs[0].picks.stats()["budget_hist"] == {2: 15}
         slots.step(runs[:1], Timer(DeviceSlots.PHASES))          # other runs than it was chosen for: probe
         assert dev.calls[-2:] == ["probe", 2], dev.calls
@@ -348,6 +350,7 @@ def test_bench_context_step_runs_auto_as_the_slots_do():
         for _ in range(6):
             _, state = context_step(dev, sizes, *state)
         assert dev.calls == want and sizes == [want[1]] * 6, (row, dev.calls, sizes)
+        assert dev.reads == want.count(("scored", 2)), dev.reads      # the probe's scores are not read twice
 
 
 def test_device_slots_fits_settings():

@@ -303,16 +303,20 @@ def context_step(dev, sizes, coast, chosen):
     def choose(scores):
         return choose_rect(scores[:, 1:], np.full(len(scores), scores.shape[1]), dev.table, Calibration(),
                            len(scores))
+    probed = None
     if coast.left:
         choice, out = root_choice(dev.bucket()), dev.step(0)
     elif chosen is not None:
         choice, out = chosen, dev.step(chosen.size, scored=chosen.size > 0)
     else:
-        choice = choose(dev.probe())
+        probed = dev.probe()
+        choice = choose(probed)
         out = dev.step(choice.size)
     sizes.append(choice.size)
     coast = coast.after(choice)
-    return out, (coast, choose(dev.scores()) if choice.probed and not coast.left else None)
+    if not choice.probed or coast.left:
+        return out, (coast, None)
+    return out, (coast, choose(probed if probed is not None else dev.scores()))
 
 
 def prefill_times(engine, tokens, cp, reps=3) -> dict:
