@@ -7,6 +7,7 @@ kernel whose cache entry is missing to a pool of worker processes, which compile
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -63,9 +64,10 @@ def _submit(pool, jobs, key, kernel_cache, argtypes) -> Future:
     except ImportError:  # numba-cuda carries a copy
         from numba.cuda import cloudpickle
     try:
+        trace = {}
         parts = cache.key_parts(kernel_cache.py_func, argtypes, kernel_cache.targetoptions,
-                                cache.toolchain(cache.current_cc()))
-        blob = cloudpickle.dumps((kernel_cache.py_func, kernel_cache.targetoptions, argtypes, key, parts))
+                                cache.toolchain(cache.current_cc()), trace)
+        blob = cloudpickle.dumps((kernel_cache.py_func, kernel_cache.targetoptions, argtypes, key, parts, trace))
         future = pool.submit(compile_job, blob)
     except Exception as e:  # cannot be pickled: a future that says so
         future = Future()
@@ -95,21 +97,25 @@ def compile_job(blob: bytes):
     import pickle
 
     from numba.cuda.dispatcher import CUDADispatcher
-    py_func, options, argtypes, key, parts = pickle.loads(blob)
+    py_func, options, argtypes, key, parts, trace = pickle.loads(blob)
     disp = cache.install(CUDADispatcher(py_func, targetoptions=options))
     if disp._cache.key(argtypes) != key:
-        raise RuntimeError(f"its key differs in a fresh process: {_differs(parts, py_func, argtypes, options)}")
+        raise RuntimeError(f"its key differs in a fresh process: {_differs(parts, trace, py_func, argtypes, options)}")
     disp.compile(argtypes)
 
 
-def _differs(parts, py_func, argtypes, options) -> str:
-    """Which parts of a kernel's key differ here from the parent's, or why it is uncacheable here."""
+def _differs(parts, trace, py_func, argtypes, options) -> str:
+    """Which parts of a kernel's key differ here from the parent's (for the function: the deepest value it reads
+    that differs, by path), or why it is uncacheable here."""
+    here_trace = {}
     try:
-        here = cache.key_parts(py_func, argtypes, options, cache.toolchain(cache.current_cc()))
+        here = cache.key_parts(py_func, argtypes, options, cache.toolchain(cache.current_cc()), here_trace)
     except cache.Uncacheable as e:
         return f"uncacheable here ({e})"
     names = ("function and what it reads", "argument types", "options", "toolchain")
-    return ", ".join(n for n, a, b in zip(names, parts, here) if a != b) or "?"
+    where = cache.first_difference(trace, here_trace)
+    return ", ".join(n + (f" (at {where})" if i == 0 and where else "")
+                     for i, (n, a, b) in enumerate(zip(names, parts, here)) if a != b) or "?"
 
 
 # ------------------------------------------------------------------------------------------------ command line
@@ -206,8 +212,8 @@ def precompile_shapes(engine, todo, workers=None, progress=True) -> Precompiled:
 def warm_rounds(engine, rounds_of, batch, mode, budget, progress=True):
     """A server's rounds made ready before its first request (cuda): the kernels of every bucket of up to `batch`
     sequences precompiled (a dry run on throwaway rounds), then each bucket run once for real on the rounds that
-    rounds_of() returns, so that every bucket's graph is captured and, for budget auto, the cost table measured.
-    -> those rounds (other backends: rounds_of() as is)."""
+    rounds_of() returns, so that every bucket's graph is captured and, for budget auto, the cost table measured, and
+    every prefill graph size run (warm_prefill). -> those rounds (other backends: rounds_of() as is)."""
     from numbaengine.budget import AUTO, LADDER
     from numbaengine.device_round import buckets
     from numbaengine.generate import generate_on
@@ -222,20 +228,35 @@ def warm_rounds(engine, rounds_of, batch, mode, budget, progress=True):
 
     def dry_run():
         for n in buckets(batch):
+            dry = rounds_of()                            # new slots: a run cut short keeps its slot
             try:
-                run(rounds_of(), n, RoundLimit(3))       # new slots: a run cut short keeps its slot
+                run(dry, n, RoundLimit(3))
             except Exception:  # garbage results (or the round limit): the next bucket still records its kernels
                 pass
+        with contextlib.suppress(Exception):
+            warm_prefill(dry.dev)
     t0 = time.perf_counter()
     precompile(dry_run, progress=progress)
     engine.rounds_cache.clear()          # the dry run's buffers and graphs hold garbage
     rounds = rounds_of()
     for n in buckets(batch):
         run(rounds, n)
+    warm_prefill(rounds.dev)
     if progress:
         print(f"rounds ready for batches {', '.join(map(str, buckets(batch)))} ({mode}, budget {budget}) in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return rounds
+
+
+def warm_prefill(dev):
+    """Every prefill graph size of DeviceRounds `dev` (prefill_rows) run three times (eager, captured, replayed) on
+    slot 0, a piece of zeros, so that no prompt length captures a graph later; the slot is retired after."""
+    import numpy as np
+    for size in dev.prefill_rows:
+        if size < dev.cap:
+            for _ in range(3):
+                dev.prefill_part(0, np.zeros(size + 1, np.int32), 0, size)
+    dev.retire([0])
 
 
 def report() -> str:

@@ -105,6 +105,23 @@ def test_key_follows_closure_constants_code_and_globals(monkeypatch):
     assert key(uses_project_attr) != before
 
 
+def test_trace_names_where_two_keys_part(monkeypatch):
+    """The trace of a key names the deepest value read that differs: here a global of a device function that a
+    kernel's closure holds (how precompile reports a kernel whose key differs in a fresh process)."""
+    def traced():
+        trace = {}
+        cache.key_parts(with_device_fn(2.0), (ty.float32[::1],), {}, "env", trace)
+        return trace
+    before = traced()
+    assert cache.first_difference(before, traced()) is None
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)    # not read by that kernel: same keys
+    assert cache.first_difference(before, traced()) is None
+    assert cache.first_difference(before, {**before, "helper/targetoptions": "x"}) == "helper/targetoptions"
+    after = {}
+    cache.key_parts(with_device_fn(3.0), (ty.float32[::1],), {}, "env", after)
+    assert cache.first_difference(before, after) == "helper/c", after
+
+
 def test_key_follows_config_sig_options_and_gpu():
     cfg = Cfg(rows=4, scale=0.5)
     base = key(with_cfg(cfg))
@@ -432,7 +449,7 @@ def test_warmup_budget_auto_shapes():
 def test_warm_rounds_dry_run_then_every_bucket(monkeypatch):
     """A server's warmup (warmup.warm_rounds, cuda): a dry run of every bucket of up to the batch, each on new slots
     and cut after 3 rounds, its rounds dropped; then every bucket once for real, long enough for 3 rounds, on the
-    rounds it returns (those the server keeps). Other backends: the rounds as they are."""
+    rounds it returns (those the server keeps); in both, every prefill graph size that fits run 3 times. Other backends: the rounds as they are."""
     import numbaengine.generate as gen
     import numbaengine.warmup as warmup
     calls, made = [], []
@@ -440,8 +457,22 @@ def test_warm_rounds_dry_run_then_every_bucket(monkeypatch):
     class Engine:
         backend, tokenizer, drafter, rounds_cache = "cuda", None, None, {"dry run's": 1}
 
+    class Dev:                                              # DeviceRounds' prefill side
+        prefill_rows, cap = (8, 32, 128), 40
+
+        def prefill_part(self, b, ids, start, end):
+            calls.append(("prefill", made.index(self.rounds), b, len(ids), start, end, cache.dry_run()))
+
+        def retire(self, slots):
+            calls.append(("retire", made.index(self.rounds), slots))
+
+    class Rounds:
+        def __init__(self):
+            self.dev = Dev()
+            self.dev.rounds = self
+
     def rounds_of():
-        made.append(object())
+        made.append(Rounds())
         return made[-1]
 
     def generate_on(rounds, tokenizer, prompts, max_new, mode, budget, stop=None, on_round=None):
@@ -457,9 +488,12 @@ def test_warm_rounds_dry_run_then_every_bucket(monkeypatch):
     monkeypatch.setattr(warmup, "precompile", precompile)
     rounds = warmup.warm_rounds(Engine(), rounds_of, 4, "ddtree", 16, progress=False)
     assert rounds is made[-1] and len(made) == 4, made
+    prefill = [("prefill", r, 0, n + 1, 0, n, dry) for r, dry in ((2, True), (3, False)) for n in (8, 32)
+               for _ in range(3)]                           # 128 rows do not fit cap: eager, no graph
     assert calls == [(0, 1, 51, True, "RoundLimit", True), (1, 2, 51, True, "RoundLimit", True),
-                     (2, 4, 51, True, "RoundLimit", True), (3, 1, 51, False, "NoneType", False),
-                     (3, 2, 51, False, "NoneType", False), (3, 4, 51, False, "NoneType", False)], calls
+                     (2, 4, 51, True, "RoundLimit", True), *prefill[:6], ("retire", 2, [0]),
+                     (3, 1, 51, False, "NoneType", False), (3, 2, 51, False, "NoneType", False),
+                     (3, 4, 51, False, "NoneType", False), *prefill[6:], ("retire", 3, [0])], calls
     Engine.backend = "numpy"
     assert warmup.warm_rounds(Engine(), rounds_of, 4, "ddtree", 16) is made[-1] and len(made) == 5
 

@@ -111,8 +111,21 @@ def _repr(obj) -> str:
 class _Digest:
     """Digests of the values a kernel's code depends on, one walk (shared device functions hashed once)."""
 
-    def __init__(self):
+    def __init__(self, trace=None):
         self.memo, self.active = {}, set()
+        self.trace, self.path = trace, []        # trace: path of every named part -> its digest (diagnosis)
+
+    def _at(self, label, obj, names=()) -> bytes:
+        """self(obj, names) as the part `label` of the one being hashed (recorded in the trace)."""
+        self.path.append(str(label))
+        try:
+            digest = self(obj, names)
+        finally:
+            path = "/".join(self.path)
+            self.path.pop()
+        if self.trace is not None:
+            self.trace.setdefault(path, digest.hex()[:16])
+        return digest
 
     def __call__(self, obj, names=()) -> bytes:
         from numba.core import types as nbtypes
@@ -180,7 +193,8 @@ class _Digest:
         if _library(fn.__module__ or ""):
             return _sha("library function", fn.__module__, fn.__qualname__)
         global_names, names = _reads(fn.__code__)
-        cells = [self(c.cell_contents, names) if _filled(c) else b"empty" for c in fn.__closure__ or ()]
+        cells = [self._at(name, c.cell_contents, names) if _filled(c) else b"empty"
+                 for name, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())]
         return _sha("function", fn.__module__, fn.__qualname__, _code(fn.__code__), self(fn.__defaults__),
                     self(fn.__kwdefaults__ or {}), *cells, self._globals(fn.__globals__, global_names, names))
 
@@ -189,7 +203,7 @@ class _Digest:
         parts = []
         for name in sorted(global_names):
             if name in scope:
-                parts += [name, self(scope[name], names)]
+                parts += [name, self._at(name, scope[name], names)]
             elif hasattr(builtins, name):
                 parts += [name, "builtin"]
         return _sha("globals", *parts)
@@ -203,7 +217,7 @@ class _Digest:
         parts = []
         for name in sorted(n for n in names if n in vars(mod)):
             with contextlib.suppress(Uncacheable):
-                parts += [name, self(vars(mod)[name], names)]
+                parts += [name, self._at(f"{mod.__name__}.{name}", vars(mod)[name], names)]
         self.active.discard(id(mod))
         return _sha("module", mod.__name__, *parts)
 
@@ -211,7 +225,7 @@ class _Digest:
         """A device function: its Python function and options. numba keeps a device function's compiled overloads,
         so one whose reads changed (a global flipped with setattr) after it was compiled would put stale code in
         new kernels: those kernels are not cached."""
-        digest = _sha("dispatcher", self(d.py_func), self(d.targetoptions))
+        digest = _sha("dispatcher", self(d.py_func), self._at("targetoptions", d.targetoptions))
         if _FIRST.setdefault(d, digest) != digest and d.overloads:
             raise Uncacheable(f"{d.py_func.__qualname__} changed after it was compiled")
         return digest
@@ -262,11 +276,19 @@ def toolchain(cc) -> tuple:
             tuple(knobs))
 
 
-def key_parts(py_func, argtypes, targetoptions, env) -> tuple[bytes, bytes, bytes, bytes]:
+def key_parts(py_func, argtypes, targetoptions, env, trace=None) -> tuple[bytes, bytes, bytes, bytes]:
     """Digests of a kernel's function (code and everything it reads), argument types, options and env
-    (toolchain(cc)). Raises Uncacheable for a value of a kind they cannot describe."""
-    d = _Digest()
+    (toolchain(cc)). Raises Uncacheable for a value of a kind they cannot describe. trace: a dict that gets the
+    digest of every part the function reads, by path (cell, global and attribute names): first_difference()."""
+    d = _Digest(trace)
     return d(py_func), d(tuple(argtypes)), d(targetoptions), d(env)
+
+
+def first_difference(a: dict, b: dict) -> str | None:
+    """Where two key_parts traces part: the deepest path whose digests differ (one read on both sides first, then
+    one read on a side only), or None."""
+    paths = [p for p in a.keys() | b.keys() if a.get(p) != b.get(p)]
+    return max(paths, key=lambda p: (p in a and p in b, p.count("/"), p)) if paths else None
 
 
 def kernel_key(py_func, argtypes, targetoptions, env) -> str:
