@@ -8,7 +8,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from numbaengine import phases
-
 from numbaengine.budget import LADDER
 from numbaengine.kernels import cache as kernel_cache
 from numbaengine.scheduler import RoundStats
