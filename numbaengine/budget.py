@@ -235,41 +235,49 @@ def shares(pops, total):
     return np.bincount(seq[order[:total]], minlength=len(pops))
 
 
-def choose(trees, table: CostTable, cal: Calibration, ragged=True, batch=None) -> Choice:
-    """The ladder size with the most expected committed tokens per second; trees are each sequence's heap run up to
-    the largest size it may get (see choose_pops)."""
-    return choose_pops([t.scores[1:] for t in trees], table, cal, ragged, batch)
+def choose(trees, table: CostTable, cal: Calibration, ragged=True, batch=None, left=None) -> Choice:
+    """The ladder size with the most expected committed tokens per second (or, given `left`, the soonest expected
+    end of the batch); trees are each sequence's heap run up to the largest size it may get (see choose_pops)."""
+    return choose_pops([t.scores[1:] for t in trees], table, cal, ragged, batch, left)
 
 
-def choose_pops(pops, table: CostTable, cal: Calibration, ragged=True, batch=None) -> Choice:
+def pick(calibrated, seconds, left=None) -> int:
+    """Index of the best size: calibrated f64[sizes, n] expected accepted drafts per sequence, seconds f64[sizes]
+    of a round. Without `left`: the most expected committed tokens per second. With left i64[n] (tokens each
+    sequence has still to make, the batch fixed: nothing joins when one ends): the soonest expected end of the
+    last sequence, cost x max_i left_i / (1 + calibrated_i), since the round's cost is paid until the slowest is
+    done. Ties: the smaller size."""
+    if left is None:
+        return int(np.argmax((calibrated.shape[1] + calibrated.sum(axis=1)) / seconds))
+    return int(np.argmin(seconds * np.max(np.asarray(left, np.float64) / (1.0 + calibrated), axis=1)))
+
+
+def choose_pops(pops, table: CostTable, cal: Calibration, ragged=True, batch=None, left=None) -> Choice:
     """choose from each sequence's pops (path log-probs in pop order, as many as its tree may have). ragged: the
     size's batch total shared by path probability (host rounds); else every sequence gets the size (device rounds:
-    the rectangle). batch: the round's batch for the cost (default the number of sequences; the device's bucket)."""
-    B, best = len(pops), None
+    the rectangle). batch: the round's batch for the cost (default the number of sequences; the device's bucket).
+    left: see pick."""
+    B = len(pops)
     cost_batch = B if batch is None else batch
     if not ragged:
         width = max([len(p) for p in pops] + [0])
         scores = np.full((B, width), -np.inf)
         for i, p in enumerate(pops):
             scores[i, :len(p)] = p
-        return choose_rect(scores, np.full(B, width), table, cal, cost_batch)
+        return choose_rect(scores, np.full(B, width), table, cal, cost_batch, left)
     prefix = [prefix_accepts(p) for p in pops]
-    for size in table.sizes:
-        nodes = shares(pops, B * size)
-        raw = tuple(float(p[n]) for p, n in zip(prefix, nodes))
-        calibrated = tuple(cal.apply(e) for e in raw)
-        rate = (B + sum(calibrated)) / table.round_s(cost_batch, size)
-        if best is None or rate > best.rate:
-            best = Choice(size, tuple(int(n) for n in nodes), raw, calibrated, rate)
-    return best
+    nodes = np.array([shares(pops, B * size) for size in table.sizes]).reshape(len(table.sizes), B)
+    raw = np.array([[float(p[n]) for p, n in zip(prefix, row)] for row in nodes]).reshape(nodes.shape)
+    calibrated = np.array([[cal.apply(e) for e in row] for row in raw]).reshape(nodes.shape)
+    return _choice(table, cost_batch, nodes, raw, calibrated, left)
 
 
-def choose_rect(scores, rooms, table: CostTable, cal: Calibration, batch) -> Choice:
+def choose_rect(scores, rooms, table: CostTable, cal: Calibration, batch, left=None) -> Choice:
     """The rectangle rule in array operations (the device rounds' choice; on a 2-core x86 machine 33-39 us at
     batch 32 and 74-79 us at 128, against 180 us and 0.67 ms for a loop over sequences and sizes): scores
     f64[n, N], each row its pops' path log-probs in pop order, -inf past its tree; rooms i64[n], the nodes each
-    sequence may get (cache rows left); batch: the bucket whose cost the round pays. Every sequence gets
-    min(size, its pops, its room) nodes."""
+    sequence may get (cache rows left); batch: the bucket whose cost the round pays; left: see pick. Every
+    sequence gets min(size, its pops, its room) nodes."""
     scores = np.asarray(scores, np.float64)
     n, N = scores.shape
     avail = np.minimum(np.isfinite(scores).sum(axis=1), np.asarray(rooms))
@@ -277,11 +285,16 @@ def choose_rect(scores, rooms, table: CostTable, cal: Calibration, batch) -> Cho
     np.cumsum(np.exp(scores), axis=1, out=prefix[:, 1:])
     nodes = np.minimum(np.asarray(table.sizes)[:, None], avail[None, :])                # [sizes, n]
     raw = prefix[np.arange(n), nodes]
-    calibrated = cal.apply_all(raw)
-    rates = (n + calibrated.sum(axis=1)) / table.row(batch)
-    k = int(np.argmax(rates))                                                          # ties: the smaller size
-    return Choice(table.sizes[k], tuple(nodes[k].tolist()), tuple(raw[k].tolist()), tuple(calibrated[k].tolist()),
-                  float(rates[k]))
+    return _choice(table, batch, nodes, raw, cal.apply_all(raw), left)
+
+
+def _choice(table, batch, nodes, raw, calibrated, left) -> Choice:
+    """The Choice of the best size (pick) from nodes, raw and calibrated f[sizes, n]."""
+    seconds = np.asarray(table.row(batch), np.float64)
+    k = pick(calibrated, seconds, left)
+    rate = (nodes.shape[1] + calibrated[k].sum()) / seconds[k]
+    return Choice(table.sizes[k], tuple(int(x) for x in nodes[k]), tuple(float(x) for x in raw[k]),
+                  tuple(float(x) for x in calibrated[k]), float(rate))
 
 
 def root_choice(n) -> Choice:
@@ -307,17 +320,18 @@ class Coast:
 
 
 def auto_round(seqs, caps, target, drafter, ops, p, timer, table: CostTable, cal: Calibration, ragged=True,
-               coast=Coast()):
+               coast=Coast(), left=None):
     """One ddtree round with the sizes chosen from its drafts: one heap run per sequence up to caps[i] nodes, the
-    choice (ragged or the rectangle rule), then verify of each tree's chosen prefix; while coasting, the root alone
-    without drafting. Returns (choice, round outs, calibration and coast after the round)."""
+    choice (ragged or the rectangle rule; left: tokens each sequence has still to make, for a fixed batch, see
+    pick), then verify of each tree's chosen prefix; while coasting, the root alone without drafting. Returns
+    (choice, round outs, calibration and coast after the round)."""
     if coast.left:
         choice = root_choice(len(seqs))
         trees = draft_trees(seqs, [0] * len(seqs), drafter, p, timer)
     else:
         trees = draft_trees(seqs, caps, drafter, p, timer)
         with timer("build"):
-            choice = choose(trees, table, cal, ragged)
+            choice = choose(trees, table, cal, ragged, left=left)
             trees = [first_nodes(t, n) for t, n in zip(trees, choice.nodes)]
     outs = verify_trees(seqs, trees, target, drafter, ops, p, timer)
     return choice, outs, observe(cal, choice, [out.tau for out in outs]), coast.after(choice)

@@ -153,13 +153,14 @@ def push(run: Run, new):
 # --- a batch of prompts -----------------------------------------------------------------------------------------------
 
 def generate_on(rounds, tokenizer, prompts, max_new_tokens, mode="ddtree", budget=16, temperature=0.0, seed=0,
-                stop=None, on_round=None) -> list:
+                stop=None, on_round=None, drain=True) -> list:
     """Decode several prompts together through `rounds` (a HostRounds or DeviceSlots), each with its own cache,
     tree and noise stream (its batch index).
 
     mode: ddtree (tree of `budget` drafted nodes), dflash (the drafter's argmax chain) or ar (no drafter).
-    budget "auto" (ddtree, HostRounds only): each round the size with the most expected tokens per second of the
-    rounds' cost table, shared over the batch by path probability; the output equals ar's for the same seed.
+    budget "auto" (ddtree): each round the size with the soonest expected end of the batch (drain: these prompts
+    are all of it, budget.pick), else the most expected tokens per second, by the rounds' cost table; the output
+    equals ar's for the same seed.
     stop: token ids that end a sequence; None = the target config's eos ids, [] = none.
     on_round(index, round_out | None, tokens): called after the prefill (None) and after every round."""
     cfg, tokenizer = rounds.target.cfg, tokenizer if tokenizer is not None else IdTokenizer()
@@ -178,7 +179,11 @@ def generate_on(rounds, tokenizer, prompts, max_new_tokens, mode="ddtree", budge
         if on_round is not None:
             on_round(run.index, out, list(run.tokens))
     timer = Timer(("prefill", "decode") + rounds.PHASES)
-    decode(rounds, runs, report, timer)
+    was, rounds.drain = rounds.drain, drain
+    try:
+        decode(rounds, runs, report, timer)
+    finally:
+        rounds.drain = was
     return [Result(r.tokens, tokenizer.decode(r.tokens), stats_of(r, timer, rounds.PHASES)) for r in runs]
 
 

@@ -73,6 +73,11 @@ def ends(run: Run, tokens) -> bool:
             or run.seq.start >= run.limit)
 
 
+def left_of(runs, outs=None) -> list[int]:
+    """Tokens each run has still to make (after this round's outs, when given): budget auto's drain rule."""
+    return [max(1, r.max_new - len(r.tokens) - (len(outs[id(r)].tokens) if outs else 0)) for r in runs]
+
+
 def cache_rows(run: Run, width, max_context) -> int:
     """The rows a sequence's cache gets: prompt + output + one round's tree, capped by the context."""
     return min(max_context, len(run.ids) + run.max_new + width)
@@ -93,6 +98,7 @@ class HostRounds:
         self.table, self.cal, self.ragged = table, Calibration(), ragged
         self.table_from = "given"
         self.coasts = {}                            # auto: Params -> (its group's cost row, their Coast)
+        self.drain = False                          # auto: the runs decoding are the whole batch (budget.pick)
         self.picks = []                             # every auto run's Picks: each gets the batch's calibration
 
     def auto(self, run) -> bool:
@@ -153,7 +159,8 @@ class HostRounds:
         was, coast = self.coasts.get(p, (None, Coast()))
         choice, outs, self.cal, coast = auto_round([r.seq for r in runs], [self.room(r) for r in runs], self.target,
                                                    self.drafter, self.ops, p, timer, self.table, self.cal,
-                                                   self.ragged, coast if was == row else Coast())
+                                                   self.ragged, coast if was == row else Coast(),
+                                                   left_of(runs) if self.drain else None)
         self.coasts[p] = (row, coast)
         for i, r in enumerate(runs):
             r.picks.add(choice, i)
@@ -210,6 +217,8 @@ class DeviceSlots:
     ahead_choice: object = None                   # budget auto: the Choice of the round launched ahead
     probed: object = None                         # budget auto: the scores probe() returned this round (else None)
     picks: list = field(default_factory=list)
+    drain: bool = False                  # budget auto: the runs decoding are the whole batch, none joins when one
+    #                                      ends (generate_on): sizes chosen for the soonest end (budget.pick)
     PHASES = ("round", "gpu")            # gpu: the device time of the rounds (CUDA events), part of "round"
 
     def auto(self, run) -> bool:
@@ -371,7 +380,7 @@ class DeviceSlots:
         top = max(r.slot for r in going) + 1
         bucket = next(n for n in buckets(self.batch) if n >= top)
         return [id(r) for r in going], choose_rect(scores[[r.slot for r in going], 1:], rooms, table, self.cal,
-                                                   bucket)
+                                                   bucket, left_of(going, outs) if self.drain else None)
 
     def cost_row(self) -> int:
         """The cost table's batch that the next round pays (its bucket of slots)."""
@@ -393,7 +402,8 @@ class DeviceSlots:
         scores = self.probed = self.dev.probe()
         rooms = [max(0, min(self.width(r), r.limit - r.seq.start - 1)) for r in runs]
         table = self.table if self.table is not None else self.dev.table
-        choice = choose_rect(scores[[r.slot for r in runs], 1:], rooms, table, self.cal, scores.shape[0])
+        choice = choose_rect(scores[[r.slot for r in runs], 1:], rooms, table, self.cal, scores.shape[0],
+                             left_of(runs) if self.drain else None)
         return choice, self.dev.step(choice.size)
 
     def drop(self):

@@ -188,6 +188,35 @@ def test_rectangle_chooser_is_the_argmax(case):
     assert got.rate == pytest.approx((len(trees) + sum(got.calibrated)) / t.round_s(bucket, got.size), rel=1e-12)
 
 
+@pytest.mark.parametrize("case", range(6))
+def test_drain_rule_is_the_soonest_end(case):
+    """Given the tokens each sequence has left (a fixed batch), the size is the one with the smallest round cost x
+    max over sequences of left / (1 + calibrated expected accepted drafts), by brute force; ragged and rectangle."""
+    rng = np.random.default_rng(300 + case)
+    trees = random_trees(rng, 2 + case % 3, size=int(rng.choice([8, 30])))
+    t = table(np.sort(rng.uniform(1, 3, len(LADDER))), batches=(1, 2, 4))
+    cal = Calibration().observe(rng.uniform(0.2, 3), rng.uniform(0, 3))
+    left = rng.integers(1, 60, len(trees))
+    for ragged in (True, False):
+        got = choose(trees, t, cal, ragged=ragged, left=left)
+        ends = {}
+        for s in t.sizes:
+            c = choose(trees, CostTable((s,), {b: (t.round_s(b, s),) for b in (1, 2, 4)}), cal, ragged=ragged)
+            ends[s] = t.round_s(len(trees), s) * max(n / (1 + x) for n, x in zip(left, c.calibrated))
+        assert got.size == min(ends, key=lambda s: (ends[s], s)), f"case {case} ragged {ragged}: {ends}"
+
+
+def test_drain_rule_waits_for_the_slowest_sequence():
+    """Throughput picks the tree that pays on average; the drain rule sees that the sequence with the most left and
+    the least confident drafts would gain too little from it to pay the round's cost."""
+    t = CostTable((0, 4), {2: (1.0, 2.0)})
+    sure, unsure = np.log([0.9, 0.8, 0.7, 0.6]), np.log([0.2, 0.1, 0.05, 0.05])
+    cal = Calibration()
+    assert choose_pops([sure, unsure], t, cal).size == 4                          # (2 + 3.0 + 0.4) / 2 > 2 / 1
+    assert choose_pops([sure, unsure], t, cal, left=[10, 10]).size == 0           # 2 x 10 / 1.4 > 1 x 10 / 1
+    assert choose_pops([sure, unsure], t, cal, left=[40, 1]).size == 4            # the sure one is the slowest
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_rectangle_rule_on_the_host_equals_ar(pair, batch):  # noqa: F811
     """HostRounds(ragged=False), the device's rule on the reference round: ar's tokens; every sequence verified the
@@ -409,13 +438,21 @@ def test_auto_equals_ar(pair, batch, temperature):  # noqa: F811
 
 def test_auto_tracks_the_drafter(pair):  # noqa: F811
     """A table with a fixed cost and a cost per verify row: the oracle earns trees, the random drafter does not, and
-    in one batch the sequence the oracle knows gets the nodes."""
+    in one batch the sequence the oracle knows gets the nodes (tokens per second: rounds that others may join);
+    for a fixed batch (generate_batch: the soonest end) the two the oracle does not know hold the batch back, so
+    no round drafts."""
+    from numbaengine.generate import generate_on
+    from numbaengine.rounds import HostRounds
     rows = CostTable(LADDER, {b: tuple(1 + 0.05 * b * (s + 1) for s in LADDER) for b in (1, 3)})
     want = [r.tokens for r in gen(pair, PROMPTS[:3], None)]
     rand = gen(pair, PROMPTS[:3], "auto", pair.drafter, cost_table=rows)
     assert [r.tokens for r in rand] == want and all(set(r.stats["budget_hist"]) == {0} for r in rand)
     knows_first = Oracle([PROMPTS[0] + want[0]] + PROMPTS[1:3], pair.target.cfg.vocab_size)
-    mixed = gen(pair, PROMPTS[:3], "auto", knows_first, cost_table=rows)
+    drained = gen(pair, PROMPTS[:3], "auto", knows_first, cost_table=rows)
+    assert [r.tokens for r in drained] == want and all(set(r.stats["budget_hist"]) == {0} for r in drained)
+    knows_first = Oracle([PROMPTS[0] + want[0]] + PROMPTS[1:3], pair.target.cfg.vocab_size)   # contexts anew
+    mixed = generate_on(HostRounds(pair.target, knows_first, 4096, table=rows), None, PROMPTS[:3], N_NEW,
+                        "ddtree", "auto", stop=[], drain=False)
     assert [r.tokens for r in mixed] == want
     s = [r.stats for r in mixed]
     assert max(s[0]["budget_hist"]) > 0 and s[0]["nodes_mean"] > 2 * max(s[1]["nodes_mean"], s[2]["nodes_mean"])
