@@ -122,6 +122,16 @@ def test_trace_names_where_two_keys_part(monkeypatch):
     assert cache.first_difference(before, after) == "helper/c", after
 
 
+def test_library_modules_are_named_by_their_package():
+    """A library's module is named by its package (the version is in the key): numba-cuda redirects some of its
+    modules to numba's, so the same module's __name__ may differ between processes."""
+    import numba.core.types
+    import numba.cuda.types
+    digest = cache._Digest()
+    assert digest(numba.core.types) == digest(numba.cuda.types) == digest(numba)
+    assert digest(numba.core.types) != digest(np)
+
+
 def test_key_follows_config_sig_options_and_gpu():
     cfg = Cfg(rows=4, scale=0.5)
     base = key(with_cfg(cfg))

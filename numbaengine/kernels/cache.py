@@ -209,9 +209,13 @@ class _Digest:
         return _sha("globals", *parts)
 
     def _module(self, mod, names) -> bytes:
-        """A library module by name (its version is in the key); any other (the project's) also by the values of
-        the attributes the function may read from it (M.X): those of a kind numba could not read are skipped."""
-        if _library(mod.__name__) or id(mod) in self.active:
+        """A library module by its package's name (its version is in the key: numba-cuda redirects some of its
+        modules to numba's, so one module's __name__ can differ between processes); any other (the project's) by
+        name and the values of the attributes the function may read from it (M.X): those of a kind numba could not
+        read are skipped."""
+        if _library(mod.__name__):
+            return _sha("library module", mod.__name__.split(".")[0])
+        if id(mod) in self.active:
             return _sha("module", mod.__name__)
         self.active.add(id(mod))
         parts = []
