@@ -303,9 +303,10 @@ class DeviceSlots:
     def step(self, runs, timer) -> dict:
         """One round of the bucket holding every decoding slot; out_tokens row b: tau, then the tau new tokens.
         With `overlap` (one device), a round launched ahead by the last step is read instead (its runs: a run that
-        joined since gets no out this time), and unless one of its runs ends with it the next round is launched
-        before this returns, so the GPU decodes while the host handles these tokens: fixed budgets, and budget
-        auto's rounds whose size is known (coasting, or chosen from this round's drafts)."""
+        joined since gets no out this time), and the next round of the runs that go on is launched before this
+        returns (the slots of those that end parked first), so the GPU decodes while the host handles these tokens:
+        fixed budgets, and budget auto's rounds whose size is known (coasting, or chosen from this round's
+        drafts)."""
         gpu0 = self.dev.gpu_s
         members, ladder = runs, self.dev.shape.ladder
         try:
@@ -330,13 +331,17 @@ class DeviceSlots:
         if ladder:
             self.coast = self.coast.after(choice)
             self.next = self.choose_next(members, outs, choice)
-        if self.overlap and self.ranks is None and self.ahead_ok(ladder, runs, members, outs):
+        ended = {id(r) for r in members if ends(r, outs[id(r)].tokens)}
+        going = [r for r in runs if id(r) not in ended]
+        if self.overlap and self.ranks is None and going and self.ahead_ok(ladder, going):
+            if ended:                                # parked first: the round launched ahead leaves their slots be
+                self.dev.retire([r.slot for r in runs if id(r) in ended])
             try:
                 with timer("round"):
                     if not ladder:
                         self.dev.start()
                     elif self.coast.left:
-                        self.ahead_choice = root_choice(len(runs))
+                        self.ahead_choice = root_choice(len(going))
                         self.dev.start(0)
                     else:
                         self.ahead_choice, self.next = self.next[1], None
@@ -344,7 +349,7 @@ class DeviceSlots:
             except Exception:
                 self.drop()
                 raise
-            self.ahead = list(runs)
+            self.ahead = going
         if ladder:                                   # (after the launch: the GPU does not wait for the bookkeeping)
             self.cal = observe(self.cal, choice, [outs[id(r)].tau for r in members])
             for i, r in enumerate(members):
@@ -354,14 +359,11 @@ class DeviceSlots:
                 picks.cal = self.cal
         return outs
 
-    def ahead_ok(self, ladder, runs, members, outs) -> bool:
-        """Whether the next round may be launched now: fixed budgets, or auto rounds of the same cost row whose
-        coast goes on or whose size is chosen already (self.next, for these runs); and none of the round's runs
-        ends with it."""
-        if any(ends(r, outs[id(r)].tokens) for r in members):
-            return False
+    def ahead_ok(self, ladder, going) -> bool:
+        """Whether the next round of the runs `going` on may be launched now: fixed budgets, or auto rounds of the
+        same cost row whose coast goes on or whose size is chosen already (self.next, for these runs)."""
         return not ladder or (self.coasting == self.cost_row() and bool(
-            self.coast.left or (self.next is not None and self.next[0] == [id(r) for r in runs])))
+            self.coast.left or (self.next is not None and self.next[0] == [id(r) for r in going])))
 
     def choose_next(self, members, outs, choice):
         """Budget auto, after a round that drafted (not coasting): the next round's choice from this round's node
