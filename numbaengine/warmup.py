@@ -83,7 +83,10 @@ def _collect(jobs, progress) -> list[str]:
         try:
             future.result()
         except Exception as e:  # the worker's compile error, a worker that died, a pickling error
-            failed.append(f"{jobs[future]}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")
+            why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            if "bootstrapping phase" in str(e):      # spawn re-imported a script that has no main guard
+                why = "the workers could not start: call it under `if __name__ == \"__main__\":` in a script"
+            failed.append(f"{jobs[future]}: {why}")
         if progress:
             print(f"\rcompiling kernels {done}/{len(jobs)}", end="", file=sys.stderr, flush=True)
     if progress and jobs:

@@ -416,11 +416,25 @@ def test_precompile_compiles_in_worker_processes(tmp_path):
     found, compiled, failed, stats, spent = json.loads(r.stdout.splitlines()[-1])
     assert (found, compiled, len(failed)) == (5, 3, 2), failed
     assert sorted(f.split(":")[0] for f in failed) == ["broken", "flagged"]
-    assert any("TypingError" in f for f in failed) and any("differs" in f and "function" in f for f in failed)
+    assert any("TypingError" in f for f in failed)
+    assert any("differs" in f and "function" in f and "(at dev/numbaengine.kernels.device.F1)" in f for f in failed)
     assert "compiling kernels 5/5" in r.stderr and r.stderr.count("left to compile on first use") == 1
     assert (stats["hits"], stats["misses"]) == (3, 0) and len(cache.cache_files(tmp_path / "kernels")) == 3
     assert spent.get("compile", 0) > spent.get("prefill", 0), f"waiting for the workers is compile time: {spent}"
     assert spent.get("load", 0) > 0, spent
+
+
+def test_precompile_in_a_script_without_main_guard_says_so(tmp_path):
+    """A script that calls precompile at its top level (no `if __name__ == "__main__":`) is run again by every
+    spawned worker, whose own precompile cannot start processes while it bootstraps: its warning line says what to
+    change (the run goes on; kernels left over compile on first use)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(POOL_SCRIPT.split("if __name__")[0] + "cache.configure(sys.argv[1])\n"
+                      "precompile(run_once, workers=1, progress=False)\n")
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "kernels")], capture_output=True, text=True,
+                       check=False, cwd=ROOT, env=_env(), timeout=300)
+    warning = [x for x in r.stderr.splitlines() if "left to compile on first use" in x]
+    assert r.returncode == 0 and any('under `if __name__ == "__main__":`' in x for x in warning), r.stderr[-3000:]
 
 
 def test_warmup_size_and_clear(tmp_path):
