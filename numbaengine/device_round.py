@@ -17,12 +17,15 @@ Batch buckets: a round covers the slots [0, n) for the smallest bucket n (1, 2, 
 decoding slot (slots are handed out lowest first), so a lightly loaded server runs small rounds. Each bucket has
 its own buffers and graph (a Plan); the slot state (caches, lengths, settings) is shared, the plans view prefixes.
 
-Budget "auto" (ddtree, Shape.ladder): a round is two graphs. The probe drafts, takes the top-K and builds every
-slot's tree at the largest ladder size, writing each node's path log-probability; the host reads those, picks the
-ladder size with the most expected committed tokens per second of the measured cost of a round
-(numbaengine/budget.py, the rectangle rule: every slot gets that size, since verify rows are n x (size + 1)
-whatever the shares), and launches that size's verify graph: the tree again at that size (the prefix of the
-probe's pops), verify, walk and commit. The cost table comes from timing these graphs (DeviceRounds.costs).
+Budget "auto" (ddtree, Shape.ladder): a scored round is one graph: it drafts, takes the top-K and builds every
+slot's tree at the largest ladder size, writing each node's path log-probability (the scores), then verifies, walks
+and commits the prefix of that tree at the size chosen for it. The host reads the scores with the round's tokens and
+picks the next round's size from them (numbaengine/budget.py: the rectangle rule, every slot gets that size since
+verify rows are n x (size + 1) whatever the shares), so the size of round t + 1 comes from round t's drafts and the
+next round is launched before the host handles this one's tokens. The first round, one after a coast and one after
+the batch changed have no such scores: a probe graph (draft, top-K, tree) and, after the host's choice, a verify
+graph of that size. Size 0 without a probe is the root alone (a coasting round). The cost table comes from timing
+the scored graphs (DeviceRounds.costs).
 
 Prefill: one sequence at a time, whole or in pieces between rounds; a piece of up to 512 tokens is one graph launch
 on a staging slot (PrefillPlan), then its rows are copied into the sequence's slot. A plan's first run is eager (it
