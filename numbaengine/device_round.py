@@ -24,8 +24,10 @@ picks the next round's size from them (numbaengine/budget.py: the rectangle rule
 verify rows are n x (size + 1) whatever the shares), so the size of round t + 1 comes from round t's drafts and the
 next round is launched before the host handles this one's tokens. The first round, one after a coast and one after
 the batch changed have no such scores: a probe graph (draft, top-K, tree) and, after the host's choice, a verify
-graph of that size. Size 0 without a probe is the root alone (a coasting round). The cost table comes from timing
-the scored graphs (DeviceRounds.costs).
+graph of that size. Size 0 without a probe is the root alone (a coasting round): its row's target features wait in
+a backlog (up to BACKLOG rows per slot) instead of going through the drafter's context projections every round, and
+the next probe first writes them all into the drafter context (FLUSH). The cost table comes from timing the scored
+graphs (DeviceRounds.costs).
 
 Prefill: one sequence at a time, whole or in pieces between rounds; a piece of up to 512 tokens is one graph launch
 on a staging slot (PrefillPlan), then its rows are copied into the sequence's slot. A plan's first run is eager (it
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from numbaengine.budget import CostTable
+from numbaengine.budget import COAST_MAX, CostTable
 from numbaengine.ddtree import MODES
 from numbaengine.kernels.sample import sample
 from numbaengine.kernels.tree import (
@@ -70,6 +72,8 @@ def buckets(batch) -> tuple:
 
 
 PROBE, VERIFY, SCORED = ("draft", "build"), ("build", "verify"), ("probe", "build", "verify")   # budget auto's stages
+FLUSH = ("flush",)           # budget auto: the coast's backlog of target features into the drafter context
+BACKLOG = COAST_MAX + 1      # backlog rows per slot: a probe's size-0 verify, then a coast of COAST_MAX rounds
 
 
 class Plan:
@@ -78,7 +82,8 @@ class Plan:
     stages: "draft" (drafter block -> draft_logits -> per-depth top-K), "build" (trees), "verify" (target, walk,
     commit). A fixed-budget plan runs all three; budget auto has one probe per bucket (draft, build at the largest
     size, node scores) and per ladder size a verify plan (build, verify) sharing the probe's draft buffers, run
-    after the probe, and a scored plan ("probe", build, verify) whose graph runs the probe and the verify in one.
+    after the probe, and a scored plan ("probe", build, verify) whose graph runs the probe and the verify in one;
+    a flush plan (FLUSH) writes the coasting rounds' backlog into the drafter context before a probe.
     Each plan has its own op table (its scratch: a graph points into it, so no other plan may grow it)."""
 
     def __init__(self, rounds: DeviceRounds, n, N, stages, draft: Plan | None = None):
@@ -90,6 +95,10 @@ class Plan:
         cfg, V, Lb = self.target.cfg, self.target.cfg.vocab_size, rounds.Lb
         L, F, H = max(Lb - 1, 1), len(rounds.layer_ids), cfg.hidden_size
         self.graph, self.rounds = None, 0
+        if stages == FLUSH:                         # backlog rows per slot to write (the context's scratch: ops)
+            with rounds.on_stream():
+                self.count = ops.zeros(n, np.int32)
+            return
         check_memory(ops, plan_bytes(self.target, self.drafter, n, 0, N, Lb, V,
                                      verify="verify" in stages, draft=draft is None))
         with rounds.on_stream():
@@ -139,7 +148,9 @@ class DeviceRounds:
     Device state per slot b: latent cache rows (one array u16[layers, B, cap, D]), lengths[b] = committed
     rows = position of the bonus token, bonus[b], budgets[b], seq_ids[b] (its noise stream), temps[b] (0: greedy)
     and seeds[b], and with a drafter its context K|V per layer f32[B, cap, 2 nkv, d] (key heads, then value
-    heads). cap = max_len + room for one round's uncommitted rows.
+    heads). cap = max_len + room for one round's uncommitted rows. Budget auto with a drafter also keeps the
+    coasting rounds' features: backlog f32[B, BACKLOG, F*H] of context rows ctx_from[b] .. lengths[b] - 1 (their
+    positions in backlog_pos), the rows not yet in the drafter context.
 
     Slots start parked: a parked slot runs in the round with budget 0 at park_at[b] (0 when empty; a slot being
     prefilled in chunks parks at its prompt rows so far, where its round's scribbles land on rows the next chunk
@@ -170,7 +181,10 @@ class DeviceRounds:
         N = shape.budget + 1
         self.cap = shape.max_len + max(N, self.Lb, L + 1)
         self.layer_ids = self.drafter.layer_ids if self.drafter is not None else ()
-        check_memory(ops, plan_bytes(target, self.drafter, B, self.cap, N, self.Lb, V))
+        FH = len(self.layer_ids) * cfg.hidden_size
+        coasts = bool(shape.ladder) and self.drafter is not None
+        check_memory(ops, plan_bytes(target, self.drafter, B, self.cap, N, self.Lb, V)
+                     | ({"coast backlog": B * BACKLOG * (FH + 1) * 4} if coasts else {}))
         self.stream = ops.xp.cuda.Stream(non_blocking=True) if ops.xp is not np else None
         with self.on_stream():      # zeroed on the rounds' stream: a null-stream memset is not ordered before it
             self.cache = ops.zeros((cfg.num_hidden_layers, B + 1, self.cap, cfg.latent_dim), np.uint16)   # +staging
@@ -186,6 +200,11 @@ class DeviceRounds:
                                for _ in range(dc.num_hidden_layers)]              # per row: nkv key heads, nkv values
                 self.ctx_k = [kv[:, :, :nkv] for kv in self.ctx_kv]
                 self.ctx_v = [kv[:, :, nkv:] for kv in self.ctx_kv]
+            self.backlog = self.backlog_pos = self.ctx_from = None
+            if coasts:                               # coasting rounds keep their features for the next probe
+                self.backlog = ops.zeros((B, BACKLOG, FH), np.float32)
+                self.backlog_pos = ops.zeros((B, BACKLOG), np.int32)
+                self.ctx_from = ops.zeros(B, np.int32)    # first context row not yet in the drafter context
         self.graphs = graphs and ops.xp is not np    # the simulator has no graphs: it runs every round eagerly
         self.plans = {}                              # (n, N, stages) -> Plan
         self.prefill_plans = {}                      # T -> PrefillPlan
@@ -240,8 +259,9 @@ class DeviceRounds:
             raise ValueError(f"prefill: start {start} is not in 0..{T - 1} (the prompt's rows not yet written)")
         with self.on_stream():
             logits = self._prompt_rows(b, ids, start, T)
-            for arr, value in ((self.temps, temperature), (self.seeds, seed), (self.seq_ids, seq_index),
-                               (self.lengths, T), (self.budgets, budget)):
+            settings = ((self.temps, temperature), (self.seeds, seed), (self.seq_ids, seq_index), (self.lengths, T),
+                        (self.budgets, budget)) + (((self.ctx_from, T),) if self.ctx_from is not None else ())
+            for arr, value in settings:
                 arr[b:b + 1] = ops.asarray(np.array([value], arr.dtype))
             sample(logits[-1:], float(temperature), int(seed), self.seq_ids[b:b + 1],
                    ops.asarray(np.array([T], np.int32)), self.bonus[b:b + 1])
@@ -360,6 +380,8 @@ class DeviceRounds:
         if self._parked is not None:
             slots, rows = self._parked
             self.lengths[slots] = rows
+            if self.ctx_from is not None:
+                self.ctx_from[slots] = rows          # nothing of a parked slot is in the backlog
             self.budgets[slots] = 0
 
     # --- one round ---------------------------------------------------------------------------------------------------
@@ -381,6 +403,7 @@ class DeviceRounds:
             elif size == 0 and self._probed is None:       # coasting: the root alone, no draft (budget.Coast)
                 self._park()
                 plan = self.get_plan(self.bucket(), 1, VERIFY)
+                self._backlog = self.ctx_from is not None
             elif scored:
                 if size not in self.shape.ladder or not size or self._probed is not None:
                     raise ValueError(f"step: a scored round needs a size of {self.shape.ladder[1:]} and no probe "
@@ -392,6 +415,7 @@ class DeviceRounds:
                     raise ValueError(f"step: budget auto needs probe() first and a size of {self.shape.ladder} (or "
                                      f"size 0 alone), got {size}")
                 plan, self._probed = self.get_plan(self._probed, size + 1, VERIFY), None
+                self._backlog = self._backlog or (size == 0 and self.ctx_from is not None)
             self.launch(plan)
             self.plan = plan
             self.rounds += 1
@@ -417,6 +441,9 @@ class DeviceRounds:
         with self.on_stream():
             self._park()
             n = self.bucket()
+            if self._backlog:                        # coasting rounds left rows in the backlog
+                self.launch(self.get_plan(n, 1, FLUSH))
+                self._backlog = False
             plan = self.get_plan(n, self.shape.budget + 1, PROBE)
             self.launch(plan)
             self._probed = n
@@ -425,6 +452,7 @@ class DeviceRounds:
             return scores
 
     _probed = None                                   # the bucket probed and not yet stepped
+    _backlog = False                                 # rows wait in the backlog (a size-0 round since the last probe)
 
     def launch(self, plan, body=None, timed=True):
         """One run of a plan (body: its launches, default run(plan)): eager the first time, captured the second, the
@@ -464,6 +492,10 @@ class DeviceRounds:
     def run(self, plan: Plan, mark=lambda phase: None):
         """The launches of a plan's stages (eager, or recorded by capture). mark(phase) is called as each phase
         starts."""
+        if plan.stages == FLUSH:
+            mark("draft")
+            self._flush(plan)
+            return
         n, N, tb = plan.n, plan.N, plan.tb
         lengths, bonus = self.lengths[:n], self.bonus[:n]
         if "probe" in plan.stages:
@@ -489,8 +521,23 @@ class DeviceRounds:
             tree_commit(tb, self.cache32[:, :n])
             return
         F, H = plan.hidden.shape[0], plan.hidden.shape[2]
-        tree_commit(tb, self.cache32[:, :n], plan.hidden.reshape(F, n, N, H), plan.feats, plan.feat_pos)
+        hidden, ctx_from = plan.hidden.reshape(F, n, N, H), self.ctx_from[:n] if self.ctx_from is not None else None
+        if ctx_from is not None and N == 1:          # coasting: the rows wait in the backlog for the next probe
+            tree_commit(tb, self.cache32[:, :n], hidden, self.backlog[:n], self.backlog_pos[:n], ctx_from, True)
+            return
+        tree_commit(tb, self.cache32[:, :n], hidden, plan.feats, plan.feat_pos, ctx_from)
         self._append(plan.drafter, plan.feats, plan.feat_pos.reshape(-1), tb.start, slice(0, n))
+
+    def _flush(self, plan: Plan):
+        """The backlog's rows (context rows ctx_from[b] .. lengths[b] - 1 of slots [0, n), those that coasting
+        rounds committed) into the drafter context, then ctx_from = lengths: a probe's first launches."""
+        n, xp = plan.n, plan.ops.xp
+        lengths, ctx_from = self.lengths[:n], self.ctx_from[:n]
+        xp.subtract(lengths, ctx_from, out=plan.count)
+        xp.clip(plan.count, 0, BACKLOG, out=plan.count)
+        self._append(plan.drafter, self.backlog[:n], self.backlog_pos[:n].reshape(-1), ctx_from, slice(0, n),
+                     plan.count)
+        plan.ops.copy(lengths, ctx_from)
 
     def _draft(self, plan: Plan):
         """Drafter block of slots [0, n) over their context -> draft_logits f32[n, Lb-1, V] (slots 1..Lb-1)."""
@@ -511,12 +558,13 @@ class DeviceRounds:
             x = ops.copy(x, ops.scratch("d.slots", x.shape))
         plan.target.lm_head(x.reshape(n * (Lb - 1), -1), plan.draft_logits.reshape(n * (Lb - 1), -1))
 
-    def _append(self, drafter, feats, positions, start, slots):
+    def _append(self, drafter, feats, positions, start, slots, count=None):
         """Drafter context rows start[b].. of `slots` from target features feats f32[b, P, F*H] at positions
-        i32[b*P] (rows past a sequence's tau land beyond its length and are overwritten later)."""
+        i32[b*P] (rows past a sequence's tau land beyond its length and are overwritten later; count i32[b]: only
+        the first count[b] rows are written)."""
         nb, P, FH = feats.shape
         drafter.context_kv(feats.reshape(nb * P, FH), positions,
-                           lambda i, kv: drafter.ops.write_rows(kv, self.ctx_kv[i][slots], start))
+                           lambda i, kv: drafter.ops.write_rows(kv, self.ctx_kv[i][slots], start, count))
 
     # --- budget auto: the cost of a round ----------------------------------------------------------------------------
 
@@ -535,6 +583,9 @@ class DeviceRounds:
         with span("costs"):
             for n in buckets(self.shape.batch):
                 row = []
+                for _ in range(warm if self.ctx_from is not None else 0):   # the backlog's flush made and captured
+                    self._dummy_slots(n, context)
+                    self.launch(self.get_plan(n, 1, FLUSH))
                 for size in self.shape.ladder:
                     for _ in range(warm if size else 0):   # the probe path (first rounds) made and captured too
                         self._dummy_slots(n, context)

@@ -147,6 +147,25 @@ def check_walk_commit(env, L=3, K=3, budgets=(9, 5, 0), D=16, layers=2, F=2, H=4
         assert (new_cache[:, b] == want).all(), f"seq {b} cache rows"
         assert np.array_equal(feats[b, :m], hidden[:, b, path].transpose(1, 0, 2).reshape(m, F * H))
         assert feat_pos[b, :m].tolist() == list(range(s0, s0 + m))
+    # budget auto: an appending round sets ctx_from past its rows; a coasting round's rows go to their places in
+    # the backlog of rows from ctx_from on (rows past its end are dropped), ctx_from kept
+    R, nacc = 4, env.host(tb.nacc)
+    ctx_from = env.dev(np.full(B, -1, np.int32))
+    tree_commit(tb, d_cache, env.dev(hidden), env.dev(np.zeros_like(feats)), env.dev(np.zeros_like(feat_pos)),
+                ctx_from)
+    assert env.host(ctx_from).tolist() == (lengths + nacc).tolist()
+    waiting = rng.integers(0, R, B).astype(np.int32)                               # rows already in the backlog
+    backlog, bpos = env.dev(np.full((B, R, F * H), np.nan, np.float32)), env.dev(np.full((B, R), -1, np.int32))
+    tree_commit(tb, d_cache, env.dev(hidden), backlog, bpos, env.dev(lengths - waiting), backlog=True)
+    backlog, bpos = env.host(backlog), env.host(bpos)
+    for b, t in enumerate(trees):
+        path, _ = walk(t, post[b * N:b * N + len(t)])
+        rows = [(waiting[b] + i, i) for i in range(len(path)) if waiting[b] + i < R]
+        for r, i in rows:
+            assert np.array_equal(backlog[b, r], hidden[:, b, path[i]].reshape(F * H)), f"seq {b} backlog row {r}"
+            assert bpos[b, r] == lengths[b] + i, f"seq {b} backlog position {r}"
+        untouched = [r for r in range(R) if r not in {r for r, _ in rows}]
+        assert np.isnan(backlog[b, untouched]).all() and (bpos[b, untouched] == -1).all(), f"seq {b} backlog"
 
 
 def check_sample_split(env, n=5, V=700, temperatures=(0, 0.7, 1.0), seed=6, unaligned=True):
@@ -245,7 +264,8 @@ SIGS = {
     "walk_kernel": "void(int32[:,::1], int32[:,::1], int32[::1], int32[::1], int32[::1], int32[::1], int32[:,::1], "
                    "int32[::1], int32[::1], int32[:,::1])",
     "commit_kernel": "void(uint32[:,:,:,::1], int32[:,::1], int32[::1], int32[::1])",
-    "gather_kernel": "void(float32[:,:,:,::1], int32[:,::1], int32[::1], int32[::1], float32[:,:,::1], int32[:,::1])",
+    "gather_kernel": "void(float32[:,:,:,::1], int32[:,::1], int32[::1], int32[::1], float32[:,:,::1], int32[:,::1], "
+                     "int32[::1], int32[::1], boolean)",
 }
 
 

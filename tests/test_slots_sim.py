@@ -295,8 +295,9 @@ def check_auto(env):
     """Budget auto on the device rounds (ladder 0, 2, 4; two sequences sampled with one seed; greedy auto == ar is
     a GPU test and a host test): with a table that picks 4 nodes, ar's tokens and every round at that size (after
     the first probe, rounds chosen from the last one's drafts: one scored graph each); with
-    one that picks 0, ar's tokens from rounds that coast after the first probe (verify without a probe); both
-    with rounds launched before the last one's tokens are handled (overlap); rounds
+    one that picks 0, ar's tokens from rounds that coast after the first probe (verify without a probe), their rows
+    kept in the backlog and written to the drafter context at the next probe (the same context as the first
+    table's rounds made); both with rounds launched before the last one's tokens are handled (overlap); rounds
     made without a table (one slot, ladder 0, 2) measure one from their own rounds (every size, 0 included) and
     still give ar's tokens."""
     from numbaengine.budget import CostTable
@@ -308,6 +309,7 @@ def check_auto(env):
     prompts = [rng.integers(0, e.cfg.vocab_size, 3).tolist(), rng.integers(0, e.cfg.vocab_size, 2).tolist()]
     ladder = (0, 2, 4)
     for temperature in (0.9,):
+        ctx = {}
         want = [r.tokens for r in e.generate_batch(prompts, 4, mode="ar", temperature=temperature, seed=seed,
                                                    stop=[])]
         for pick, secs in ((4, (9.0, 9.0, 1.0)), (0, (1.0, 9.0, 9.0))):      # 0: rounds coast (no probe)
@@ -321,6 +323,13 @@ def check_auto(env):
                        for r in res), where
             scored = any(stages == SCORED for _, _, stages in slots.dev.plans)
             assert scored == (pick > 0 and max(r.stats["rounds"] for r in res) > 1), (where, [r.stats for r in res])
+            ctx[pick] = [np.array(kv) for kv in slots.dev.ctx_kv], np.array(slots.dev.ctx_from)
+        (every, _), (coasted, ctx_from) = ctx[4], ctx[0]    # the rows coasting rounds committed reached the drafter
+        for b, p in enumerate(prompts):                       # context at the next probe (the backlog), as the rows
+            assert ctx_from[b] > len(p), f"{where}: slot {b}: no backlog row flushed ({ctx_from[b]})"   # appended
+            for x, y in zip(every, coasted):                  # by every round of the trees
+                a, c = x[b, :ctx_from[b]], y[b, :ctx_from[b]]
+                assert np.abs(a - c).max() <= 1e-4 * np.abs(a).max(), f"{where}: slot {b}: drafter context"
     slots = DeviceSlots(e.target, e.drafter, e.max_context, 1, ladder=(0, 2), graphs=False, cost_reps=1)
     res = gen.generate_on(slots, None, prompts[:1], 3, "ddtree", "auto", 0.0, seed, stop=[])
     table = slots.dev.table

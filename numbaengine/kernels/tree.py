@@ -367,16 +367,20 @@ def commit_kernel(cache, path, nacc, start):
 
 
 @kernel()
-def gather_kernel(hidden, path, nacc, start, feats, feat_pos):
-    """Block per (column chunk, accepted slot i, sequence b), 4 * blockDim columns per block:
-    feats[b, i] = concat_f hidden[f, b, path[b, i]] (the drafter context's new rows, target_layer_ids order)
-    and feat_pos[b, i] = start[b] + i, for i < nacc[b]. hidden f32[F, B, N, H] -> feats f32[B, P, F*H].
-    Bytes: 2 * 4 * F*H per accepted row."""
+def gather_kernel(hidden, path, nacc, start, feats, feat_pos, base, done, track):
+    """Block per (column chunk, accepted slot i, sequence b), 4 * blockDim columns per block: row r = i + start[b]
+    - base[b] of feats gets concat_f hidden[f, b, path[b, i]] (the drafter context's new rows, target_layer_ids
+    order) and feat_pos[b, r] = start[b] + i, for i < nacc[b] and r < P; base = start: rows from 0, else the rows
+    of a backlog that starts at context row base[b]. track: done[b] = start[b] + nacc[b] (the context rows made
+    whole by this round). hidden f32[F, B, N, H] -> feats f32[B, P, F*H]. Bytes: 2 * 4 * F*H per accepted row."""
     grid_dep()
     g, i, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
     t, nt = cuda.threadIdx.x, cuda.blockDim.x
     F, H = hidden.shape[0], hidden.shape[3]
-    if i >= nacc[b]:
+    if track and g == 0 and i == 0 and t == 0:
+        done[b] = start[b] + nacc[b]
+    r = i + start[b] - base[b]
+    if i >= nacc[b] or r < 0 or r >= feats.shape[1]:
         return
     node = path[b, i]
     w = cuda.local.array(4, float32)
@@ -387,9 +391,9 @@ def gather_kernel(hidden, path, nacc, start, feats, feat_pos):
     for u in range(4):
         c = (4 * g + u) * nt + t
         if c < F * H:
-            feats[b, i, c] = w[u]
+            feats[b, r, c] = w[u]
     if g == 0 and t == 0:
-        feat_pos[b, i] = start[b] + i
+        feat_pos[b, r] = start[b] + i
 
 
 @dataclass
@@ -466,14 +470,19 @@ def tree_walk(tb: TreeBuffers, lengths, bonus):
            tb.start, tb.out_tokens)
 
 
-def tree_commit(tb: TreeBuffers, cache, hidden=None, feats=None, feat_pos=None):
+def tree_commit(tb: TreeBuffers, cache, hidden=None, feats=None, feat_pos=None, ctx_from=None, backlog=False):
     """commit: move the accepted latent rows of every layer (cache u16[layers, B, cap, D], or its bf16-pair view
     u32[layers, B, cap, D/2]: a slot prefix of a larger cache) and, with a drafter, gather the accepted nodes'
-    features hidden f32[F, B, N, H] into feats f32[B, L+1, F*H] at feat_pos."""
+    features hidden f32[F, B, N, H] into feats f32[B, L+1, F*H] at feat_pos. ctx_from i32[B] (budget auto's first
+    context row not yet in the drafter context): set past this round's rows; or, backlog, feats f32[B, R, F*H] is
+    the backlog of rows from ctx_from on and this round's rows go to their places in it (a coasting round)."""
     B, P = tb.path.shape
     words = cache if cache.dtype == np.uint32 else cache.view(np.uint32)
     launch_smem(commit_kernel, (cache.shape[0], B), COMMIT_THREADS, 4 * P * words.shape[3],
                 (words, tb.path, tb.nacc, tb.start))
     if hidden is not None:
         chunks = -(-hidden.shape[0] * hidden.shape[3] // (4 * GATHER_THREADS))
-        launch(gather_kernel, (chunks, P, B), GATHER_THREADS, hidden, tb.path, tb.nacc, tb.start, feats, feat_pos)
+        base = ctx_from if backlog else tb.start
+        done = ctx_from if ctx_from is not None else tb.start       # (not written without ctx_from)
+        launch(gather_kernel, (chunks, P, B), GATHER_THREADS, hidden, tb.path, tb.nacc, tb.start, feats, feat_pos,
+               base, done, ctx_from is not None and not backlog)
