@@ -409,6 +409,7 @@ class DeviceRounds:
                     raise ValueError(f"step: a scored round needs a size of {self.shape.ladder[1:]} and no probe "
                                      f"pending, got {size}")
                 self._park()
+                self._flush_backlog(self.bucket())          # (rounds choose a scored size only after drafting)
                 plan = self.get_plan(self.bucket(), size + 1, SCORED)
             else:
                 if size not in self.shape.ladder or self._probed is None:
@@ -441,15 +442,20 @@ class DeviceRounds:
         with self.on_stream():
             self._park()
             n = self.bucket()
-            if self._backlog:                        # coasting rounds left rows in the backlog
-                self.launch(self.get_plan(n, 1, FLUSH))
-                self._backlog = False
+            self._flush_backlog(n)
             plan = self.get_plan(n, self.shape.budget + 1, PROBE)
             self.launch(plan)
             self._probed = n
             scores = self.base_target.ops.to_host(plan.tb.scores)
             self._add_gpu_time()
             return scores
+
+    def _flush_backlog(self, n):
+        """Before a round that drafts over slots [0, n): the rows coasting rounds left in the backlog (a size-0 round
+        since the last flush) into the drafter context (FLUSH)."""
+        if self._backlog:
+            self.launch(self.get_plan(n, 1, FLUSH))
+            self._backlog = False
 
     _probed = None                                   # the bucket probed and not yet stepped
     _backlog = False                                 # rows wait in the backlog (a size-0 round since the last probe)
