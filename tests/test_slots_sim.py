@@ -329,7 +329,8 @@ def check_auto(env):
             assert ctx_from[b] > len(p), f"{where}: slot {b}: no backlog row flushed ({ctx_from[b]})"   # appended
             for x, y in zip(every, coasted):                  # by every round of the trees
                 a, c = x[b, :ctx_from[b]], y[b, :ctx_from[b]]
-                assert np.abs(a - c).max() <= 1e-4 * np.abs(a).max(), f"{where}: slot {b}: drafter context"
+                err = np.abs(a - c).max() / np.abs(a).max()   # rows verified in trees of other sizes round apart
+                assert err <= 1e-2, f"{where}: slot {b}: drafter context off by {err:.1e} (a wrong row: ~1)"
     slots = DeviceSlots(e.target, e.drafter, e.max_context, 1, ladder=(0, 2), graphs=False, cost_reps=1)
     res = gen.generate_on(slots, None, prompts[:1], 3, "ddtree", "auto", 0.0, seed, stop=[])
     table = slots.dev.table
@@ -349,7 +350,8 @@ def check_mixed_settings(env):
     """Runs of other settings sharing auto rounds without waiting for them to drain (ladder 0, 2, 4, a table that
     picks 4 nodes): an auto run starts them, a sampled ar run and a greedy fixed budget-2 run join, and all three
     decode in rounds of 3 slots. Each gives ar's tokens (Engine.generate, its temperature and seed); every round's
-    trees have 4 drafted nodes (auto), none (ar: the root alone), 2 (budget 2)."""
+    trees have 4 drafted nodes (auto), none (ar: the root alone), 2 (budget 2), but for slots parked once their run
+    ended (rounds launched ahead go on without them)."""
     from numbaengine.budget import CostTable
     from numbaengine.ddtree import Params
     from numbaengine.rounds import DeviceSlots
@@ -365,22 +367,27 @@ def check_mixed_settings(env):
         assert slots.fits(run, runs), f"{mode} budget {budget} does not join the auto rounds"
         slots.begin(run, runs)
         runs.append(run)
-    nodes = []                                    # drafted nodes of each slot's tree, per round of 3 slots
+    launched, start = [], slots.dev.start         # each round's drafted nodes per slot, and the slots parked in it
+
+    def recorded_start(size=None, scored=False):
+        start(size, scored)
+        launched.append(((slots.dev.base_target.ops.to_host(slots.dev.plan.tb.ntok)[:3] - 1).tolist(),
+                         set(slots.dev.parked)))
+    slots.dev.start = recorded_start
 
     def report(run, out):
         if isinstance(out, Exception):
             raise out
-
-    def on_round(outs, seconds):
-        if len(outs) == 3:
-            nodes.append((slots.dev.base_target.ops.to_host(slots.dev.plan.tb.ntok)[:3] - 1).tolist())
-    gen.decode(slots, runs, report, gen.Timer(("prefill", "decode") + slots.PHASES), on_round=on_round)
+    gen.decode(slots, runs, report, gen.Timer(("prefill", "decode") + slots.PHASES))
     where = f"seed {seed} prompts {[r.ids for r in runs]}"
     want = [r.tokens for r in e.generate_batch([runs[0].ids, runs[2].ids], 4, mode="ar", stop=[])]
     want.insert(1, e.generate(runs[1].ids, 4, mode="ar", temperature=0.9, seed=seed, stop=[]).tokens)
     for r, w in zip(runs, want):
         assert r.tokens == w, f"{r.p.mode} budget {r.budget} {where}: {r.tokens} != ar {w}"
-    assert nodes and all(n == [4, 0, 2] for n in nodes), f"{where}: drafted nodes per round {nodes}"
+    trees = [4, 0, 2]                             # a parked slot (its run ended) runs the root alone
+    assert any(n == trees for n, _ in launched) and all(
+        n == [0 if b in parked else k for b, k in enumerate(trees)][:len(n)] for n, parked in launched), \
+        f"{where}: {launched}"                    # (a smaller bucket once the last slots are parked)
     assert runs[0].picks.sizes and runs[1].picks is None and runs[2].picks is None, where
 
 
