@@ -116,15 +116,16 @@ class _Digest:
         self.trace, self.path = trace, []        # trace: path of every named part -> its digest (diagnosis)
 
     def _at(self, label, obj, names=()) -> bytes:
-        """self(obj, names) as the part `label` of the one being hashed (recorded in the trace)."""
+        """self(obj, names) as the part `label` of the one being hashed (recorded in the trace, when kept)."""
+        if self.trace is None:
+            return self(obj, names)
         self.path.append(str(label))
         try:
             digest = self(obj, names)
         finally:
             path = "/".join(self.path)
             self.path.pop()
-        if self.trace is not None:
-            self.trace.setdefault(path, digest.hex()[:16])
+        self.trace.setdefault(path, digest.hex()[:16])
         return digest
 
     def __call__(self, obj, names=()) -> bytes:
