@@ -1,4 +1,4 @@
-"""Where a process's time goes: named spans (load, compile, capture, prefill, decode).
+"""Where a process's time goes: named spans (load, compile, capture, warmup, prefill, decode).
 
 A span's time is exclusive: time spent in spans opened inside it (a kernel compiled during prefill) counts for the
 inner one only, so the totals add up to the wall time covered. Totals are kept per process (`totals()`, `delta()`);
@@ -16,7 +16,8 @@ from contextlib import contextmanager
 
 from numbaengine import env
 
-PHASES = ("load", "compile", "capture", "prefill", "decode")
+PHASES = ("load", "compile", "capture", "warmup", "prefill", "decode")
+WARMED = ("prefill", "decode")     # the spans that warming() counts as "warmup"
 
 _TOTALS: dict[str, float] = {}
 _LOCK = threading.Lock()
@@ -27,6 +28,8 @@ _LOCAL = threading.local()        # .stack: the open spans of this thread, [name
 def span(name: str):
     """Time the block as phase `name` (exclusive of the spans opened inside it)."""
     stack = _LOCAL.__dict__.setdefault("stack", [])
+    if name in WARMED and _LOCAL.__dict__.get("warming"):
+        name = "warmup"
     frame = [name, time.perf_counter(), 0.0]
     wall0 = time.time()
     stack.append(frame)
@@ -40,6 +43,18 @@ def span(name: str):
         with _LOCK:
             _TOTALS[name] = _TOTALS.get(name, 0.0) + seconds - frame[2]
         _write(dict(phase=name, start=wall0, end=wall0 + seconds, pid=os.getpid()))
+
+
+@contextmanager
+def warming():
+    """A warm-up run of a request (first launches, graphs captured) so that the real one runs steady: its prefill
+    and decode spans count as phase "warmup"; compile, load and capture keep their names."""
+    before = _LOCAL.__dict__.get("warming", False)
+    _LOCAL.warming = True
+    try:
+        yield
+    finally:
+        _LOCAL.warming = before
 
 
 def record(name: str, **fields):

@@ -217,19 +217,24 @@ class Watcher:
                     elapsed_s=time.perf_counter() - self.t0)
 
 
-def precompile(engine, args):
+def precompile(engine, args, table):
     """cuda: compile the kernels this run needs and the cache lacks in parallel worker processes, from a dry run of
-    the same request (nothing launched, at most 3 rounds), instead of one by one as the real run meets them."""
-    if engine.backend != "cuda" or not kernel_cache.enabled():
+    the same request (nothing launched, at most 3 rounds), instead of one by one as the real run meets them; then
+    run the request cut short twice (warmup.warm_request: first launches and graph captures) so that the real run's
+    prefill and decode are steady, as in a warm server or benchmark."""
+    if engine.backend != "cuda":
         return
     from numbaengine.warmup import RoundLimit
     from numbaengine.warmup import precompile as compile_in_pool
+    from numbaengine.warmup import warm_request
 
     def dry_run():
         engine.generate(args.prompt, args.max_new_tokens, args.mode, args.budget, args.temperature, args.seed, (),
                         on_round=RoundLimit(3))
-    compile_in_pool(dry_run, progress=sys.stderr.isatty())
-    engine.rounds_cache.clear()               # the dry run's buffers and graphs hold garbage
+    if kernel_cache.enabled():
+        compile_in_pool(dry_run, progress=sys.stderr.isatty())
+        engine.rounds_cache.clear()           # the dry run's buffers and graphs hold garbage
+    warm_request(engine, args.prompt, args.max_new_tokens, args.mode, args.budget, args.temperature, args.seed, table)
 
 
 def time_line(stats):
@@ -329,7 +334,7 @@ def main(argv=None):
         table = CostTable.load(args.cost_table) if args.cost_table else None
         engine = Engine.load(model, draft if args.mode != "ar" else None, backend=backend,
                              max_context=args.max_context, devices=args.devices)
-        precompile(engine, args)
+        precompile(engine, args, table)
         live = sys.stdout.isatty() and not args.json and not args.show_tree
         watch = Watcher(args, engine.tokenizer, Stream(engine.tokenizer, sys.stdout, live))
         result = engine.generate(args.prompt, args.max_new_tokens, args.mode, args.budget, args.temperature,

@@ -242,13 +242,30 @@ def warm_rounds(engine, rounds_of, batch, mode, budget, progress=True):
     precompile(dry_run, progress=progress)
     engine.rounds_cache.clear()          # the dry run's buffers and graphs hold garbage
     rounds = rounds_of()
-    for n in buckets(batch):
-        run(rounds, n)
-    warm_prefill(rounds.dev)
+    with phases.warming():
+        for n in buckets(batch):
+            run(rounds, n)
+        warm_prefill(rounds.dev)
     if progress:
         print(f"rounds ready for batches {', '.join(map(str, buckets(batch)))} ({mode}, budget {budget}) in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return rounds
+
+
+def warm_request(engine, prompt, max_new, mode, budget, temperature=0.0, seed=0, cost_table=None):
+    """cuda: run a request twice, cut to about three rounds (eager, captured, replayed) and without stop tokens,
+    under phases.warming(), so that the real run after it replays graphs from its first token (a prefill plan is
+    captured on its second use). The first launches and captures land in "warmup" and "capture", not in the real
+    run's prefill and decode. Other backends: nothing."""
+    from numbaengine.budget import AUTO, LADDER
+    from numbaengine.rounds import tree_width
+    if engine.backend != "cuda":
+        return
+    width = tree_width(mode, max(LADDER) if budget == AUTO else budget, engine.drafter)
+    with phases.warming():
+        for _ in range(2):
+            engine.generate(prompt, min(max_new, 3 * (width + 1)), mode, budget, temperature, seed, stop=(),
+                            cost_table=cost_table)
 
 
 def warm_prefill(dev):

@@ -287,7 +287,7 @@ def test_stats_split_load_compile_capture_prefill_decode(pair, capsys):
     """The --json stats say where the command's time went; the phases cover the wall time they are part of."""
     assert run.main(["--prompt", "5 6 7", *model_args(pair), "--json", "--max-new-tokens", "6"]) == 0
     t = json.loads(capsys.readouterr().out)["stats"]["time_s"]
-    assert list(t) == ["load", "compile", "capture", "prefill", "decode", "wall"], t
+    assert list(t) == ["load", "compile", "capture", "warmup", "prefill", "decode", "wall"], t
     assert t["load"] > 0 and t["prefill"] > 0 and t["decode"] > 0
     assert sum(v for k, v in t.items() if k != "wall") <= t["wall"] + 1e-3, t
 

@@ -522,6 +522,40 @@ def test_warm_rounds_dry_run_then_every_bucket(monkeypatch):
     assert warmup.warm_rounds(Engine(), rounds_of, 4, "ddtree", 16) is made[-1] and len(made) == 5
 
 
+def test_warm_request_runs_the_request_twice_as_warmup():
+    """The CLI's warm-up (warmup.warm_request, cuda): the request itself twice, without stop tokens, cut to three
+    rounds of its tree width; its prefill and decode spans count as "warmup" (capture, compile and load keep their
+    names), so the real run's prefill and decode are its own. Other backends: nothing."""
+    import time as _time
+
+    import numbaengine.warmup as warmup
+    from numbaengine import phases
+    calls = []
+
+    class Engine:
+        backend, drafter = "cuda", None
+
+        def generate(self, prompt, max_new, mode, budget, temperature, seed, stop=None, cost_table=None):
+            calls.append((prompt, max_new, mode, budget, temperature, seed, stop, cost_table))
+            for name in ("prefill", "capture", "decode"):
+                with phases.span(name):
+                    _time.sleep(0.01)
+    before = phases.totals()
+    warmup.warm_request(Engine(), "p", 100, "ddtree", 16, 0.5, 3, "table")
+    d = phases.delta(before)
+    assert calls == [("p", 51, "ddtree", 16, 0.5, 3, (), "table")] * 2, calls
+    assert d["prefill"] == d["decode"] == 0 and d["warmup"] >= 0.04 and d["capture"] >= 0.02, d
+    with phases.span("decode"):                             # outside the warm-up: decode again
+        pass
+    assert phases.delta(before)["decode"] > 0
+    warmup.warm_request(Engine(), "p", 100, "ar", 16)       # ar: three rounds are three tokens
+    warmup.warm_request(Engine(), "p", 2, "ar", 16)         # fewer tokens than three rounds: the request's own
+    assert [c[1:3] for c in calls[2:]] == [(3, "ar")] * 2 + [(2, "ar")] * 2, calls
+    Engine.backend = "numpy"
+    warmup.warm_request(Engine(), "p", 100, "ddtree", 16)
+    assert len(calls) == 6
+
+
 def test_warmup_without_gpu_says_so(tmp_path):
     if cuda.is_available():
         pytest.skip("a GPU is present")
