@@ -26,8 +26,8 @@ next round is launched before the host handles this one's tokens. The first roun
 the batch changed have no such scores: a probe graph (draft, top-K, tree) and, after the host's choice, a verify
 graph of that size. Size 0 without a probe is the root alone (a coasting round): its row's target features wait in
 a backlog (up to BACKLOG rows per slot) instead of going through the drafter's context projections every round, and
-the next probe first writes them all into the drafter context (FLUSH). The cost table comes from timing the scored
-graphs (DeviceRounds.costs).
+the next probe first writes them into the drafter context (FLUSH, a plan per depth: as many rows as the size-0 rounds
+since the last flush). The cost table comes from timing the scored graphs (DeviceRounds.costs).
 
 Prefill: one sequence at a time, whole or in pieces between rounds; a piece of up to 512 tokens is one graph launch
 on a staging slot (PrefillPlan), then its rows are copied into the sequence's slot. A plan's first run is eager (it
@@ -74,6 +74,11 @@ def buckets(batch) -> tuple:
 PROBE, VERIFY, SCORED = ("draft", "build"), ("build", "verify"), ("probe", "build", "verify")   # budget auto's stages
 FLUSH = ("flush",)           # budget auto: the coast's backlog of target features into the drafter context
 BACKLOG = COAST_MAX + 1      # backlog rows per slot: a probe's size-0 verify, then a coast of COAST_MAX rounds
+FLUSH_DEPTHS = tuple(sorted({min(2 ** k + 1, BACKLOG) for k in range(COAST_MAX.bit_length())}))
+#                              backlog rows per slot a flush plan writes: a probe's size-0 round and a coast of 2^k
+#                              rounds leave 2^k + 1, so a flush runs the drafter's context projections over those
+#                              rows only (flushing all 65 at every probe: auto's batch-128 decode of 64 tokens took
+#                              126 ms against 76 ms without the backlog, H100)
 
 
 class Plan:
@@ -95,9 +100,12 @@ class Plan:
         cfg, V, Lb = self.target.cfg, self.target.cfg.vocab_size, rounds.Lb
         L, F, H = max(Lb - 1, 1), len(rounds.layer_ids), cfg.hidden_size
         self.graph, self.rounds = None, 0
-        if stages == FLUSH:                         # backlog rows per slot to write (the context's scratch: ops)
+        if stages == FLUSH:                         # N: the plan's depth (FLUSH_DEPTHS); rows per slot to write
             with rounds.on_stream():
                 self.count = ops.zeros(n, np.int32)
+                if N < BACKLOG:                     # the first N backlog rows of each slot, contiguous
+                    self.feats = ops.zeros((n, N, rounds.backlog.shape[2]), np.float32)
+                    self.feat_pos = ops.zeros((n, N), np.int32)
             return
         check_memory(ops, plan_bytes(self.target, self.drafter, n, 0, N, Lb, V,
                                      verify="verify" in stages, draft=draft is None))
@@ -261,10 +269,10 @@ class DeviceRounds:
             logits = self._prompt_rows(b, ids, start, T)
             settings = ((self.temps, temperature), (self.seeds, seed), (self.seq_ids, seq_index), (self.lengths, T),
                         (self.budgets, budget)) + (((self.ctx_from, T),) if self.ctx_from is not None else ())
-            for arr, value in settings:
-                arr[b:b + 1] = ops.asarray(np.array([value], arr.dtype))
-            sample(logits[-1:], float(temperature), int(seed), self.seq_ids[b:b + 1],
-                   ops.asarray(np.array([T], np.int32)), self.bonus[b:b + 1])
+            for arr, value in settings:              # a scalar fill each: no host copy (the server's prefills)
+                arr[b:b + 1] = value
+            sample(logits[-1:], float(temperature), int(seed), self.seq_ids[b:b + 1], self.lengths[b:b + 1],
+                   self.bonus[b:b + 1])
             self._set_parked(b, None)
             return int(ops.to_host(self.bonus[b:b + 1])[0])
 
@@ -342,9 +350,12 @@ class DeviceRounds:
         """The rounds' stream waits for what the null stream holds (weights and other uploads made outside it: a
         pageable copy returns before its DMA lands, and a non-blocking stream is not ordered after the null one)."""
         if self.stream is not None:
-            done = self.base_target.ops.xp.cuda.Event(disable_timing=True)
-            done.record(self.base_target.ops.xp.cuda.Stream.null)
-            self.stream.wait_event(done)
+            if self._null_done is None:
+                self._null_done = self.base_target.ops.xp.cuda.Event(disable_timing=True)
+            self._null_done.record(self.base_target.ops.xp.cuda.Stream.null)
+            self.stream.wait_event(self._null_done)
+
+    _null_done = None
 
     def retire(self, slots):
         """Finished (or empty) slots stay in the rounds of their bucket: they are parked at an empty context before
@@ -403,7 +414,7 @@ class DeviceRounds:
             elif size == 0 and self._probed is None:       # coasting: the root alone, no draft (budget.Coast)
                 self._park()
                 plan = self.get_plan(self.bucket(), 1, VERIFY)
-                self._backlog = self.ctx_from is not None
+                self._add_backlog_row()
             elif scored:
                 if size not in self.shape.ladder or not size or self._probed is not None:
                     raise ValueError(f"step: a scored round needs a size of {self.shape.ladder[1:]} and no probe "
@@ -416,7 +427,8 @@ class DeviceRounds:
                     raise ValueError(f"step: budget auto needs probe() first and a size of {self.shape.ladder} (or "
                                      f"size 0 alone), got {size}")
                 plan, self._probed = self.get_plan(self._probed, size + 1, VERIFY), None
-                self._backlog = self._backlog or (size == 0 and self.ctx_from is not None)
+                if size == 0:
+                    self._add_backlog_row()
             self.launch(plan)
             self.plan = plan
             self.rounds += 1
@@ -452,13 +464,22 @@ class DeviceRounds:
 
     def _flush_backlog(self, n):
         """Before a round that drafts over slots [0, n): the rows coasting rounds left in the backlog (a size-0 round
-        since the last flush) into the drafter context (FLUSH)."""
-        if self._backlog:
-            self.launch(self.get_plan(n, 1, FLUSH))
-            self._backlog = False
+        since the last flush) into the drafter context (FLUSH), by the flush plan of the smallest depth holding
+        them."""
+        if self._backlog_rows:
+            depth = next(d for d in FLUSH_DEPTHS if d >= self._backlog_rows)
+            self.launch(self.get_plan(n, depth, FLUSH))
+            self._backlog_rows = 0
+
+    def _add_backlog_row(self):
+        """A size-0 round was launched: each slot's committed row waits in the backlog (auto rounds with a drafter)."""
+        if self.ctx_from is not None:
+            if self._backlog_rows >= BACKLOG:
+                raise RuntimeError(f"budget auto: more than {BACKLOG} size-0 rounds without a flush")
+            self._backlog_rows += 1
 
     _probed = None                                   # the bucket probed and not yet stepped
-    _backlog = False                                 # rows wait in the backlog (a size-0 round since the last probe)
+    _backlog_rows = 0                                # size-0 rounds since the last flush: rows per slot at most
 
     def launch(self, plan, body=None, timed=True):
         """One run of a plan (body: its launches, default run(plan)): eager the first time, captured the second, the
@@ -537,12 +558,14 @@ class DeviceRounds:
     def _flush(self, plan: Plan):
         """The backlog's rows (context rows ctx_from[b] .. lengths[b] - 1 of slots [0, n), those that coasting
         rounds committed) into the drafter context, then ctx_from = lengths: a probe's first launches."""
-        n, xp = plan.n, plan.ops.xp
+        n, depth, xp = plan.n, plan.N, plan.ops.xp
         lengths, ctx_from = self.lengths[:n], self.ctx_from[:n]
         xp.subtract(lengths, ctx_from, out=plan.count)
-        xp.clip(plan.count, 0, BACKLOG, out=plan.count)
-        self._append(plan.drafter, self.backlog[:n], self.backlog_pos[:n].reshape(-1), ctx_from, slice(0, n),
-                     plan.count)
+        xp.clip(plan.count, 0, depth, out=plan.count)
+        feats, pos = self.backlog[:n], self.backlog_pos[:n]
+        if depth < BACKLOG:
+            feats, pos = plan.ops.copy(feats[:, :depth], plan.feats), plan.ops.copy(pos[:, :depth], plan.feat_pos)
+        self._append(plan.drafter, feats, pos.reshape(-1), ctx_from, slice(0, n), plan.count)
         plan.ops.copy(lengths, ctx_from)
 
     def _draft(self, plan: Plan):
@@ -589,9 +612,10 @@ class DeviceRounds:
         with span("costs"):
             for n in buckets(self.shape.batch):
                 row = []
-                for _ in range(warm if self.ctx_from is not None else 0):   # the backlog's flush made and captured
-                    self._dummy_slots(n, context)
-                    self.launch(self.get_plan(n, 1, FLUSH))
+                for depth in FLUSH_DEPTHS if self.ctx_from is not None else ():  # the flushes made and captured
+                    for _ in range(warm):
+                        self._dummy_slots(n, context)
+                        self.launch(self.get_plan(n, depth, FLUSH))
                 for size in self.shape.ladder:
                     for _ in range(warm if size else 0):   # the probe path (first rounds) made and captured too
                         self._dummy_slots(n, context)

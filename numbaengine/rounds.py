@@ -209,8 +209,9 @@ class DeviceSlots:
     ahead: list | None = None            # overlap: the runs of the round launched ahead, not yet read
     dev: object = None
     free: list = field(default_factory=list)
-    cal: Calibration = field(default_factory=Calibration)
-    coast: Coast = field(default_factory=Coast)   # budget auto: rounds left without a probe (budget.Coast)
+    cal: Calibration = field(default_factory=Calibration)   # budget auto: cal, coast and coasting are kept on the
+    coast: Coast = field(default_factory=Coast)   # rounds (dev.learned), so a later run on them goes on from them:
+    #                                               rounds left without a probe (budget.Coast) and the calibration
     coasting: int = 0                             # budget auto: the cost row (bucket) the coast was chosen for
     next: tuple | None = None                     # budget auto: (ids of the runs, Choice) for the next round, chosen
     #                                               from this round's drafts: it runs as one scored graph, no probe
@@ -275,6 +276,8 @@ class DeviceSlots:
                         else Replicated(self.ranks, shape, self.graphs))
             self.cache[shape] = self.dev
         self.dev.retire(list(range(shape.batch)))
+        if shape.ladder:                             # what earlier runs on these rounds learned (their last step)
+            self.cal, self.coast, self.coasting = getattr(self.dev, "learned", (Calibration(), Coast(), 0))
         if shape.ladder and self.table is None and getattr(self.dev, "table", None) is None:
             key = rounds_key(self.target, self.drafter, shape, self.ranks, self.graphs)
             self.dev.table, self.dev.table_from = table_for(key, lambda: self.dev.costs(self.cost_reps))
@@ -357,6 +360,7 @@ class DeviceSlots:
                     r.picks.add(choice, i)
             for picks in self.picks:
                 picks.cal = self.cal
+            self.dev.learned = (self.cal, self.coast, self.coasting)
         return outs
 
     def ahead_ok(self, ladder, going) -> bool:

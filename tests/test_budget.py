@@ -326,6 +326,9 @@ class CoastDev:
         self.calls.append(("scored", size) if scored else size)
         return np.array([[1, 7] + [0] * 3] * self.n, np.int32)
 
+    def retire(self, slots):
+        pass
+
 
 @pytest.mark.parametrize("cheap", [0, 2])
 def test_device_slots_coast_without_probes(cheap):
@@ -365,6 +368,37 @@ def test_device_slots_coast_without_probes(cheap):
         assert runs[0].picks.stats()["budget_hist"] == {2: 15}
         slots.step(runs[:1], Timer(DeviceSlots.PHASES))          # other runs than it was chosen for: probe
         assert dev.calls[-2:] == ["probe", 2], dev.calls
+
+
+def test_device_slots_go_on_from_what_earlier_runs_learned():
+    """Every generate_batch makes new DeviceSlots over the engine's cached rounds: they start from the coast, its
+    cost row and the calibration that the last run left on those rounds (dev.learned), so a new batch coasts on
+    without probing its way up from a coast of 1 again; new rounds start afresh."""
+    from numbaengine.ddtree import Params, Seq
+    from numbaengine.generate import Timer
+    from numbaengine.rounds import DeviceSlots, Run
+    ladder = (0, 2)
+
+    def runs():
+        return [Run([1], 200, set(), Params(mode="ddtree"), "auto", i, 200, i, 1, Seq(i, None, None, 1, 0))
+                for i in range(2)]
+    for row, first_calls, then in (((1.0, 9.0), ["probe", 0, 0, "probe", 0, 0, 0, "probe", 0, 0], [0, 0, 0, "probe", 0]),
+                                   ((9.0, 1.0), ["probe", 2] + [("scored", 2)] * 8, ["probe", 2, ("scored", 2)])):
+        dev, learned = CoastDev(ladder, 2), []
+        for calls in (first_calls, then):
+            slots = DeviceSlots(None, None, 64, 2, cache={dev.shape: dev}, table=CostTable(ladder, {2: row}),
+                                ladder=ladder, overlap=False)
+            slots.build(dev.shape)
+            learned.append(slots.cal)
+            n0, rs = len(dev.calls), runs()
+            for _ in range(len(calls) - calls.count("probe")):
+                slots.step(rs, Timer(DeviceSlots.PHASES))
+            assert dev.calls[n0:] == calls, (row, dev.calls[n0:])
+            learned.append(slots.cal)
+        assert learned[0] == Calibration() and learned[2] == learned[1], learned    # the second starts from the first
+        assert (learned[1] == Calibration()) == (row[0] < row[1]), learned           # trees were verified: observed
+    slots = DeviceSlots(None, None, 64, 2, cache={}, table=CostTable(ladder, {2: (1.0, 9.0)}), ladder=ladder)
+    assert slots.coast == Coast() and slots.cal == Calibration()                    # nothing learned yet
 
 
 def test_bench_context_step_runs_auto_as_the_slots_do():
