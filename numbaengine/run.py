@@ -224,9 +224,8 @@ def precompile(engine, args, table):
     prefill and decode are steady, as in a warm server or benchmark."""
     if engine.backend != "cuda":
         return
-    from numbaengine.warmup import RoundLimit
+    from numbaengine.warmup import RoundLimit, warm_request
     from numbaengine.warmup import precompile as compile_in_pool
-    from numbaengine.warmup import warm_request
 
     def dry_run():
         engine.generate(args.prompt, args.max_new_tokens, args.mode, args.budget, args.temperature, args.seed, (),
