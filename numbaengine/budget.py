@@ -232,6 +232,7 @@ class Choice:
     calibrated: tuple        # the same, calibrated
     rate: float              # expected committed tokens per second of round cost
     probed: bool = True      # False: a coasting round, the root alone without a draft (root_choice)
+    lagged: bool = False     # chosen from the drafts of the round before (the device's scored rounds)
 
 
 def shares(pops, total):

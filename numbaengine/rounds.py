@@ -18,7 +18,7 @@ after a probe, when there is no last round to choose from). Both run budget "aut
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from numbaengine.budget import (
     AUTO,
@@ -209,10 +209,14 @@ class DeviceSlots:
     ahead: list | None = None            # overlap: the runs of the round launched ahead, not yet read
     dev: object = None
     free: list = field(default_factory=list)
-    cal: Calibration = field(default_factory=Calibration)   # budget auto: cal, coast and coasting are kept on the
-    coast: Coast = field(default_factory=Coast)   # rounds (dev.learned), so a later run on them goes on from them:
-    #                                               rounds left without a probe (budget.Coast) and the calibration
-    coasting: int = 0                             # budget auto: the cost row (bucket) the coast was chosen for
+    # budget auto: cal (of sizes chosen from a probe's drafts), cal_lagged (of sizes chosen from the round before's
+    # drafts, which foretell the next round less well), coast (rounds left without a probe, budget.Coast) and
+    # coasting (the cost row, i.e. bucket, it was chosen for) are kept on the rounds (dev.learned): a later run on
+    # them goes on from them
+    cal: Calibration = field(default_factory=Calibration)
+    cal_lagged: Calibration = field(default_factory=Calibration)
+    coast: Coast = field(default_factory=Coast)
+    coasting: int = 0
     next: tuple | None = None                     # budget auto: (ids of the runs, Choice) for the next round, chosen
     #                                               from this round's drafts: it runs as one scored graph, no probe
     ahead_choice: object = None                   # budget auto: the Choice of the round launched ahead
@@ -277,7 +281,8 @@ class DeviceSlots:
             self.cache[shape] = self.dev
         self.dev.retire(list(range(shape.batch)))
         if shape.ladder:                             # what earlier runs on these rounds learned (their last step)
-            self.cal, self.coast, self.coasting = getattr(self.dev, "learned", (Calibration(), Coast(), 0))
+            self.cal, self.cal_lagged, self.coast, self.coasting = getattr(
+                self.dev, "learned", (Calibration(), Calibration(), Coast(), 0))
         if shape.ladder and self.table is None and getattr(self.dev, "table", None) is None:
             key = rounds_key(self.target, self.drafter, shape, self.ranks, self.graphs)
             self.dev.table, self.dev.table_from = table_for(key, lambda: self.dev.costs(self.cost_reps))
@@ -354,13 +359,17 @@ class DeviceSlots:
                 raise
             self.ahead = going
         if ladder:                                   # (after the launch: the GPU does not wait for the bookkeeping)
-            self.cal = observe(self.cal, choice, [outs[id(r)].tau for r in members])
+            taus = [outs[id(r)].tau for r in members]
+            if choice.lagged:
+                self.cal_lagged = observe(self.cal_lagged, choice, taus)
+            else:
+                self.cal = observe(self.cal, choice, taus)
             for i, r in enumerate(members):
                 if r.picks is not None:              # (not an ar or fixed-budget run sharing the auto rounds)
                     r.picks.add(choice, i)
             for picks in self.picks:
                 picks.cal = self.cal
-            self.dev.learned = (self.cal, self.coast, self.coasting)
+            self.dev.learned = (self.cal, self.cal_lagged, self.coast, self.coasting)
         return outs
 
     def ahead_ok(self, ladder, going) -> bool:
@@ -385,8 +394,9 @@ class DeviceSlots:
         table = self.table if self.table is not None else self.dev.table
         top = max(r.slot for r in going) + 1
         bucket = next(n for n in buckets(self.batch) if n >= top)
-        return [id(r) for r in going], choose_rect(scores[[r.slot for r in going], 1:], rooms, table, self.cal,
-                                                   bucket, left_of(going, outs) if self.drain else None)
+        choice = choose_rect(scores[[r.slot for r in going], 1:], rooms, table, self.cal_lagged, bucket,
+                             left_of(going, outs) if self.drain else None)
+        return [id(r) for r in going], replace(choice, lagged=True)
 
     def cost_row(self) -> int:
         """The cost table's batch that the next round pays (its bucket of slots)."""
