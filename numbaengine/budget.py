@@ -30,8 +30,7 @@ COAST_MAX of them as size-0 choices repeat, until a probe chooses a tree or the 
 table's batch that the round pays: on the device its bucket of slots; sequences joining and leaving within it keep
 the coast, as trees pay no better for them: at batch 128 probing at every join or leave ran 2,000 probes in 6,384
 rounds on the H200). There an auto round costs an ar round plus one probe per COAST_MAX rounds. The device rounds
-keep the coast and the calibration between runs (DeviceSlots: dev.learned), so a new batch on the same rounds does
-not probe its way up from a coast of 1 again.
+keep the calibration between runs (DeviceSlots: dev.learned); every run starts its own coast with a probe.
 
 Exactness. The choice reads only the drafter's probabilities, the cost table and the calibration of past rounds,
 never the current round's target samples; and any tree gives the autoregressive output for the same seed (the

@@ -371,9 +371,9 @@ def test_device_slots_coast_without_probes(cheap):
 
 
 def test_device_slots_go_on_from_what_earlier_runs_learned():
-    """Every generate_batch makes new DeviceSlots over the engine's cached rounds: they start from the coast, its
-    cost row and the calibration that the last run left on those rounds (dev.learned), so a new batch coasts on
-    without probing its way up from a coast of 1 again; new rounds start afresh."""
+    """Every generate_batch makes new DeviceSlots over the engine's cached rounds: they start from the calibrations
+    the last run left on those rounds (dev.learned: probe-chosen and lagged sizes apart), not from its coast (each run
+    probes first); new rounds start afresh."""
     from numbaengine.ddtree import Params, Seq
     from numbaengine.generate import Timer
     from numbaengine.rounds import DeviceSlots, Run
@@ -382,23 +382,26 @@ def test_device_slots_go_on_from_what_earlier_runs_learned():
     def runs():
         return [Run([1], 200, set(), Params(mode="ddtree"), "auto", i, 200, i, 1, Seq(i, None, None, 1, 0))
                 for i in range(2)]
-    for row, first_calls, then in (((1.0, 9.0), ["probe", 0, 0, "probe", 0, 0, 0, "probe", 0, 0], [0, 0, 0, "probe", 0]),
-                                   ((9.0, 1.0), ["probe", 2] + [("scored", 2)] * 8, ["probe", 2, ("scored", 2)])):
+    for row, calls in (((1.0, 9.0), ["probe", 0, 0, "probe", 0, 0, 0, "probe", 0, 0]),
+                       ((9.0, 1.0), ["probe", 2] + [("scored", 2)] * 8)):
         dev, learned = CoastDev(ladder, 2), []
-        for calls in (first_calls, then):
+        for _ in range(2):
             slots = DeviceSlots(None, None, 64, 2, cache={dev.shape: dev}, table=CostTable(ladder, {2: row}),
                                 ladder=ladder, overlap=False)
             slots.build(dev.shape)
-            learned.append(slots.cal)
+            learned.append((slots.cal, slots.cal_lagged))
             n0, rs = len(dev.calls), runs()
             for _ in range(len(calls) - calls.count("probe")):
                 slots.step(rs, Timer(DeviceSlots.PHASES))
             assert dev.calls[n0:] == calls, (row, dev.calls[n0:])
-            learned.append(slots.cal)
-        assert learned[0] == Calibration() and learned[2] == learned[1], learned    # the second starts from the first
-        assert (learned[1] == Calibration()) == (row[0] < row[1]), learned           # trees were verified: observed
+            learned.append((slots.cal, slots.cal_lagged))
+        fresh = (Calibration(), Calibration())
+        assert learned[0] == fresh and learned[2] == learned[1], learned        # the second starts from the first
+        trees = row[0] > row[1]                                                 # one probe-chosen tree, then lagged
+        assert (learned[1][0] != Calibration(), learned[1][1] != Calibration()) == (trees, trees), learned
+        assert learned[3][1] != learned[1][1] or not trees                      # and goes on learning
     slots = DeviceSlots(None, None, 64, 2, cache={}, table=CostTable(ladder, {2: (1.0, 9.0)}), ladder=ladder)
-    assert slots.coast == Coast() and slots.cal == Calibration()                    # nothing learned yet
+    assert slots.coast == Coast() and slots.cal == slots.cal_lagged == Calibration()    # nothing learned yet
 
 
 def test_bench_context_step_runs_auto_as_the_slots_do():
