@@ -44,7 +44,8 @@ def precompile(run_once, workers=None, progress=True) -> Precompiled:
     pool = ProcessPoolExecutor(workers or os.cpu_count() or 1, mp_context=multiprocessing.get_context("spawn"),
                                initializer=cache.configure, initargs=(str(cache.cache_dir()),))
     with pool:
-        with cache.recording(lambda key, kc, argtypes: _submit(pool, jobs, key, kc, argtypes)) as found:
+        with cache.recording(lambda key, kc, argtypes: _submit(pool, jobs, key, kc, argtypes)) as found, \
+                phases.warming():                   # the dry run's prefill and decode are not the real run's
             try:
                 run_once()
             except Exception:  # host code reading results that were never computed

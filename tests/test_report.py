@@ -70,3 +70,30 @@ def test_bad_file_is_one_line(tmp_path, capsys):
         report.main([str(tmp_path / "b.json")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: JSONDecodeError") and err.count("\n") == 1, err
+
+
+def test_auto_replay_rates_by_hand():
+    """tools.auto_replay's policies on hand-made rounds: fixed sizes, the rule on this round's and on the round
+    before's expectations, and the oracle (which no fixed size beats)."""
+    from numbaengine.budget import LADDER
+    from tools.auto_replay import rates
+    rng = np.random.default_rng(3)
+    k = len(LADDER)
+    E = np.sort(rng.uniform(0, 3, (6, k)), axis=1)
+    E[:, 0] = 0
+    A = np.minimum(np.floor(E * rng.uniform(0.5, 1.5, (6, 1))), LADDER).astype(int)
+    rows = [(i // 3, E[i], A[i]) for i in range(6)]            # two prompts of three rounds
+    secs = np.linspace(1e-3, 2e-3, k)
+    ms = secs * 1e3
+    got = rates(rows, secs)
+    for j, s in enumerate(LADDER):
+        assert np.isclose(got[f"fixed {s}"], (1 + A[:, j]).sum() / (6 * ms[j])), (s, got)
+    fresh = np.argmax((1 + E) / ms, axis=1)
+    assert np.isclose(got["fresh"], (1 + A[np.arange(6), fresh]).sum() / ms[fresh].sum()), got
+    before = np.array([E.mean(0), E[0], E[1], E.mean(0), E[3], E[4]])
+    lag = np.argmax((1 + before) / ms, axis=1)
+    assert np.isclose(got["lagged"], (1 + A[np.arange(6), lag]).sum() / ms[lag].sum()), got
+    assert got["oracle"] >= max(v for key, v in got.items() if key != "oracle") - 1e-12, got
+    best = max((1 + A[np.arange(6), c]).sum() / ms[list(c)].sum()             # every choice, brute force
+               for c in np.ndindex(*(k,) * 6))
+    assert np.isclose(got["oracle"], best), (got["oracle"], best)
