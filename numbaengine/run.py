@@ -217,7 +217,7 @@ class Watcher:
                     elapsed_s=time.perf_counter() - self.t0)
 
 
-def precompile(engine, args, table):
+def prepare(engine, args, table):
     """cuda: compile the kernels this run needs and the cache lacks in parallel worker processes, from a dry run of
     the same request (nothing launched, at most 3 rounds), instead of one by one as the real run meets them; then
     run the request cut short twice (warmup.warm_request: first launches and graph captures) so that the real run's
@@ -333,7 +333,7 @@ def main(argv=None):
         table = CostTable.load(args.cost_table) if args.cost_table else None
         engine = Engine.load(model, draft if args.mode != "ar" else None, backend=backend,
                              max_context=args.max_context, devices=args.devices)
-        precompile(engine, args, table)
+        prepare(engine, args, table)
         live = sys.stdout.isatty() and not args.json and not args.show_tree
         watch = Watcher(args, engine.tokenizer, Stream(engine.tokenizer, sys.stdout, live))
         result = engine.generate(args.prompt, args.max_new_tokens, args.mode, args.budget, args.temperature,
