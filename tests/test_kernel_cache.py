@@ -568,7 +568,7 @@ def test_warmup_without_gpu_says_so(tmp_path):
 
 # -------------------------------------------------------------------------------------------------------------- GPU
 GPU_SCRIPT = """
-import json, sys
+import functools, json, sys
 import numpy as np
 from numba import cuda
 from numbaengine.kernels import cache

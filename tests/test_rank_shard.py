@@ -42,7 +42,8 @@ from numbaengine.weights.synth import (
     write_target,
 )
 
-DIMS = dict(num_attention_heads=8, n_routed_experts=16)       # tiny preset, divisible by 1, 2, 4, 8
+DIMS = dict(num_attention_heads=8, n_routed_experts=16,        # tiny preset, divisible by 1, 2, 4, 8;
+            qk_rope_head_dim=32)                             # latent rows of 96: the cuda MLA kernels need D % 32 == 0
 DRAFT = dict(layers=2, block_size=4, heads=8, kv_heads=4, head_dim=32, intermediate=128)
 SEED = int(np.random.SeedSequence().entropy % 2**31)
 
