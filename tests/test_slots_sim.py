@@ -395,22 +395,23 @@ def check_staged_prefill(env):
     """Prompt pieces through the staging slot (the prefill graphs' path, eager under the simulator) == the pieces
     launched straight into their slot: slot 1's 6-token prompt in pieces [0, 4) and [4, 6) with slot 0's whole
     3-token prompt between them (the staging slot copies slot 1's rows back in); with graphs of 2 rows the first
-    pieces run eagerly and the last through the staging slot. First tokens, latent and drafter context rows, and
-    the next round's tokens."""
+    pieces run eagerly and the last through the staging slot. Slot 0 samples (temperature 0.8, a random seed, budget
+    1), slot 1 is greedy. First tokens, latent and drafter context rows, and the next round's tokens."""
     from numbaengine.device_round import DeviceRounds, Shape
     e = sim_engine()
     rng = np.random.default_rng()
     a, c = rng.integers(0, e.cfg.vocab_size, 6).tolist(), rng.integers(0, e.cfg.vocab_size, 3).tolist()
+    seed = int(rng.integers(2 ** 31))
     outs = []
     for rows in ((), DeviceRounds.prefill_rows, (2,)):
         dev = DeviceRounds(e.target, e.drafter, Shape(2, "ddtree", 2, 16), graphs=False)
         dev.prefill_rows = rows
         dev.prefill_part(1, a, 0, 4)
-        firsts = (dev.prefill(0, c, 0), dev.prefill(1, a, 1, start=4))
+        firsts = (dev.prefill(0, c, 0, 0.8, seed, 1), dev.prefill(1, a, 1, start=4))
         cache = (np.array(dev.cache[:, 0, :3]), np.array(dev.cache[:, 1, :6]))
         ctx = (np.array(dev.ctx_kv[0][0, :3]), np.array(dev.ctx_kv[0][1, :6]))
         outs.append((rows, firsts, cache, ctx, dev.step()[:2].tolist()))
-    (_, f, cache, ctx, step), where = outs[0], f"prompts {a} {c}"
+    (_, f, cache, ctx, step), where = outs[0], f"prompts {a} {c}, seed {seed}"
     for rows, f2, cache2, ctx2, step2 in outs[1:]:
         assert (f2, step2) == (f, step), f"{where}: graphs {rows}: {f2} {step2}, eager {f} {step}"
         for x, y in zip(cache, cache2):
