@@ -232,6 +232,8 @@ class Choice:
     rate: float              # expected committed tokens per second of round cost
     probed: bool = True      # False: a coasting round, the root alone without a draft (root_choice)
     lagged: bool = False     # chosen from the drafts of the round before (the device's scored rounds)
+    by_size: tuple = ()      # what the choice weighed: per ladder size, the sequences' mean expected accepted drafts
+    cal_by_size: tuple = ()  # (surrogate) and the same calibrated
 
 
 def shares(pops, total):
@@ -304,7 +306,9 @@ def _choice(table, batch, nodes, raw, calibrated, left) -> Choice:
     k = pick(calibrated, seconds, left)
     rate = (nodes.shape[1] + calibrated[k].sum()) / seconds[k]
     return Choice(table.sizes[k], tuple(int(x) for x in nodes[k]), tuple(float(x) for x in raw[k]),
-                  tuple(float(x) for x in calibrated[k]), float(rate))
+                  tuple(float(x) for x in calibrated[k]), float(rate),
+                  by_size=tuple(float(x) for x in raw.mean(axis=1)),
+                  cal_by_size=tuple(float(x) for x in calibrated.mean(axis=1)))
 
 
 def root_choice(n) -> Choice:
@@ -363,11 +367,14 @@ class Picks:
     expected: list = field(default_factory=list)
     calibrated: list = field(default_factory=list)
     probes: int = 0                     # rounds that drafted to choose (the others coasted: budget.Coast)
+    weighed: list = field(default_factory=list)     # per choice that drafted: (by_size, cal_by_size) (Choice)
     cal: Calibration = field(default_factory=Calibration)
     table_from: str = ""                # where the cost table came from: "given", "measured" or its saved file
 
     def add(self, choice: Choice, i):
         self.probes += choice.probed
+        if choice.by_size:
+            self.weighed.append((choice.by_size, choice.cal_by_size))
         self.sizes.append(choice.size)
         self.nodes.append(choice.nodes[i])
         self.expected.append(choice.expected[i])
@@ -375,11 +382,17 @@ class Picks:
 
     def stats(self) -> dict:
         """budget_hist {size: rounds}, probes (rounds that drafted), mean nodes verified, expected tau (surrogate
-        and calibrated; the observed one is tau_mean), the calibration at the end and the cost table's origin."""
+        and calibrated; the observed one is tau_mean), what the choices weighed (expected_by_size and
+        calibrated_by_size: per ladder size, the mean over the choices of expected accepted drafts; why a size
+        won), the calibration at the end and the cost table's origin."""
+        by = np.array([w[0] for w in self.weighed]) if self.weighed else np.zeros((0, 0))
+        cal_by = np.array([w[1] for w in self.weighed]) if self.weighed else np.zeros((0, 0))
         return dict(budget_hist={s: self.sizes.count(s) for s in sorted(set(self.sizes))}, probes=self.probes,
                     nodes_mean=mean(self.nodes), expected_tau=1 + mean(self.expected),
-                    calibrated_tau=1 + mean(self.calibrated), calibration=self.cal.state(),
-                    cost_table_from=self.table_from)
+                    calibrated_tau=1 + mean(self.calibrated), choices_weighed=len(self.weighed),
+                    expected_by_size=[round(float(x), 4) for x in by.mean(axis=0)] if len(by) else [],
+                    calibrated_by_size=[round(float(x), 4) for x in cal_by.mean(axis=0)] if len(by) else [],
+                    calibration=self.cal.state(), cost_table_from=self.table_from)
 
 
 def mean(xs) -> float:

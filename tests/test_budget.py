@@ -495,6 +495,11 @@ def test_auto_tracks_the_drafter(pair):  # noqa: F811
     assert max(s[0]["budget_hist"]) > 0 and s[0]["nodes_mean"] > 2 * max(s[1]["nodes_mean"], s[2]["nodes_mean"])
     assert s[0]["tau_mean"] > 3 and s[0]["expected_tau"] > 3 and 0 < s[0]["calibrated_tau"]
     assert s[0]["calibration"] == s[1]["calibration"]                       # one calibration for the batch
+    for st, r in ((s[0], "oracle"), (rand[0].stats, "random")):              # what the choices weighed, per size
+        by = st["expected_by_size"]
+        assert st["choices_weighed"] == st["probes"] > 0 and len(by) == len(st["calibrated_by_size"]) == len(LADDER)
+        assert by[0] == 0 and all(a <= b + 1e-12 for a, b in zip(by, by[1:])), (r, by)
+    assert s[0]["expected_by_size"][-1] > 1 > rand[0].stats["expected_by_size"][-1]
 
 
 def test_auto_near_a_full_context(pair):  # noqa: F811

@@ -224,9 +224,22 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp, hold_s=0.0):
             hist.update({int(k): v for k, v in r.stats["budget_hist"].items()})
         row |= dict(budget_hist=dict(sorted(hist.items())), probes=sum(r.stats["probes"] for r in res),
                     cost_table=dev.table and dev.table.to_dict(), cost_table_from=getattr(dev, "table_from", "given"),
-                    expected_tau=float(np.mean([r.stats["expected_tau"] for r in res])))
+                    expected_tau=float(np.mean([r.stats["expected_tau"] for r in res])),
+                    **weighed(res))
     print_row(row)
     return row
+
+
+def weighed(res) -> dict:
+    """Budget auto: what its choices weighed over a case's prompts (budget.Picks.stats), weighted by choices, and the
+    calibration the last prompt ended with."""
+    n = np.array([r.stats["choices_weighed"] for r in res], np.float64)
+    out = {"choices_weighed": int(n.sum()), "calibration": res[-1].stats["calibration"]}
+    for key in ("expected_by_size", "calibrated_by_size"):
+        rows = [(k, r.stats[key]) for k, r in zip(n, res) if k and r.stats[key]]
+        out[key] = ([round(float(x), 4) for x in np.average([v for _, v in rows], axis=0, weights=[k for k, _ in rows])]
+                    if rows else [])
+    return out
 
 
 def round_columns(engine, dev, rounds, round_ms, gpu_ms, mean_len, copy_bw, cp) -> dict:
