@@ -420,9 +420,41 @@ def check_staged_prefill(env):
             assert np.abs(x - y).max() <= 1e-5 * np.abs(x).max(), f"{where}: graphs {rows}: drafter context"
 
 
+def check_probe_scores(env):
+    """Budget auto's input: the node scores DeviceRounds.probe reads (path log-probabilities in pop order) give the
+    host tree's expected accepted drafts at every ladder size for the same context, right after the prompt and after
+    a probe's size-0 round and three coasting rounds (their rows kept in the backlog and written to the drafter
+    context by the next probe's flush); the device and the numpy reference commit the same tokens meanwhile."""
+    from test_backend_sim import pair_dirs
+
+    from numbaengine import Engine
+    from numbaengine.budget import prefix_accepts
+    from numbaengine.ddtree import Params, decode_round, draft_trees, prefill
+    from numbaengine.device_round import DeviceRounds, Shape
+    dirs = pair_dirs("tiny")
+    sim, host = (Engine.load(*dirs, backend=b, max_context=32) for b in ("sim", "numpy"))
+    ids = np.random.default_rng().integers(0, host.cfg.vocab_size, 5).tolist()
+    ladder, p, timer = (0, 2, 4, 8), Params("ddtree"), gen.Timer()
+    dev = DeviceRounds(sim.target, sim.drafter, Shape(1, "ddtree", max(ladder), 32, ladder), graphs=False)
+    seq = prefill(0, ids, host.target, host.drafter, host.target.ops, p, 48)
+    first, where = dev.prefill(0, ids, 0), f"prompt {ids}"
+    assert first == seq.bonus, f"{where}: first token {first} != {seq.bonus}"
+    for rounds in (0, 4):
+        tree = draft_trees([seq], [max(ladder)], host.drafter, p, timer)[0]
+        got, want = prefix_accepts(dev.probe()[0, 1:]), prefix_accepts(tree.scores[1:])
+        assert len(want) == max(ladder) + 1 and np.isfinite(got[:len(want)]).all(), f"{where}: {got}"
+        err = np.abs(got[list(ladder)] - want[list(ladder)]).max()
+        assert err <= 1e-3 * want[-1] + 1e-6, (f"{where}, after {rounds} rounds: expected drafts per size "
+                                               f"{got[list(ladder)]} != host {want[list(ladder)]}")
+        for i in range(4):                   # the probe's size-0 round, then 3 coasting ones (no probe)
+            out = dev.step(0)[0]
+            host_out = decode_round([seq], [0], host.target, host.drafter, host.target.ops, p, timer)[0]
+            assert out[1:out[0] + 1].tolist() == host_out.tokens, f"{where}: round {rounds + i}"
+
+
 SIM_PARTS = 3
 SIM_COST = {"shared_rounds": 200, "chunked_prefill": 56, "sample_rows": 2, "buckets": 165, "auto": 205,
-            "staged_prefill": 110, "mixed_settings": 210}
+            "staged_prefill": 110, "mixed_settings": 210, "probe_scores": 60}
 SIM_CASES = {
     "sample_rows": lambda env: check_sample_rows(env),
     "chunked_prefill": lambda env: check_chunked_prefill(env),
@@ -431,6 +463,7 @@ SIM_CASES = {
     "auto": lambda env: check_auto(env),
     "staged_prefill": lambda env: check_staged_prefill(env),
     "mixed_settings": lambda env: check_mixed_settings(env),
+    "probe_scores": lambda env: check_probe_scores(env),
 }
 
 test_simulator = pytest.mark.slow(simulator_test(__name__))     # ~15 CPU minutes in all (SIM_COST)
