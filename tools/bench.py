@@ -591,9 +591,13 @@ def main(argv=None):
     from numbaengine import Engine
     copy_bw = copy_bandwidth(cp)
     print(f"copy bandwidth {copy_bw:.0f} GB/s", flush=True)
-    cases = [(mode, batch, budget) for mode in args.modes.split(",")
+    asked = [(mode, batch, budget) for mode in args.modes.split(",")
              for budget in (args.budgets if mode == "ddtree" else [0])
-             for batch in [int(b) for b in args.batches.split(",")] if verify_rows(batch, budget) <= args.max_rows]
+             for batch in [int(b) for b in args.batches.split(",")]]
+    cases = [c for c in asked if verify_rows(c[1], c[2]) <= args.max_rows]
+    for mode, batch, budget in (c for c in asked if c not in cases):
+        print(f"skipped {mode} budget {budget} batch {batch}: {verify_rows(batch, budget)} verify rows > --max-rows "
+              f"{args.max_rows}", flush=True)
     contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else [None]
     max_context = args.max_context if not args.contexts else max(args.max_context,   # room for the timed rounds
                                                                   max(contexts) + 16 * args.context_rounds + 64)
