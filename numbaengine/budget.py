@@ -232,8 +232,8 @@ class Choice:
     rate: float              # expected committed tokens per second of round cost
     probed: bool = True      # False: a coasting round, the root alone without a draft (root_choice)
     lagged: bool = False     # chosen from the drafts of the round before (the device's scored rounds)
-    by_size: tuple = ()      # what the choice weighed: per ladder size, the sequences' mean expected accepted drafts
-    cal_by_size: tuple = ()  # (surrogate) and the same calibrated
+    by_size: tuple = ()      # what the choice weighed, per ladder size: the sequences' mean expected accepted drafts
+    cal_by_size: tuple = ()  # (by_size: the surrogate's; cal_by_size: calibrated)
 
 
 def shares(pops, total):
