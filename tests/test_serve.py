@@ -715,3 +715,37 @@ def test_stand_in_rounds_decode_through_device_slots():
     res = gen.generate_on(slots, e.tokenizer, [e.tokenizer.encode(p) for p in PROMPTS[:3]], 10, "ddtree", 16)
     assert [len(r.tokens) for r in res] == [10] * 3 and all(r.stats["rounds"] == 3 for r in res), res
     assert not {t for r in res for t in r.tokens} & set(e.cfg.eos_ids)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc (Linux): elsewhere the tool says n/a")
+def test_serve_overhead_counts_server_cpu_per_thread():
+    """tools/serve_overhead.py's server CPU: thread_cpu sees CPU spent by this process's main thread and by another
+    thread apart; cpu_per_token gives milliseconds per 1,000 tokens, the main thread (the event loop) apart."""
+    import os
+    import threading
+    import time
+
+    from tools.serve_overhead import cpu_per_token, thread_cpu
+
+    def burn(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+    def work(seconds, done, read):
+        burn(seconds)
+        done.set()
+        read.wait()                             # alive at the reading: an ended thread's CPU is not in /proc
+    pid, done, read = os.getpid(), threading.Event(), threading.Event()
+    before = thread_cpu(pid)
+    worker = threading.Thread(target=work, args=(0.3, done, read))
+    worker.start()
+    done.wait()
+    burn(0.2)
+    after = thread_cpu(pid)
+    read.set()
+    worker.join()
+    main = after[pid] - before[pid]
+    others = sum(after[t] - before.get(t, 0.0) for t in after if t != pid)
+    assert 0.15 <= main <= 0.5 and others >= 0.25, (main, others)
+    got = cpu_per_token({pid: 1.0, 7: 2.0}, {pid: 1.5, 7: 2.25, 9: 0.1}, pid, 1000)
+    assert got == pytest.approx({"event_loop": 500.0, "other": 350.0}) and cpu_per_token(None, after, pid, 10) is None

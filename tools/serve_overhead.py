@@ -2,7 +2,8 @@
 sleeps a fixed time, as a graph launch and its sync release the GIL, then commits tau random tokens per sequence),
 loaded by tools.bench_serve. Served tokens/s are set beside the ceiling (concurrency x tau / round time) and beside
 the engine loop alone (generate.generate_on over the same stand-in), so the host's share of a served round shows
-before a GPU run.
+before a GPU run. The server's own CPU per 1,000 served tokens (event loop and other threads, from /proc) is the
+host cost the load generator does not bound.
 
     python -m tools.serve_overhead --round-ms 1.0 --tau 4 --concurrency 1,8,32 --max-tokens 64 [--out FILE]
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -101,6 +103,32 @@ def serve(args):
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
+def thread_cpu(pid) -> dict | None:
+    """CPU seconds (user + system) of each live thread of process pid (Linux /proc; None elsewhere): a thread that
+    ends between two readings is not counted (the server's threads live as long as it does)."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        return None
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for t in tasks.iterdir():
+        try:
+            fields = (t / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:                              # the thread ended meanwhile
+            continue
+        out[int(t.name)] = (int(fields[11]) + int(fields[12])) / tick     # utime, stime
+    return out
+
+
+def cpu_per_token(before, after, pid, tokens) -> dict | None:
+    """Server CPU milliseconds per 1,000 served tokens between two thread_cpu readings: its main thread (the event
+    loop) and the others together (the engine thread, uvicorn's and the BLAS threads)."""
+    if before is None or after is None or not tokens:
+        return None
+    spent = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
+    main = spent.pop(pid, 0.0)
+    return {"event_loop": 1e6 * main / tokens, "other": 1e6 * sum(spent.values()) / tokens}
+
+
 def wait_for(proc, url, timeout=120.0):
     import httpx
     until = time.monotonic() + timeout
@@ -141,29 +169,35 @@ def main(argv=None):
         engine, prompts = Engine.load(backend="numpy"), load_prompts(DEFAULT_PROMPTS, 64)
         loop = {c: engine_loop(engine, c, args.round_ms / 1e3, args.tau, args.max_tokens, prompts) for c in levels}
         wait_for(proc, f"http://127.0.0.1:{port}/health")
+        served, cpu = [], {}
         with tempfile.TemporaryDirectory() as d:
             out = Path(d, "serve.json")
-            bench_serve.main(["--url", f"http://127.0.0.1:{port}", "--concurrency", args.concurrency,
-                              "--max-tokens", str(args.max_tokens), "--out", str(out), "--timeout", "120",
-                              "--requests", str(args.requests * max(levels))])
-            served = json.loads(out.read_text())["levels"]
+            for c in levels:                             # one level a call: the server's CPU counted around it
+                before = thread_cpu(proc.pid)
+                bench_serve.main(["--url", f"http://127.0.0.1:{port}", "--concurrency", str(c), "--max-tokens",
+                                  str(args.max_tokens), "--out", str(out), "--timeout", "120", "--requests",
+                                  str(args.requests * max(levels))])
+                lv = json.loads(out.read_text())["levels"][0]
+                served.append(lv)                      # (+ the untimed pass of c requests: --warmup 1)
+                cpu[c] = cpu_per_token(before, thread_cpu(proc.pid), proc.pid, lv["tokens"] + c * args.max_tokens)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     rows = []
     print(f"\nstand-in round {args.round_ms} ms, tau {args.tau}, {args.max_tokens} tokens per request")
     print("| concurrency | ceiling tok/s | engine loop tok/s | served tok/s | served / loop | TTFT p50 ms | ITL p50 ms"
-          " |")
-    print("|---|---|---|---|---|---|---|")
+          " | server CPU ms / 1k tokens: event loop, other threads |")
+    print("|---|---|---|---|---|---|---|---|")
     for lv in served:
         c = lv["concurrency"]
         ceiling = c * args.tau / (args.round_ms / 1e3)
         row = dict(concurrency=c, ceiling=ceiling, loop=loop[c], served=lv["tokens_per_s"],
-                   ttft_p50_ms=lv["ttft_ms"].get("p50"), itl_p50_ms=lv["itl_ms"].get("p50"))
+                   ttft_p50_ms=lv["ttft_ms"].get("p50"), itl_p50_ms=lv["itl_ms"].get("p50"), cpu_ms_per_1k=cpu[c])
         rows.append(row)
+        cpu_cell = ", ".join(f"{cpu[c][k]:.1f}" for k in ("event_loop", "other")) if cpu[c] else "n/a"
         print(f"| {c} | {ceiling:,.0f} | {loop[c]:,.0f} ({loop[c] / ceiling:.2f}) | {row['served']:,.0f} "
               f"({row['served'] / ceiling:.2f}) | {row['served'] / loop[c]:.2f} | {row['ttft_p50_ms']:.1f} | "
-              f"{row['itl_p50_ms']:.2f} |")
+              f"{row['itl_p50_ms']:.2f} | {cpu_cell} |")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(round_ms=args.round_ms, tau=args.tau, max_tokens=args.max_tokens,
                                                   levels=rows), indent=1))
