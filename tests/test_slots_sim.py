@@ -433,19 +433,21 @@ def check_probe_scores(env):
     from numbaengine.device_round import DeviceRounds, Shape
     dirs = pair_dirs("tiny")
     sim, host = (Engine.load(*dirs, backend=b, max_context=32) for b in ("sim", "numpy"))
-    ids = np.random.default_rng().integers(0, host.cfg.vocab_size, 5).tolist()
+    seed = int(np.random.default_rng().integers(2 ** 31))
+    ids = np.random.default_rng(seed).integers(0, host.cfg.vocab_size, 5).tolist()
     ladder, p, timer = (0, 2, 4, 8), Params("ddtree"), gen.Timer()
     dev = DeviceRounds(sim.target, sim.drafter, Shape(1, "ddtree", max(ladder), 32, ladder), graphs=False)
     seq = prefill(0, ids, host.target, host.drafter, host.target.ops, p, 48)
-    first, where = dev.prefill(0, ids, 0), f"prompt {ids}"
+    first, where = dev.prefill(0, ids, 0), f"seed {seed} prompt {ids}"
     assert first == seq.bonus, f"{where}: first token {first} != {seq.bonus}"
     for rounds in (0, 4):
         tree = draft_trees([seq], [max(ladder)], host.drafter, p, timer)[0]
         got, want = prefix_accepts(dev.probe()[0, 1:]), prefix_accepts(tree.scores[1:])
         assert len(want) == max(ladder) + 1 and np.isfinite(got[:len(want)]).all(), f"{where}: {got}"
-        err = np.abs(got[list(ladder)] - want[list(ladder)]).max()
-        assert err <= 1e-3 * want[-1] + 1e-6, (f"{where}, after {rounds} rounds: expected drafts per size "
-                                               f"{got[list(ladder)]} != host {want[list(ladder)]}")
+        err = np.abs(got[list(ladder)] - want[list(ladder)]).max()   # bf16 rounding: up to 0.13% of want[-1];
+        assert err <= 1e-2 * want[-1] + 1e-6, (                         # an unflushed backlog: 9-25% of it
+            f"{where}, after {rounds} rounds: expected drafts per size {got[list(ladder)]} != host "
+            f"{want[list(ladder)]}")
         for i in range(4):                   # the probe's size-0 round, then 3 coasting ones (no probe)
             out = dev.step(0)[0]
             host_out = decode_round([seq], [0], host.target, host.drafter, host.target.ops, p, timer)[0]
