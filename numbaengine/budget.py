@@ -4,7 +4,12 @@ a fixed batch: the soonest expected end of its slowest sequence).
 Expected acceptance. The best-first heap pops nodes in decreasing path probability, and the surrogate's expected
 number of accepted drafts of the tree made of the first n pops is the sum of their path probabilities; so one heap
 run up to the largest ladder size gives every size at once (prefix sums). A Calibration scales that expectation by
-what the target actually accepted in past rounds.
+what the target actually accepted in past rounds. A probed tree is also kept until its sequence has committed the
+tokens after it (Hindsight): the target's samples do not depend on the tree (Exactness, below), so they tell what
+every prefix size of the tree would have accepted, whichever size ran. The probes' calibration learns from that, a
+choice of the root alone included: learning only from the size that ran, rounds that chose the root alone never saw
+that trees would pay, and kept choosing it (the shipped pair on the H100: 11 probes in 504 batch-1 rounds, every one
+chose the root alone, where fixed DDTree-16 made 1.59x AR's tokens per second).
 
 Cost. A CostTable maps (batch, ladder size = drafted nodes per sequence) to the seconds of one round; a round's
 verify has batch x (size + 1) rows. Size 0 is a round without drafting (what choosing 0 leads to: coasting, below),
@@ -63,6 +68,9 @@ LADDER = (0, 2, 4, 8, 16, 32, 64)         # drafted nodes per sequence; 0 = the 
 EDGES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)   # calibration bins of the surrogate's expected accepted drafts
 PRIOR = 1.0                               # accepted drafts' worth of observed = expected in every bin
 DECAY = 0.9                               # a bin's sums are scaled by this at each new observation in it
+HINDSIGHT_ROWS = 32                       # probed trees a probe keeps for hindsight at most (evenly spaced over its
+                                          # runs): up to 32 x 6 observations a probe, at a host cost per probe
+                                          # (record and settle, 2-core x86) of 0.1 ms at batch 1, 0.25 at 32 rows
 COAST_MAX = 64                            # most rounds without a probe after a probe chose size 0 (a probe there
                                           # costs a draft and a heap: 1/64 of it is the most a coast adds)
 
@@ -104,6 +112,17 @@ class Calibration:
         """After a round: a tree with surrogate expectation e had `accepted` drafts accepted."""
         b = bisect_right(EDGES, e)
         return Calibration(decayed(self.observed, b, float(accepted)), decayed(self.expected, b, float(e)))
+
+    def observe_many(self, e, accepted) -> "Calibration":
+        """observe over arrays f64[m] of expectations and accepted drafts, in order (array operations)."""
+        e, accepted = np.asarray(e, np.float64).ravel(), np.asarray(accepted, np.float64).ravel()
+        k = len(self.observed)
+        bins = np.searchsorted(EDGES, e, side="right")
+        onehot = bins[:, None] == np.arange(k)
+        later = np.cumsum(onehot[::-1], axis=0)[::-1][np.arange(len(e)), bins] - 1     # later ones in its bin
+        w, scale = DECAY ** later, DECAY ** onehot.sum(axis=0)                        # the last weighs 1
+        return Calibration(tuple((scale * self.observed + np.bincount(bins, w * accepted, k)).tolist()),
+                           tuple((scale * self.expected + np.bincount(bins, w * e, k)).tolist()))
 
     def state(self) -> dict:
         return dict(edges=list(EDGES), ratio=[round((PRIOR + o) / (PRIOR + x), 4)
@@ -338,17 +357,18 @@ def auto_round(seqs, caps, target, drafter, ops, p, timer, table: CostTable, cal
     """One ddtree round with the sizes chosen from its drafts: one heap run per sequence up to caps[i] nodes, the
     choice (ragged or the rectangle rule; left: tokens each sequence has still to make, for a fixed batch, see
     pick), then verify of each tree's chosen prefix; while coasting, the root alone without drafting. Returns
-    (choice, round outs, calibration and coast after the round)."""
+    (choice, round outs, the probed trees (None while coasting: for Hindsight), coast after the round)."""
+    probed = None
     if coast.left:
         choice = root_choice(len(seqs))
         trees = draft_trees(seqs, [0] * len(seqs), drafter, p, timer)
     else:
-        trees = draft_trees(seqs, caps, drafter, p, timer)
+        trees = probed = draft_trees(seqs, caps, drafter, p, timer)
         with timer("build"):
             choice = choose(trees, table, cal, ragged, left=left)
             trees = [first_nodes(t, n) for t, n in zip(trees, choice.nodes)]
     outs = verify_trees(seqs, trees, target, drafter, ops, p, timer)
-    return choice, outs, observe(cal, choice, [out.tau for out in outs]), coast.after(choice)
+    return choice, outs, probed, coast.after(choice)
 
 
 def observe(cal: Calibration, choice: Choice, taus) -> Calibration:
@@ -356,6 +376,100 @@ def observe(cal: Calibration, choice: Choice, taus) -> Calibration:
     for e, n, tau in zip(choice.expected, choice.nodes, taus):
         cal = cal.observe(e, tau - 1) if n > 0 else cal
     return cal
+
+
+# --- hindsight: what every prefix of a probed tree would have accepted ----------------------------------------------
+
+@dataclass
+class Hindsight:
+    """One probe's trees, kept until their runs have committed the tokens after them (see the module docstring)."""
+    runs: list               # the runs probed (rounds.Run: their output tokens and Picks)
+    at: list                 # each run's output length at the probe: its root's children guess token `at` on
+    tokens: np.ndarray       # i32[R, N] the trees' tokens in pop order, the root first
+    parents: np.ndarray      # i32[R, N] each node's parent: the root -1, -2 past the nodes a run could get
+    sizes: np.ndarray        # i64[R, S] the ladder's sizes > 0 cut to each tree; 0 where a cut repeats a size
+    expected: np.ndarray     # f64[R, S] the surrogate's expected accepted drafts of those prefixes
+    due: int                 # rounds after the probe's when every run still decoding has settled: the deepest
+    rounds: int = 0          # node's depth + 1 (a walk stops at a leaf); rounds since, the probe's counted
+
+
+def hindsight(runs, tokens, parents, scores, rooms, ladder) -> Hindsight | None:
+    """The probe's record from its trees: tokens, parents i32[R, N] and scores f64[R, N] (pop order, the root
+    first, -inf past a tree), rooms: the nodes each run could get; at most HINDSIGHT_ROWS of the runs, evenly
+    spaced. None when no kept run's tree drafts."""
+    keep = np.arange(0, len(runs), -(-len(runs) // HINDSIGHT_ROWS))
+    runs, rooms = [runs[i] for i in keep], np.asarray(rooms)[keep]
+    tokens, parents, scores = np.asarray(tokens)[keep], np.asarray(parents)[keep], np.asarray(scores, np.float64)[keep]
+    R, N = scores.shape
+    n = np.minimum(np.isfinite(scores[:, 1:]).sum(axis=1), np.asarray(rooms))           # nodes each run's tree has
+    if not R or not n.any():
+        return None
+    cut = np.minimum(np.array([s for s in ladder if s > 0])[None, :], n[:, None])       # [R, S]
+    sizes = np.where(np.diff(cut, axis=1, prepend=0) > 0, cut, 0)
+    prefix = np.zeros((R, N))
+    np.cumsum(np.where(np.arange(1, N) <= n[:, None], np.exp(scores[:, 1:]), 0.0), axis=1, out=prefix[:, 1:])
+    parents = np.where(np.arange(N) <= n[:, None], np.asarray(parents, np.int64), -2)
+    deepest, up = 0, parents                           # the deepest node: climb every node's ancestors at once
+    while (up >= 0).any():
+        deepest += 1
+        up = np.where(up >= 0, np.take_along_axis(parents, np.maximum(up, 0), axis=1), -1)
+    return Hindsight(list(runs), [len(r.tokens) for r in runs], np.asarray(tokens, np.int64), parents, sizes,
+                     np.take_along_axis(prefix, sizes, axis=1), deepest + 1)
+
+
+def tree_rows(trees) -> tuple:
+    """Host trees as the device's probe returns them: tokens, parents i64[R, N] and scores f64[R, N], each row
+    padded past its tree (parents -2, scores -inf)."""
+    N = max(len(t) for t in trees)
+    return tuple(np.stack([np.pad(np.asarray(getattr(t, f), dtype), (0, N - len(t)), constant_values=fill)
+                           for t in trees])
+                 for f, dtype, fill in (("tokens", np.int64, 0), ("parents", np.int64, -2),
+                                        ("scores", np.float64, -np.inf)))
+
+
+def accepted_by_size(h: Hindsight, committed) -> tuple:
+    """What each prefix size of each tree would have accepted, from the tokens committed after its root (committed:
+    a list per run) -> (accepted i64[R, S], settled bool[R]). The walk goes from the root along those tokens and stops
+    at one that no child has, or at a leaf (settled; not when the tokens run out first); a prefix of s pops accepts
+    the walk's nodes among its first s (a node pops after its parent, so they are a prefix of the walk). All runs in
+    one pass per depth."""
+    R, N = h.tokens.shape
+    D = min(h.due, max([len(c) for c in committed] + [0]))
+    seen, known = np.full((R, max(D, 1)), -1, np.int64), np.array([min(len(c), D) for c in committed])
+    for i, c in enumerate(committed):
+        seen[i, :known[i]] = c[:known[i]]
+    node, path = np.zeros(R, np.int64), np.full((R, max(D, 1)), N, np.int64)
+    live, settled = np.ones(R, bool), np.zeros(R, bool)
+    for d in range(D):
+        kids = h.parents == node[:, None]
+        match = kids & (h.tokens == seen[:, d:d + 1])
+        hit, has = match.any(axis=1), live & (d < known)
+        settled |= (live & ~kids.any(axis=1)) | (has & ~hit)     # a leaf, or a token no child has
+        live = has & hit
+        node = np.where(live, match.argmax(axis=1), node)
+        path[live, d] = node[live]
+    settled |= live & ~(h.parents == node[:, None]).any(axis=1)
+    return (path[:, None, :] <= h.sizes[:, :, None]).sum(axis=2), settled
+
+
+def settle(cal: Calibration, pending: list, outs: dict) -> tuple:
+    """After a round (outs: id(run) -> its RoundOut, tokens not yet pushed): every pending probe one round older;
+    those due settle and teach the calibration (their runs' Picks record what they learned) -> (calibration, still
+    pending)."""
+    left = []
+    for h in pending:
+        h.rounds += 1
+        if h.rounds < h.due:
+            left.append(h)
+            continue
+        accepted, settled = accepted_by_size(h, [r.tokens[at:] + list(getattr(outs.get(id(r)), "tokens", ()))
+                                                 for r, at in zip(h.runs, h.at)])
+        use = settled[:, None] & (h.sizes > 0)
+        for i in np.flatnonzero(settled):
+            if h.runs[i].picks is not None:
+                h.runs[i].picks.learn(h.sizes[i], h.expected[i], accepted[i])
+        cal = cal.observe_many(h.expected[use], accepted[use]) if use.any() else cal
+    return cal, left
 
 
 @dataclass
@@ -370,6 +484,15 @@ class Picks:
     weighed: list = field(default_factory=list)     # per choice that drafted: (by_size, cal_by_size) (Choice)
     cal: Calibration = field(default_factory=Calibration)
     table_from: str = ""                # where the cost table came from: "given", "measured" or its saved file
+    seen: dict = field(default_factory=dict)        # its probed trees in hindsight, settled: prefix size ->
+    #                                                 [trees, sum of expected, sum of accepted drafts]
+
+    def learn(self, sizes, expected, accepted):
+        """One settled tree: per prefix size (0: none), its expected and accepted drafts."""
+        for k, e, a in zip(sizes.tolist(), expected.tolist(), accepted.tolist()):
+            if k:
+                row = self.seen.setdefault(k, [0, 0.0, 0])
+                row[0], row[1], row[2] = row[0] + 1, row[1] + e, row[2] + a
 
     def add(self, choice: Choice, i):
         self.probes += choice.probed
@@ -384,7 +507,8 @@ class Picks:
         """budget_hist {size: rounds}, probes (rounds that drafted), mean nodes verified, expected tau (surrogate
         and calibrated; the observed one is tau_mean), what the choices weighed (expected_by_size and
         calibrated_by_size: per ladder size, the mean over the choices of expected accepted drafts; why a size
-        won), the calibration at the end and the cost table's origin."""
+        won), what the probed trees' prefixes expected and would have accepted (hindsight: per prefix size, the mean
+        over the settled trees), the calibration at the end and the cost table's origin."""
         by = np.array([w[0] for w in self.weighed]) if self.weighed else np.zeros((0, 0))
         cal_by = np.array([w[1] for w in self.weighed]) if self.weighed else np.zeros((0, 0))
         return dict(budget_hist={s: self.sizes.count(s) for s in sorted(set(self.sizes))}, probes=self.probes,
@@ -392,7 +516,17 @@ class Picks:
                     calibrated_tau=1 + mean(self.calibrated), choices_weighed=len(self.weighed),
                     expected_by_size=[round(float(x), 4) for x in by.mean(axis=0)] if len(by) else [],
                     calibrated_by_size=[round(float(x), 4) for x in cal_by.mean(axis=0)] if len(by) else [],
-                    calibration=self.cal.state(), cost_table_from=self.table_from)
+                    hindsight=hindsight_stats(self.seen), calibration=self.cal.state(),
+                    cost_table_from=self.table_from)
+
+
+def hindsight_stats(seen) -> dict:
+    """{sizes, trees, expected, accepted}: per prefix size, the settled trees and their mean expected and accepted
+    drafts, from {size: [trees, sum expected, sum accepted]} (Picks.seen, or several added up)."""
+    sizes = sorted(seen)
+    return dict(sizes=sizes, trees=[seen[k][0] for k in sizes],
+                expected=[round(seen[k][1] / seen[k][0], 4) for k in sizes],
+                accepted=[round(seen[k][2] / seen[k][0], 4) for k in sizes])
 
 
 def mean(xs) -> float:

@@ -457,10 +457,19 @@ class DeviceRounds:
             self._flush_backlog(n)
             plan = self.get_plan(n, self.shape.budget + 1, PROBE)
             self.launch(plan)
-            self._probed = n
+            self._probed, self._probe_plan = n, plan
             scores = self.base_target.ops.to_host(plan.tb.scores)
             self._add_gpu_time()
             return scores
+
+    def probe_trees(self) -> tuple:
+        """After probe() (and its step: the verify leaves them be): its trees, tokens and parents i32[n, N] in pop
+        order, as scores; budget auto's hindsight (budget.Hindsight). Read before the next round drafts."""
+        if self._probe_plan is None:
+            raise ValueError("probe_trees: no probe has run")
+        tb, ops = self._probe_plan.tb, self.base_target.ops
+        with self.on_stream():
+            return ops.to_host(tb.tokens), ops.to_host(tb.parents)
 
     def _flush_backlog(self, n):
         """Before a round that drafts over slots [0, n): the rows coasting rounds left in the backlog (a size-0 round
@@ -479,6 +488,7 @@ class DeviceRounds:
             self._backlog_rows += 1
 
     _probed = None                                   # the bucket probed and not yet stepped
+    _probe_plan = None                               # the latest probe's plan (probe_trees)
     _backlog_rows = 0                                # size-0 rounds since the last flush: rows per slot at most
 
     def launch(self, plan, body=None, timed=True):
@@ -733,6 +743,9 @@ class Replicated:
 
     def probe(self) -> np.ndarray:
         return self._agree(self.ranks.run(lambda r: self.devs[r].probe()), "probe")
+
+    def probe_trees(self) -> tuple:
+        return self.devs[0].probe_trees()                # (probe's scores agreed: the same trees)
 
     def costs(self, reps=3, context=16) -> CostTable:
         """Rank 0's table; every rank runs the same rounds (their collectives pair up)."""

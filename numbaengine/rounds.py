@@ -29,9 +29,12 @@ from numbaengine.budget import (
     Picks,
     auto_round,
     choose_rect,
+    hindsight,
     observe,
     reference_costs,
     root_choice,
+    settle,
+    tree_rows,
 )
 from numbaengine.ddtree import Params, RoundOut, Seq, decode_round, prefill
 
@@ -100,6 +103,7 @@ class HostRounds:
         self.coasts = {}                            # auto: Params -> (its group's cost row, their Coast)
         self.drain = False                          # auto: the runs decoding are the whole batch (budget.pick)
         self.picks = []                             # every auto run's Picks: each gets the batch's calibration
+        self.pending = []                           # auto: probes whose trees settle later (budget.Hindsight)
 
     def auto(self, run) -> bool:
         return run.budget == AUTO and run.p.mode == "ddtree"
@@ -152,20 +156,26 @@ class HostRounds:
                 out |= self.auto_step(group, timer)
             except Exception as e:                  # noqa: BLE001 - isolated per group
                 out |= {id(r): e for r in group}
+        if self.pending:
+            self.cal, self.pending = settle(self.cal, self.pending, out)
+        for picks in self.picks if auto else ():
+            picks.cal = self.cal
         return out
 
     def auto_step(self, runs, timer) -> dict:
         p, row = runs[0].p, self.table.listed(len(runs))            # the cost row the group's rounds pay
         was, coast = self.coasts.get(p, (None, Coast()))
-        choice, outs, self.cal, coast = auto_round([r.seq for r in runs], [self.room(r) for r in runs], self.target,
-                                                   self.drafter, self.ops, p, timer, self.table, self.cal,
-                                                   self.ragged, coast if was == row else Coast(),
-                                                   left_of(runs) if self.drain else None)
+        rooms = [self.room(r) for r in runs]
+        choice, outs, probed, coast = auto_round([r.seq for r in runs], rooms, self.target, self.drafter, self.ops, p,
+                                                 timer, self.table, self.cal, self.ragged,
+                                                 coast if was == row else Coast(), left_of(runs) if self.drain else None)
         self.coasts[p] = (row, coast)
         for i, r in enumerate(runs):
             r.picks.add(choice, i)
-        for picks in self.picks:
-            picks.cal = self.cal
+        if probed is not None:
+            h = hindsight(runs, *tree_rows(probed), rooms, self.table.sizes)
+            if h is not None:
+                self.pending.append(h)
         return {id(r): out for r, out in zip(runs, outs)}
 
     def retire(self, runs):
@@ -209,8 +219,9 @@ class DeviceSlots:
     ahead: list | None = None            # overlap: the runs of the round launched ahead, not yet read
     dev: object = None
     free: list = field(default_factory=list)
-    # budget auto: the calibrations of sizes chosen from a probe's drafts (cal) and from the round before's drafts
-    # (cal_lagged: they foretell the next round differently) are kept on the rounds (dev.learned), so a later run on
+    # budget auto: the calibrations of a probe's drafts (cal: every prefix size of its trees, in hindsight) and of
+    # sizes chosen from the round before's drafts (cal_lagged: they foretell the next round differently; the sizes
+    # that ran) are kept on the rounds (dev.learned), so a later run on
     # them goes on learning from them; the coast is not (H100, shipped pair, the coast carried into the next batch
     # too: batch 1 probed 11 times in 504 rounds and chose the root alone every time, 0.60 of ddtree-16; the call
     # before, each run probing first: 0.67)
@@ -222,6 +233,7 @@ class DeviceSlots:
     #                                               from this round's drafts: it runs as one scored graph, no probe
     ahead_choice: object = None                   # budget auto: the Choice of the round launched ahead
     probed: object = None                         # budget auto: the scores probe() returned this round (else None)
+    pending: list = field(default_factory=list)   # budget auto: probes whose trees settle later (budget.Hindsight)
     picks: list = field(default_factory=list)
     drain: bool = False                  # budget auto: the runs decoding are the whole batch, none joins when one
     #                                      ends (generate_on): sizes chosen for the soonest end (budget.pick)
@@ -359,11 +371,10 @@ class DeviceSlots:
                 raise
             self.ahead = going
         if ladder:                                   # (after the launch: the GPU does not wait for the bookkeeping)
-            taus = [outs[id(r)].tau for r in members]
             if choice.lagged:
-                self.cal_lagged = observe(self.cal_lagged, choice, taus)
-            else:
-                self.cal = observe(self.cal, choice, taus)
+                self.cal_lagged = observe(self.cal_lagged, choice, [outs[id(r)].tau for r in members])
+            if self.pending:
+                self.cal, self.pending = settle(self.cal, self.pending, outs)
             for i, r in enumerate(members):
                 if r.picks is not None:              # (not an ar or fixed-budget run sharing the auto rounds)
                     r.picks.add(choice, i)
@@ -420,7 +431,13 @@ class DeviceSlots:
         table = self.table if self.table is not None else self.dev.table
         choice = choose_rect(scores[[r.slot for r in runs], 1:], rooms, table, self.cal, scores.shape[0],
                              left_of(runs) if self.drain else None)
-        return choice, self.dev.step(choice.size)
+        out = self.dev.step(choice.size)
+        tokens, parents = self.dev.probe_trees()                   # (the verify leaves the probe's trees be)
+        rows = [r.slot for r in runs]
+        h = hindsight(runs, tokens[rows], parents[rows], scores[rows], rooms, table.sizes)
+        if h is not None:
+            self.pending.append(h)
+        return choice, out
 
     def drop(self):
         """Forget the rounds (after a failure, or before others are made): a round still running is waited for

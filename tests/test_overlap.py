@@ -57,9 +57,23 @@ class ToyDev:
         self.out = out
 
     def probe(self):
-        """Budget auto's first half: every pop certain (log-probability 0)."""
+        """Budget auto's first half: every pop certain (log-probability 0), each tree the chain of the tokens its slot
+        goes on to commit (so what hindsight learns changes no choice)."""
         self.log.append("probe")
+        N = self.shape.budget + 1
+        self.trees = np.zeros((self.shape.batch, N), np.int32)
+        for b in range(self.shape.batch):
+            n, t, chain = self.length[b], self.bonus[b], [self.bonus[b]]
+            while len(chain) < N:
+                tau = 1 + (n + t) % L
+                chain += [(31 * t + 7 * (n + i) + self.seed[b]) % 997 for i in range(tau)]
+                n, t = n + tau, chain[-1]
+            self.trees[b] = chain[:N]
         return self.scores()
+
+    def probe_trees(self):
+        N = self.shape.budget + 1
+        return self.trees, np.tile(np.arange(-1, N - 1, dtype=np.int32), (self.shape.batch, 1))
 
     def scores(self):
         return np.zeros((self.shape.batch, self.shape.budget + 1))

@@ -422,7 +422,8 @@ def check_staged_prefill(env):
 
 def check_probe_scores(env):
     """Budget auto's input: the node scores DeviceRounds.probe reads (path log-probabilities in pop order) give the
-    host tree's expected accepted drafts at every ladder size for the same context, right after the prompt and after
+    host tree's expected accepted drafts at every ladder size for the same context, and probe_trees its tokens and
+    parents (up to a near-tie of two pops), right after the prompt and after
     a probe's size-0 round and three coasting rounds (their rows kept in the backlog and written to the drafter
     context by the next probe's flush); the device and the numpy reference commit the same tokens meanwhile."""
     from test_backend_sim import pair_dirs
@@ -448,6 +449,12 @@ def check_probe_scores(env):
         assert err <= 1e-2 * want[-1] + 1e-6, (                         # an unflushed backlog: 9-25% of it
             f"{where}, after {rounds} rounds: expected drafts per size {got[list(ladder)]} != host "
             f"{want[list(ladder)]}")
+        tokens, parents = dev.probe_trees()                          # hindsight's trees: the host's, up to the
+        ties = np.flatnonzero(np.abs(np.diff(tree.scores[1:])) < 1e-3)    # first two pops that may swap
+        k = 1 + int(ties[0] if len(ties) else len(tree) - 1)
+        assert (tokens[0, :k] == tree.tokens[:k]).all() and (parents[0, :k] == tree.parents[:k]).all(), (
+            f"{where}, after {rounds} rounds: probe tree {tokens[0, :k]} {parents[0, :k]} != host "
+            f"{tree.tokens[:k]} {tree.parents[:k]}")
         for i in range(4):                   # the probe's size-0 round, then 3 coasting ones (no probe)
             out = dev.step(0)[0]
             host_out = decode_round([seq], [0], host.target, host.drafter, host.target.ops, p, timer)[0]

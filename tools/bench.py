@@ -48,6 +48,7 @@ from numbaengine.budget import (
     Calibration,
     Coast,
     choose_rect,
+    hindsight_stats,
     root_choice,
 )
 from numbaengine.kernels import cache as kernel_cache
@@ -239,6 +240,13 @@ def weighed(res) -> dict:
         rows = [(k, r.stats[key]) for k, r in zip(n, res) if k and r.stats[key]]
         out[key] = ([round(float(x), 4) for x in np.average([v for _, v in rows], axis=0, weights=[k for k, _ in rows])]
                     if rows else [])
+    seen = {}                                            # the probed trees in hindsight, over every prompt
+    for r in res:
+        h = r.stats["hindsight"]
+        for k, n, e, a in zip(h["sizes"], h["trees"], h["expected"], h["accepted"]):
+            row = seen.setdefault(k, [0, 0.0, 0.0])
+            row[0], row[1], row[2] = row[0] + n, row[1] + n * e, row[2] + n * a
+    out["hindsight"] = hindsight_stats(seen)
     return out
 
 
