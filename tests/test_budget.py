@@ -630,6 +630,26 @@ def test_auto_tracks_the_drafter(pair):  # noqa: F811
     assert s[0]["expected_by_size"][-1] > 1 > rand[0].stats["expected_by_size"][-1]
 
 
+def test_bench_auto_columns(pair, capsys):  # noqa: F811
+    """tools.bench's auto columns over a case's prompts: choices weighed and the hindsight of every prompt's probes
+    added up (trees-weighted means), printed under the row."""
+    from tools.bench import print_auto, weighed
+    want = gen(pair, PROMPTS[:2], None, n=24)
+    oracle = Oracle([p + w.tokens for p, w in zip(PROMPTS, want)], pair.target.cfg.vocab_size)
+    res = gen(pair, PROMPTS[:2], "auto", oracle, n=24, cost_table=PICK["small"])
+    row = weighed(res)
+    h, parts = row["hindsight"], [r.stats["hindsight"] for r in res]
+    assert h["sizes"] == sorted(set().union(*(p["sizes"] for p in parts))) and h["sizes"], h
+    for i, k in enumerate(h["sizes"]):
+        rows = [(p["trees"][p["sizes"].index(k)], p["accepted"][p["sizes"].index(k)]) for p in parts
+                if k in p["sizes"]]
+        assert h["trees"][i] == sum(n for n, _ in rows)
+        assert h["accepted"][i] == pytest.approx(sum(n * a for n, a in rows) / h["trees"][i], abs=1e-3)
+    assert h["accepted"][-1] >= 1                                   # the oracle's trees: the first draft is right
+    print_auto(dict(row, budget_hist=res[0].stats["budget_hist"], probes=res[0].stats["probes"]))
+    assert "hindsight sizes" in capsys.readouterr().out
+
+
 def test_auto_near_a_full_context(pair):  # noqa: F811
     """Trees shrink to the cache rows left; the output still equals ar's up to the full context."""
     want = gen(pair, PROMPTS[:2], None, n=40)

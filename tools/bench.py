@@ -228,7 +228,18 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp, hold_s=0.0):
                     expected_tau=float(np.mean([r.stats["expected_tau"] for r in res])),
                     **weighed(res))
     print_row(row)
+    if budget == AUTO:
+        print_auto(row)
     return row
+
+
+def print_auto(row):
+    """Budget auto's choices under its row: the sizes chosen, the probes, and per ladder size what the choices
+    weighed (expected, calibrated) and what the probed trees would have accepted (hindsight)."""
+    h = row["hindsight"]
+    print(f"  auto: sizes {row['budget_hist']}, {row['probes']} probes; per size expected / calibrated "
+          f"{row['expected_by_size']} / {row['calibrated_by_size']}; hindsight sizes {h['sizes']}: expected "
+          f"{h['expected']}, accepted {h['accepted']} ({sum(h['trees'])} prefixes)", flush=True)
 
 
 def weighed(res) -> dict:
