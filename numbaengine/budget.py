@@ -47,6 +47,7 @@ from __future__ import annotations
 import json
 from bisect import bisect_right
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from time import perf_counter
 
@@ -330,8 +331,10 @@ def _choice(table, batch, nodes, raw, calibrated, left) -> Choice:
                   cal_by_size=tuple(float(x) for x in calibrated.mean(axis=1)))
 
 
+@lru_cache(maxsize=64)
 def root_choice(n) -> Choice:
-    """A coasting round's choice: the root alone for each of n sequences, not probed."""
+    """A coasting round's choice: the root alone for each of n sequences, not probed (one object per n: every
+    sequence's Picks refers to it)."""
     return Choice(0, (0,) * n, (0.0,) * n, (0.0,) * n, 0.0, probed=False)
 
 
@@ -474,18 +477,40 @@ def settle(cal: Calibration, pending: list, outs: dict) -> tuple:
 
 @dataclass
 class Picks:
-    """One sequence's auto record: per round the ladder size, its nodes and expected accepted drafts; cal: the
-    batch's calibration after its latest round."""
-    sizes: list = field(default_factory=list)
-    nodes: list = field(default_factory=list)
-    expected: list = field(default_factory=list)
-    calibrated: list = field(default_factory=list)
-    probes: int = 0                     # rounds that drafted to choose (the others coasted: budget.Coast)
-    weighed: list = field(default_factory=list)     # per choice that drafted: (by_size, cal_by_size) (Choice)
+    """One sequence's auto record: per round the batch's Choice and the sequence's index in it (two appends a round,
+    no new objects: DeviceSlots adds every sequence's each round); cal: the batch's calibration after its latest
+    round."""
+    choices: list = field(default_factory=list)     # per round: the batch's Choice
+    index: list = field(default_factory=list)       # per round: this sequence's index in it
     cal: Calibration = field(default_factory=Calibration)
     table_from: str = ""                # where the cost table came from: "given", "measured" or its saved file
     seen: dict = field(default_factory=dict)        # its probed trees in hindsight, settled: prefix size ->
     #                                                 [trees, sum of expected, sum of accepted drafts]
+
+    def add(self, choice: Choice, i):
+        self.choices.append(choice)
+        self.index.append(i)
+
+    @property
+    def rounds(self):
+        return zip(self.choices, self.index)
+
+    @property
+    def sizes(self) -> list:
+        return [c.size for c in self.choices]
+
+    @property
+    def expected(self) -> list:
+        return [c.expected[i] for c, i in self.rounds]
+
+    @property
+    def calibrated(self) -> list:
+        return [c.calibrated[i] for c, i in self.rounds]
+
+    def since(self, k) -> tuple:
+        """Rounds k.. of the record: (the latest round's size, their expected and calibrated drafts summed)."""
+        new = list(zip(self.choices[k:], self.index[k:]))
+        return (new[-1][0].size, sum(c.expected[i] for c, i in new), sum(c.calibrated[i] for c, i in new))
 
     def learn(self, sizes, expected, accepted):
         """One settled tree: per prefix size (0: none), its expected and accepted drafts."""
@@ -494,26 +519,20 @@ class Picks:
                 row = self.seen.setdefault(k, [0, 0.0, 0])
                 row[0], row[1], row[2] = row[0] + 1, row[1] + e, row[2] + a
 
-    def add(self, choice: Choice, i):
-        self.probes += choice.probed
-        if choice.by_size:
-            self.weighed.append((choice.by_size, choice.cal_by_size))
-        self.sizes.append(choice.size)
-        self.nodes.append(choice.nodes[i])
-        self.expected.append(choice.expected[i])
-        self.calibrated.append(choice.calibrated[i])
-
     def stats(self) -> dict:
         """budget_hist {size: rounds}, probes (rounds that drafted), mean nodes verified, expected tau (surrogate
         and calibrated; the observed one is tau_mean), what the choices weighed (expected_by_size and
         calibrated_by_size: per ladder size, the mean over the choices of expected accepted drafts; why a size
         won), what the probed trees' prefixes expected and would have accepted (hindsight: per prefix size, the mean
         over the settled trees), the calibration at the end and the cost table's origin."""
-        by = np.array([w[0] for w in self.weighed]) if self.weighed else np.zeros((0, 0))
-        cal_by = np.array([w[1] for w in self.weighed]) if self.weighed else np.zeros((0, 0))
-        return dict(budget_hist={s: self.sizes.count(s) for s in sorted(set(self.sizes))}, probes=self.probes,
-                    nodes_mean=mean(self.nodes), expected_tau=1 + mean(self.expected),
-                    calibrated_tau=1 + mean(self.calibrated), choices_weighed=len(self.weighed),
+        weighed = [(c.by_size, c.cal_by_size) for c in self.choices if c.by_size]
+        by = np.array([w[0] for w in weighed]) if weighed else np.zeros((0, 0))
+        cal_by = np.array([w[1] for w in weighed]) if weighed else np.zeros((0, 0))
+        sizes, nodes = self.sizes, [c.nodes[i] for c, i in self.rounds]
+        return dict(budget_hist={s: sizes.count(s) for s in sorted(set(sizes))},
+                    probes=sum(c.probed for c in self.choices), nodes_mean=mean(nodes),
+                    expected_tau=1 + mean(self.expected), calibrated_tau=1 + mean(self.calibrated),
+                    choices_weighed=len(weighed),
                     expected_by_size=[round(float(x), 4) for x in by.mean(axis=0)] if len(by) else [],
                     calibrated_by_size=[round(float(x), 4) for x in cal_by.mean(axis=0)] if len(by) else [],
                     hindsight=hindsight_stats(self.seen), calibration=self.cal.state(),

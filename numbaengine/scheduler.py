@@ -204,12 +204,11 @@ class Scheduler:
     def _pick(self, x: Live, tau):
         """The round's new entry of an auto run's Picks (one per round), with the drafts it accepted."""
         picks = x.run.picks
-        if picks is None or len(picks.sizes) == x.picked:
+        if picks is None or len(picks.choices) == x.picked:
             return
-        new = slice(x.picked, len(picks.sizes))
-        x.picked = len(picks.sizes)
-        self.picks.append(AutoPick(picks.sizes[-1], sum(picks.expected[new]), sum(picks.calibrated[new]),
-                                   max(tau - 1, 0)))
+        size, expected, calibrated = picks.since(x.picked)
+        x.picked = len(picks.choices)
+        self.picks.append(AutoPick(size, expected, calibrated, max(tau - 1, 0)))
 
     def _stats(self, outs, seconds):
         taus = [o.tau for o in outs.values() if not isinstance(o, Exception)]
