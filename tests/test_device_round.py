@@ -249,6 +249,48 @@ def test_gpu_auto_equals_ar(temperature):
 
 
 @pytest.mark.gpu
+def test_gpu_probe_scores_match_the_host_tree():
+    """Budget auto's input on the shipped pair at batch 1, after the rounds' cost table was timed on the same rounds
+    (as DeviceSlots and tools.bench do without a table): the probe's node scores give the numpy tree's expected
+    accepted drafts at every ladder size, right after the prompt and after a probe's size-0 round and three
+    coasting ones (their rows written by the next probe's flush). A wrong or stale drafter context moves them by
+    far more than bf16 rounding."""
+    from numbaengine import generate as gen
+    from numbaengine.budget import LADDER, prefix_accepts
+    from numbaengine.ddtree import Params, decode_round, draft_trees, prefill
+    from numbaengine.device_round import DeviceRounds, Shape
+    ref, cuda = engines()
+    p, timer = Params("ddtree"), gen.Timer()
+    dev = DeviceRounds(cuda.target, cuda.drafter, Shape(1, "ddtree", max(LADDER), 256, LADDER), graphs=True)
+    dev.costs(reps=1)
+    later = 0                                  # prompts checked after the coast too (tokens may part at a near-tie)
+    for prompt in PROMPTS:
+        ids = ref.tokenizer.encode(prompt)
+        seq = prefill(0, ids, ref.target, ref.drafter, ref.target.ops, p, 256)
+        assert dev.prefill(0, ids, 0) == seq.bonus, prompt
+        for rounds in (0, 4):
+            later += rounds > 0
+            tree = draft_trees([seq], [max(LADDER)], ref.drafter, p, timer)[0]
+            got, want = prefix_accepts(dev.probe()[0, 1:]), prefix_accepts(tree.scores[1:])
+            got, want = got[list(LADDER)], want[list(LADDER)]
+            print(f"{prompt!r} after {rounds} rounds: expected drafts by size {np.round(got, 3)} (numpy "
+                  f"{np.round(want, 3)})")
+            assert np.abs(got - want).max() <= 0.05 * want[-1] + 1e-3, (
+                f"{prompt!r} after {rounds} rounds: expected drafts by size {got} != numpy {want}")
+            for i in range(4):                 # the probe's size-0 round, then 3 coasting ones (no probe)
+                out = dev.step(0)[0]
+                host = decode_round([seq], [0], ref.target, ref.drafter, ref.target.ops, p, timer)[0]
+                parted = out[1:out[0] + 1].tolist() != host.tokens
+                if parted:
+                    print(f"{prompt!r}: device and numpy tokens parted (round {rounds + i}): next prompt")
+                    break
+            if parted:
+                break
+        dev.retire([0])
+    assert later, "every prompt's tokens parted from numpy's before the second probe"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode,budget,temperature", [("ar", 0, 0.0), ("ddtree", 16, 0.0), ("ddtree", 16, 1.0)])
 def test_gpu_overlap_same_tokens(mode, budget, temperature):
     """Engine.overlap (on by default: each round launched before the host handles the last one's tokens): the

@@ -14,6 +14,8 @@ size's verify; a measured cost table) give ar's / Engine.generate's tokens; prom
 (the prefill graphs' path) equal pieces launched straight into the slot. The simulator cases take about 15 CPU
 minutes in three children: marked slow (-m "not slow" leaves them out).
 """
+import contextlib
+
 import numpy as np
 import pytest
 from cudasim import f64_lines, ptx_or_skip, simulator_test
@@ -294,12 +296,14 @@ def check_buckets(env):
 def check_auto(env):
     """Budget auto on the device rounds (ladder 0, 2, 4; two sequences sampled with one seed; greedy auto == ar is
     a GPU test and a host test): with a table that picks 4 nodes, ar's tokens and every round at that size (after
-    the first probe, rounds chosen from the last one's drafts: one scored graph each); with
-    one that picks 0, ar's tokens from rounds that coast after the first probe (verify without a probe), their rows
-    kept in the backlog and written to the drafter context at the next probe (the same context as the first
-    table's rounds made); both with rounds launched before the last one's tokens are handled (overlap); rounds
-    made without a table (one slot, ladder 0, 2) measure one from their own rounds (every size, 0 included) and
-    still give ar's tokens."""
+    the first probe, rounds chosen from the last one's drafts: one scored graph each); with one that picks 0, ar's
+    tokens from rounds that coast after the first probe (verify without a probe), their rows kept in the backlog
+    and written to the drafter context at the next probe (the same context as the first table's rounds made, each
+    slot's rows as its run ended: rounds after that park it and write throwaway rows); both with rounds launched
+    before the last one's tokens are handled (overlap); rounds made without a table (one slot, ladder 0, 2)
+    measure one from their own rounds (every size, 0 included) and still give ar's tokens."""
+    from test_backend_sim import CHECKPOINT_SEEDS
+
     from numbaengine.budget import CostTable
     from numbaengine.device_round import SCORED
     from numbaengine.rounds import DeviceSlots
@@ -315,20 +319,24 @@ def check_auto(env):
         for pick, secs in ((4, (9.0, 9.0, 1.0)), (0, (1.0, 9.0, 9.0))):      # 0: rounds coast (no probe)
             slots = DeviceSlots(e.target, e.drafter, e.max_context, 2, table=CostTable(ladder, {2: secs}),
                                 ladder=ladder, graphs=False)
-            res = gen.generate_on(slots, None, prompts, 4, "ddtree", "auto", temperature, seed, stop=[])
-            where = f"T {temperature} seed {seed} table {secs} prompts {prompts}"
+            kept = {}
+            with rows_as_runs_end(kept):
+                res = gen.generate_on(slots, None, prompts, 4, "ddtree", "auto", temperature, seed, stop=[])
+            where = (f"T {temperature} seed {seed} table {secs} prompts {prompts} checkpoint seed "
+                     f"{CHECKPOINT_SEEDS['tiny']}")
             assert [r.tokens for r in res] == want, f"{where}: {[r.tokens for r in res]} != ar {want}"
             assert all(r.stats["budget_hist"] == {pick: r.stats["rounds"]} for r in res), where
             assert all(r.stats["probes"] == (coast_probes(r.stats["rounds"]) if pick == 0 else r.stats["rounds"])
                        for r in res), where
             scored = any(stages == SCORED for _, _, stages in slots.dev.plans)
             assert scored == (pick > 0 and max(r.stats["rounds"] for r in res) > 1), (where, [r.stats for r in res])
-            ctx[pick] = [np.array(kv) for kv in slots.dev.ctx_kv], np.array(slots.dev.ctx_from)
+            rows = [kept.get(b, [np.array(kv[b]) for kv in slots.dev.ctx_kv]) for b in range(len(prompts))]
+            ctx[pick] = rows, np.array(slots.dev.ctx_from)
         (every, _), (coasted, ctx_from) = ctx[4], ctx[0]    # the rows coasting rounds committed reached the drafter
         for b, p in enumerate(prompts):                       # context at the next probe (the backlog), as the rows
             assert ctx_from[b] > len(p), f"{where}: slot {b}: no backlog row flushed ({ctx_from[b]})"   # appended
-            for x, y in zip(every, coasted):                  # by every round of the trees
-                a, c = x[b, :ctx_from[b]], y[b, :ctx_from[b]]
+            for x, y in zip(every[b], coasted[b]):            # by every round of the trees
+                a, c = x[:ctx_from[b]], y[:ctx_from[b]]
                 err = np.abs(a - c).max() / np.abs(a).max()   # rows verified in trees of other sizes round apart
                 assert err <= 1e-2, f"{where}: slot {b}: drafter context off by {err:.1e} (a wrong row: ~1)"
     slots = DeviceSlots(e.target, e.drafter, e.max_context, 1, ladder=(0, 2), graphs=False, cost_reps=1)
@@ -336,6 +344,28 @@ def check_auto(env):
     table = slots.dev.table
     assert table.sizes == (0, 2) and set(table.seconds) == {1} and min(table.seconds[1]) > 0, table
     assert res[0].tokens == e.generate(prompts[0], 3, mode="ar", stop=[]).tokens, f"prompt {prompts[0]}"
+
+
+@contextlib.contextmanager
+def rows_as_runs_end(kept):
+    """kept[slot] = DeviceRounds' drafter context rows of that slot (one array per layer) as its run ended, taken
+    when the next round parks it: a parked slot's rounds write throwaway rows (its root at the park row, the rest of
+    the tree's rows after it), so its context no longer holds its run's rows after they have run."""
+    from numbaengine.device_round import DeviceRounds
+    park, live = DeviceRounds._park, set()
+
+    def keeping(dev):
+        now = set(range(dev.shape.batch)) - dev.parked
+        for b in live - now:
+            kept[b] = [np.array(kv[b]) for kv in dev.ctx_kv]
+        live.clear()
+        live.update(now)
+        park(dev)
+    DeviceRounds._park = keeping
+    try:
+        yield kept
+    finally:
+        DeviceRounds._park = park
 
 
 def coast_probes(rounds) -> int:
