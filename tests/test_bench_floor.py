@@ -1,5 +1,6 @@
 """tools/bench.py's byte floors on the shipped pair (NumPy backend): every weight counts once however many views
-name it (a drafter layer's `kv` rows sit inside its `qkv`), and each phase's floor names what that phase reads."""
+name it (a drafter layer's `kv` rows sit inside its `qkv`), and each phase's floor names what that phase reads;
+--refill's continuous batching decodes every request."""
 import dataclasses
 from types import SimpleNamespace
 
@@ -38,3 +39,13 @@ def test_floors_of_the_shipped_pair():
     assert phases["build"] == (Lb - 1) * V * 4 and phases["walk"] == 17 * V * 4
     assert phases["verify"] == sum(v for k, v in parts.items() if not k.startswith("drafter"))
     assert phases["verify"] > w.lm_head.nbytes > 0
+
+
+def test_refill_case_decodes_every_request():
+    """tools.bench --refill: waves x batch requests through the scheduler's slots, each to its max tokens (no stop
+    ids), timed from the first submit to the last finish."""
+    from tools.bench import refill_case
+    eng = Engine.load(SHIPPED_PAIR / "target", SHIPPED_PAIR / "draft", backend="numpy")
+    row = refill_case(eng, "ddtree", 4, 2, 5, 2)
+    assert row["refill_requests"] == 4 and row["refill_tokens"] == 4 * 5, row
+    assert 0 < row["refill_wall_s"] and row["refill_tokens_per_s"] == row["refill_tokens"] / row["refill_wall_s"]

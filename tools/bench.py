@@ -19,6 +19,10 @@ floor bytes / copy bandwidth / gpu time; the % after a phase's time is that phas
 e.g. commit = fc + the drafter's k|v rows) over its GPU time and the copy bandwidth. The 61-layer, 8-GPU line is a
 PROJECTION from per-layer times measured here, not a measurement.
 
+--refill W also decodes W x batch requests per case through the scheduler's continuous batching at batch slots
+(refill_case: the server's engine loop without HTTP, prefills included), where a finished sequence's slot is taken
+at once; the fixed batches above run until their slowest sequence ends.
+
 --contexts C1,C2 times each case's captured rounds at C committed rows per sequence (run_context_case: short
 prompts, then the lengths set to C) instead of decoding prompts.
 
@@ -37,6 +41,7 @@ import collections
 import dataclasses
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -185,10 +190,7 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp, hold_s=0.0):
     batches (at least one), so tau and tokens/s average over several prompts; synthetic checkpoints get random ids
     (their drafter is random: tau ~ 1). hold_s: the batches are decoded again (replaying the captured round) until
     that many seconds have passed, so that a profiler samples the decode long enough."""
-    prompts = PROMPTS
-    if isinstance(engine.tokenizer, IdTokenizer):                            # synthetic checkpoints: token ids
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(0, engine.cfg.vocab_size, 8 + 3 * (i % 5)).tolist() for i in range(batch)]
+    prompts = case_prompts(engine, batch)
     groups = [[prompts[(g * batch + j) % len(prompts)] for j in range(batch)]
               for g in range(max(1, len(prompts) // batch))]
     kw = dict(mode=mode, budget=budget, stop=[])
@@ -231,6 +233,53 @@ def run_case(engine, mode, budget, batch, new_tokens, copy_bw, cp, hold_s=0.0):
     if budget == AUTO:
         print_auto(row)
     return row
+
+
+def case_prompts(engine, n) -> list:
+    """The held-out prompts (text); synthetic checkpoints (random drafter: tau ~ 1) get n prompts of random ids."""
+    if not isinstance(engine.tokenizer, IdTokenizer):
+        return PROMPTS
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, engine.cfg.vocab_size, 8 + 3 * (i % 5)).tolist() for i in range(n)]
+
+
+def refill_case(engine, mode, budget, batch, new_tokens, waves) -> dict:
+    """Continuous batching at `batch` slots (numbaengine.scheduler, the server's engine loop without HTTP): waves x
+    batch requests of the case's prompts, each finished one's slot taken by the next waiting one, after one
+    untimed wave of 8-token requests. Tokens/s from the first submit to the last finish, prefills included: what a
+    server at concurrency `batch` decodes. run_case's fixed batch instead runs each batch until its slowest
+    sequence ends, so its last rounds carry fewer sequences, the more so the more tau varies (trees)."""
+    from numbaengine.generate import prompt_ids
+    from numbaengine.scheduler import Request, Scheduler
+    prompts = case_prompts(engine, batch)
+    ids = [prompt_ids(p, engine.tokenizer, engine.cfg.vocab_size, engine.max_context) for p in prompts]
+    sched = Scheduler(engine, max_batch=batch, max_queue=waves * batch + batch).start()
+    try:
+        def wave(n, tokens):
+            done, results = threading.Semaphore(0), []
+
+            def emit(update):
+                if update.finish_reason is not None:
+                    results.append(update)
+                    done.release()
+            for i in range(n):
+                sched.submit(Request(ids[i % len(ids)], tokens, mode, budget, stop_ids=[], emit=emit, decode=False))
+            for _ in range(n):
+                while not done.acquire(timeout=1.0):
+                    if not sched.thread.is_alive():
+                        raise RuntimeError("refill: the scheduler's engine thread ended with requests unfinished")
+            errors = [u.error for u in results if u.error is not None]
+            if errors:
+                raise RuntimeError(f"refill: {len(errors)} of {n} requests failed: {errors[0]}")
+            return sum(u.tokens for u in results)
+        wave(batch, 8)                                                       # slots, prefill pieces, captures
+        t0 = time.perf_counter()
+        tokens = wave(waves * batch, new_tokens)
+        wall = time.perf_counter() - t0
+    finally:
+        sched.close()
+    return dict(refill_requests=waves * batch, refill_tokens=tokens, refill_wall_s=wall,
+                refill_tokens_per_s=tokens / wall)
 
 
 def print_auto(row):
@@ -570,6 +619,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--hold-seconds", type=float, default=0.0, metavar="S",
                     help="repeat each case's timed decode until S seconds have passed (for numbaengine.profile)")
+    ap.add_argument("--refill", type=int, default=0, metavar="WAVES", help="also decode WAVES x batch requests per "
+                    "case through the scheduler's continuous batching at batch slots (refill_case)")
     ap.add_argument("--max-rows", type=int, default=1200, help="skip cases with batch * (budget + 1) above this")
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--prefill", type=int, default=0, metavar="TOKENS", help="also time a prompt forward this long")
@@ -661,6 +712,10 @@ def main(argv=None):
             except (MemoryError, NotImplementedError) as e:
                 print(f"{mode} {budget} x{batch}: {e}", flush=True)
                 continue
+            if args.refill and context is None:
+                row |= refill_case(engine, mode, budget, batch, args.new_tokens, args.refill)
+                print(f"  refill: {row['refill_tokens_per_s']:.1f} tok/s, {row['refill_requests']} requests "
+                      f"through {batch} slots (continuous batching, prefills included)", flush=True)
             first_round_s = first_round_s or round(time.perf_counter() - t_main, 3)
             row["copy_gbs"] = copy_bw
             if layout is not None and mode != "ar":
