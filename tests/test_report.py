@@ -97,3 +97,24 @@ def test_auto_replay_rates_by_hand():
     best = max((1 + A[np.arange(6), c]).sum() / ms[list(c)].sum()             # every choice, brute force
                for c in np.ndindex(*(k,) * 6))
     assert np.isclose(got["oracle"], best), (got["oracle"], best)
+
+
+def test_auto_replay_engine_rule_by_hand():
+    """tools.auto_replay's model of the device rounds' rule: where drafting never pays, a probe (priced as size 2's
+    round when it chooses the root alone), then coasts of 1, 2, 4 rounds at size 0's cost, the span carried into the
+    next prompt, which starts with a probe; where size 2 always pays, every round at size 2 (a probe, then sizes
+    chosen from the round before's drafts)."""
+    from numbaengine.budget import LADDER
+    from tools.auto_replay import engine_rule
+    rng = np.random.default_rng(5)
+    k = len(LADDER)
+    E = np.sort(rng.uniform(0, 2, (10, k)), axis=1)
+    E[:, 0] = 0
+    A = np.minimum(np.floor(E * rng.uniform(0.5, 1.5, (10, 1))), LADDER).astype(int)
+    prompt = np.array([0] * 6 + [1] * 4)
+    never = np.array([1.0] + [9.0] * (k - 1))
+    # rounds: P C P C C P | P C C C (a new prompt probes; after its probe the coast is 4 long)
+    probes = 4
+    assert np.isclose(engine_rule(E, A, prompt, never), 10 / (probes * 9.0 + (10 - probes) * 1.0))
+    always = np.array([9.0, 1.0] + [9.0] * (k - 2))
+    assert np.isclose(engine_rule(E, A, prompt, always), (1 + A[:, 1]).sum() / 10.0)

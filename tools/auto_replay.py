@@ -6,8 +6,9 @@ tree would have accepted (greedy: the accepted path's nodes among the first s po
 and a node's ancestors pop before it). With a cost table (seconds per round and size, e.g. the `cost_table` of a
 `tools.bench` auto row), it prints tokens per ms of: every fixed size, the per-round rule on this round's drafts
 (`fresh`, the host rounds) and on the round before's (`lagged`, the device's scored rounds), and the best any
-per-round choice could do knowing each round's acceptance (`oracle`). Every policy is scored on the rounds of the
-fixed-64 trajectory.
+per-round choice could do knowing each round's acceptance (`oracle`), and the device rounds' whole rule (`engine`:
+probes, sizes chosen from the round before's drafts, both calibrations, coasting; see engine_rule). Every policy is
+scored on the rounds of the fixed-64 trajectory.
 
     python -m tools.auto_replay --prompts 32 --cost-table table.json [--fixed-round-s 0.000610]
 """
@@ -18,7 +19,7 @@ import json
 
 import numpy as np
 
-from numbaengine.budget import LADDER, CostTable
+from numbaengine.budget import LADDER, Calibration, Choice, Coast, CostTable, pick
 from numbaengine.engine import Engine
 from numbaengine.weights import SHIPPED_PAIR
 from tools.acceptance import DEFAULT_PROMPTS, load_prompts
@@ -54,7 +55,39 @@ def rates(rows, seconds):
     before[np.r_[True, prompt[1:] != prompt[:-1]]] = E.mean(axis=0)    # a prompt's first round: the mean
     out["lagged"] = rate(np.argmax((1 + before) / ms, axis=1))
     out["oracle"] = oracle(A, ms, rate)
+    out["engine"] = engine_rule(E, A, prompt, ms)
     return out
+
+
+def engine_rule(E, A, prompt, ms) -> float:
+    """Tokens per ms of the device rounds' rule at batch 1 (rounds.DeviceSlots): a round with no size chosen yet
+    probes and chooses from its own drafts with the probes' calibration, which then learns every prefix size in
+    hindsight (at once here; the device waits until the tokens after the tree are committed). It costs the chosen
+    size's round; a probe that chose the root alone is priced as size 2's round (a draft and a one-row verify: the
+    table has no such round). After a tree, the next round's size comes from this round's drafts and the lagged
+    calibration, which learns the size that ran (a scored round). A size 0, probed or lagged, starts a coast
+    (budget.Coast: rounds at size 0's cost without drafts). A prompt starts with a probe; the calibrations and the
+    coast's span carry over, as on the device."""
+    cal, lagged, coast, nxt, tokens, spent = Calibration(), Calibration(), Coast(), None, 0.0, 0.0
+    for t in range(len(E)):
+        if t and prompt[t] != prompt[t - 1]:
+            coast, nxt = Coast(0, coast.span), None
+        if coast.left:
+            k, cost, probed = 0, ms[0], False
+        elif nxt is not None:
+            (k, before), nxt = nxt, None
+            cost, probed = ms[k], True
+            if k:
+                lagged = lagged.observe(before[k], A[t, k])
+        else:
+            k = pick(cal.apply_all(E[t])[:, None], ms)
+            cost, probed = ms[k] if k else ms[1], True
+            cal = cal.observe_many(E[t, 1:], A[t, 1:])
+        tokens, spent = tokens + 1 + A[t, k], spent + cost
+        coast = coast.after(Choice(LADDER[k], (LADDER[k],), (0.0,), (0.0,), 0.0, probed=probed))
+        if probed and k and not coast.left:
+            nxt = pick(lagged.apply_all(E[t])[:, None], ms), E[t]
+    return float(tokens / spent)
 
 
 def oracle(A, ms, rate) -> float:
