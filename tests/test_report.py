@@ -118,3 +118,24 @@ def test_auto_replay_engine_rule_by_hand():
     assert np.isclose(engine_rule(E, A, prompt, never), 10 / (probes * 9.0 + (10 - probes) * 1.0))
     always = np.array([9.0, 1.0] + [9.0] * (k - 2))
     assert np.isclose(engine_rule(E, A, prompt, always), (1 + A[:, 1]).sum() / 10.0)
+
+
+GPU_TOOLS = ["bench", "bench_attention", "bench_gemm_rules", "bench_kernels", "gemm_wg_stamps", "mla_stamps",
+             "moe_stamps", "pdl_probe", "profile_round", "stress_rounds"]
+
+
+@pytest.mark.parametrize("tool", GPU_TOOLS)
+def test_gpu_tool_without_a_gpu_says_so_in_one_line(tool, monkeypatch, capsys):
+    """A GPU tool started where the cuda backend cannot run (gpu_ready False) exits with status 2 after one line
+    naming the tool and how to install the GPU build, before any GPU work (no traceback)."""
+    import importlib
+
+    import tools.gpu
+    monkeypatch.setattr(tools.gpu, "gpu_ready", lambda: False)
+    monkeypatch.setattr("sys.argv", [f"python -m tools.{tool}"])
+    mod = importlib.import_module(f"tools.{tool}")
+    with pytest.raises(SystemExit) as e:
+        mod.main()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"python -m tools.{tool}: needs an NVIDIA GPU"), err
+    assert err.count("\n") == 1, err

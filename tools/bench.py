@@ -65,6 +65,7 @@ from numbaengine.warmup import RoundLimit, precompile, precompile_shapes
 from numbaengine.weights import SHIPPED_PAIR
 from numbaengine.weights.synth import K25_DFLASH
 from tools.acceptance import DEFAULT_PROMPTS, load_prompts
+from tools.gpu import require_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = load_prompts(DEFAULT_PROMPTS, 8)      # held-out stdlib code the pair was not trained on
@@ -655,6 +656,7 @@ def main(argv=None):
         layouts = check_rank_args(args)
     except ValueError as e:
         ap.exit(2, f"bench: {e}\n")
+    require_gpu("python -m tools.bench")
     t_main = time.perf_counter()         # first_case_done_s: from here to the end of the first timed case
     import cupy as cp
 

@@ -20,6 +20,8 @@ import time
 
 import numpy as np
 
+from tools.gpu import require_gpu
+
 K2_D, K2_R, K2_V, K2_LAYERS, K2_HIDDEN = 576, 512, 163840, 61, 7168
 K2_ROUND_US = 1300.0        # one K2 token-step at batch 1 on 8 GPUs: ~33 GB / 8 / 4.25 TB/s
 K2_EXPERT_BYTES = 3 * 7168 * 2048 * (0.5 + 2 / 32)   # one routed expert: INT4 weights + a bf16 scale per 32
@@ -649,6 +651,7 @@ def main():
                          "timing one at a time")
     ap.add_argument("--turn", metavar="FOLDER:I:N", help=argparse.SUPPRESS)    # a --parallel child
     args = ap.parse_args()
+    require_gpu("python -m tools.bench_attention")
     if args.mla_variant:
         v = json.loads(args.mla_variant)
         MLA_VARIANTS[:] = v if isinstance(v, list) else [v]

@@ -18,6 +18,7 @@ from pathlib import Path
 from numbaengine.kernels.gemm import MAX_WARPS, SMALL_WEIGHTS, TARGET_WARPS, gemm_config
 from numbaengine.weights import SHIPPED_PAIR
 from tools.bench import copy_bandwidth, run_case
+from tools.gpu import require_gpu
 
 
 def big(**over):
@@ -52,6 +53,7 @@ def main(argv=None):
     ap.add_argument("--check-tokens", type=int, default=32)
     ap.add_argument("--out", default="gemm_rules.json")
     args = ap.parse_args(argv)
+    require_gpu("python -m tools.bench_gemm_rules")
     import cupy as cp
 
     from numbaengine import Engine, ops_cuda

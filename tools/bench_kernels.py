@@ -19,6 +19,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from tools.gpu import require_gpu
+
 H, I, E, TOPK, GROUP = 7168, 2048, 384, 8, 32
 NS = (1, 4, 9, 17, 33, 65)
 CHAIN_BYTES = 160 << 20   # a chain's distinct weight copies hold at least this many bytes (3x the 50 MB L2) ...
@@ -603,6 +605,7 @@ def main(argv=None):
         sweep_ns = tuple(int(v) for v in args.moe_sweep_ns.split(","))
     except ValueError:
         ap.error(f"--moe-sweep-ns {args.moe_sweep_ns!r}: want token counts separated by commas")
+    require_gpu("python -m tools.bench_kernels")
     if args.profile:
         return profile(args.profile)
     import cupy as cp

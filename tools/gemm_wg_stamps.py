@@ -10,6 +10,7 @@ its x prep launch alone chained, and a pure read of the weights' bytes chained. 
 import argparse
 import dataclasses
 
+from tools.gpu import require_gpu
 from tools.mla_stamps import emit, phases
 
 PHASES = ("barrier init", "stage 0 issue", "rest of ring issue", "x prologue", "first stage wait", "main loop",
@@ -118,6 +119,7 @@ def main(argv=None):
         cases = [(c.split(":")[0], int(c.split(":")[1])) for c in a.cases.split(",")]
     except (IndexError, ValueError):
         ap.error(f"--cases {a.cases!r}: want name:m pairs separated by commas")
+    require_gpu("python -m tools.gemm_wg_stamps")
     return emit((run_case(name, m, wg) for name, m in cases), a.out)
 
 

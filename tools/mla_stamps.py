@@ -11,6 +11,8 @@ import json
 
 import numpy as np
 
+from tools.gpu import require_gpu
+
 POINTS = ("entry", "ring issued", "q staged", "tile 0 landed", "main loop done", "stats", "O stored")
 PHASES = ("ring init", "q prologue", "first tile wait", "main loop", "stats", "O store")
 
@@ -109,6 +111,7 @@ def main(argv=None):
             raise ValueError
     except ValueError:
         ap.error(f"--cases {a.cases!r}: want ctx:batch pairs separated by commas")
+    require_gpu("python -m tools.mla_stamps")
     return emit((run_case(ctx, B, json.loads(a.variant)) for ctx, B in cases), a.out)
 
 

@@ -13,6 +13,8 @@ import json
 
 import numpy as np
 
+from tools.gpu import require_gpu
+
 PHASES = ("setup", "main loop", "epilogue", "between units")
 
 
@@ -134,6 +136,7 @@ def main(argv=None):
     stages = a.stages.split(",")
     if not stages or any(st not in ("gate_up", "down") for st in stages):
         ap.error(f"--stages {a.stages!r}: gate_up and/or down")
+    require_gpu("python -m tools.moe_stamps")
     from tools.mla_stamps import emit
     return emit((row for n in cases for row in run_case(n, stages, json.loads(a.variant))), a.out)
 

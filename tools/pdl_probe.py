@@ -22,6 +22,8 @@ import json
 
 import numpy as np
 
+from tools.gpu import require_gpu
+
 READ_MB = (8, 30, 59)
 
 
@@ -104,6 +106,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="pdl_probe.json")
     args = ap.parse_args()
+    require_gpu("python -m tools.pdl_probe")
     import cuda.core as cuda_core
     import cupy as cp
     import numba.cuda.dispatcher as D

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from numbaengine.weights import SHIPPED_PAIR
 from tools.bench import PROMPTS, synth_k2
+from tools.gpu import require_gpu
 
 HOLD_NS = 2_000_000     # the sleep ahead of each timed launch: longer than one eager launch takes on the host
                         # (200 us was not: numba's launch of a kernel with 15 array arguments took longer)
@@ -95,6 +96,7 @@ def main(argv=None):
     ap.add_argument("--each", action="store_true", help="also list every launch in order")
     ap.add_argument("--out", default="profile.json")
     args = ap.parse_args(argv)
+    require_gpu("python -m tools.profile_round")
     import cupy as cp
 
     from numbaengine import Engine

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from tools.gpu import require_gpu
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
@@ -43,6 +45,7 @@ def main(argv=None):
     ap.add_argument("--no-pool", action="store_true")
     ap.add_argument("--out", default=None, help="JSON log of every run")
     a = ap.parse_args(argv)
+    require_gpu("python -m tools.stress_rounds")
     if a.no_pool:
         import cupy
         cupy.cuda.set_allocator(None)
