@@ -3,6 +3,7 @@ numba kernel launch, grouped by phase and kernel. On the lent GPU:
 
     python -m tools.profile_round --mode ddtree --budget 16 --out profile.json
     python -m tools.profile_round --synth-k2 2 --mode ddtree --budget 16
+    python -m tools.profile_round --synth-k2 61 --rank-of 8 --mode ar     (one GPU's share of the 8-GPU layout)
 
 Each timed launch waits behind a 2 ms sleeping kernel, so the host's launch cost lands inside the sleep and the
 event pair times the kernel alone (without the sleep each pair timed numba's eager launch cost: 100-500 us).
@@ -21,8 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from numbaengine.rank_shard import ALL_REDUCE_STAND_INS, set_drafter
 from numbaengine.weights import SHIPPED_PAIR
-from tools.bench import PROMPTS, synth_k2
+from tools.bench import LAYOUTS, PROMPTS, check_rank_args, rank_setup, synth_k2
 from tools.gpu import require_gpu
 
 HOLD_NS = 2_000_000     # the sleep ahead of each timed launch: longer than one eager launch takes on the host
@@ -94,17 +96,36 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--each", action="store_true", help="also list every launch in order")
+    ap.add_argument("--rank-of", type=int, metavar="N", help="with --synth-k2: profile the shard one GPU of an N-GPU "
+                    "layout holds, made in GPU memory (as tools.bench --rank-of)")
+    ap.add_argument("--rank", type=int, default=0, help="with --rank-of: which rank's shard (default 0)")
+    ap.add_argument("--drafter-layout", default="split", choices=LAYOUTS, help="with --rank-of: the drafter "
+                    "replicated on every GPU or split like the target (default split)")
+    ap.add_argument("--all-reduce", choices=ALL_REDUCE_STAND_INS, default="none",
+                    help="with --rank-of: the stand-in for the collectives (tools.bench)")
+    ap.add_argument("--seed", type=int, default=0, help="with --rank-of: the synthetic weights' seed")
     ap.add_argument("--out", default="profile.json")
     args = ap.parse_args(argv)
+    args.devices = args.synth_dir = None                               # (read by tools.bench's rank checks)
+    try:
+        layouts = check_rank_args(args)
+    except ValueError as e:
+        ap.exit(2, f"profile_round: {e}\n")
     require_gpu("python -m tools.profile_round")
     import cupy as cp
 
     from numbaengine import Engine
     model, draft, tmp = Path(args.model), Path(args.draft), None
-    if args.synth_k2:
-        tmp = tempfile.TemporaryDirectory(prefix="k2_")
-        model, draft = synth_k2(args.synth_k2, Path(tmp.name))
-    engine = Engine.load(model, draft, backend="cuda", max_context=args.max_context)
+    if args.rank_of:
+        shard, draft_cfg, _ = rank_setup(args, [(args.mode, args.batch, args.budget)], layouts, args.max_context, cp)
+        engine = shard.engine
+        if args.mode != "ar":
+            set_drafter(shard, draft_cfg, layouts[0] == "split")
+    else:
+        if args.synth_k2:
+            tmp = tempfile.TemporaryDirectory(prefix="k2_")
+            model, draft = synth_k2(args.synth_k2, Path(tmp.name))
+        engine = Engine.load(model, draft, backend="cuda", max_context=args.max_context)
     prompts = (PROMPTS * args.batch)[:args.batch]
     if args.synth_k2:
         prompts = [[1, 2, 3, 4, 5, 6, 7, 8]] * args.batch
@@ -123,6 +144,8 @@ def main(argv=None):
     for ph, name, grid, block, ms in each if args.each else ():
         print(f"  {ph:7s} {name:32s} grid {grid!s:14s} block {block!s:12s} {ms * 1e3:7.1f} us")
     name = f"synthetic K2.6 x{args.synth_k2}" if args.synth_k2 else str(model)
+    if args.rank_of:
+        name += f", rank {args.rank} of {args.rank_of} (collectives: {args.all_reduce}), drafter {layouts[0]}"
     out = dict(mode=args.mode, budget=args.budget, batch=args.batch, model=name, total_ms=total,
                by_phase=dict(by_phase), rows=[dict(phase=p, kernel=k, launches=n, ms=ms) for p, k, n, ms in rows],
                each=[dict(phase=p, kernel=k, grid=g, block=b, ms=ms) for p, k, g, b, ms in each])
