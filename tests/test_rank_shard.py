@@ -212,8 +212,11 @@ def test_bad_drafter_split_and_stand_in_are_one_line_errors(pair):
     (["--rank-of", "8"], "needs --synth-k2"),
     (["--synth-k2", "61", "--rank-of", "8", "--drafter-layout", "sharded"], "--drafter-layout"),
     (["--synth-k2", "61", "--rank-of", "16", "--drafter-layout", "split"], "drafter num_key_value_heads")])
-def test_bench_refuses_bad_rank_arguments_in_one_line(argv, match, capsys):
-    from tools.bench import main
+@pytest.mark.parametrize("tool", ["bench", "profile_round"])
+def test_bench_refuses_bad_rank_arguments_in_one_line(tool, argv, match, capsys):
+    """tools.bench and tools.profile_round --rank-of: arguments that do not fit, one line before any GPU work."""
+    import importlib
+    main = importlib.import_module(f"tools.{tool}").main
     with pytest.raises(SystemExit) as e:
         main(argv)
     err = capsys.readouterr().err

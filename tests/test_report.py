@@ -140,13 +140,3 @@ def test_gpu_tool_without_a_gpu_says_so_in_one_line(tool, monkeypatch, capsys):
     assert e.value.code == 2 and err.startswith(f"python -m tools.{tool}: needs an NVIDIA GPU"), err
     assert err.count("\n") == 1, err
 
-
-@pytest.mark.parametrize("argv,match", [(["--rank-of", "8"], "needs --synth-k2"),
-                                        (["--synth-k2", "61", "--rank-of", "8", "--rank", "8"], "rank: 8 is not")])
-def test_profile_round_refuses_bad_rank_arguments_in_one_line(argv, match, capsys):
-    """tools.profile_round --rank-of takes tools.bench's rank checks, before any GPU work."""
-    from tools.profile_round import main
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and match in err and err.count("\n") == 1, err

@@ -99,8 +99,8 @@ def main(argv=None):
     ap.add_argument("--rank-of", type=int, metavar="N", help="with --synth-k2: profile the shard one GPU of an N-GPU "
                     "layout holds, made in GPU memory (as tools.bench --rank-of)")
     ap.add_argument("--rank", type=int, default=0, help="with --rank-of: which rank's shard (default 0)")
-    ap.add_argument("--drafter-layout", default="split", choices=LAYOUTS, help="with --rank-of: the drafter "
-                    "replicated on every GPU or split like the target (default split)")
+    ap.add_argument("--drafter-layout", default="split", help="with --rank-of: the drafter replicated on every GPU "
+                    "or split like the target (default split)")
     ap.add_argument("--all-reduce", choices=ALL_REDUCE_STAND_INS, default="none",
                     help="with --rank-of: the stand-in for the collectives (tools.bench)")
     ap.add_argument("--seed", type=int, default=0, help="with --rank-of: the synthetic weights' seed")
@@ -109,6 +109,8 @@ def main(argv=None):
     args.devices = args.synth_dir = None                               # (read by tools.bench's rank checks)
     try:
         layouts = check_rank_args(args)
+        if len(layouts) > 1:
+            raise ValueError(f"--drafter-layout: one of {', '.join(LAYOUTS)} here, got {args.drafter_layout!r}")
     except ValueError as e:
         ap.exit(2, f"profile_round: {e}\n")
     require_gpu("python -m tools.profile_round")
