@@ -489,6 +489,19 @@ PUBLISHED_TAU = 5.3      # Kimi-K2.5-DFlash's published acceptance at block 8 on
 LAYOUTS = ("replicated", "split")
 
 
+def add_rank_args(ap, layouts):
+    """The --rank-of options (tools.bench, tools.profile_round; check_rank_args reads them); layouts: the default
+    drafter layouts, one or both comma-separated."""
+    ap.add_argument("--rank-of", type=int, metavar="N", help="with --synth-k2: the shard one GPU of an N-GPU layout "
+                    "holds, made in GPU memory, its collectives stood in (see tools/bench.py's docstring)")
+    ap.add_argument("--rank", type=int, default=0, help="with --rank-of: which rank's shard (default 0)")
+    ap.add_argument("--drafter-layout", default=layouts, help="with --rank-of: the drafter replicated, split like the "
+                    f"target{', or both in turn' if ',' in layouts else ''} (default {layouts})")
+    ap.add_argument("--all-reduce", choices=ALL_REDUCE_STAND_INS, default="none",
+                    help="with --rank-of: the all-reduce stand-in (none: local work only; copy: a copy of its bytes)")
+    ap.add_argument("--seed", type=int, default=0, help="with --rank-of: the synthetic weights' seed")
+
+
 def check_rank_args(args) -> list:
     """The drafter layouts to run ([None] without --rank-of); a one-line ValueError for arguments that do not fit
     together or a layout the model cannot take."""
@@ -629,14 +642,7 @@ def main(argv=None):
     ap.add_argument("--contexts", help="comma-separated committed rows per sequence: time each case's rounds at each "
                     "context (run_context_case) instead of decoding prompts")
     ap.add_argument("--context-rounds", type=int, default=32, help="with --contexts: rounds timed per case")
-    ap.add_argument("--rank-of", type=int, metavar="N", help="with --synth-k2: bench the shard one GPU of an N-GPU "
-                    "layout holds, made in GPU memory, its collectives stood in (see the module docstring)")
-    ap.add_argument("--rank", type=int, default=0, help="with --rank-of: which rank's shard (default 0)")
-    ap.add_argument("--drafter-layout", default="replicated,split", help="with --rank-of: the drafter replicated, "
-                    "split like the target, or both in turn (default)")
-    ap.add_argument("--all-reduce", choices=ALL_REDUCE_STAND_INS, default="none",
-                    help="with --rank-of: the all-reduce stand-in (none: local work only; copy: a copy of its bytes)")
-    ap.add_argument("--seed", type=int, default=0, help="with --rank-of: the synthetic weights' seed")
+    add_rank_args(ap, "replicated,split")
     ap.add_argument("--check-eager", action="store_true", help="also decode each (mode, budget) at the smallest "
                     "batch eagerly and record whether the graph replays give the same tokens")
     ap.add_argument("--allreduce-us", type=float, help="with --rank-of: add the N-GPU ESTIMATE, the measured round "

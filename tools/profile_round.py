@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from numbaengine.rank_shard import ALL_REDUCE_STAND_INS, set_drafter
+from numbaengine.rank_shard import set_drafter
 from numbaengine.weights import SHIPPED_PAIR
-from tools.bench import LAYOUTS, PROMPTS, check_rank_args, rank_setup, synth_k2
+from tools.bench import LAYOUTS, PROMPTS, add_rank_args, check_rank_args, rank_setup, synth_k2
 from tools.gpu import require_gpu
 
 HOLD_NS = 2_000_000     # the sleep ahead of each timed launch: longer than one eager launch takes on the host
@@ -96,14 +96,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--each", action="store_true", help="also list every launch in order")
-    ap.add_argument("--rank-of", type=int, metavar="N", help="with --synth-k2: profile the shard one GPU of an N-GPU "
-                    "layout holds, made in GPU memory (as tools.bench --rank-of)")
-    ap.add_argument("--rank", type=int, default=0, help="with --rank-of: which rank's shard (default 0)")
-    ap.add_argument("--drafter-layout", default="split", help="with --rank-of: the drafter replicated on every GPU "
-                    "or split like the target (default split)")
-    ap.add_argument("--all-reduce", choices=ALL_REDUCE_STAND_INS, default="none",
-                    help="with --rank-of: the stand-in for the collectives (tools.bench)")
-    ap.add_argument("--seed", type=int, default=0, help="with --rank-of: the synthetic weights' seed")
+    add_rank_args(ap, "split")
     ap.add_argument("--out", default="profile.json")
     args = ap.parse_args(argv)
     args.devices = args.synth_dir = None                               # (read by tools.bench's rank checks)
