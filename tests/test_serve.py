@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx", reason="a dev extra: pip install -e '.[dev]'")
+openai = pytest.importorskip("openai", reason="a dev extra (the official client): pip install -e '.[dev]'")
+pytest.importorskip("fastapi", reason="the serve extra: pip install -e '.[serve]' (or '.[dev]')")
 
 from numbaengine.budget import LADDER, CostTable
 from numbaengine.weights import SHIPPED_PAIR
