@@ -139,4 +139,3 @@ def test_gpu_tool_without_a_gpu_says_so_in_one_line(tool, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith(f"python -m tools.{tool}: needs an NVIDIA GPU"), err
     assert err.count("\n") == 1, err
-
